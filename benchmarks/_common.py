@@ -1,0 +1,96 @@
+"""Shared plumbing for the benchmarks: peer environment, tables, JSON output.
+
+Every benchmark measures its baseline in the same run and reports ratios; the
+absolute times on these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+PEER_VENV = REPO_ROOT / ".venv-vllm"
+_IN_PEER_ENV = "JAXKV_BENCH_IN_PEER"
+
+
+def peer_available() -> bool:
+    """True when this process can import vLLM's v1 core (the peer)."""
+    try:
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def ensure_peer_process(argv: Sequence[str] | None = None) -> bool:
+    """Make vLLM importable in this very process, re-executing under `.venv-vllm` if needed.
+
+    Returns True when the peer can be imported here; False (after printing why)
+    when no peer environment exists, so the caller skips the comparison cleanly.
+    """
+    if peer_available():
+        return True
+    peer_python = PEER_VENV / "bin" / "python"
+    if os.environ.get(_IN_PEER_ENV) or not peer_python.exists():
+        print(
+            f"[peer] vLLM is not importable and {peer_python} is missing; build it with "
+            "../shared/tools/vllm-peer-venv.sh — skipping the peer comparison."
+        )
+        return False
+    env = dict(os.environ, **{_IN_PEER_ENV: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    args = [str(peer_python), *(argv if argv is not None else sys.argv)]
+    os.execve(str(peer_python), args, env)
+    return False  # unreachable
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """Minimum wall time of `repeats` calls of `fn`, and the last result."""
+    best = float("inf")
+    result: object = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Print (and return) a plain aligned table."""
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(cells[0], widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells[1:]]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write `payload` (plus machine facts) to benchmarks/results/<name>.json."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = dict(payload)
+    payload["machine"] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return path

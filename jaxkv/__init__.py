@@ -1,0 +1,1 @@
+"""jaxkv: vLLM v1-style KV-cache management for JAX serving."""
