@@ -1,1 +1,74 @@
-"""jaxkv: vLLM v1-style KV-cache management for JAX serving."""
+"""jaxkv: vLLM v1-style KV-cache management for JAX serving.
+
+The top-level package is host-side only (Python + numpy) and never imports
+JAX; the jitted device code lives in `jaxkv.device`.
+"""
+
+from jaxkv.block_pool import BlockPool
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.hashing import (
+    NONE_HASH,
+    BlockHash,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    get_hash_fn_by_name,
+    get_none_hash,
+    get_none_hash_seed,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+from jaxkv.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.request import LoRARequest, MultiModalFeatureSpec, Request, RequestStatus
+
+__all__ = [
+    "NONE_HASH",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockHashListWithBlockSize",
+    "BlockHashWithGroupId",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "ChunkedLocalAttentionSpec",
+    "FreeKVCacheBlockQueue",
+    "FullAttentionSpec",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheEvent",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "LoRARequest",
+    "MultiModalFeatureSpec",
+    "PrefixCacheStats",
+    "Request",
+    "RequestStatus",
+    "SlidingWindowSpec",
+    "generate_block_hash_extra_keys",
+    "get_block_hash",
+    "get_group_id",
+    "get_hash_fn_by_name",
+    "get_none_hash",
+    "get_none_hash_seed",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+    "init_none_hash",
+    "make_block_hash_with_group_id",
+]

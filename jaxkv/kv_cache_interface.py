@@ -54,8 +54,8 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_num_bytes(
-            self.dtype
+        return (
+            2 * self.block_size * self.num_kv_heads * self.head_size * dtype_num_bytes(self.dtype)
         )
 
 
@@ -87,3 +87,38 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
         return math.ceil(tokens / self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table because they share one spec."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One device buffer of `size` bytes shared by `shared_by` layers."""
+
+    size: int
+    shared_by: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """How many blocks the pool has and how layers are grouped onto them."""
+
+    num_blocks: int
+    kv_cache_tensors: tuple[KVCacheTensor, ...]
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+
+    @classmethod
+    def single_group(
+        cls, spec: KVCacheSpec, num_blocks: int, layer_names: tuple[str, ...] = ("layer.0",)
+    ) -> KVCacheConfig:
+        """The common case: every layer has `spec`, each layer its own tensor."""
+        tensors = tuple(
+            KVCacheTensor(spec.page_size_bytes * num_blocks, (name,)) for name in layer_names
+        )
+        return cls(num_blocks, tensors, (KVCacheGroupSpec(tuple(layer_names), spec),))

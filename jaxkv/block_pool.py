@@ -1,0 +1,317 @@
+"""The block pool: every KV-cache page, the free queue and the prefix-cache map (SPEC §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.hashing import (
+    BlockHash,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
+from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+if TYPE_CHECKING:
+    from jaxkv.request import Request
+
+
+class BlockHashToBlockMap:
+    """Hash key -> cached blocks, duplicates kept in insertion order.
+
+    Identical blocks computed by different requests are not merged (block tables
+    stay append-only), so a key may map to several blocks; lookups return the
+    earliest inserted. A key with one block maps to the block itself (the common
+    case, no inner dict).
+    """
+
+    __slots__ = ("_map",)
+
+    def __init__(self) -> None:
+        self._map: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        blocks = self._map.get(key)
+        if blocks is None or type(blocks) is KVCacheBlock:
+            return blocks  # type: ignore[return-value]
+        return next(iter(blocks.values()))  # type: ignore[union-attr]
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        blocks = self._map.get(key)
+        if blocks is None:
+            self._map[key] = block
+        elif type(blocks) is KVCacheBlock:
+            self._map[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block  # type: ignore[index]
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        blocks = self._map.get(key)
+        if blocks is None:
+            return None
+        if type(blocks) is KVCacheBlock:
+            if blocks.block_id != block_id:
+                return None
+            del self._map[key]
+            return blocks
+        block = blocks.pop(block_id, None)  # type: ignore[union-attr]
+        if len(blocks) == 1:  # type: ignore[arg-type]
+            self._map[key] = next(iter(blocks.values()))  # type: ignore[union-attr]
+        return block
+
+    def num_blocks(self) -> int:
+        return sum(1 if type(v) is KVCacheBlock else len(v) for v in self._map.values())
+
+    def items(self) -> Iterable[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
+        for key, blocks in self._map.items():
+            yield key, [blocks] if type(blocks) is KVCacheBlock else list(blocks.values())
+
+    def clear(self) -> None:
+        self._map.clear()
+
+
+class BlockPool:
+    """All KV-cache pages of one pool.
+
+    Invariants: block 0 is the null block (never handed out, cached or freed);
+    every other block is either in the free queue (`ref_cnt == 0`) or held
+    (`ref_cnt > 0`), never both; a block is in the hash map iff it has a hash
+    key, and a cached block stays findable while free until it is popped for
+    reuse.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool = True,
+        hash_block_size: int | None = None,
+        enable_kv_cache_events: bool = False,
+        track_freed_block_ids: bool = False,
+    ) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
+            raise ValueError(
+                f"num_gpu_blocks must be an integer >= 2 (block 0 is the null block), "
+                f"got {num_gpu_blocks!r}"
+            )
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.track_freed_block_ids = track_freed_block_ids
+        self._freed_block_ids: set[int] = set()
+
+    # -- lookups -------------------------------------------------------------
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group for `block_hash`, or None if any group misses."""
+        cached = []
+        for group_id in kv_cache_group_ids:
+            block = self.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(block_hash, group_id)
+            )
+            if block is None:
+                return None
+            cached.append(block)
+        return cached
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_gpu_blocks - 1)
+
+    # -- allocation ----------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the head of the free queue, evicting their old hashes."""
+        if num_blocks > self.free_block_queue.num_free_blocks or num_blocks < 0:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            for block in blocks:
+                if block._block_hash is not None:
+                    self._evict_cached_block(block)
+                block.ref_cnt = 1
+        else:
+            for block in blocks:
+                block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
+        """Take a reference on cache hits (one list per group); free ones leave the queue."""
+        remove = self.free_block_queue.remove
+        for group_blocks in blocks:
+            for block in group_blocks:
+                if block.is_null:
+                    continue
+                if block.ref_cnt == 0:
+                    remove(block)
+                block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 become free.
+
+        `ordered_blocks` is in eviction order (a request passes its blocks
+        reversed, so its chain tail is evicted before its prefix). Unhashed
+        blocks go to the head of the queue (nothing to lose), hashed ones to the
+        tail.
+        """
+        unhashed: list[KVCacheBlock] = []
+        hashed: list[KVCacheBlock] = []
+        released: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                for done in released:  # leave no state changed
+                    done.ref_cnt += 1
+                raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
+            block.ref_cnt -= 1
+            released.append(block)
+            if block.ref_cnt == 0:
+                (unhashed if block._block_hash is None else hashed).append(block)
+        if unhashed:
+            self.free_block_queue.prepend_n(unhashed)
+            if self.track_freed_block_ids:
+                self._freed_block_ids.update(b.block_id for b in unhashed)
+        if hashed:
+            self.free_block_queue.append_n(hashed)
+
+    # -- caching -------------------------------------------------------------
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys."""
+        if num_cached_blocks >= num_full_blocks:
+            return
+        block_hashes: Sequence[BlockHash] = request.block_hashes
+        if self.hash_block_size is not None and block_size != self.hash_block_size:
+            block_hashes = BlockHashListWithBlockSize(
+                block_hashes, self.hash_block_size, block_size
+            )
+        if len(block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(block_hashes)} block hashes of size "
+                f"{block_size} but {num_full_blocks} full blocks to cache; give the request a "
+                "block hasher with the manager's hash block size"
+            )
+        stored: list[bytes] = []
+        cache_map = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            if block._block_hash is not None:
+                if block._block_hash != key:
+                    raise ValueError(
+                        f"block {block.block_id} is already cached under another hash; "
+                        "cannot re-stamp it"
+                    )
+                continue
+            block._block_hash = key
+            cache_map.insert(key, block)
+            stored.append(block_hash)
+        if self.enable_kv_cache_events and stored:
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=stored,
+                    parent_block_hash=block_hashes[num_cached_blocks - 1]
+                    if num_cached_blocks
+                    else None,
+                    token_ids=request.all_token_ids[
+                        num_cached_blocks * block_size : num_full_blocks * block_size
+                    ],
+                    block_size=block_size,
+                    lora_id=request.lora_int_id,
+                    group_idx=kv_cache_group_id,
+                )
+            )
+
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        key = block._block_hash
+        assert key is not None
+        self.cached_block_hash_to_block.pop(key, block.block_id)
+        block._block_hash = None
+        if self.track_freed_block_ids:
+            self._freed_block_ids.add(block.block_id)
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(block_hashes=[get_block_hash(key)], group_idx=get_group_id(key))
+            )
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop blocks from the prefix cache only (their KV turned out to be bad)."""
+        ids = list(block_ids)
+        for block_id in ids:
+            if not (
+                isinstance(block_id, (int, np.integer)) and 1 <= block_id < self.num_gpu_blocks
+            ):
+                raise ValueError(
+                    f"block id {block_id!r} is out of range; valid ids are "
+                    f"1..{self.num_gpu_blocks - 1}"
+                )
+        for block_id in ids:
+            block = self.blocks[block_id]
+            if block._block_hash is not None:
+                self._evict_cached_block(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed (True) when all blocks are free."""
+        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    # -- hand-offs -----------------------------------------------------------
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def take_freed_block_ids(self) -> np.ndarray:
+        """Sorted int32 ids whose contents became garbage since the last call.
+
+        A block qualifies when it was freed without a hash or lost its hash
+        (eviction). The device side may zero these pages before the step's
+        writes so no page leaks one tenant's KV to another. Requires
+        `track_freed_block_ids=True`.
+        """
+        if not self.track_freed_block_ids:
+            raise ValueError("construct the pool with track_freed_block_ids=True to record them")
+        ids = np.fromiter(
+            sorted(self._freed_block_ids), dtype=np.int32, count=len(self._freed_block_ids)
+        )
+        self._freed_block_ids.clear()
+        return ids
