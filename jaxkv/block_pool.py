@@ -287,6 +287,8 @@ class BlockPool:
         """Forget every cached hash; only allowed (True) when all blocks are free."""
         if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
             return False
+        if self.track_freed_block_ids:  # their pages lost their hashes: garbage now
+            self._freed_block_ids.update(b.block_id for b in self.blocks if b.block_hash)
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()

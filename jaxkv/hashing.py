@@ -26,6 +26,7 @@ colliding blocks). The resolved seed is `get_none_hash_seed()`.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import struct
@@ -55,8 +56,8 @@ def _canonical_cbor(obj: Any) -> bytes:
 
 
 _CBOR_NULL = b"\xf6"
-# Head byte of an unsigned int whose argument follows in 1, 2, 4 or 8 bytes.
-_CBOR_UINT_HEAD_BY_WIDTH = np.array([0, 24, 25, 0, 26, 0, 0, 0, 27], dtype=np.uint64)
+# Runs of at most this many blocks are encoded per block (less fixed cost than numpy).
+_SMALL_RUN_BLOCKS = 4
 
 
 def _cbor_head(major: int, value: int) -> bytes:
@@ -73,25 +74,58 @@ def _cbor_head(major: int, value: int) -> bytes:
     return bytes((mt | 27,)) + value.to_bytes(8, "big")
 
 
-def _cbor_encode_token_run(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """CBOR-encode each non-negative token id; return the bytes and start offsets.
+def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
+    """Token ids as a numpy array: uint32 when they fit (the fast path), else int64."""
+    try:
+        return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
+    except (OverflowError, TypeError):
+        return np.asarray(token_ids, dtype=np.int64)
 
-    `offsets[i]` is where token i's encoding starts; `offsets[-1]` is the length.
+
+def _cbor_token_arrays(tokens: np.ndarray, block_size: int, trailer: int | None) -> list[bytes]:
+    """Per block, the canonical CBOR array of its token ids (uint32), then `trailer` if given.
+
+    Every item (array head, each token, trailer) is laid out in one little-endian
+    uint64 "row" holding its encoding in its first bytes; a byte mask of 0/1
+    marks which row bytes are real, and one boolean selection packs them all.
     """
-    t = tokens.astype(np.uint64, copy=False)
-    n = t.shape[0]
-    width = np.where(
-        t < 24, 0, np.where(t < 256, 1, np.where(t < 65536, 2, np.where(t < 1 << 32, 4, 8)))
+    num_blocks = tokens.shape[0] // block_size
+    t = tokens.reshape(num_blocks, block_size)
+    # Argument width in bytes: 0 (value in the head), 1, 2 or 4.
+    ge256 = (t >= 256).view(np.uint8)
+    ge64k = (t >= 65536).view(np.uint8)
+    width = (t >= 24).view(np.uint8) + ge256
+    width += ge64k
+    width += ge64k
+    shift = np.uint8(32) - np.uint8(8) * width
+    cols = block_size + 1 + (trailer is not None)
+    rows = np.empty((num_blocks, cols), dtype=np.uint64)
+    masks = np.empty((num_blocks, cols), dtype=np.uint64)
+    array_head = _cbor_head(4, block_size)
+    rows[:, 0] = int.from_bytes(array_head, "little")
+    masks[:, 0] = int.from_bytes(b"\x01" * len(array_head), "little")
+    # Big-endian argument bytes right after the head byte: byteswap, drop the
+    # leading zero bytes by shifting, make room for the head.
+    body = t.byteswap().astype(np.uint64)
+    np.right_shift(body, shift, out=body)
+    np.left_shift(body, np.uint64(8), out=body)
+    np.bitwise_or(
+        body, np.where(width == 0, t.astype(np.uint8), np.uint8(24) + ge256 + ge64k), out=body
     )
-    head = np.where(width == 0, t, _CBOR_UINT_HEAD_BY_WIDTH[width])
-    rows = np.empty((n, 9), dtype=np.uint8)
-    rows[:, 0] = head.astype(np.uint8)
-    rows[:, 1:] = t.astype(">u8").view(np.uint8).reshape(n, 8)
-    keep = np.arange(9) >= (9 - width)[:, None]
-    keep[:, 0] = True
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(width + 1, out=offsets[1:])
-    return rows[keep].tobytes(), offsets
+    rows[:, 1 : block_size + 1] = body
+    masks[:, 1 : block_size + 1] = np.right_shift(np.uint64(0x0101010101), shift)
+    if trailer is not None:
+        rows[:, -1] = trailer
+        masks[:, -1] = 1
+    stream = np.compress(masks.view(np.bool_).ravel(), rows.view(np.uint8).ravel()).tobytes()
+    lengths = width.sum(axis=1, dtype=np.int64) + (cols - 1 + len(array_head))
+    bounds = np.zeros(num_blocks + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    return _split(stream, bounds.tolist())
+
+
+def _split(buffer: bytes, bounds: list[int]) -> list[bytes]:
+    return [buffer[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
 class BlockHashFunction:
@@ -104,21 +138,25 @@ class BlockHashFunction:
     def __init__(
         self,
         name: str,
-        digest: Callable[[bytes], bytes],
-        digest_size: int,
+        new_hasher: Callable[[bytes], Any],
         cbor: bool,
         cryptographic: bool,
     ) -> None:
         self.name = name
-        self.digest = digest
-        self.digest_size = digest_size
+        # hashlib-style constructor: new_hasher(data).digest() is the digest of data.
+        self.new_hasher = new_hasher
+        self.digest_size = new_hasher(b"").digest_size
         self.cbor = cbor
         self.cryptographic = cryptographic
-        self._parent_head = _cbor_head(2, digest_size)
+        # What precedes the parent digest in every payload after the first block.
+        self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[ExtraKeys, bytes] = {}
 
     def __repr__(self) -> str:
         return f"BlockHashFunction({self.name!r})"
+
+    def digest(self, data: bytes) -> bytes:
+        return self.new_hasher(data).digest()
 
     def __call__(self, obj: Any) -> bytes:
         """Hash an arbitrary object; `(parent, tokens, extra)` triples hash like blocks."""
@@ -129,82 +167,130 @@ class BlockHashFunction:
             and isinstance(obj[1], (tuple, list))
         ):
             parent, tokens, extra = obj
-            return self.hash_blocks(
-                parent, np.asarray(tokens, dtype=np.int64), len(tokens), [extra]
-            )[0]
+            return self.hash_blocks(parent, list(tokens), len(tokens), [extra])[0]
         return self.digest(_canonical_cbor(obj))
 
     def _encode_extra(self, extra_keys: ExtraKeys) -> bytes:
-        cached = self._extra_cache.get(extra_keys)
+        try:
+            cached = self._extra_cache.get(extra_keys)
+        except TypeError:  # unhashable extra keys (lists, as decoded from JSON): no caching
+            return self._encode_extra_uncached(extra_keys)
         if cached is None:
-            if self.cbor:
-                cached = _CBOR_NULL if extra_keys is None else _canonical_cbor(extra_keys)
-            else:
-                cached = b"\x00" if extra_keys is None else b"\x01" + _canonical_cbor(extra_keys)
+            cached = self._encode_extra_uncached(extra_keys)
             if len(self._extra_cache) < 4096:
                 self._extra_cache[extra_keys] = cached
         return cached
 
+    def _encode_extra_uncached(self, extra_keys: ExtraKeys) -> bytes:
+        if self.cbor:
+            return _CBOR_NULL if extra_keys is None else _canonical_cbor(extra_keys)
+        return b"\x00" if extra_keys is None else b"\x01" + _canonical_cbor(extra_keys)
+
     def hash_blocks(
         self,
         parent: bytes,
-        tokens: np.ndarray,
+        token_ids: Sequence[int] | np.ndarray,
         block_size: int,
         extra_keys: Sequence[ExtraKeys],
     ) -> list[BlockHash]:
-        """Chain-hash `len(extra_keys)` consecutive full blocks of `tokens`.
+        """Chain-hash `len(extra_keys)` consecutive full blocks of `token_ids`.
 
-        `tokens` holds exactly `len(extra_keys) * block_size` non-negative ids.
+        `token_ids` holds exactly `len(extra_keys) * block_size` non-negative ids.
+        Long runs are encoded with numpy in one pass; a few blocks (a decode
+        step filling one block) take a per-block path with less fixed cost.
         """
         num_blocks = len(extra_keys)
-        if tokens.shape[0] != num_blocks * block_size:
+        if len(token_ids) != num_blocks * block_size:
             raise ValueError(
-                f"hash_blocks needs {num_blocks} x {block_size} tokens, got {tokens.shape[0]}"
+                f"hash_blocks needs {num_blocks} x {block_size} tokens, got {len(token_ids)}"
             )
-        if num_blocks and int(tokens.min()) < 0:
-            raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
-        digest = self.digest
-        encode_extra = self._encode_extra
-        hashes: list[BlockHash] = []
-        if self.cbor:
-            data, offsets = _cbor_encode_token_run(tokens)
-            starts = offsets[::block_size].tolist()
-            prefix = b"\x83" + self._parent_head
-            array_head = _cbor_head(4, block_size)
-            for i, extra in enumerate(extra_keys):
-                parent = digest(
-                    prefix
-                    + parent
-                    + array_head
-                    + data[starts[i] : starts[i + 1]]
-                    + encode_extra(extra)
-                )
-                hashes.append(parent)
+        if num_blocks == 0:
+            return []
+        if num_blocks <= _SMALL_RUN_BLOCKS:
+            if isinstance(token_ids, np.ndarray):
+                token_ids = token_ids.tolist()
+            if token_ids and min(token_ids) < 0:
+                raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
+            encode = self._encode_block if self.cbor else self._encode_raw_block
+            tails = [
+                encode(token_ids[i * block_size : (i + 1) * block_size], extra)
+                for i, extra in enumerate(extra_keys)
+            ]
         else:
-            data = tokens.astype("<i8", copy=False).tobytes()
-            count = struct.pack("<I", block_size)
-            stride = 8 * block_size
-            for i, extra in enumerate(extra_keys):
-                parent = digest(
-                    parent + count + data[i * stride : (i + 1) * stride] + encode_extra(extra)
-                )
-                hashes.append(parent)
+            tokens = (
+                tokens_to_array(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids
+            )
+            if tokens.dtype.kind == "i" and int(tokens.min()) < 0:
+                raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
+            if self.cbor:
+                tails = self._cbor_block_tails(tokens, block_size, extra_keys)
+            else:
+                tails = self._raw_block_tails(tokens, block_size, extra_keys)
+        # The first parent (e.g. a NONE_HASH made by another function) may differ in length.
+        head = b"\x83" + _cbor_head(2, len(parent)) if self.cbor else b""
+        new_hasher = self.new_hasher
+        payload_head = self._payload_head
+        hashes: list[BlockHash] = []
+        for tail in tails:
+            parent = new_hasher(head + parent + tail).digest()
+            hashes.append(parent)
+            head = payload_head
         return hashes
 
+    def _encode_block(self, token_ids: list[int], extra_keys: ExtraKeys) -> bytes:
+        # cbor2 always encodes integers in their shortest (canonical) form.
+        try:
+            encoded = cbor2.dumps(token_ids)
+        except cbor2.CBOREncodeError:  # numpy integers in a Python list
+            encoded = cbor2.dumps([int(t) for t in token_ids])
+        return encoded + self._encode_extra(extra_keys)
 
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+    def _encode_raw_block(self, token_ids: list[int], extra_keys: ExtraKeys) -> bytes:
+        n = len(token_ids)
+        return struct.pack(f"<I{n}q", n, *token_ids) + self._encode_extra(extra_keys)
+
+    def _cbor_block_tails(
+        self, tokens: np.ndarray, block_size: int, extra_keys: Sequence[ExtraKeys]
+    ) -> list[bytes]:
+        """Per block: the CBOR token array and the extra keys (all after the parent)."""
+        if tokens.dtype != np.uint32:
+            if int(tokens.max()) >= 1 << 32:
+                token_list = tokens.tolist()
+                return [
+                    self._encode_block(token_list[i * block_size : (i + 1) * block_size], e)
+                    for i, e in enumerate(extra_keys)
+                ]
+            tokens = tokens.astype(np.uint32)
+        if extra_keys.count(None) == len(extra_keys):
+            return _cbor_token_arrays(tokens, block_size, trailer=_CBOR_NULL[0])
+        arrays = _cbor_token_arrays(tokens, block_size, trailer=None)
+        return [a + self._encode_extra(e) for a, e in zip(arrays, extra_keys, strict=True)]
+
+    def _raw_block_tails(
+        self, tokens: np.ndarray, block_size: int, extra_keys: Sequence[ExtraKeys]
+    ) -> list[bytes]:
+        """Per block: uint32 count, int64 tokens and the extra-keys tag (all after the parent)."""
+        num_blocks = len(extra_keys)
+        stride = 4 + 8 * block_size + 1
+        rows = np.zeros((num_blocks, stride), dtype=np.uint8)
+        rows[:, :4] = np.frombuffer(struct.pack("<I", block_size), dtype=np.uint8)
+        rows[:, 4:-1] = tokens.astype("<i8", copy=False).view(np.uint8).reshape(num_blocks, -1)
+        buffer = rows.tobytes()
+        if extra_keys.count(None) == num_blocks:
+            return _split(buffer, list(range(0, num_blocks * stride + 1, stride)))
+        return [
+            buffer[i * stride : (i + 1) * stride - 1] + self._encode_extra(e)
+            for i, e in enumerate(extra_keys)
+        ]
 
 
 _HASH_FUNCTIONS: dict[str, BlockHashFunction] = {
     fn.name: fn
     for fn in (
-        BlockHashFunction("sha256", _sha256, 32, cbor=False, cryptographic=True),
-        BlockHashFunction("sha256_cbor", _sha256, 32, cbor=True, cryptographic=True),
-        BlockHashFunction("xxhash", xxhash.xxh3_128_digest, 16, cbor=False, cryptographic=False),
-        BlockHashFunction(
-            "xxhash_cbor", xxhash.xxh3_128_digest, 16, cbor=True, cryptographic=False
-        ),
+        BlockHashFunction("sha256", hashlib.sha256, cbor=False, cryptographic=True),
+        BlockHashFunction("sha256_cbor", hashlib.sha256, cbor=True, cryptographic=True),
+        BlockHashFunction("xxhash", xxhash.xxh3_128, cbor=False, cryptographic=False),
+        BlockHashFunction("xxhash_cbor", xxhash.xxh3_128, cbor=True, cryptographic=False),
     )
 }
 DEFAULT_HASH_FN_NAME = "sha256"
@@ -263,8 +349,9 @@ def hash_block_tokens(
     """Hash one block given its parent's hash (`None` → `NONE_HASH`), as in vLLM."""
     parent = get_none_hash() if parent_block_hash is None else parent_block_hash
     if isinstance(hash_fn, BlockHashFunction):
-        tokens = np.asarray(curr_block_token_ids, dtype=np.int64)
-        return hash_fn.hash_blocks(parent, tokens, tokens.shape[0], [extra_keys])[0]
+        return hash_fn.hash_blocks(
+            parent, curr_block_token_ids, len(curr_block_token_ids), [extra_keys]
+        )[0]
     return BlockHash(hash_fn((parent, tuple(curr_block_token_ids), extra_keys)))
 
 
@@ -373,9 +460,10 @@ def get_request_block_hasher(
         else:
             extra = [None] * (num_full - num_hashed)
         parent = request.block_hashes[-1] if num_hashed else get_none_hash()
-        tokens = np.asarray(request.all_token_ids[start:end], dtype=np.int64)
-        return hash_fn.hash_blocks(parent, tokens, block_size, extra)
+        return hash_fn.hash_blocks(parent, request.all_token_ids[start:end], block_size, extra)
 
+    # Lets a request skip the call until a block has filled up.
+    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]
     return request_block_hasher
 
 
@@ -389,7 +477,7 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
     def __init__(
         self, block_hashes: Sequence[BlockHash], hash_block_size: int, target_block_size: int
     ) -> None:
-        if hash_block_size <= 0 or target_block_size % hash_block_size != 0:
+        if hash_block_size <= 0 or target_block_size <= 0 or target_block_size % hash_block_size:
             raise ValueError(
                 f"target block size {target_block_size} must be a positive integer multiple "
                 f"of the hash block size {hash_block_size}"

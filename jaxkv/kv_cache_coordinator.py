@@ -64,6 +64,12 @@ class KVCacheCoordinator:
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id)
             for group_id, group in enumerate(groups)
         )
+        # Managers whose attention type releases blocks as a request advances.
+        self.skipping_managers = tuple(
+            m
+            for m in self.single_type_managers
+            if type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
+        )
         self.scheduler_block_size = math.lcm(*(g.kv_cache_spec.block_size for g in groups))
         # Groups of one attention type (same manager class and spec) are looked up together.
         by_type: dict[tuple[type, KVCacheSpec], list[int]] = {}
@@ -82,22 +88,22 @@ class KVCacheCoordinator:
         num_tokens: int,
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
     ) -> int:
-        return sum(
-            manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
-            for i, manager in enumerate(self.single_type_managers)
-        )
+        total = 0
+        for manager, hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+        return total
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
     ) -> None:
-        for i, manager in enumerate(self.single_type_managers):
-            manager.save_new_computed_blocks(request_id, new_computed_blocks[i])
+        for manager, hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            manager.save_new_computed_blocks(request_id, hits)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
-            m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers
+            [m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers]
         )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -109,7 +115,7 @@ class KVCacheCoordinator:
             manager.free(request_id)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for manager in self.single_type_managers:
+        for manager in self.skipping_managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def holds_blocks(self, request_id: str) -> bool:

@@ -171,53 +171,54 @@ class KVCacheManager:
         past `request.num_tokens` (unverified speculative tokens are not cached)
         and not at all with `delay_cache_blocks`.
         """
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
-                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
+                f"request {request.request_id!r}: num_new_tokens must be > 0 (something to "
+                f"allocate) and the other counts >= 0, got num_new_tokens={num_new_tokens}, "
                 f"num_new_computed_tokens={num_new_computed_tokens}, "
                 f"num_lookahead_tokens={num_lookahead_tokens}"
             )
-        if num_new_tokens == 0:
-            raise ValueError(
-                f"request {request.request_id!r}: nothing to allocate (num_new_tokens must be > 0)"
-            )
-        self._check_prompt_length(request)
         request_id = request.request_id
+        max_model_len = self.max_model_len
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        if num_computed_tokens + num_new_tokens > self.max_model_len:
+        num_tokens = num_computed_tokens + num_new_tokens
+        if num_tokens > max_model_len or request.num_prompt_tokens > max_model_len:
+            self._check_prompt_length(request)
             raise ValueError(
                 f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
-                f"tokens exceed max_model_len={self.max_model_len}"
+                f"tokens exceed max_model_len={max_model_len}"
             )
         coordinator = self.coordinator
-        if new_computed_blocks is None:
-            hit_blocks: tuple[Sequence[KVCacheBlock], ...] = self.empty_kv_cache_blocks.blocks
-        else:
+        hit_blocks: tuple[Sequence[KVCacheBlock], ...] | None = None
+        if new_computed_blocks is not None and any(new_computed_blocks.blocks):
             hit_blocks = new_computed_blocks.blocks
-            if any(hit_blocks):
-                if not self.enable_caching:
-                    raise ValueError("new_computed_blocks given but prefix caching is disabled")
-                if coordinator.holds_blocks(request_id):
-                    raise ValueError(
-                        f"request {request_id!r} already holds blocks; cache hits can only be "
-                        "added when a request is first scheduled"
-                    )
-        num_tokens_need_slot = min(
-            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hit_blocks
-        )
-        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
+            if not self.enable_caching:
+                raise ValueError("new_computed_blocks given but prefix caching is disabled")
+            if coordinator.holds_blocks(request_id):
+                raise ValueError(
+                    f"request {request_id!r} already holds blocks; cache hits can only be "
+                    "added when a request is first scheduled"
+                )
+        num_tokens_need_slot = num_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        if (
+            coordinator.get_num_blocks_to_allocate(
+                request_id, num_tokens_need_slot, hit_blocks or self.empty_kv_cache_blocks.blocks
+            )
+            > self.block_pool.free_block_queue.num_free_blocks
+        ):
             return None
-        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
-        if self.enable_caching:
+        if coordinator.skipping_managers:
+            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        if hit_blocks is not None:
             self.block_pool.touch(hit_blocks)
-        coordinator.save_new_computed_blocks(request_id, hit_blocks)
+            coordinator.save_new_computed_blocks(request_id, hit_blocks)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching and not delay_cache_blocks:
+            num_request_tokens = request.num_tokens
             coordinator.cache_blocks(
-                request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
+                request, num_tokens if num_tokens < num_request_tokens else num_request_tokens
             )
         return KVCacheBlocks(new_blocks)
 

@@ -155,5 +155,10 @@ class Request:
         return self.mm_features[input_id].num_embeds
 
     def _update_block_hashes(self) -> None:
-        if self.block_hasher is not None:
-            self.block_hashes.extend(self.block_hasher(self))
+        hasher = self.block_hasher
+        if hasher is None:
+            return
+        # A hasher that states its block size is only called once a block has filled.
+        block_size = getattr(hasher, "block_size", 1)
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * block_size:
+            self.block_hashes.extend(hasher(self))

@@ -44,29 +44,39 @@ class SingleTypeKVCacheManager:
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> int:
         """Free blocks needed to hold `num_tokens`, counting hits that sit in the free queue."""
-        num_required = -(-num_tokens // self.block_size)
         held = self.req_to_blocks.get(request_id)
-        num_new = num_required - len(new_computed_blocks) - (len(held) if held else 0)
-        num_evictable_hits = 0
-        for block in new_computed_blocks:
-            if block.ref_cnt == 0 and not block.is_null:
-                num_evictable_hits += 1
-        return max(num_new, 0) + num_evictable_hits
+        num_new = (
+            -(-num_tokens // self.block_size)
+            - len(new_computed_blocks)
+            - (len(held) if held is not None else 0)
+        )
+        if num_new < 0:
+            num_new = 0
+        if new_computed_blocks:
+            for block in new_computed_blocks:
+                if block.ref_cnt == 0 and not block.is_null:
+                    num_new += 1
+        return num_new
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> None:
-        if request_id not in self.req_to_blocks:
-            self.req_to_blocks[request_id] = list(new_computed_blocks)
-            self.num_cached_block[request_id] = len(new_computed_blocks)
-        elif new_computed_blocks:
-            raise ValueError(
-                f"request {request_id!r} already holds blocks; cache hits can only be added "
-                "when a request is first scheduled"
-            )
+        """Start the request's block list with its cache hits (first scheduling only)."""
+        if request_id in self.req_to_blocks:
+            if new_computed_blocks:
+                raise ValueError(
+                    f"request {request_id!r} already holds blocks; cache hits can only be "
+                    "added when a request is first scheduled"
+                )
+            return
+        self.req_to_blocks[request_id] = list(new_computed_blocks)
+        self.num_cached_block[request_id] = len(new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        req_blocks = self.req_to_blocks[request_id]
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_block[request_id] = 0
         num_new = -(-num_tokens // self.block_size) - len(req_blocks)
         if num_new <= 0:
             return []

@@ -1,0 +1,380 @@
+"""Host-side benchmark: a shared-prefix serving workload through the KV cache manager.
+
+    python benchmarks/bench_host.py                # jaxkv only
+    python benchmarks/bench_host.py --peer vllm    # same workload through vLLM 0.33, ratios
+
+The workload: 32 system prompts of 1024 tokens, 1500 requests each made of a
+system prompt and 64-512 unique user tokens, generating 16-96 tokens; block
+size 16, 8192 blocks, at most 256 running; admission until blocks run out,
+preemption (newest running request first) when a decode step cannot get a
+block. Request construction (and so block hashing) is inside the timed loop,
+which is measured in process CPU seconds (robust to other load on the machine).
+Both implementations must report the same hit-token and preemption counts.
+
+A hashing micro-benchmark compares chained `sha256_cbor` hashing of whole
+requests with the per-block `sha256(cbor2.dumps(...))` baseline (identical
+digests required).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import best_of, ensure_peer_process, print_table, write_json  # noqa: E402
+
+BLOCK_SIZE = 16
+HASH_FN_NAMES = ("sha256_cbor", "sha256", "xxhash_cbor", "xxhash")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    num_blocks: int
+    max_running: int
+    max_model_len: int
+
+
+def make_workload(num_requests: int, seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
+    system = [rng.integers(0, 150_000, 1024).tolist() for _ in range(32)]
+    prompts, max_tokens = [], []
+    for _ in range(num_requests):
+        user = rng.integers(0, 150_000, int(rng.integers(64, 513))).tolist()
+        prompts.append(system[int(rng.integers(0, 32))] + user)
+        max_tokens.append(int(rng.integers(16, 97)))
+    return Workload(prompts, max_tokens, num_blocks=8192, max_running=256, max_model_len=4096)
+
+
+class Engine:
+    """What the serving loop needs from a KV cache manager implementation.
+
+    `allocate_slots(request, num_new_tokens, num_computed=0, computed_blocks=None)` and
+    `free(request)` are the manager's own bound methods (no wrapper in the hot loop).
+    """
+
+    name: str
+
+    def make_request(self, request_id: str, prompt: list[int], max_tokens: int): ...
+    def get_computed_blocks(self, request) -> tuple[object, int]: ...
+
+
+class JaxkvEngine(Engine):
+    def __init__(self, workload: Workload, hash_fn_name: str) -> None:
+        import jaxkv
+
+        self.name = f"jaxkv/{hash_fn_name}"
+        self.jaxkv = jaxkv
+        fn = jaxkv.get_hash_fn_by_name(hash_fn_name)
+        jaxkv.init_none_hash(fn)
+        self.hasher = jaxkv.get_request_block_hasher(BLOCK_SIZE, fn)
+        spec = jaxkv.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128)
+        self.manager = jaxkv.KVCacheManager.from_spec(
+            spec, workload.num_blocks, workload.max_model_len
+        )
+        self.allocate_slots = self.manager.allocate_slots
+        self.free = self.manager.free
+
+    def make_request(self, request_id, prompt, max_tokens):
+        return self.jaxkv.Request(
+            request_id, prompt, max_tokens=max_tokens, block_hasher=self.hasher
+        )
+
+    def get_computed_blocks(self, request):
+        return self.manager.get_computed_blocks(request)
+
+
+class VllmEngine(Engine):
+    def __init__(self, workload: Workload, hash_fn_name: str) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.request import Request
+
+        self.name = f"vllm/{hash_fn_name}"
+        self.Request, self.SamplingParams = Request, SamplingParams
+        fn = get_hash_fn_by_name(hash_fn_name)
+        init_none_hash(fn)
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, fn)
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+        )
+        config = KVCacheConfig(
+            num_blocks=workload.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=workload.max_model_len,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_caching=True,
+        )
+        self.allocate_slots = self.manager.allocate_slots
+        self.free = self.manager.free
+
+    def make_request(self, request_id, prompt, max_tokens):
+        return self.Request(
+            request_id,
+            prompt,
+            self.SamplingParams(max_tokens=max_tokens),
+            None,
+            block_hasher=self.hasher,
+        )
+
+    def get_computed_blocks(self, request):
+        blocks, num_computed, _ = self.manager.get_computed_blocks(request)
+        return blocks, num_computed
+
+
+@dataclass
+class RunStats:
+    seconds: float
+    hit_tokens: int
+    prompt_tokens: int
+    preemptions: int
+    steps: int
+    first_hashes: list[bytes]
+
+
+def serve(engine: Engine, workload: Workload, progress: bool = False) -> RunStats:
+    """Continuous batching over the workload; returns counts that must match across engines."""
+    num_requests = len(workload.prompts)
+    pending = deque(range(num_requests))
+    requests: dict[int, object] = {}
+    waiting: deque[int] = deque()
+    running: list[int] = []
+    hit_tokens = prompt_tokens = preemptions = steps = finished = 0
+    bar = tqdm(total=num_requests, desc=engine.name, disable=not progress, leave=False)
+    start = time.process_time()
+    while finished < num_requests:
+        steps += 1
+        # Decode: one slot per running request for the token sampled last step.
+        scheduled = []
+        i = 0
+        while i < len(running):
+            index = running[i]
+            request = requests[index]
+            while engine.allocate_slots(request, 1) is None:
+                victim_index = running.pop()
+                victim = requests[victim_index]
+                engine.free(victim)
+                victim.num_preemptions += 1
+                victim.num_computed_tokens = 0
+                waiting.appendleft(victim_index)
+                preemptions += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                i += 1
+        # Admission: whole-prompt prefill while blocks and batch slots last.
+        while len(running) < workload.max_running and (waiting or pending):
+            if not waiting:
+                index = pending.popleft()
+                requests[index] = engine.make_request(
+                    str(index), workload.prompts[index], workload.max_tokens[index]
+                )
+                waiting.append(index)
+            index = waiting[0]
+            request = requests[index]
+            blocks, num_computed = engine.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if engine.allocate_slots(request, num_new, num_computed, blocks) is None:
+                break
+            waiting.popleft()
+            hit_tokens += num_computed
+            prompt_tokens += request.num_tokens
+            request.num_computed_tokens = num_computed
+            scheduled.append(request)
+            running.append(index)
+        # "Run the model": every scheduled request computes its tokens and samples one.
+        for request in scheduled:
+            request.num_computed_tokens = request.num_tokens
+            request.append_output_token_ids(request.num_tokens * 7919 % 150_000)
+        still_running = []
+        for index in running:
+            request = requests[index]
+            if request.num_output_tokens >= workload.max_tokens[index]:
+                engine.free(request)
+                finished += 1
+                bar.update()
+            else:
+                still_running.append(index)
+        running = still_running
+    seconds = time.process_time() - start
+    bar.close()
+    first_hashes = [bytes(h) for h in requests[0].block_hashes[:8]]
+    return RunStats(seconds, hit_tokens, prompt_tokens, preemptions, steps, first_hashes)
+
+
+def bench_workload(
+    engine_cls: Callable[..., Engine], workload: Workload, hash_fn: str, repeats: int
+) -> RunStats:
+    runs = [serve(engine_cls(workload, hash_fn), workload, progress=True) for _ in range(repeats)]
+    return min(runs, key=lambda r: r.seconds)
+
+
+def bench_hashing(num_blocks: int, repeats: int) -> list[list[object]]:
+    """Chained sha256_cbor over whole requests vs per-block cbor2.dumps + sha256."""
+    import cbor2
+
+    import jaxkv
+
+    fn = jaxkv.get_hash_fn_by_name("sha256_cbor")
+    none_hash = jaxkv.init_none_hash(fn)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 150_000, num_blocks * BLOCK_SIZE)
+    token_list = tokens.tolist()
+
+    def baseline() -> list[bytes]:
+        parent, out = none_hash, []
+        for i in range(num_blocks):
+            block = tuple(token_list[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            parent = hashlib.sha256(cbor2.dumps((parent, block, None), canonical=True)).digest()
+            out.append(parent)
+        return out
+
+    def chained(name: str) -> Callable[[], list[bytes]]:
+        hash_fn = jaxkv.get_hash_fn_by_name(name)
+        extra = [None] * num_blocks
+        return lambda: hash_fn.hash_blocks(none_hash, tokens, BLOCK_SIZE, extra)
+
+    t_base, ref = best_of(baseline, repeats)
+    rows: list[list[object]] = [
+        ["per-block cbor2.dumps + sha256", t_base * 1e6 / num_blocks, 1.0, True]
+    ]
+    for name in ("sha256_cbor", "sha256", "xxhash_cbor", "xxhash"):
+        t, out = best_of(chained(name), repeats)
+        identical = out == ref if name == "sha256_cbor" else "n/a (other encoding)"
+        rows.append([f"jaxkv chained {name}", t * 1e6 / num_blocks, t_base / t, identical])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peer", choices=["vllm"], help="also run the workload through vLLM")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per config")
+    args = parser.parse_args()
+
+    peer = args.peer == "vllm" and ensure_peer_process()
+    workload = make_workload(args.requests)
+    print(
+        f"workload: {args.requests} requests, {sum(map(len, workload.prompts))} prompt tokens,"
+        f" {sum(workload.max_tokens)} generated tokens"
+    )
+
+    results: dict[str, RunStats] = {}
+    for name in HASH_FN_NAMES:
+        results[f"jaxkv/{name}"] = bench_workload(JaxkvEngine, workload, name, args.repeats)
+    if peer:
+        for name in HASH_FN_NAMES:
+            results[f"vllm/{name}"] = bench_workload(VllmEngine, workload, name, args.repeats)
+
+    reference = results["jaxkv/sha256_cbor"]
+    for key, stats in results.items():
+        if (stats.hit_tokens, stats.preemptions) != (reference.hit_tokens, reference.preemptions):
+            raise SystemExit(
+                f"{key} disagrees with jaxkv: hits {stats.hit_tokens} vs "
+                f"{reference.hit_tokens}, preemptions {stats.preemptions} vs "
+                f"{reference.preemptions}"
+            )
+    if peer and results["vllm/sha256_cbor"].first_hashes != reference.first_hashes:
+        raise SystemExit("sha256_cbor digests differ between jaxkv and vLLM")
+
+    rows = []
+    for key, stats in results.items():
+        rows.append(
+            [
+                key,
+                stats.seconds,
+                stats.hit_tokens / stats.prompt_tokens,
+                stats.preemptions,
+                stats.steps,
+            ]
+        )
+    print_table(
+        f"\nserving workload, CPU seconds (best of {args.repeats})",
+        ["config", "seconds", "hit rate", "preemptions", "steps"],
+        rows,
+    )
+
+    summary: dict[str, object] = {}
+    if peer:
+        jax_fastest = min(
+            (k for k in results if k.startswith("jaxkv")), key=lambda k: results[k].seconds
+        )
+        vllm_fastest = min(
+            (k for k in results if k.startswith("vllm")), key=lambda k: results[k].seconds
+        )
+        summary = {
+            "sha256_cbor_speedup": results["vllm/sha256_cbor"].seconds / reference.seconds,
+            "fastest_speedup": results[vllm_fastest].seconds / results[jax_fastest].seconds,
+            "jaxkv_fastest": jax_fastest,
+            "vllm_fastest": vllm_fastest,
+            "identical_sha256_cbor_digests": True,
+            "identical_hit_tokens": reference.hit_tokens,
+        }
+        print_table(
+            "\nratios vs vLLM 0.33 (same process, same workload)",
+            ["comparison", "speedup", "target"],
+            [
+                ["sha256_cbor: vLLM / jaxkv", summary["sha256_cbor_speedup"], ">= 4"],
+                [f"fastest: {vllm_fastest} / {jax_fastest}", summary["fastest_speedup"], ">= 2"],
+            ],
+        )
+
+    hash_rows = bench_hashing(num_blocks=4096, repeats=5)
+    print_table(
+        "\nchained hashing, 4096 blocks of 16 tokens",
+        ["method", "us/block", "speedup", "identical digests"],
+        hash_rows,
+    )
+    write_json(
+        "bench_host",
+        {
+            "command": " ".join(sys.argv),
+            "workload": {
+                "requests": args.requests,
+                "block_size": BLOCK_SIZE,
+                "num_blocks": workload.num_blocks,
+                "max_running": workload.max_running,
+            },
+            "serving": {
+                k: {
+                    "seconds": v.seconds,
+                    "hit_tokens": v.hit_tokens,
+                    "prompt_tokens": v.prompt_tokens,
+                    "preemptions": v.preemptions,
+                    "steps": v.steps,
+                }
+                for k, v in results.items()
+            },
+            "peer_summary": summary,
+            "hashing": [
+                dict(zip(["method", "us_per_block", "speedup", "identical"], r, strict=True))
+                for r in hash_rows
+            ],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

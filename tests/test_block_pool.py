@@ -1,0 +1,550 @@
+"""KVCacheBlock, FreeKVCacheBlockQueue and BlockPool (SPEC §3-§4)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from jaxkv import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    Request,
+    get_hash_fn_by_name,
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+
+BS = 4
+SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
+
+
+@pytest.fixture(autouse=True)
+def _none_hash():
+    init_none_hash(SHA_CBOR, "test-seed")
+
+
+def _h(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def _ids(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def _free_ids(pool: BlockPool) -> list[int]:
+    return _ids(pool.free_block_queue.get_all_free_blocks())
+
+
+def _request(tokens, rid="r", block_size=BS, **kwargs) -> Request:
+    return Request(
+        rid, list(tokens), block_hasher=get_request_block_hasher(block_size, SHA_CBOR), **kwargs
+    )
+
+
+def _cache(pool: BlockPool, req: Request, blocks, group_id=0, start=0) -> None:
+    pool.cache_full_blocks(req, blocks, start, len(blocks), BS, group_id)
+
+
+# ---------------------------------------------------------------------------
+# KVCacheBlock
+
+
+def test_block_hash_set_once_and_reset():
+    block = KVCacheBlock(3)
+    assert (block.block_id, block.ref_cnt, block.block_hash, block.is_null) == (3, 0, None, False)
+    key = make_block_hash_with_group_id(_h(1), 0)
+    block.block_hash = key
+    assert block.block_hash == key
+    with pytest.raises(ValueError, match="block 3"):
+        block.block_hash = make_block_hash_with_group_id(_h(2), 0)
+    assert block.block_hash == key  # unchanged by the failed set
+    block.reset_hash()
+    assert block.block_hash is None
+    block.block_hash = make_block_hash_with_group_id(_h(2), 0)
+    assert block.block_hash == make_block_hash_with_group_id(_h(2), 0)
+
+
+def test_block_is_slotted():
+    block = KVCacheBlock(0)
+    assert not hasattr(block, "__dict__")
+    with pytest.raises(AttributeError):
+        block.some_attribute = 1  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------
+# FreeKVCacheBlockQueue
+
+
+def _queue(n: int):
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return blocks, FreeKVCacheBlockQueue(blocks)
+
+
+def _check_links(queue: FreeKVCacheBlockQueue) -> None:
+    forward = queue.get_all_free_blocks()
+    backward = []
+    node = queue.tail.prev_free_block
+    while node is not queue.head:
+        backward.append(node)
+        node = node.prev_free_block
+    assert backward[::-1] == forward
+    assert queue.num_free_blocks == len(forward)
+
+
+def test_queue_initial_order():
+    blocks, q = _queue(5)
+    assert _ids(q.get_all_free_blocks()) == [0, 1, 2, 3, 4]
+    assert q.num_free_blocks == 5
+    _check_links(q)
+
+
+def test_queue_popleft_and_links_cleared():
+    blocks, q = _queue(3)
+    b = q.popleft()
+    assert b is blocks[0]
+    assert b.prev_free_block is None and b.next_free_block is None
+    assert _ids(q.get_all_free_blocks()) == [1, 2]
+    assert [q.popleft().block_id, q.popleft().block_id] == [1, 2]
+    assert q.num_free_blocks == 0
+    with pytest.raises(ValueError, match="empty"):
+        q.popleft()
+    assert q.num_free_blocks == 0
+    assert q.get_all_free_blocks() == []
+    _check_links(q)
+
+
+def test_queue_popleft_n():
+    blocks, q = _queue(6)
+    popped = q.popleft_n(3)
+    assert _ids(popped) == [0, 1, 2]
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in popped)
+    assert _ids(q.get_all_free_blocks()) == [3, 4, 5]
+    assert q.popleft_n(0) == []
+    with pytest.raises(ValueError):
+        q.popleft_n(4)
+    assert _ids(q.get_all_free_blocks()) == [3, 4, 5]
+    assert _ids(q.popleft_n(3)) == [3, 4, 5]
+    assert q.num_free_blocks == 0
+    _check_links(q)
+
+
+def test_queue_remove_middle_head_tail():
+    blocks, q = _queue(5)
+    q.remove(blocks[2])
+    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None
+    q.remove(blocks[0])
+    q.remove(blocks[4])
+    assert _ids(q.get_all_free_blocks()) == [1, 3]
+    assert q.num_free_blocks == 2
+    with pytest.raises(ValueError, match="block 2"):
+        q.remove(blocks[2])
+    assert q.num_free_blocks == 2
+    _check_links(q)
+
+
+def test_queue_append_append_n_prepend_n():
+    blocks, q = _queue(6)
+    taken = q.popleft_n(6)
+    q.append(taken[3])
+    q.append_n([taken[1], taken[5]])
+    assert _ids(q.get_all_free_blocks()) == [3, 1, 5]
+    q.prepend_n([taken[0], taken[4]])
+    assert _ids(q.get_all_free_blocks()) == [0, 4, 3, 1, 5]
+    q.prepend_n([])
+    q.append_n([])
+    q.append(taken[2])
+    assert _ids(q.get_all_free_blocks()) == [0, 4, 3, 1, 5, 2]
+    assert q.num_free_blocks == 6
+    _check_links(q)
+    assert _ids([q.popleft(), q.popleft()]) == [0, 4]
+
+
+def test_queue_prepend_into_empty():
+    blocks, q = _queue(2)
+    taken = q.popleft_n(2)
+    q.prepend_n([taken[1], taken[0]])
+    assert _ids(q.get_all_free_blocks()) == [1, 0]
+    _check_links(q)
+
+
+# ---------------------------------------------------------------------------
+# BlockPool: null block, allocation
+
+
+def test_pool_rejects_too_few_blocks():
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        BlockPool(1)
+
+
+def test_null_block_never_handed_out():
+    pool = BlockPool(5)
+    assert pool.null_block is pool.blocks[0]
+    assert pool.null_block.is_null
+    assert pool.get_num_free_blocks() == 4
+    assert _free_ids(pool) == [1, 2, 3, 4]
+    blocks = pool.get_new_blocks(4)
+    assert _ids(blocks) == [1, 2, 3, 4]
+    assert all(b.ref_cnt == 1 for b in blocks)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    # Freeing the null block is ignored; touching it takes no reference.
+    pool.free_blocks([pool.null_block])
+    pool.touch([[pool.null_block]])
+    assert pool.null_block.ref_cnt == 0
+    assert pool.get_num_free_blocks() == 0
+    pool.free_blocks(reversed(blocks))
+    assert 0 not in _free_ids(pool)
+    assert pool.get_num_free_blocks() == 4
+
+
+def test_null_block_never_cached():
+    pool = BlockPool(6, enable_kv_cache_events=True)
+    req = _request(range(12))
+    blocks = [pool.null_block, *pool.get_new_blocks(2)]
+    _cache(pool, req, blocks)
+    assert pool.null_block.block_hash is None
+    assert blocks[1].block_hash == make_block_hash_with_group_id(req.block_hashes[1], 0)
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]]
+    (event,) = pool.take_events()
+    assert event.block_hashes == req.block_hashes[1:3]
+
+
+def test_get_new_blocks_short_changes_nothing():
+    pool = BlockPool(5)
+    held = pool.get_new_blocks(2)
+    before = (_free_ids(pool), [b.ref_cnt for b in pool.blocks])
+    with pytest.raises(ValueError, match="3"):
+        pool.get_new_blocks(3)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(-1)
+    assert (_free_ids(pool), [b.ref_cnt for b in pool.blocks]) == before
+    assert _ids(held) == [1, 2]
+
+
+def test_usage():
+    pool = BlockPool(5)
+    assert pool.get_usage() == 0.0
+    blocks = pool.get_new_blocks(1)
+    assert pool.get_usage() == pytest.approx(0.25)
+    blocks += pool.get_new_blocks(3)
+    assert pool.get_usage() == pytest.approx(1.0)
+    pool.free_blocks(blocks[:2])
+    assert pool.get_usage() == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------
+# Caching and lookups
+
+
+def test_get_cached_block_across_groups():
+    pool = BlockPool(8)
+    req = _request(range(8))
+    g0 = pool.get_new_blocks(2)
+    g1 = pool.get_new_blocks(2)
+    _cache(pool, req, g0, group_id=0)
+    h0, h1 = req.block_hashes
+    assert pool.get_cached_block(h0, [0]) == [g0[0]]
+    assert pool.get_cached_block(h0, [0, 1]) is None  # group 1 misses
+    assert pool.get_cached_block(h0, [1]) is None
+    _cache(pool, req, g1, group_id=1)
+    assert pool.get_cached_block(h0, [0, 1]) == [g0[0], g1[0]]
+    assert pool.get_cached_block(h1, [1, 0]) == [g1[1], g0[1]]
+    assert pool.get_cached_block(_h(99), [0]) is None
+    assert g1[1].block_hash == make_block_hash_with_group_id(h1, 1)
+
+
+def test_duplicates_not_merged_earliest_returned():
+    pool = BlockPool(8)
+    a, b, c = _request(range(4), "a"), _request(range(4), "b"), _request(range(4), "c")
+    ba = pool.get_new_blocks(1)
+    bb = pool.get_new_blocks(1)
+    bc = pool.get_new_blocks(1)
+    _cache(pool, a, ba)
+    _cache(pool, b, bb)
+    _cache(pool, c, bc)
+    h = a.block_hashes[0]
+    assert ba[0].block_hash == bb[0].block_hash == bc[0].block_hash
+    assert pool.cached_block_hash_to_block.num_blocks() == 3
+    assert len(pool.cached_block_hash_to_block) == 1
+    assert pool.get_cached_block(h, [0]) == ba  # earliest inserted: block 1
+    # Removing one duplicate (evicting block 1) keeps the others, earliest first.
+    pool.evict_blocks([1])
+    assert pool.get_cached_block(h, [0]) == bb
+    pool.evict_blocks([3])
+    assert pool.get_cached_block(h, [0]) == bb
+    pool.evict_blocks([2])
+    assert pool.get_cached_block(h, [0]) is None
+    assert len(pool.cached_block_hash_to_block) == 0
+
+
+def test_cached_block_findable_while_free_dropped_on_reuse():
+    pool = BlockPool(4, enable_kv_cache_events=True)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)  # [1, 2]
+    _cache(pool, req, blocks)
+    stored = pool.take_events()
+    assert stored == [
+        BlockStored(
+            block_hashes=req.block_hashes,
+            parent_block_hash=None,
+            token_ids=list(range(8)),
+            block_size=BS,
+            lora_id=None,
+            medium="GPU",
+            group_idx=0,
+        )
+    ]
+    pool.free_blocks(reversed(blocks))
+    assert _free_ids(pool) == [3, 2, 1]
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == [blocks[0]]
+    assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]]
+    assert pool.take_events() == []
+    # Block 3 (never hashed) is reused first: no removal.
+    assert _ids(pool.get_new_blocks(1)) == [3]
+    assert pool.take_events() == []
+    # Next comes block 2 (the chain tail): its hash is dropped with an event.
+    new = pool.get_new_blocks(1)
+    assert _ids(new) == [2]
+    assert new[0].block_hash is None and new[0].ref_cnt == 1
+    assert pool.get_cached_block(req.block_hashes[1], [0]) is None
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == [blocks[0]]
+    assert pool.take_events() == [
+        BlockRemoved(block_hashes=[req.block_hashes[1]], medium="GPU", group_idx=0)
+    ]
+
+
+def test_touch():
+    pool = BlockPool(5)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    pool.free_blocks(reversed(blocks))
+    assert _free_ids(pool) == [3, 4, 2, 1]
+    pool.touch([[blocks[0]]])
+    assert blocks[0].ref_cnt == 1
+    assert _free_ids(pool) == [3, 4, 2]
+    pool.touch([[blocks[0], blocks[1]]])
+    assert (blocks[0].ref_cnt, blocks[1].ref_cnt) == (2, 1)
+    assert _free_ids(pool) == [3, 4]
+    assert pool.get_num_free_blocks() == 2
+    pool.free_blocks([blocks[0]])
+    assert blocks[0].ref_cnt == 1 and _free_ids(pool) == [3, 4]
+
+
+def test_cache_full_blocks_partial_ranges_and_parent():
+    pool = BlockPool(8, enable_kv_cache_events=True)
+    req = _request(range(16), lora_request=None)
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(req, blocks, 0, 1, BS, 0)
+    pool.cache_full_blocks(req, blocks, 1, 3, BS, 0)
+    pool.cache_full_blocks(req, blocks, 3, 3, BS, 0)  # nothing to do: no event
+    events = pool.take_events()
+    assert len(events) == 2
+    assert events[0].block_hashes == req.block_hashes[:1]
+    assert events[0].parent_block_hash is None
+    assert events[1].block_hashes == req.block_hashes[1:3]
+    assert events[1].parent_block_hash == req.block_hashes[0]
+    assert events[1].token_ids == list(range(4, 12))
+    assert blocks[3].block_hash is None
+    # Re-stamping with the same key is a no-op; another key is refused.
+    pool.cache_full_blocks(req, blocks, 0, 1, BS, 0)
+    other = _request(range(100, 116), "o")
+    with pytest.raises(ValueError, match="block 1"):
+        pool.cache_full_blocks(other, blocks, 0, 1, BS, 0)
+    assert blocks[0].block_hash == make_block_hash_with_group_id(req.block_hashes[0], 0)
+
+
+def test_cache_full_blocks_needs_hashes():
+    pool = BlockPool(8)
+    req = Request("nohash", list(range(8)))
+    blocks = pool.get_new_blocks(2)
+    with pytest.raises(ValueError, match="block hash"):
+        pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
+    assert all(b.block_hash is None for b in blocks)
+    assert len(pool.cached_block_hash_to_block) == 0
+
+
+def test_cache_full_blocks_lora_event():
+    from jaxkv import LoRARequest
+
+    pool = BlockPool(4, enable_kv_cache_events=True)
+    req = _request(range(4), lora_request=LoRARequest("ad", 42, "/p"))
+    _cache(pool, req, pool.get_new_blocks(1), group_id=3)
+    (event,) = pool.take_events()
+    assert (event.lora_id, event.group_idx, event.block_size) == (42, 3, BS)
+
+
+def test_events_off_by_default():
+    pool = BlockPool(4)
+    req = _request(range(4))
+    blocks = pool.get_new_blocks(1)
+    _cache(pool, req, blocks)
+    pool.evict_blocks([1])
+    assert pool.reset_prefix_cache() is False
+    pool.free_blocks(blocks)
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_events() == []
+
+
+# ---------------------------------------------------------------------------
+# Free order
+
+
+def test_free_order_reverse_per_request_unhashed_front_hashed_back():
+    pool = BlockPool(11)
+    req_a = _request(range(12), "a")
+    a = pool.get_new_blocks(3)  # 1, 2, 3
+    b = pool.get_new_blocks(3)  # 4, 5, 6
+    c = pool.get_new_blocks(2)  # 7, 8
+    _cache(pool, req_a, a)
+    assert _free_ids(pool) == [9, 10]
+    pool.free_blocks(reversed(a))  # hashed: back, chain tail first
+    assert _free_ids(pool) == [9, 10, 3, 2, 1]
+    pool.free_blocks(reversed(b))  # unhashed: front, in eviction order 6, 5, 4
+    assert _free_ids(pool) == [6, 5, 4, 9, 10, 3, 2, 1]
+    # Mixed request: block 7 hashed, block 8 not.
+    req_c = _request(range(100, 104), "c")
+    pool.cache_full_blocks(req_c, c, 0, 1, BS, 0)
+    pool.free_blocks(reversed(c))
+    assert _free_ids(pool) == [8, 6, 5, 4, 9, 10, 3, 2, 1, 7]
+    assert pool.get_num_free_blocks() == 10
+    # Eviction follows the queue: unhashed first, then least recently freed.
+    assert _ids(pool.get_new_blocks(7)) == [8, 6, 5, 4, 9, 10, 3]
+    assert pool.get_cached_block(req_a.block_hashes[2], [0]) is None
+    assert pool.get_cached_block(req_a.block_hashes[1], [0]) == [a[1]]
+
+
+def test_free_shared_block_only_at_zero():
+    pool = BlockPool(6)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    pool.touch([blocks])  # a second request holds both
+    pool.free_blocks(reversed(blocks))
+    assert [b.ref_cnt for b in blocks] == [1, 1]
+    assert _free_ids(pool) == [3, 4, 5]
+    pool.free_blocks(reversed(blocks))
+    assert _free_ids(pool) == [3, 4, 5, 2, 1]
+
+
+def test_free_already_free_raises_without_change():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(2)
+    pool.free_blocks([blocks[1]])
+    before = (_free_ids(pool), [b.ref_cnt for b in pool.blocks])
+    with pytest.raises(ValueError, match="block 2"):
+        pool.free_blocks([blocks[0], blocks[1]])
+    assert (_free_ids(pool), [b.ref_cnt for b in pool.blocks]) == before
+
+
+def test_caching_disabled_everything_front():
+    pool = BlockPool(7, enable_caching=False)
+    a = pool.get_new_blocks(3)
+    b = pool.get_new_blocks(2)
+    pool.free_blocks(reversed(a))
+    assert _free_ids(pool) == [3, 2, 1, 6]
+    pool.free_blocks(reversed(b))
+    assert _free_ids(pool) == [5, 4, 3, 2, 1, 6]
+    assert len(pool.cached_block_hash_to_block) == 0
+
+
+# ---------------------------------------------------------------------------
+# evict_blocks, reset_prefix_cache, freed ids
+
+
+def test_evict_blocks():
+    pool = BlockPool(6, enable_kv_cache_events=True)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    pool.take_events()
+    pool.evict_blocks([2, 3])  # 3 never cached: ignored
+    assert blocks[1].block_hash is None and blocks[1].ref_cnt == 1
+    assert pool.get_cached_block(req.block_hashes[1], [0]) is None
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == [blocks[0]]
+    assert pool.take_events() == [BlockRemoved([req.block_hashes[1]], "GPU", 0)]
+    assert _free_ids(pool) == [3, 4, 5]  # the queue is not touched
+    pool.evict_blocks(np.array([1]))
+    assert len(pool.cached_block_hash_to_block) == 0
+
+
+@pytest.mark.parametrize("bad", [0, 6, -1, 100, 1.0, "1"])
+def test_evict_blocks_out_of_range(bad):
+    pool = BlockPool(6)
+    req = _request(range(4))
+    blocks = pool.get_new_blocks(1)
+    _cache(pool, req, blocks)
+    with pytest.raises(ValueError, match="1..5"):
+        pool.evict_blocks([1, bad])
+    # Validated up front: the valid id in the same call is not evicted.
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == blocks
+
+
+def test_reset_prefix_cache():
+    pool = BlockPool(5, enable_kv_cache_events=True)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    pool.take_events()
+    # A block is held: refused, nothing changes.
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == [blocks[0]]
+    assert blocks[0].block_hash is not None
+    assert pool.take_events() == []
+    pool.free_blocks(reversed(blocks[1:]))
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(req.block_hashes[1], [0]) == [blocks[1]]
+    pool.free_blocks([blocks[0]])
+    free_before = _free_ids(pool)
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_events() == [AllBlocksCleared()]
+    assert all(b.block_hash is None for b in pool.blocks)
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert len(pool.cached_block_hash_to_block) == 0
+    assert _free_ids(pool) == free_before
+    assert pool.get_num_free_blocks() == 4
+
+
+def test_take_freed_block_ids():
+    pool = BlockPool(8, track_freed_block_ids=True)
+    req = _request(range(8))
+    a = pool.get_new_blocks(2)  # 1, 2 (hashed below)
+    b = pool.get_new_blocks(2)  # 3, 4 (never hashed)
+    _cache(pool, req, a)
+    ids = pool.take_freed_block_ids()
+    assert ids.dtype == np.int32 and ids.tolist() == []
+    pool.free_blocks(reversed(b))
+    pool.free_blocks(reversed(a))  # hashed: contents kept, not garbage yet
+    assert pool.take_freed_block_ids().tolist() == [3, 4]
+    assert pool.take_freed_block_ids().tolist() == []
+    # Free queue: [4, 3, 5, 6, 7, 2, 1]; take 6 → evicts block 2's hash.
+    got = pool.get_new_blocks(6)
+    assert _ids(got) == [4, 3, 5, 6, 7, 2]
+    assert pool.take_freed_block_ids().tolist() == [2]
+    pool.evict_blocks([1])
+    assert pool.take_freed_block_ids().tolist() == [1]
+
+
+def test_freed_block_ids_after_reset():
+    """Blocks that lose their hash in a reset hold garbage: reported for zeroing."""
+    pool = BlockPool(5, track_freed_block_ids=True)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    pool.free_blocks(reversed(blocks))
+    assert pool.take_freed_block_ids().tolist() == []
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_freed_block_ids().tolist() == [1, 2]
+
+
+def test_take_freed_block_ids_requires_tracking():
+    with pytest.raises(ValueError, match="track_freed_block_ids"):
+        BlockPool(4).take_freed_block_ids()

@@ -1,0 +1,306 @@
+"""Random admit / chunked prefill / decode / preempt / finish / reset sequences.
+
+A hypothesis state machine drives a `KVCacheManager` over a small pool with
+prompts from a tiny vocabulary (so prefixes collide and blocks are shared,
+cached, evicted and re-hit) and checks the pool's invariants after every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from jaxkv import (
+    FullAttentionSpec,
+    KVCacheManager,
+    Request,
+    get_hash_fn_by_name,
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+
+MAX_MODEL_LEN = 24
+BASE_PREFIXES = ([0, 1, 2, 3] * 5, [1, 1, 0, 0] * 5, [2, 3, 2, 3, 0] * 4)
+
+
+def _snapshot(manager: KVCacheManager):
+    pool = manager.block_pool
+    stm = manager.coordinator.single_type_managers[0]
+    return (
+        [b.ref_cnt for b in pool.blocks],
+        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        pool.get_num_free_blocks(),
+        [b.block_hash for b in pool.blocks],
+        sorted((k, [b.block_id for b in v]) for k, v in pool.cached_block_hash_to_block.items()),
+        {rid: [b.block_id for b in blocks] for rid, blocks in stm.req_to_blocks.items()},
+        dict(stm.num_cached_block),
+    )
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: KVCacheManager | None = None
+        self.waiting: list[Request] = []
+        self.running: dict[str, Request] = {}
+        self.next_id = 0
+        # Expected prefix-cache stats: [requests, queries, hits], fresh and preempted.
+        self.stats = {False: [0, 0, 0], True: [0, 0, 0]}
+
+    @initialize(
+        block_size=st.integers(2, 4),
+        num_blocks=st.integers(8, 24),
+        hash_name=st.sampled_from(["sha256", "sha256_cbor", "xxhash"]),
+    )
+    def setup(self, block_size: int, num_blocks: int, hash_name: str) -> None:
+        fn = get_hash_fn_by_name(hash_name)
+        init_none_hash(fn, "stateful")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.hasher = get_request_block_hasher(block_size, fn)
+        self.manager = KVCacheManager.from_spec(
+            FullAttentionSpec(block_size), num_blocks, MAX_MODEL_LEN, log_stats=True
+        )
+
+    # -- helpers -----------------------------------------------------------
+
+    def _allocate(self, req: Request, num_new: int, lookahead: int, **kwargs) -> bool:
+        before = _snapshot(self.manager)
+        new = self.manager.allocate_slots(req, num_new, num_lookahead_tokens=lookahead, **kwargs)
+        if new is None:
+            event("step: out of blocks")
+            assert _snapshot(self.manager) == before
+            return False
+        return True
+
+    def _after_compute(self, req: Request, token: int) -> None:
+        """The model ran up to num_computed_tokens; sample a token or finish at the limit."""
+        if req.num_computed_tokens < req.num_tokens:
+            return
+        if req.num_tokens >= MAX_MODEL_LEN:
+            self._finish(req)
+        else:
+            req.append_output_token_ids(token)
+
+    def _finish(self, req: Request) -> None:
+        self.manager.free(req)
+        del self.running[req.request_id]
+
+    def _expected_hit(self, req: Request) -> int:
+        """Reference model: longest run of cached hashes, at most num_tokens - 1 tokens."""
+        cache_map = self.manager.block_pool.cached_block_hash_to_block
+        num = 0
+        for block_hash in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+            if cache_map.get_one_block(make_block_hash_with_group_id(block_hash, 0)) is None:
+                break
+            num += 1
+        return num * self.block_size
+
+    # -- rules -------------------------------------------------------------
+
+    @precondition(lambda self: self.manager is not None and len(self.waiting) < 6)
+    @rule(
+        base=st.integers(0, len(BASE_PREFIXES) - 1),
+        prefix_len=st.integers(0, 14),
+        suffix=st.lists(st.integers(0, 3), max_size=6),
+        salt=st.sampled_from([None, None, None, "tenant"]),
+    )
+    def add_request(self, base: int, prefix_len: int, suffix: list[int], salt) -> None:
+        tokens = BASE_PREFIXES[base][:prefix_len] + suffix
+        if not tokens:
+            tokens = [0]
+        req = Request(f"r{self.next_id}", tokens, cache_salt=salt, block_hasher=self.hasher)
+        self.next_id += 1
+        self.waiting.append(req)
+
+    @precondition(lambda self: self.waiting)
+    @rule(
+        idx=st.integers(0, 100),
+        chunk=st.integers(1, 12),
+        lookahead=st.integers(0, 3),
+        token=st.integers(0, 3),
+    )
+    def admit(self, idx: int, chunk: int, lookahead: int, token: int) -> None:
+        req = self.waiting[idx % len(self.waiting)]
+        assert req.num_computed_tokens == 0
+        before = _snapshot(self.manager)
+        blocks, num_hit = self.manager.get_computed_blocks(req)
+        assert _snapshot(self.manager) == before  # lookups change nothing
+        assert num_hit == self._expected_hit(req)
+        counts = self.stats[req.num_preemptions > 0]
+        counts[0] += 1
+        counts[1] += req.num_tokens
+        counts[2] += num_hit
+        assert num_hit % self.block_size == 0 and num_hit <= req.num_tokens - 1
+        hit_blocks = blocks.blocks[0]
+        assert len(hit_blocks) == num_hit // self.block_size
+        for i, block in enumerate(hit_blocks):
+            assert block.block_hash == make_block_hash_with_group_id(req.block_hashes[i], 0)
+        num_new = min(chunk, req.num_tokens - num_hit)
+        before = _snapshot(self.manager)
+        new = self.manager.allocate_slots(
+            req, num_new, num_hit, blocks, num_lookahead_tokens=lookahead
+        )
+        if new is None:
+            event("admit: out of blocks")
+            assert _snapshot(self.manager) == before
+            return
+        event(f"admit: {'hit' if num_hit else 'miss'}{' (preempted)' * (req.num_preemptions > 0)}")
+        self.waiting.remove(req)
+        self.running[req.request_id] = req
+        req.num_computed_tokens = num_hit + num_new
+        self._after_compute(req, token)
+
+    @precondition(lambda self: self.running)
+    @rule(
+        idx=st.integers(0, 100),
+        chunk=st.integers(1, 12),
+        lookahead=st.integers(0, 3),
+        token=st.integers(0, 3),
+    )
+    def step(self, idx: int, chunk: int, lookahead: int, token: int) -> None:
+        """Chunked prefill (several tokens left) or decode (one token left)."""
+        req = list(self.running.values())[idx % len(self.running)]
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert num_new >= 1
+        if not self._allocate(req, num_new, lookahead):
+            return
+        req.num_computed_tokens += num_new
+        self._after_compute(req, token)
+
+    @precondition(lambda self: self.running)
+    @rule(idx=st.integers(0, 100))
+    def preempt(self, idx: int) -> None:
+        req = list(self.running.values())[idx % len(self.running)]
+        self.manager.free(req)
+        del self.running[req.request_id]
+        req.num_preemptions += 1
+        req.num_computed_tokens = 0
+        self.waiting.insert(0, req)
+
+    @precondition(lambda self: self.running)
+    @rule(idx=st.integers(0, 100))
+    def finish(self, idx: int) -> None:
+        self._finish(list(self.running.values())[idx % len(self.running)])
+
+    @precondition(lambda self: self.manager is not None)
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        before = _snapshot(self.manager)
+        ok = self.manager.reset_prefix_cache()
+        assert ok == (not self.running)
+        event(f"reset: {ok}")
+        if ok:
+            assert all(b.block_hash is None for b in self.manager.block_pool.blocks)
+            assert len(self.manager.block_pool.cached_block_hash_to_block) == 0
+        else:
+            assert _snapshot(self.manager) == before
+
+    @precondition(lambda self: self.manager is not None)
+    @rule()
+    def free_unknown(self) -> None:
+        before = _snapshot(self.manager)
+        self.manager.free(Request("never-scheduled", [0]))
+        assert _snapshot(self.manager) == before
+
+    # -- invariants ----------------------------------------------------------
+
+    @invariant()
+    def pool_consistent(self) -> None:
+        if self.manager is None:
+            return
+        pool = self.manager.block_pool
+        stm = self.manager.coordinator.single_type_managers[0]
+        free_blocks = pool.free_block_queue.get_all_free_blocks()
+        free_ids = [b.block_id for b in free_blocks]
+        assert len(free_ids) == len(set(free_ids))
+        free_set = set(free_ids)
+        assert set(stm.req_to_blocks) == set(self.running)
+
+        holders = [0] * self.num_blocks
+        for rid, blocks in stm.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), f"{rid} holds a block twice: {ids}"
+            assert 0 not in ids
+            for block_id in ids:
+                holders[block_id] += 1
+
+        null = pool.null_block
+        assert null.block_id == 0 and null.is_null and null.ref_cnt == 0
+        assert null.block_hash is None and 0 not in free_set
+        for block in pool.blocks[1:]:
+            # Free xor referenced; ref count = number of running holders.
+            assert (block.ref_cnt == 0) == (block.block_id in free_set)
+            assert block.ref_cnt == holders[block.block_id]
+
+        num_free = pool.get_num_free_blocks()
+        assert num_free == len(free_blocks) == self.manager.num_free_blocks
+        assert num_free == sum(1 for b in pool.blocks if b.ref_cnt == 0) - 1
+        assert self.manager.usage == 1 - num_free / (self.num_blocks - 1)
+
+        # Hash map consistent both ways.
+        cache_map = pool.cached_block_hash_to_block
+        mapped = set()
+        for key, blocks in cache_map.items():
+            assert blocks
+            for block in blocks:
+                assert block.block_hash == key
+                mapped.add(block.block_id)
+        hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
+        assert mapped == hashed
+        assert cache_map.num_blocks() == len(hashed)
+
+        # Per request: hashes match the request's own chain; full computed blocks
+        # are cached; nothing past them is (lookahead and partial blocks never are).
+        bs = self.block_size
+        for rid, req in self.running.items():
+            blocks = stm.req_to_blocks[rid]
+            assert len(blocks) >= math.ceil(req.num_computed_tokens / bs)
+            assert len(blocks) <= math.ceil(MAX_MODEL_LEN / bs)
+            assert stm.num_cached_block[rid] == req.num_computed_tokens // bs
+            for i, block in enumerate(blocks):
+                if i < req.num_computed_tokens // bs:
+                    expected = make_block_hash_with_group_id(req.block_hashes[i], 0)
+                    assert block.block_hash == expected
+                else:
+                    assert block.block_hash is None
+
+        if not self.running:
+            assert num_free == self.num_blocks - 1
+
+    def teardown(self) -> None:
+        if self.manager is None:
+            return
+        for req in list(self.running.values()):
+            self._finish(req)
+        pool = self.manager.block_pool
+        assert pool.get_num_free_blocks() == self.num_blocks - 1
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert self.manager.reset_prefix_cache() is True
+        assert all(b.block_hash is None for b in pool.blocks)
+        stats = self.manager.make_prefix_cache_stats()
+        assert [stats.requests, stats.queries, stats.hits] == self.stats[False]
+        assert [
+            stats.preempted_requests,
+            stats.preempted_queries,
+            stats.preempted_hits,
+        ] == self.stats[True]
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVCacheManagerStateful = KVCacheMachine.TestCase
