@@ -5,6 +5,7 @@ JAX; the jitted device code lives in `jaxkv.device`.
 """
 
 from jaxkv.block_pool import BlockPool
+from jaxkv.block_table import BlockTable
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.hashing import (
     NONE_HASH,
@@ -42,6 +43,7 @@ __all__ = [
     "BlockHashListWithBlockSize",
     "BlockHashWithGroupId",
     "BlockPool",
+    "BlockTable",
     "BlockRemoved",
     "BlockStored",
     "ChunkedLocalAttentionSpec",

@@ -1,0 +1,222 @@
+"""Host-side block tables: the int32 hand-off from the scheduler to the device.
+
+Pure numpy, no JAX: the host never touches device arrays (SPEC §1). One row per
+request slot of the running batch; row `r` lists the physical block ids of the
+request held in that row, left-aligned. Positions beyond the row's blocks hold
+the null block 0 (SPEC §4), so a fixed-width table can be sent as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+NULL_BLOCK_ID = 0
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class BlockTable:
+    """Fixed-shape `[max_num_reqs, max_num_blocks_per_req]` int32 table of block ids.
+
+    Invariants kept by every method (a call that raises changes nothing):
+      * `num_blocks_per_row[r]` blocks are stored left-aligned in row `r`;
+        every entry at or beyond that count is the null block 0.
+      * `0 <= num_blocks_per_row[r] <= max_num_blocks_per_req`.
+      * when `num_blocks` is given, every stored id lies in `[0, num_blocks)`.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        num_blocks: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_reqs", max_num_reqs),
+            ("max_num_blocks_per_req", max_num_blocks_per_req),
+        ):
+            if int(value) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if num_blocks is not None:
+            if int(num_blocks) <= 1:
+                raise ValueError(
+                    f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}"
+                )
+            if int(num_blocks) * int(block_size) > _INT32_MAX:
+                raise ValueError(
+                    f"num_blocks * block_size = {int(num_blocks) * int(block_size)} slots "
+                    f"exceeds the int32 range [0, {_INT32_MAX}]"
+                )
+        self.block_size = int(block_size)
+        self.max_num_reqs = int(max_num_reqs)
+        self.max_num_blocks_per_req = int(max_num_blocks_per_req)
+        self.num_blocks = None if num_blocks is None else int(num_blocks)
+        self.block_table = np.zeros((self.max_num_reqs, self.max_num_blocks_per_req), np.int32)
+        self.num_blocks_per_row = np.zeros(self.max_num_reqs, np.int32)
+
+    # ------------------------------------------------------------------ checks
+    def _check_row(self, row_idx: int, name: str = "row_idx") -> int:
+        if not 0 <= int(row_idx) < self.max_num_reqs:
+            raise ValueError(f"{name} {row_idx} is out of range [0, {self.max_num_reqs})")
+        return int(row_idx)
+
+    def _check_block_ids(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"block_ids must be one-dimensional, got shape {ids.shape}")
+        if ids.size == 0:
+            return ids.astype(np.int32)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"block_ids must be integers, got dtype {ids.dtype}")
+        upper = _INT32_MAX + 1 if self.num_blocks is None else self.num_blocks
+        bad = (ids < 0) | (ids >= upper)
+        if bad.any():
+            raise ValueError(f"block id {int(ids[np.argmax(bad)])} is out of range [0, {upper})")
+        return ids.astype(np.int32)
+
+    # ----------------------------------------------------------------- updates
+    def append_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
+        """Append `block_ids` after the blocks already in row `row_idx`."""
+        row = self._check_row(row_idx)
+        ids = self._check_block_ids(block_ids)
+        start = int(self.num_blocks_per_row[row])
+        end = start + ids.size
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"row {row} would hold {end} blocks, more than the table width "
+                f"max_num_blocks_per_req={self.max_num_blocks_per_req} (allowed [0, "
+                f"{self.max_num_blocks_per_req}])"
+            )
+        self.block_table[row, start:end] = ids
+        self.num_blocks_per_row[row] = end
+
+    def add_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
+        """Replace row `row_idx` with exactly `block_ids`."""
+        row = self._check_row(row_idx)
+        ids = self._check_block_ids(block_ids)
+        if ids.size > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"{ids.size} blocks exceed the table width max_num_blocks_per_req="
+                f"{self.max_num_blocks_per_req} (allowed [0, {self.max_num_blocks_per_req}])"
+            )
+        self.block_table[row] = NULL_BLOCK_ID
+        self.block_table[row, : ids.size] = ids
+        self.num_blocks_per_row[row] = ids.size
+
+    def clear_row(self, row_idx: int) -> None:
+        """Empty row `row_idx` (all null blocks)."""
+        row = self._check_row(row_idx)
+        self.block_table[row] = NULL_BLOCK_ID
+        self.num_blocks_per_row[row] = 0
+
+    def move_row(self, src: int, tgt: int) -> None:
+        """Copy row `src` onto row `tgt` (the source row is left as it was)."""
+        s = self._check_row(src, "src")
+        t = self._check_row(tgt, "tgt")
+        self.block_table[t] = self.block_table[s]
+        self.num_blocks_per_row[t] = self.num_blocks_per_row[s]
+
+    def swap_row(self, src: int, tgt: int) -> None:
+        """Exchange rows `src` and `tgt`."""
+        s = self._check_row(src, "src")
+        t = self._check_row(tgt, "tgt")
+        self.block_table[[s, t]] = self.block_table[[t, s]]
+        self.num_blocks_per_row[[s, t]] = self.num_blocks_per_row[[t, s]]
+
+    def condense(self, empty_rows: Sequence[int], num_rows: int) -> list[tuple[int, int]]:
+        """Close the holes `empty_rows` among rows `[0, num_rows)` (vLLM's `condense`).
+
+        The highest occupied rows move down into the lowest holes, so that the
+        `num_rows - len(empty_rows)` live rows end up in `[0, n)`; every row from
+        `n` up is cleared. Returns the `(src, tgt)` moves made, in order, so the
+        caller can update its request-to-row map.
+        """
+        if not 0 <= int(num_rows) <= self.max_num_reqs:
+            raise ValueError(f"num_rows {num_rows} is out of range [0, {self.max_num_reqs}]")
+        num_rows = int(num_rows)
+        given = [int(r) for r in empty_rows]
+        for r in given:
+            if not 0 <= r < num_rows:
+                raise ValueError(f"empty row {r} is out of range [0, {num_rows})")
+        holes = sorted(set(given))
+        if len(holes) != len(given):
+            raise ValueError(f"empty_rows {given} contains duplicates")
+        hole_set = set(holes)
+        live_high = [r for r in range(num_rows - 1, -1, -1) if r not in hole_set]
+        num_live = num_rows - len(holes)
+        # The holes below `num_live` and the live rows at or above it are equally many.
+        low_holes = [h for h in holes if h < num_live]
+        moves = list(zip(live_high[: len(low_holes)], low_holes, strict=True))
+        for src, tgt in moves:
+            self.move_row(src, tgt)
+        self.block_table[num_live:num_rows] = NULL_BLOCK_ID
+        self.num_blocks_per_row[num_live:num_rows] = 0
+        return moves
+
+    def clear(self) -> None:
+        """Empty every row."""
+        self.block_table.fill(NULL_BLOCK_ID)
+        self.num_blocks_per_row.fill(0)
+
+    # ---------------------------------------------------------------- queries
+    def get_numpy_array(self) -> np.ndarray:
+        """The live table (a view, not a copy)."""
+        return self.block_table
+
+    def compute_slot_mapping(
+        self, req_indices: np.ndarray | Sequence[int], positions: np.ndarray | Sequence[int]
+    ) -> np.ndarray:
+        """Cache slot of each token: `table[req, pos // bs] * bs + pos % bs` (int32).
+
+        `req_indices[i]` is the row of token `i`, `positions[i]` its position in
+        its request. Every token must land in a block the row holds (never the
+        null block): otherwise ValueError naming the token and the allowed range.
+        """
+        req = np.asarray(req_indices)
+        pos = np.asarray(positions)
+        if req.ndim != 1 or pos.shape != req.shape:
+            raise ValueError(
+                f"req_indices and positions must be 1-D of equal length, got shapes "
+                f"{req.shape} and {pos.shape}"
+            )
+        if req.size == 0:
+            return np.zeros(0, np.int32)
+        for name, arr in (("req_indices", req), ("positions", pos)):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"{name} must be integers, got dtype {arr.dtype}")
+        bad = (req < 0) | (req >= self.max_num_reqs)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"req_indices[{i}] = {int(req[i])} is out of range [0, {self.max_num_reqs})"
+            )
+        width_tokens = self.max_num_blocks_per_req * self.block_size
+        bad = (pos < 0) | (pos >= width_tokens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"positions[{i}] = {int(pos[i])} is out of range [0, {width_tokens}) "
+                f"(table width {self.max_num_blocks_per_req} blocks of {self.block_size})"
+            )
+        block_idx = pos // self.block_size
+        held = self.num_blocks_per_row[req]
+        bad = block_idx >= held
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"positions[{i}] = {int(pos[i])} of row {int(req[i])} is beyond the "
+                f"row's {int(held[i])} blocks (allowed [0, {int(held[i]) * self.block_size}))"
+            )
+        block_ids = self.block_table[req, block_idx].astype(np.int64)
+        bad = block_ids == NULL_BLOCK_ID
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"positions[{i}] = {int(pos[i])} of row {int(req[i])} maps to the null "
+                f"block {NULL_BLOCK_ID}, which is never written"
+            )
+        slots = block_ids * self.block_size + pos % self.block_size
+        return slots.astype(np.int32)

@@ -1,0 +1,44 @@
+"""Device side of jaxkv: sharded paged KV caches, paged attention, step metadata.
+
+Never imports the host scheduler (`jaxkv.kv_cache_manager`, `jaxkv.block_pool`, ...):
+the host hands over plain int32 numpy data, the device makes no allocation decisions.
+"""
+
+from jaxkv.device.attention import ragged_paged_attention
+from jaxkv.device.compile_guard import (
+    CompilationCounter,
+    CompilationError,
+    compilation_count,
+    no_compilation,
+)
+from jaxkv.device.kv_cache import PagedKVCache
+from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
+from jaxkv.device.step_metadata import (
+    StepInputs,
+    StepMetadata,
+    StepMetadataPacker,
+    StepShape,
+    padding_buckets,
+    pick_bucket,
+    unpack_step,
+)
+
+__all__ = [
+    "DATA_AXIS",
+    "MODEL_AXIS",
+    "CompilationCounter",
+    "CompilationError",
+    "KVLayout",
+    "PagedKVCache",
+    "StepInputs",
+    "StepMetadata",
+    "StepMetadataPacker",
+    "StepShape",
+    "compilation_count",
+    "make_mesh",
+    "no_compilation",
+    "padding_buckets",
+    "pick_bucket",
+    "ragged_paged_attention",
+    "unpack_step",
+]

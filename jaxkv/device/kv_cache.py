@@ -1,0 +1,377 @@
+"""Preallocated, sharded paged KV caches and their jitted in-place updates.
+
+Layout of one layer's cache: `[dp * num_blocks, block_size, 2 * kv_heads, head_size]`
+with K and V interleaved per head (combined head `2h` is K of head `h`, `2h+1`
+its V), so any contiguous slice of heads carries its own K and V — a model-axis
+shard is self-contained, and the layout is the one JAX's TPU ragged paged
+attention kernel reads. The leading axis is split over the mesh's data axis:
+data rank `d` owns blocks `[d * num_blocks, (d+1) * num_blocks)` and addresses
+them with local ids `[0, num_blocks)`; block 0 of each rank is its null block.
+
+All updates are jitted with the cache donated, so XLA updates the buffer in
+place: the cost follows the tokens (or blocks) touched, not the cache size.
+Every host input is validated before anything is sent: a bad slot, block id,
+shape or dtype raises `ValueError` naming the value and the allowed range.
+
+Token-indexed inputs of a data-parallel cache are rank-major: with `dp` ranks
+and `T` tokens per rank, rows `[d*T, (d+1)*T)` belong to rank `d` and their
+slots are local to that rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
+from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
+from jaxkv.device.step_metadata import StepShape, padding_buckets, pick_bucket, unpack_step
+from jaxkv.device.storage import (
+    DTypeLike,
+    from_storage,
+    resolve_dtype,
+    resolve_storage_dtype,
+    to_storage,
+)
+from jaxkv.kv_cache_interface import AttentionSpec
+
+
+def _write_local(kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage):
+    nb, bs, combined, d = kv.shape
+    # Two scatters straight into the K and V lanes: no interleaved temporary.
+    flat = kv.reshape(nb * bs, combined // 2, 2, d)
+    flat = flat.at[slots, :, 0].set(to_storage(k, compute, storage), mode="drop")
+    flat = flat.at[slots, :, 1].set(to_storage(v, compute, storage), mode="drop")
+    return flat.reshape(kv.shape)
+
+
+def _copy_local(kv: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    return kv.at[dst].set(kv[src], mode="drop")
+
+
+def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
+    return kv.at[ids].set(jnp.zeros((), kv.dtype), mode="drop")
+
+
+def _read_local(kv: jax.Array, slots: jax.Array, compute) -> tuple[jax.Array, jax.Array]:
+    nb, bs, combined, d = kv.shape
+    rows = from_storage(kv.reshape(nb * bs, combined, d)[slots], compute)
+    return rows[:, 0::2], rows[:, 1::2]
+
+
+class PagedKVCache:
+    """Allocator and jitted updates for paged KV caches of one attention spec.
+
+    Invariants: every array it allocates has `shape`, `storage_dtype` and
+    `sharding`; every update keeps them (donated, in place). `num_blocks` is the
+    per-data-rank block count and `padding_slot = num_blocks * block_size` the
+    one out-of-range slot the scatter drops.
+    """
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        num_blocks: int,
+        *,
+        mesh: Mesh | None = None,
+        head_policy: str = "auto",
+        storage_dtype: DTypeLike | None = "auto",
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}"
+            )
+        if num_blocks * spec.block_size >= np.iinfo(np.int32).max:
+            raise ValueError(
+                f"num_blocks * block_size = {num_blocks * spec.block_size} exceeds the "
+                f"int32 slot range [0, {np.iinfo(np.int32).max})"
+            )
+        mesh = mesh if mesh is not None else make_mesh(1, 1, jax.local_devices()[:1])
+        self.layout = KVLayout.plan(mesh, spec.num_kv_heads, head_policy)
+        self.mesh = self.layout.mesh
+        self.platform = self.mesh.devices.flat[0].platform
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_size = spec.head_size
+        self.num_blocks = num_blocks
+        self.dp_size = self.layout.dp_size
+        self.dtype = resolve_dtype(spec.dtype)
+        self.storage_dtype = resolve_storage_dtype(self.dtype, storage_dtype, self.platform)
+        self.padding_slot = num_blocks * spec.block_size
+        self.shape = (
+            self.dp_size * num_blocks,
+            spec.block_size,
+            2 * spec.num_kv_heads,
+            spec.head_size,
+        )
+        self.sharding = self.layout.cache_sharding()
+        self.id_buckets = padding_buckets(num_blocks)
+        head = self.layout.head_axis
+        self._token_spec = P(DATA_AXIS, head, None)
+        self._rank_spec = P(DATA_AXIS)
+        cache_spec = self.layout.cache_spec
+
+        def sharded(fn, in_specs, out_specs):
+            return jax.shard_map(
+                fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            )
+
+        c, s = self.dtype, self.storage_dtype
+        self._write = jax.jit(
+            sharded(
+                functools.partial(_write_local, compute=c, storage=s),
+                (cache_spec, self._token_spec, self._token_spec, self._rank_spec),
+                cache_spec,
+            ),
+            donate_argnums=0,
+        )
+        self._copy = jax.jit(
+            sharded(_copy_local, (cache_spec, self._rank_spec, self._rank_spec), cache_spec),
+            donate_argnums=0,
+        )
+        self._zero = jax.jit(
+            sharded(_zero_local, (cache_spec, self._rank_spec), cache_spec), donate_argnums=0
+        )
+        self._read = jax.jit(
+            sharded(
+                functools.partial(_read_local, compute=c),
+                (cache_spec, self._rank_spec),
+                (self._token_spec, self._token_spec),
+            )
+        )
+        self._step_fns: dict[tuple, object] = {}
+
+    # --------------------------------------------------------------- sizing
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of one layer's cache across all devices (without replication)."""
+        return int(np.prod(self.shape)) * self.storage_dtype.itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes of one layer's cache on each device, replication included."""
+        heads = self.layout.kv_heads_per_device
+        return (
+            self.num_blocks
+            * self.block_size
+            * 2
+            * heads
+            * self.head_size
+            * (self.storage_dtype.itemsize)
+        )
+
+    # ----------------------------------------------------------- allocation
+    def allocate(self, num_layers: int = 1) -> list[jax.Array]:
+        """Zeroed caches for `num_layers` layers, created on device by one jitted call."""
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        shape, dtype = self.shape, self.storage_dtype
+        alloc = jax.jit(
+            lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            out_shardings=tuple(self.sharding for _ in range(num_layers)),
+        )
+        return list(alloc())
+
+    # ------------------------------------------------------------ validation
+    def _check_cache(self, kv: jax.Array) -> None:
+        if kv.shape != self.shape or kv.dtype != self.storage_dtype:
+            raise ValueError(
+                f"cache has shape {kv.shape} dtype {kv.dtype}; this PagedKVCache expects "
+                f"shape {self.shape} dtype {self.storage_dtype}"
+            )
+
+    def _check_ids(
+        self, name: str, ids: np.ndarray | Sequence[int], lo: int, hi: int, pad: int | None = None
+    ) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"{name} must be a 1-D integer array, got {arr.dtype}{arr.shape}")
+        if arr.size % self.dp_size:
+            raise ValueError(
+                f"{name} has {arr.size} entries, not a multiple of the {self.dp_size} data ranks"
+            )
+        bad = (arr < lo) | (arr >= hi)
+        if pad is not None:
+            bad &= arr != pad
+        if bad.any():
+            value = int(arr[np.argmax(bad)])
+            extra = f" or the padding value {pad}" if pad is not None else ""
+            raise ValueError(f"{name} value {value} is out of range [{lo}, {hi}){extra}")
+        return arr.astype(np.int32)
+
+    def _check_tokens(self, name: str, x: jax.Array, num_tokens: int) -> None:
+        want = (num_tokens, self.num_kv_heads, self.head_size)
+        if tuple(x.shape) != want or x.dtype != self.dtype:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)} dtype {x.dtype}; expected shape {want} "
+                f"dtype {self.dtype}"
+            )
+
+    def put(self, arr: np.ndarray, spec: P | None = None) -> jax.Array:
+        """Place a host array (the same on every process) on this cache's mesh."""
+        sharding = NamedSharding(self.mesh, P(DATA_AXIS) if spec is None else spec)
+        if jax.process_count() == 1:
+            return jax.device_put(arr, sharding)
+        return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+    def _pad_ids(self, arr: np.ndarray, fill: int) -> np.ndarray:
+        """Pad each rank's ids to a bucket so few programs are compiled."""
+        per_rank = arr.reshape(self.dp_size, -1)
+        size = pick_bucket(max(per_rank.shape[1], 1), self.id_buckets)
+        out = np.full((self.dp_size, size), fill, np.int32)
+        out[:, : per_rank.shape[1]] = per_rank
+        return out.reshape(-1)
+
+    # --------------------------------------------------------------- updates
+    def write_kv(
+        self, kv: jax.Array, new_k: jax.Array, new_v: jax.Array, slots: np.ndarray
+    ) -> jax.Array:
+        """Write `new_k/new_v [dp*T, kv_heads, head_size]` at `slots [dp*T]` (donates `kv`).
+
+        Slots are local to their data rank, outside the null block:
+        `[block_size, padding_slot)`, or `padding_slot` for a padding token.
+        """
+        self._check_cache(kv)
+        slots = self._check_ids(
+            "slot", slots, self.block_size, self.padding_slot, pad=self.padding_slot
+        )
+        self._check_tokens("new_k", new_k, slots.size)
+        self._check_tokens("new_v", new_v, slots.size)
+        return self._write(kv, new_k, new_v, self.put(slots, self._rank_spec))
+
+    def copy_blocks(
+        self, kv: jax.Array, src: np.ndarray | Sequence[int], dst: np.ndarray | Sequence[int]
+    ) -> jax.Array:
+        """Copy block `src[i]` onto block `dst[i]` (all reads before any write; donates `kv`)."""
+        self._check_cache(kv)
+        src_ids = self._check_ids("src block id", src, 1, self.num_blocks)
+        dst_ids = self._check_ids("dst block id", dst, 1, self.num_blocks)
+        if src_ids.shape != dst_ids.shape:
+            raise ValueError(f"src has {src_ids.size} ids but dst has {dst_ids.size}")
+        for rank, row in enumerate(dst_ids.reshape(self.dp_size, -1)):
+            uniq, counts = np.unique(row, return_counts=True)
+            if (counts > 1).any():
+                raise ValueError(
+                    f"dst block id {int(uniq[np.argmax(counts > 1)])} appears more than once "
+                    f"(data rank {rank}); each destination may be written once"
+                )
+        if src_ids.size == 0:
+            return kv
+        src_p = self.put(self._pad_ids(src_ids, 0), self._rank_spec)
+        dst_p = self.put(self._pad_ids(dst_ids, self.num_blocks), self._rank_spec)
+        return self._copy(kv, src_p, dst_p)
+
+    def zero_blocks(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
+        """Zero blocks `ids` (e.g. the pool's freed blocks; donates `kv`)."""
+        self._check_cache(kv)
+        arr = self._check_ids("block id", ids, 0, self.num_blocks)
+        if arr.size == 0:
+            return kv
+        return self._zero(kv, self.put(self._pad_ids(arr, self.num_blocks), self._rank_spec))
+
+    def lower_write_kv(self, num_tokens: int) -> jax.stages.Lowered:
+        """The lowered `write_kv` program for `num_tokens` tokens per data rank.
+
+        `.compile().memory_analysis()` shows the donation at work: the cache is
+        aliased to the output and the temporaries follow the tokens written.
+        """
+        tokens = jax.ShapeDtypeStruct(
+            (self.dp_size * num_tokens, self.num_kv_heads, self.head_size),
+            self.dtype,
+            sharding=NamedSharding(self.mesh, self._token_spec),
+        )
+        return self._write.lower(
+            jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding),
+            tokens,
+            tokens,
+            jax.ShapeDtypeStruct(
+                (self.dp_size * num_tokens,),
+                np.int32,
+                sharding=NamedSharding(self.mesh, self._rank_spec),
+            ),
+        )
+
+    def read_kv(self, kv: jax.Array, slots: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Gather `(k, v)` at `slots` (rank-major, local ids) in the compute dtype."""
+        self._check_cache(kv)
+        slots = self._check_ids("slot", slots, 0, self.padding_slot)
+        return self._read(kv, self.put(slots, self._rank_spec))
+
+    # ------------------------------------------------------------ the step
+    def step(
+        self,
+        kv: jax.Array,
+        q: jax.Array,
+        new_k: jax.Array,
+        new_v: jax.Array,
+        metadata: jax.Array,
+        shape: StepShape,
+        *,
+        sm_scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        impl: AttentionImpl = "auto",
+    ) -> tuple[jax.Array, jax.Array]:
+        """One layer's step: write this step's K/V, then ragged paged attention.
+
+        `metadata` is the packed `[dp, shape.length]` buffer already on device
+        (`StepMetadataPacker.pack` + `put`, one transfer); `q [dp*T, Hq, D]`,
+        `new_k/new_v [dp*T, kv_heads, D]` with `T = shape.num_tokens`. Donates
+        `kv`; returns the updated cache and the attention output `[dp*T, Hq, D]`.
+        """
+        self._check_cache(kv)
+        tokens = self.dp_size * shape.num_tokens
+        self._check_tokens("new_k", new_k, tokens)
+        self._check_tokens("new_v", new_v, tokens)
+        if q.ndim != 3 or q.shape[0] != tokens or q.shape[2] != self.head_size:
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}; expected [{tokens}, num_q_heads, {self.head_size}]"
+            )
+        if metadata.shape != (self.dp_size, shape.length) or metadata.dtype != jnp.int32:
+            raise ValueError(
+                f"metadata has shape {metadata.shape} dtype {metadata.dtype}; expected "
+                f"({self.dp_size}, {shape.length}) int32"
+            )
+        scale = float(self.head_size**-0.5 if sm_scale is None else sm_scale)
+        key = (shape, q.shape[1], q.dtype, scale, sliding_window, soft_cap, impl)
+        fn = self._step_fns.get(key)
+        if fn is None:
+            fn = self._step_fns[key] = self._build_step(*key)
+        return fn(kv, q, new_k, new_v, metadata)
+
+    def _build_step(self, shape, num_q_heads, q_dtype, scale, window, soft_cap, impl):
+        q_axis = self.layout.q_head_axis(num_q_heads)
+        replicated_kv_split_q = q_axis is not None and not self.layout.heads_sharded
+        group = num_q_heads // self.num_kv_heads
+        per_rank = num_q_heads // self.layout.model_size
+
+        def local(kv, q, k, v, buf):
+            md = unpack_step(buf[0], shape)
+            kv = _write_local(kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype)
+            kv_head = None
+            if replicated_kv_split_q:
+                kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group
+            out = ragged_paged_attention(
+                q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
+                sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
+                kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
+            )  # fmt: skip
+            return kv, out
+
+        cache_spec = self.layout.cache_spec
+        q_spec = P(DATA_AXIS, q_axis, None)
+        fn = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, P(DATA_AXIS)),
+            out_specs=(cache_spec, q_spec),
+            check_vma=False,
+        )
+        return jax.jit(fn, donate_argnums=0)

@@ -1,0 +1,160 @@
+"""Device meshes and the placement of KV heads on them.
+
+A mesh has two named axes: `data` (independent replicas of the serving batch,
+each owning its own block pool with local block ids) and `model` (tensor
+parallelism: KV heads are split across it).
+
+When the number of KV heads is not divisible by the model-axis size, there are
+two ways out, both selectable (`KVLayout.plan(..., policy=...)`):
+
+* ``"replicate"`` — **the default** (what vLLM does under tensor parallelism):
+  the mesh is unchanged, every model rank holds all KV heads; query heads stay
+  split when that keeps each rank inside one KV head. Memory per device is
+  `replication` times the sharded cost, and `KVLayout.replication` reports it.
+* ``"data_parallel"`` — the spare model parallelism becomes data parallelism:
+  the model axis shrinks to the largest size `g` dividing both the model-axis
+  size and `num_kv_heads`, and the data axis grows by `model // g`. No head is
+  stored twice, but each new data rank serves its own requests from its own
+  block pool, and the weights must be laid out for the smaller model axis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+HeadPolicy = Literal["auto", "shard", "replicate", "data_parallel"]
+_POLICIES = ("auto", "shard", "replicate", "data_parallel")
+
+
+def make_mesh(
+    data: int = 1,
+    model: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A `(data, model)` mesh over `devices` (default: all devices, all on the model axis).
+
+    Uses exactly `data * model` devices, the first ones in `devices` order.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    if data <= 0:
+        raise ValueError(f"data axis size must be positive, got {data}")
+    if model is None:
+        if len(devs) % data:
+            raise ValueError(
+                f"data axis size {data} does not divide the {len(devs)} available devices"
+            )
+        model = len(devs) // data
+    if model <= 0 or data * model > len(devs):
+        raise ValueError(
+            f"mesh data={data} x model={model} needs {data * model} devices; "
+            f"allowed: 1 to {len(devs)} available"
+        )
+    grid = np.array(devs[: data * model], dtype=object).reshape(data, model)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where the KV heads of one cache live on a `(data, model)` mesh.
+
+    Invariant: `mesh` has exactly the axes `(data, model)`; with `heads_sharded`
+    the model-axis size divides `num_kv_heads`, otherwise every model rank holds
+    all heads and `replication` equals the model-axis size.
+    """
+
+    mesh: Mesh
+    num_kv_heads: int
+    heads_sharded: bool
+    policy: str
+
+    @classmethod
+    def plan(cls, mesh: Mesh, num_kv_heads: int, policy: HeadPolicy = "auto") -> KVLayout:
+        """Place `num_kv_heads` on `mesh`; "auto" shards when it can, else replicates."""
+        if policy not in _POLICIES:
+            raise ValueError(f"unknown KV head policy {policy!r}; choose one of {_POLICIES}")
+        if tuple(mesh.axis_names) != (DATA_AXIS, MODEL_AXIS):
+            raise ValueError(
+                f"mesh axes must be {(DATA_AXIS, MODEL_AXIS)}, got {tuple(mesh.axis_names)}"
+            )
+        if num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be positive, got {num_kv_heads}")
+        model = mesh.shape[MODEL_AXIS]
+        divisible = num_kv_heads % model == 0
+        if policy == "shard" and not divisible:
+            raise ValueError(
+                f"num_kv_heads={num_kv_heads} cannot be sharded over a model axis of size "
+                f"{model}; it must be a multiple of {model} (or choose 'replicate' / "
+                f"'data_parallel')"
+            )
+        if policy == "replicate":
+            return cls(mesh, num_kv_heads, heads_sharded=model == 1, policy=policy)
+        if divisible:
+            return cls(mesh, num_kv_heads, heads_sharded=True, policy=policy)
+        if policy == "data_parallel":
+            g = math.gcd(model, num_kv_heads)
+            grid = mesh.devices.reshape(mesh.shape[DATA_AXIS] * (model // g), g)
+            return cls(Mesh(grid, (DATA_AXIS, MODEL_AXIS)), num_kv_heads, True, policy)
+        return cls(mesh, num_kv_heads, heads_sharded=False, policy="replicate")
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks, each with its own block pool."""
+        return int(self.mesh.shape[DATA_AXIS])
+
+    @property
+    def model_size(self) -> int:
+        return int(self.mesh.shape[MODEL_AXIS])
+
+    @property
+    def replication(self) -> int:
+        """How many devices of one data rank hold each KV head (1 when sharded)."""
+        return 1 if self.heads_sharded else self.model_size
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        return self.num_kv_heads // self.model_size if self.heads_sharded else self.num_kv_heads
+
+    @property
+    def head_axis(self) -> str | None:
+        """Mesh axis the KV-head dimension is split over (None: replicated)."""
+        return MODEL_AXIS if self.heads_sharded and self.model_size > 1 else None
+
+    @property
+    def cache_spec(self) -> P:
+        """Spec of a `[dp * num_blocks, block_size, 2 * kv_heads, head_size]` cache."""
+        return P(DATA_AXIS, None, self.head_axis, None)
+
+    def cache_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.cache_spec)
+
+    def q_head_axis(self, num_q_heads: int) -> str | None:
+        """Mesh axis query heads are split over in attention (None: replicated).
+
+        Sharded KV heads take their query groups along. With replicated KV heads,
+        query heads are split only when each model rank's slice lies inside one
+        KV head's group; otherwise every rank computes all heads.
+        """
+        if num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.model_size == 1:
+            return None
+        if self.heads_sharded:
+            return MODEL_AXIS
+        group = num_q_heads // self.num_kv_heads
+        per_rank = num_q_heads // self.model_size
+        if num_q_heads % self.model_size == 0 and group % per_rank == 0:
+            return MODEL_AXIS
+        return None

@@ -1,0 +1,143 @@
+"""PagedKVCache: writes/copies/zeroing vs a dense NumPy model, donation, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxkv.device import PagedKVCache
+from jaxkv.kv_cache_interface import FullAttentionSpec
+
+
+def _cache(dtype: str = "float32", num_blocks: int = 24, **kw) -> PagedKVCache:
+    return PagedKVCache(FullAttentionSpec(4, 2, 8, dtype), num_blocks, **kw)
+
+
+def _as_compute(cache: PagedKVCache, kv: jax.Array) -> np.ndarray:
+    return np.asarray(kv).view(cache.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_random_updates_match_dense_model(dtype: str) -> None:
+    rng = np.random.default_rng()
+    cache = _cache(dtype)
+    model = rng.standard_normal(cache.shape).astype(cache.dtype)  # never zeros
+    kv = jax.device_put(model.view(cache.storage_dtype), cache.sharding)
+    nb, bs = cache.num_blocks, cache.block_size
+    for _ in range(6):
+        n = int(rng.integers(1, 20))
+        slots = rng.choice(np.arange(bs, nb * bs), size=n, replace=False)
+        slots[rng.random(n) < 0.2] = cache.padding_slot  # padding is dropped
+        k = rng.standard_normal((n, 2, 8)).astype(cache.dtype)
+        v = rng.standard_normal((n, 2, 8)).astype(cache.dtype)
+        kv = cache.write_kv(kv, jnp.asarray(k), jnp.asarray(v), slots)
+        flat = model.reshape(nb * bs, 4, 8)
+        live = slots != cache.padding_slot
+        flat[slots[live], 0::2] = k[live]
+        flat[slots[live], 1::2] = v[live]
+
+        blocks = rng.permutation(np.arange(1, nb))
+        src, dst = blocks[:3], blocks[3:6]
+        kv = cache.copy_blocks(kv, src, dst)
+        model[dst] = model[src]
+        zero = rng.choice(np.arange(nb), size=2, replace=False)
+        kv = cache.zero_blocks(kv, zero)
+        model[zero] = 0
+        np.testing.assert_array_equal(_as_compute(cache, kv), model)
+
+    read_slots = rng.choice(np.arange(nb * bs), size=7, replace=False)
+    rk, rv = cache.read_kv(kv, read_slots)
+    flat = model.reshape(nb * bs, 4, 8)
+    np.testing.assert_array_equal(np.asarray(rk), flat[read_slots, 0::2])
+    np.testing.assert_array_equal(np.asarray(rv), flat[read_slots, 1::2])
+
+
+def test_bf16_storage_keeps_bits_and_defaults_to_uint16_on_cpu() -> None:
+    cache = _cache("bfloat16")
+    assert cache.storage_dtype == np.uint16
+    assert _cache("bfloat16", storage_dtype="bfloat16").storage_dtype == ml_dtypes.bfloat16
+    assert _cache("float32").storage_dtype == np.float32
+    with pytest.raises(ValueError, match=r"storage dtype uint8 \(1 bytes\) must have the width"):
+        _cache("bfloat16", storage_dtype="uint8")
+    (kv,) = cache.allocate()
+    k = jnp.asarray(np.random.default_rng().standard_normal((1, 2, 8)), jnp.bfloat16)
+    kv = cache.write_kv(kv, k, -k, np.array([5]))
+    stored = np.asarray(kv)[1, 1].view(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(stored[0::2], np.asarray(k)[0])
+    np.testing.assert_array_equal(stored[1::2], -np.asarray(k)[0])
+
+
+def test_allocate_creates_sharded_zeroed_layers() -> None:
+    cache = _cache()
+    layers = cache.allocate(num_layers=3)
+    assert len(layers) == 3
+    for kv in layers:
+        assert kv.shape == (24, 4, 4, 8) and kv.dtype == np.float32
+        assert kv.sharding.is_equivalent_to(cache.sharding, kv.ndim)
+        assert not np.asarray(kv).any()
+    assert cache.cache_bytes == cache.bytes_per_device == 24 * 4 * 4 * 8 * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_donation_updates_in_place(dtype: str) -> None:
+    """The compiled update aliases the cache; its temporaries follow the tokens, not the cache."""
+    temps = []
+    for num_blocks in (512, 4096):
+        cache = _cache(dtype, num_blocks=num_blocks)
+        stats = cache.lower_write_kv(32).compile().memory_analysis()
+        assert stats.alias_size_in_bytes == cache.cache_bytes
+        assert stats.temp_size_in_bytes < 0.05 * cache.cache_bytes
+        temps.append(stats.temp_size_in_bytes)
+    assert temps[0] == temps[1], f"temporary bytes grew with the cache: {temps}"
+
+    cache = _cache(dtype)
+    (kv,) = cache.allocate()
+    k = jnp.ones((2, 2, 8), cache.dtype)
+    new = cache.write_kv(kv, k, k, np.array([4, 9]))
+    assert kv.is_deleted(), "the input cache must be donated"
+    new2 = cache.copy_blocks(new, [1], [2])
+    assert new.is_deleted()
+    new3 = cache.zero_blocks(new2, [1])
+    assert new2.is_deleted() and not new3.is_deleted()
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([3, 8])), r"slot value 3 .*\[4, 96\)"),
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8, 97])), r"slot value 97"),
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([-1, 8])), r"slot value -1"),
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8])), r"new_k has shape \(2, 2, 8\)"),
+        (
+            lambda c, kv, k: c.write_kv(kv, k.astype(jnp.bfloat16), k, np.array([8, 9])),
+            r"dtype bfloat16; expected shape \(2, 2, 8\) dtype float32",
+        ),
+        (
+            lambda c, kv, k: c.write_kv(kv[:3], k, k, np.array([8, 9])),
+            r"cache has shape \(3, 4, 4, 8\)",
+        ),
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8.0, 9.0])), r"1-D integer array"),
+        (lambda c, kv, k: c.copy_blocks(kv, [1, 2], [3]), r"src has 2 ids but dst has 1"),
+        (lambda c, kv, k: c.copy_blocks(kv, [1, 2], [3, 3]), r"dst block id 3 appears more"),
+        (lambda c, kv, k: c.copy_blocks(kv, [1], [24]), r"dst block id value 24 .*\[1, 24\)"),
+        (lambda c, kv, k: c.copy_blocks(kv, [0], [5]), r"src block id value 0"),
+        (lambda c, kv, k: c.zero_blocks(kv, [24]), r"block id value 24 is out of range \[0, 24\)"),
+    ],
+)
+def test_bad_input_raises_before_the_device(call, match) -> None:
+    cache = _cache()
+    (kv,) = cache.allocate()
+    k = jnp.ones((2, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        call(cache, kv, k)
+    assert not kv.is_deleted(), "a rejected call must not consume the cache"
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(ValueError, match="num_blocks must be at least 2"):
+        _cache(num_blocks=1)
+    with pytest.raises(ValueError, match="unknown KV head policy 'spread'"):
+        _cache(head_policy="spread")

@@ -1,0 +1,183 @@
+"""Sharded caches on 8 simulated CPU devices give the single-device results.
+
+The checks run in a subprocess started with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (the flag must be set
+before JAX starts), so the rest of the suite keeps its single CPU device.
+`run_layout` is shared with the multi-process test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_device_attention import query_kv, random_case, reference_attention, rel_error
+
+from jaxkv.device import DATA_AXIS, PagedKVCache, StepInputs, StepMetadataPacker, make_mesh
+from jaxkv.kv_cache_interface import FullAttentionSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def to_numpy(x: jax.Array) -> np.ndarray:
+    """The whole array on the host, also when other processes hold parts of it."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def run_layout(
+    mesh: Mesh, *, num_kv_heads: int, group: int, policy: str, seed: int
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """One step (write + attention), a block copy and zeroing on `mesh` and on one device.
+
+    Returns metrics (the largest differences between the two, the attention
+    error against the float64 reference) and the sharded run's output and
+    cache; raises AssertionError on a wrong placement.
+    """
+    rng = np.random.default_rng(seed)
+    spec = FullAttentionSpec(4, num_kv_heads, 8, "float32")
+    num_blocks = 32
+    sharded = PagedKVCache(spec, num_blocks, mesh=mesh, head_policy=policy)
+    single = PagedKVCache(spec, num_blocks, mesh=make_mesh(1, 1, jax.local_devices()[:1]))
+    dp = sharded.dp_size
+    cases = []
+    for _ in range(dp):
+        seq = rng.integers(1, 21, size=3)
+        q_lens = np.minimum(rng.integers(1, 6, size=3), seq)
+        cases.append(
+            random_case(
+                rng, seq.tolist(), q_lens.tolist(), num_kv_heads=num_kv_heads, group=group,
+                num_blocks=num_blocks, pad_tokens=0, cache=single,
+            )
+        )  # fmt: skip
+    packer = StepMetadataPacker(
+        max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=5, block_size=4,
+        num_blocks=num_blocks,
+    )  # fmt: skip
+    buf, shape = packer.pack(
+        [StepInputs(c.block_tables[:3], c.seq_lens[:3], c.q_lens, c.slots) for c in cases]
+    )
+    t = shape.num_tokens
+    qs, ks, vs = [], [], []
+    for c in cases:
+        n = int(c.q_lens.sum())
+        qp = np.full((t, *c.q.shape[1:]), np.nan, np.float32)
+        qp[:n] = c.q[:n]
+        k, v = query_kv(c)
+        pad = rng.standard_normal((t - n, *k.shape[1:])).astype(np.float32)
+        qs.append(qp)
+        ks.append(np.concatenate([k, pad]))
+        vs.append(np.concatenate([v, pad]))
+    src = np.concatenate([rng.permutation(np.arange(1, num_blocks))[:3] for _ in range(dp)])
+    dst = np.concatenate([rng.permutation(np.arange(1, num_blocks))[:3] for _ in range(dp)])
+    zero = np.concatenate([rng.permutation(np.arange(num_blocks))[:2] for _ in range(dp)])
+
+    initial = np.concatenate([np.asarray(c.kv) for c in cases])
+    single_out, single_kv = [], []
+    for d, c in enumerate(cases):
+        kv, out = single.step(
+            c.kv, jnp.asarray(qs[d]), jnp.asarray(ks[d]), jnp.asarray(vs[d]),
+            packer.put(buf[d : d + 1]), shape, sm_scale=0.3,
+        )  # fmt: skip
+        kv = single.copy_blocks(kv, src[3 * d : 3 * d + 3], dst[3 * d : 3 * d + 3])
+        kv = single.zero_blocks(kv, zero[2 * d : 2 * d + 2])
+        single_out.append(np.asarray(out))
+        single_kv.append(np.asarray(kv))
+
+    kv = sharded.put(initial, sharded.layout.cache_spec)
+    kv, out = sharded.step(
+        kv,
+        sharded.put(np.concatenate(qs)),
+        sharded.put(np.concatenate(ks)),
+        sharded.put(np.concatenate(vs)),
+        packer.put(buf, NamedSharding(sharded.mesh, P(DATA_AXIS))),
+        shape,
+        sm_scale=0.3,
+    )
+    kv = sharded.copy_blocks(kv, src, dst)
+    kv = sharded.zero_blocks(kv, zero)
+    heads = sharded.layout.kv_heads_per_device
+    for shard in kv.addressable_shards:
+        assert shard.data.shape == (num_blocks, 4, 2 * heads, 8), shard.data.shape
+        assert shard.data.nbytes == sharded.bytes_per_device
+    assert kv.sharding.is_equivalent_to(sharded.sharding, 4)
+    out_np, kv_np = to_numpy(out), to_numpy(kv)
+    errors = []
+    for d, c in enumerate(cases):
+        n = int(c.q_lens.sum())
+        want = reference_attention(c, sm_scale=0.3)
+        errors.append(rel_error(out_np[d * t : d * t + n], want[:n]))
+    metrics = {
+        "dp": dp,
+        "model": sharded.layout.model_size,
+        "replication": sharded.layout.replication,
+        "out_diff": float(np.abs(out_np - np.concatenate(single_out)).max()),
+        "kv_diff": float(np.nanmax(np.abs(kv_np - np.concatenate(single_kv)))),
+        "kv_nan_match": bool((np.isnan(kv_np) == np.isnan(np.concatenate(single_kv))).all()),
+        "ref_err": max(errors),
+        "padded_rows_zero": all(
+            not out_np[d * t + int(c.q_lens.sum()) : (d + 1) * t].any() for d, c in enumerate(cases)
+        ),
+    }
+    return metrics, {"out": out_np, "kv": kv_np}
+
+
+LAYOUTS = {
+    # name: (data, model, kv_heads, q-per-kv group, policy)
+    "heads_sharded": (1, 8, 8, 2, "auto"),
+    "data2_heads4": (2, 4, 4, 1, "auto"),
+    "replicated_q_split": (1, 8, 2, 4, "replicate"),
+    "replicated_q_replicated": (1, 8, 2, 3, "auto"),
+    "spare_model_to_data": (1, 8, 2, 2, "data_parallel"),
+}
+EXPECTED_PLACEMENT = {  # (dp, model, replication) after planning
+    "heads_sharded": (1, 8, 1),
+    "data2_heads4": (2, 4, 1),
+    "replicated_q_split": (1, 8, 8),
+    "replicated_q_replicated": (1, 8, 8),
+    "spare_model_to_data": (4, 2, 1),
+}
+
+
+def _main(seed: int) -> None:
+    assert jax.device_count() == 8, jax.devices()
+    results = {}
+    for name, (data, model, heads, group, policy) in LAYOUTS.items():
+        results[name], _ = run_layout(
+            make_mesh(data, model), num_kv_heads=heads, group=group, policy=policy, seed=seed
+        )
+    print("RESULTS " + json.dumps(results))
+
+
+def test_sharded_layouts_match_single_device() -> None:
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, str(seed)], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS ") :])
+    assert set(results) == set(LAYOUTS)
+    for name, r in results.items():
+        assert (r["dp"], r["model"], r["replication"]) == EXPECTED_PLACEMENT[name], (name, r)
+        assert r["out_diff"] <= 1e-6, (name, seed, r)
+        assert r["kv_diff"] == 0.0 and r["kv_nan_match"], (name, seed, r)
+        assert r["ref_err"] < 1e-5, (name, seed, r)
+        assert r["padded_rows_zero"], (name, seed, r)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))

@@ -1,0 +1,183 @@
+"""Packed step metadata, buckets, the fused step, and the compile guard."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_device_attention import query_kv, random_case, reference_attention, rel_error
+
+from jaxkv.block_table import BlockTable
+from jaxkv.device import (
+    CompilationError,
+    PagedKVCache,
+    StepInputs,
+    StepMetadataPacker,
+    StepShape,
+    compilation_count,
+    no_compilation,
+    padding_buckets,
+    pick_bucket,
+    unpack_step,
+)
+from jaxkv.kv_cache_interface import FullAttentionSpec
+
+
+def test_padding_buckets() -> None:
+    assert padding_buckets(1000, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1000)
+    assert padding_buckets(16, 256) == (1, 2, 4, 8, 16)
+    assert padding_buckets(12, 4) == (1, 2, 4, 8, 12)
+    assert padding_buckets(1) == (1,)
+    assert pick_bucket(0, (1, 2, 4)) == 1 and pick_bucket(3, (1, 2, 4)) == 4
+    with pytest.raises(ValueError, match=r"size 5 is out of range \[0, 4\]"):
+        pick_bucket(5, (1, 2, 4))
+    with pytest.raises(ValueError, match="must be positive"):
+        padding_buckets(0)
+
+
+def _packer(**kw) -> StepMetadataPacker:
+    args = dict(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=4, block_size=4)
+    args.update(kw)
+    return StepMetadataPacker(num_blocks=64, **args)
+
+
+def test_pack_unpack_round_trip() -> None:
+    packer = _packer()
+    bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
+    step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), np.arange(20, 26))
+    buf, shape = packer.pack(step)
+    assert buf.shape == (1, shape.length) and buf.dtype == np.int32
+    assert shape == StepShape(num_tokens=8, num_reqs=4, max_blocks_per_req=4)
+    md = jax.jit(unpack_step, static_argnums=1)(jnp.asarray(buf[0]), shape)
+    assert int(md.num_tokens) == 6 and int(md.num_reqs) == 3
+    np.testing.assert_array_equal(md.block_tables, np.vstack([bt, np.zeros((1, 4))]))
+    np.testing.assert_array_equal(md.seq_lens, [6, 2, 10, 0])
+    np.testing.assert_array_equal(md.query_start_loc, [0, 3, 4, 6, 6])
+    np.testing.assert_array_equal(md.slot_mapping, [20, 21, 22, 23, 24, 25, 256, 256])
+    np.testing.assert_array_equal(md.positions, [3, 4, 5, 1, 8, 9, 0, 0])
+
+
+@pytest.mark.parametrize(
+    ("step", "match"),
+    [
+        (StepInputs(np.zeros((1, 3)), [4], [1], [4]), r"block_tables shape \(1, 3\)"),
+        (StepInputs(np.array([[64, 0, 0, 0]]), [4], [1], [4]), r"block id 64 .*\[0, 64\)"),
+        (StepInputs(np.zeros((1, 4), int), [17], [1], [4]), r"seq_len 17 .*\[1, 17\)"),
+        (StepInputs(np.zeros((1, 4), int), [2], [3], [4, 5, 6]), r"query_lens\[0\] = 3"),
+        (StepInputs(np.zeros((1, 4), int), [4], [2], [4]), r"slot_mapping shape \(1,\)"),
+        (StepInputs(np.zeros((1, 4), int), [4], [1], [2]), r"slot 2 .*\[4, 256\)"),
+        (StepInputs(np.zeros((1, 4), int), [4], [0], []), r"query_len 0 .*\[1, 17\)"),
+        (StepInputs(np.zeros((5, 4), int), [4] * 5, [1] * 5, [4] * 5), r"size 5 .*\[0, 4\]"),
+    ],
+)
+def test_pack_rejects_bad_steps(step: StepInputs, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _packer().pack(step)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_writes_and_attends(dtype: str) -> None:
+    rng = np.random.default_rng()
+    case = random_case(rng, [12, 7, 9, 1], [4, 1, 9, 1], dtype=dtype, pad_tokens=0)
+    cache, n = case.cache, case.num_seqs
+    packer = StepMetadataPacker(
+        max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=5, block_size=4,
+        num_blocks=cache.num_blocks,
+    )  # fmt: skip
+    step = StepInputs(case.block_tables[:n], case.seq_lens[:n], case.q_lens, case.slots)
+    buf, shape = packer.pack(step)
+    num_q = int(case.q_lens.sum())
+    pad = shape.num_tokens - num_q
+    q = np.concatenate([case.q[:num_q], np.full((pad, *case.q.shape[1:]), np.nan, cache.dtype)])
+    k, v = query_kv(case)  # the step rewrites the stored values at the query positions
+    k = np.concatenate([k, rng.standard_normal((pad, *k.shape[1:])).astype(cache.dtype)])
+    v = np.concatenate([v, rng.standard_normal((pad, *v.shape[1:])).astype(cache.dtype)])
+    before = np.asarray(case.kv)
+    kv, out = cache.step(
+        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
+        sm_scale=0.4,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(kv), before)  # same values rewritten, pads dropped
+    out = np.asarray(out).astype(np.float64)
+    want = reference_attention(case, sm_scale=0.4)
+    assert np.isfinite(out).all() and not out[num_q:].any()
+    assert rel_error(out[:num_q], want[:num_q]) < (1e-5 if dtype == "float32" else 2e-2)
+
+
+def test_step_rejects_mismatched_inputs() -> None:
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    (kv,) = cache.allocate()
+    packer = _packer()
+    shape = StepShape(4, 1, 4)
+    buf = packer.put(packer.empty(shape))
+    q = jnp.zeros((4, 4, 8))
+    k = jnp.zeros((4, 2, 8))
+    with pytest.raises(ValueError, match=r"q has shape \(3, 4, 8\); expected \[4,"):
+        cache.step(kv, q[:3], k, k, buf, shape)
+    with pytest.raises(ValueError, match=r"metadata has shape \(1, 10\)"):
+        cache.step(kv, q, k, k, buf[:, :10], shape)
+    with pytest.raises(ValueError, match="not one of this packer's bucket shapes"):
+        packer.empty(StepShape(3, 1, 4))
+    assert not kv.is_deleted()
+
+
+def _random_step(rng: np.random.Generator, packer: StepMetadataPacker) -> StepInputs:
+    bs, width = packer.block_size, packer.max_blocks_per_req
+    n_reqs = int(rng.integers(1, 5))
+    budget = int(rng.integers(n_reqs, 17))
+    q_lens = np.ones(n_reqs, int)
+    for _ in range(budget - n_reqs):
+        q_lens[rng.integers(n_reqs)] += 1
+    seq_lens = np.minimum(q_lens + rng.integers(0, 12, n_reqs), width * bs)
+    q_lens = np.minimum(q_lens, seq_lens)
+    table = BlockTable(bs, n_reqs, width, num_blocks=packer.num_blocks)
+    ids = rng.permutation(np.arange(1, packer.num_blocks))
+    for r in range(n_reqs):
+        table.add_row(ids[r * width : r * width + -(-int(seq_lens[r]) // bs)], r)
+    req = np.repeat(np.arange(n_reqs), q_lens)
+    pos = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens, q_lens, strict=True)])
+    slots = table.compute_slot_mapping(req, pos)
+    return StepInputs(table.get_numpy_array(), seq_lens, q_lens, slots)
+
+
+def test_no_compilation_after_warmup_over_200_random_steps() -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    (kv,) = cache.allocate()
+    packer = _packer()
+    hq = 4
+
+    def run(kv, buf, shape):
+        t = shape.num_tokens
+        q = jnp.asarray(rng.standard_normal((t, hq, 8)), jnp.float32)
+        k = rng.standard_normal((t, 2, 8)).astype(np.float32)
+        v = rng.standard_normal((t, 2, 8)).astype(np.float32)
+        kv, out = cache.step(kv, q, jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape)
+        return kv, out, k, v
+
+    start = compilation_count()
+    for shape in packer.all_shapes():  # warm-up: every bucket pair once
+        kv, *_ = run(kv, packer.empty(shape), shape)
+    warm = compilation_count()
+    assert warm - start >= len(packer.all_shapes()), "the counter must see warm-up compiles"
+    assert len(packer.all_shapes()) == 15  # 5 token buckets x 3 request buckets
+
+    model = np.asarray(kv).reshape(-1, 4, 8).copy()
+    seen: set[StepShape] = set()
+    with no_compilation("200 random serving steps"):
+        for _ in range(200):
+            buf, shape = packer.pack(_random_step(rng, packer))
+            seen.add(shape)
+            kv, out, k, v = run(kv, buf, shape)
+            n = int(buf[0, 0])
+            slots = buf[0, shape.length - 2 * shape.num_tokens :][:n]
+            model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
+            assert np.isfinite(np.asarray(out)).all()
+    assert len(seen) >= 8, f"the random stream should hit many buckets, hit {sorted(seen)}"
+    np.testing.assert_array_equal(np.asarray(kv).reshape(-1, 4, 8), model)
+
+    x = jnp.asarray(np.arange(5))
+    with pytest.raises(CompilationError, match=r"1 program\(s\) were compiled during probe"):
+        with no_compilation("probe"):
+            jax.jit(lambda x: x * 3 + 1)(x)
