@@ -89,8 +89,10 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
     ) -> int:
         total = 0
-        for manager, hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
-            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+        for i, manager in enumerate(self.single_type_managers):
+            total += manager.get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[i]
+            )
         return total
 
     def save_new_computed_blocks(
@@ -102,9 +104,10 @@ class KVCacheCoordinator:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(
-            [m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers]
-        )
+        new_blocks = []
+        for manager in self.single_type_managers:
+            new_blocks.append(manager.allocate_new_blocks(request_id, num_tokens))
+        return tuple(new_blocks)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for manager in self.single_type_managers:

@@ -220,7 +220,14 @@ class KVCacheManager:
             coordinator.cache_blocks(
                 request, num_tokens if num_tokens < num_request_tokens else num_request_tokens
             )
-        return KVCacheBlocks(new_blocks)
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
+        for group in blocks:
+            if group:
+                return KVCacheBlocks(blocks)
+        return self.empty_kv_cache_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
