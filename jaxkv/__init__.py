@@ -7,6 +7,12 @@ JAX; the jitted device code lives in `jaxkv.device`.
 from jaxkv.block_pool import BlockPool
 from jaxkv.block_table import BlockTable
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.encoder_cache_manager import (
+    EncoderBudget,
+    EncoderCacheManager,
+    EncoderDecoderCacheManager,
+    compute_encoder_budget,
+)
 from jaxkv.hashing import (
     NONE_HASH,
     BlockHash,
@@ -34,6 +40,7 @@ from jaxkv.kv_cache_interface import (
 )
 from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.mm_hashing import hash_mm_item, processor_kwargs_digest
 from jaxkv.request import LoRARequest, MultiModalFeatureSpec, Request, RequestStatus
 
 __all__ = [
@@ -43,10 +50,13 @@ __all__ = [
     "BlockHashListWithBlockSize",
     "BlockHashWithGroupId",
     "BlockPool",
-    "BlockTable",
     "BlockRemoved",
     "BlockStored",
+    "BlockTable",
     "ChunkedLocalAttentionSpec",
+    "EncoderBudget",
+    "EncoderCacheManager",
+    "EncoderDecoderCacheManager",
     "FreeKVCacheBlockQueue",
     "FullAttentionSpec",
     "KVCacheBlock",
@@ -63,6 +73,7 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SlidingWindowSpec",
+    "compute_encoder_budget",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
@@ -71,6 +82,8 @@ __all__ = [
     "get_none_hash_seed",
     "get_request_block_hasher",
     "hash_block_tokens",
+    "hash_mm_item",
     "init_none_hash",
     "make_block_hash_with_group_id",
+    "processor_kwargs_digest",
 ]

@@ -11,6 +11,7 @@ from jaxkv.device.compile_guard import (
     compilation_count,
     no_compilation,
 )
+from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
 from jaxkv.device.kv_cache import PagedKVCache
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
@@ -28,6 +29,8 @@ __all__ = [
     "MODEL_AXIS",
     "CompilationCounter",
     "CompilationError",
+    "EmbedPlacement",
+    "EncoderCacheStore",
     "KVLayout",
     "PagedKVCache",
     "StepInputs",
