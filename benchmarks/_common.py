@@ -38,10 +38,13 @@ def ensure_peer_process(argv: Sequence[str] | None = None) -> bool:
     if peer_available():
         return True
     peer_python = PEER_VENV / "bin" / "python"
-    if os.environ.get(_IN_PEER_ENV) or not peer_python.exists():
+    if os.environ.get(_IN_PEER_ENV):
+        print(f"[peer] vLLM does not import under {peer_python}; skipping the peer comparison.")
+        return False
+    if not peer_python.exists():
         print(
-            f"[peer] vLLM is not importable and {peer_python} is missing; build it with "
-            "../shared/tools/vllm-peer-venv.sh — skipping the peer comparison."
+            f"[peer] {peer_python} is missing; build it with ../shared/tools/vllm-peer-venv.sh"
+            " — skipping the peer comparison."
         )
         return False
     env = dict(os.environ, **{_IN_PEER_ENV: "1"})
