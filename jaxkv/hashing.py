@@ -30,6 +30,7 @@ import array
 import hashlib
 import os
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NewType
 
@@ -82,50 +83,50 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
         return np.asarray(token_ids, dtype=np.int64)
 
 
-def _cbor_token_arrays(tokens: np.ndarray, block_size: int, trailer: int | None) -> list[bytes]:
-    """Per block, the canonical CBOR array of its token ids (uint32), then `trailer` if given.
+def _cbor_uint_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Canonical CBOR of each uint32 token as a little-endian uint64 "row".
 
-    Every item (array head, each token, trailer) is laid out in one little-endian
-    uint64 "row" holding its encoding in its first bytes; a byte mask of 0/1
-    marks which row bytes are real, and one boolean selection packs them all.
+    A row holds the encoding in its first bytes (head byte, then the big-endian
+    argument); `masks` has a 0x01 byte at each real byte, `lengths` counts them.
     """
-    num_blocks = tokens.shape[0] // block_size
-    t = tokens.reshape(num_blocks, block_size)
-    # Argument width in bytes: 0 (value in the head), 1, 2 or 4.
-    ge256 = (t >= 256).view(np.uint8)
-    ge64k = (t >= 65536).view(np.uint8)
-    width = (t >= 24).view(np.uint8) + ge256
+    ge256 = (tokens >= 256).view(np.uint8)
+    ge64k = (tokens >= 65536).view(np.uint8)
+    width = (tokens >= 24).view(np.uint8) + ge256  # argument bytes: 0, 1, 2 or 4
     width += ge64k
     width += ge64k
     shift = np.uint8(32) - np.uint8(8) * width
-    cols = block_size + 1 + (trailer is not None)
-    rows = np.empty((num_blocks, cols), dtype=np.uint64)
-    masks = np.empty((num_blocks, cols), dtype=np.uint64)
-    array_head = _cbor_head(4, block_size)
-    rows[:, 0] = int.from_bytes(array_head, "little")
-    masks[:, 0] = int.from_bytes(b"\x01" * len(array_head), "little")
-    # Big-endian argument bytes right after the head byte: byteswap, drop the
-    # leading zero bytes by shifting, make room for the head.
-    body = t.byteswap().astype(np.uint64)
-    np.right_shift(body, shift, out=body)
-    np.left_shift(body, np.uint64(8), out=body)
-    np.bitwise_or(
-        body, np.where(width == 0, t.astype(np.uint8), np.uint8(24) + ge256 + ge64k), out=body
-    )
-    rows[:, 1 : block_size + 1] = body
-    masks[:, 1 : block_size + 1] = np.right_shift(np.uint64(0x0101010101), shift)
-    if trailer is not None:
-        rows[:, -1] = trailer
-        masks[:, -1] = 1
-    stream = np.compress(masks.view(np.bool_).ravel(), rows.view(np.uint8).ravel()).tobytes()
-    lengths = width.sum(axis=1, dtype=np.int64) + (cols - 1 + len(array_head))
-    bounds = np.zeros(num_blocks + 1, dtype=np.int64)
-    np.cumsum(lengths, out=bounds[1:])
-    return _split(stream, bounds.tolist())
+    rows = tokens.byteswap().astype(np.uint64)
+    np.right_shift(rows, shift, out=rows)  # drop the argument's leading zero bytes
+    np.left_shift(rows, np.uint64(8), out=rows)  # room for the head byte
+    head = np.where(width == 0, tokens.astype(np.uint8), np.uint8(24) + ge256 + ge64k)
+    np.bitwise_or(rows, head, out=rows)
+    masks = np.right_shift(np.uint64(0x0101010101), shift)
+    return rows, masks, width + np.uint8(1)
 
 
-def _split(buffer: bytes, bounds: list[int]) -> list[bytes]:
-    return [buffer[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+# Rows of every token id below 2**18 (covers today's vocabularies), built on first use:
+# a lookup is a few numpy calls where computing rows takes a dozen.
+_TABLE_SIZE = 1 << 18
+_uint_row_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def _cbor_token_arrays(tokens: np.ndarray, block_size: int, trailer: bytes) -> list[bytes]:
+    """Per block: the canonical CBOR array of its uint32 token ids, then `trailer`."""
+    global _uint_row_table
+    if int(tokens.max()) < _TABLE_SIZE:
+        if _uint_row_table is None:
+            _uint_row_table = _cbor_uint_rows(np.arange(_TABLE_SIZE, dtype=np.uint32))
+        rows, masks, lengths = (table.take(tokens) for table in _uint_row_table)
+    else:
+        rows, masks, lengths = _cbor_uint_rows(tokens)
+    stream = np.compress(masks.view(np.bool_), rows.view(np.uint8)).tobytes()
+    ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
+    head = _cbor_head(4, block_size)
+    arrays, start = [], 0
+    for end in ends:
+        arrays.append(head + stream[start:end] + trailer)
+        start = end
+    return arrays
 
 
 class BlockHashFunction:
@@ -262,24 +263,22 @@ class BlockHashFunction:
                 ]
             tokens = tokens.astype(np.uint32)
         if extra_keys.count(None) == len(extra_keys):
-            return _cbor_token_arrays(tokens, block_size, trailer=_CBOR_NULL[0])
-        arrays = _cbor_token_arrays(tokens, block_size, trailer=None)
+            return _cbor_token_arrays(tokens, block_size, trailer=_CBOR_NULL)
+        arrays = _cbor_token_arrays(tokens, block_size, trailer=b"")
         return [a + self._encode_extra(e) for a, e in zip(arrays, extra_keys, strict=True)]
 
     def _raw_block_tails(
         self, tokens: np.ndarray, block_size: int, extra_keys: Sequence[ExtraKeys]
     ) -> list[bytes]:
         """Per block: uint32 count, int64 tokens and the extra-keys tag (all after the parent)."""
-        num_blocks = len(extra_keys)
-        stride = 4 + 8 * block_size + 1
-        rows = np.zeros((num_blocks, stride), dtype=np.uint8)
-        rows[:, :4] = np.frombuffer(struct.pack("<I", block_size), dtype=np.uint8)
-        rows[:, 4:-1] = tokens.astype("<i8", copy=False).view(np.uint8).reshape(num_blocks, -1)
-        buffer = rows.tobytes()
-        if extra_keys.count(None) == num_blocks:
-            return _split(buffer, list(range(0, num_blocks * stride + 1, stride)))
+        data = tokens.astype("<i8", copy=False).tobytes()
+        count = struct.pack("<I", block_size)
+        stride = 8 * block_size
+        if extra_keys.count(None) == len(extra_keys):
+            tag = self._encode_extra(None)
+            return [count + data[i : i + stride] + tag for i in range(0, len(data), stride)]
         return [
-            buffer[i * stride : (i + 1) * stride - 1] + self._encode_extra(e)
+            count + data[i * stride : (i + 1) * stride] + self._encode_extra(e)
             for i, e in enumerate(extra_keys)
         ]
 
@@ -436,14 +435,117 @@ def _needs_extra_keys(request: Request) -> bool:
     )
 
 
+class _HashedRun:
+    """A memoized run of blocks: token bytes, extra keys and the hashes they chained to."""
+
+    __slots__ = ("data", "extra_keys", "hashes", "stride")
+
+    def __init__(
+        self, data: bytes, extra_keys: tuple[ExtraKeys, ...], hashes: list[BlockHash], stride: int
+    ) -> None:
+        self.data = data
+        self.extra_keys = extra_keys
+        self.hashes = hashes
+        self.stride = stride
+
+    def num_common_blocks(self, data: bytes, extra_keys: tuple[ExtraKeys, ...]) -> int:
+        """Leading blocks whose token bytes and extra keys equal this run's (binary search)."""
+        stride = self.stride
+        mine = self.data
+        lo, hi = 0, min(len(self.hashes), len(extra_keys))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            end = mid * stride
+            # Byte-string slices compare with memcmp (memoryview comparison does not).
+            if mine[:end] == data[:end] and self.extra_keys[:mid] == extra_keys[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class BlockHashMemo:
+    """Recently hashed runs of blocks, so prefixes shared between requests hash once.
+
+    A run is found by exactly what determines its first hash (parent digest,
+    first block's token bytes, first extra keys); its leading blocks whose
+    tokens and extra keys match the new run have, by induction over the chain,
+    the same hashes. System prompts and earlier conversation turns are reused;
+    results are identical to hashing. Keeps at most `capacity` runs, least
+    recently used dropped first. Runs of a few blocks (decode) bypass it.
+    """
+
+    def __init__(self, hash_fn: BlockHashFunction, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"memo capacity must be positive, got {capacity}")
+        self.hash_fn = hash_fn
+        self.capacity = capacity
+        self._runs: OrderedDict[tuple[bytes, bytes, ExtraKeys], _HashedRun] = OrderedDict()
+        self.num_reused_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def hash_blocks(
+        self,
+        parent: bytes,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys: list[ExtraKeys],
+    ) -> list[BlockHash]:
+        """Same result as `hash_fn.hash_blocks`, reusing a memoized shared prefix."""
+        num_blocks = len(extra_keys)
+        if num_blocks <= _SMALL_RUN_BLOCKS:
+            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
+        data = tokens_to_array(token_ids).tobytes()
+        stride = len(data) // num_blocks
+        extras = tuple(extra_keys)
+        key = (parent, data[:stride], extras[0])
+        try:
+            run = self._runs.get(key)
+        except TypeError:  # unhashable extra keys cannot be memo keys
+            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
+        num_shared = 0
+        if run is not None and run.stride == stride:
+            num_shared = run.num_common_blocks(data, extras)
+        self.num_reused_blocks += num_shared
+        if num_shared == num_blocks:
+            self._runs.move_to_end(key)
+            return run.hashes[:num_blocks]  # type: ignore[union-attr]
+        hashes = run.hashes[:num_shared] if num_shared else []  # type: ignore[union-attr]
+        hashes += self.hash_fn.hash_blocks(
+            hashes[-1] if hashes else parent,
+            token_ids[num_shared * block_size :],
+            block_size,
+            extra_keys[num_shared:],
+        )
+        self._runs[key] = _HashedRun(data, extras, hashes, stride)
+        self._runs.move_to_end(key)
+        if len(self._runs) > self.capacity:
+            self._runs.popitem(last=False)
+        return hashes
+
+
+DEFAULT_MEMO_CAPACITY = 256
+
+
 def get_request_block_hasher(
-    block_size: int, hash_fn: BlockHashFunction
+    block_size: int, hash_fn: BlockHashFunction, memo_capacity: int = DEFAULT_MEMO_CAPACITY
 ) -> Callable[[Request], list[BlockHash]]:
-    """A hasher returning the hashes of the request's newly full blocks, in order."""
+    """A hasher returning the hashes of the request's newly full blocks, in order.
+
+    With `memo_capacity > 0` recent block digests are remembered (`BlockHashMemo`),
+    so prefixes shared between requests are hashed once; 0 turns that off.
+    """
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive integer, got {block_size}")
     if not isinstance(hash_fn, BlockHashFunction):
         raise ValueError(f"hash_fn must come from get_hash_fn_by_name, got {hash_fn!r}")
+    if memo_capacity < 0:
+        raise ValueError(f"memo_capacity must be >= 0, got {memo_capacity}")
+    hash_blocks = (
+        BlockHashMemo(hash_fn, memo_capacity).hash_blocks if memo_capacity else hash_fn.hash_blocks
+    )
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         num_hashed = len(request.block_hashes)
@@ -460,7 +562,7 @@ def get_request_block_hasher(
         else:
             extra = [None] * (num_full - num_hashed)
         parent = request.block_hashes[-1] if num_hashed else get_none_hash()
-        return hash_fn.hash_blocks(parent, request.all_token_ids[start:end], block_size, extra)
+        return hash_blocks(parent, request.all_token_ids[start:end], block_size, extra)
 
     # Lets a request skip the call until a block has filled up.
     request_block_hasher.block_size = block_size  # type: ignore[attr-defined]

@@ -202,24 +202,29 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
-        if (
-            coordinator.get_num_blocks_to_allocate(
-                request_id, num_tokens_need_slot, hit_blocks or self.empty_kv_cache_blocks.blocks
-            )
-            > self.block_pool.free_block_queue.num_free_blocks
-        ):
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hit_blocks or self.empty_kv_cache_blocks.blocks
+        )
+        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
             return None
         if coordinator.skipping_managers:
             coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         if hit_blocks is not None:
             self.block_pool.touch(hit_blocks)
             coordinator.save_new_computed_blocks(request_id, hit_blocks)
-        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        # Nothing to allocate in any group (most decode steps): skip the per-group calls.
+        new_blocks = (
+            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+            if num_blocks_to_allocate
+            else None
+        )
         if self.enable_caching and not delay_cache_blocks:
             num_request_tokens = request.num_tokens
             coordinator.cache_blocks(
                 request, num_tokens if num_tokens < num_request_tokens else num_request_tokens
             )
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:

@@ -121,6 +121,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Prompt-embedding digests per (start, end) block range, computed once.
         self.prompt_embeds_digests: dict[tuple[int, int], bytes] = {}
+        # Tokens per hashed block; "never" without a hasher.
+        self._hash_block_size = (
+            getattr(self.block_hasher, "block_size", 1) if self.block_hasher else 1 << 62
+        )
         self._update_block_hashes()
 
     @property
@@ -155,10 +159,6 @@ class Request:
         return self.mm_features[input_id].num_embeds
 
     def _update_block_hashes(self) -> None:
-        hasher = self.block_hasher
-        if hasher is None:
-            return
         # A hasher that states its block size is only called once a block has filled.
-        block_size = getattr(hasher, "block_size", 1)
-        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * block_size:
-            self.block_hashes.extend(hasher(self))
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._hash_block_size:
+            self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
