@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -72,8 +73,8 @@ def bench_updates(base_blocks: int, repeats: int, bar: tqdm) -> list[dict]:
         reps = repeats if storage == "auto" else max(3, repeats // 5)
         for _ in range(reps):
             for _, _, update, best in runs:
-                best[0] = min(best[0], best_of(update, 1)[0])
-        t_copy, _ = best_of(lambda: _ready(plain_copy(copy_src)), repeats)
+                best[0] = min(best[0], best_of(update, 1, time.perf_counter)[0])
+        t_copy, _ = best_of(lambda: _ready(plain_copy(copy_src)), repeats, time.perf_counter)
         for mult, cache, _, (t,) in runs:
             stats = cache.lower_write_kv(TOKENS).compile().memory_analysis()
             nbytes = written * cache.dtype.itemsize
@@ -133,8 +134,8 @@ def bench_attention(num_reqs: int, context: int, repeats: int) -> dict:
     out_p = _ready(paged(q, kv, bt, sl))
     out_d = _ready(dense(q, k, v, sl))
     err = float(jnp.abs(out_p - out_d).max() / jnp.abs(out_d).max())
-    t_p, _ = best_of(lambda: _ready(paged(q, kv, bt, sl)), repeats)
-    t_d, _ = best_of(lambda: _ready(dense(q, k, v, sl)), repeats)
+    t_p, _ = best_of(lambda: _ready(paged(q, kv, bt, sl)), repeats, time.perf_counter)
+    t_d, _ = best_of(lambda: _ready(dense(q, k, v, sl)), repeats, time.perf_counter)
     return {
         "num_reqs": num_reqs,
         "context": context,
