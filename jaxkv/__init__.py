@@ -14,7 +14,6 @@ from jaxkv.encoder_cache_manager import (
     compute_encoder_budget,
 )
 from jaxkv.hashing import (
-    NONE_HASH,
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
@@ -44,7 +43,6 @@ from jaxkv.mm_hashing import hash_mm_item, processor_kwargs_digest
 from jaxkv.request import LoRARequest, MultiModalFeatureSpec, Request, RequestStatus
 
 __all__ = [
-    "NONE_HASH",
     "AllBlocksCleared",
     "BlockHash",
     "BlockHashListWithBlockSize",

@@ -188,6 +188,15 @@ class KVCacheManager:
                 f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
                 f"tokens exceed max_model_len={max_model_len}"
             )
+        if self.enable_caching and not delay_cache_blocks:
+            # Checked before any change: caching below would fail half-way otherwise.
+            num_to_cache = min(num_tokens, request.num_tokens) // self.hash_block_size
+            if len(request.block_hashes) < num_to_cache:
+                raise ValueError(
+                    f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
+                    f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
+                    f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
+                )
         coordinator = self.coordinator
         hit_blocks: tuple[Sequence[KVCacheBlock], ...] | None = None
         if new_computed_blocks is not None and any(new_computed_blocks.blocks):

@@ -144,8 +144,8 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
+        if isinstance(token_ids, (int, np.integer)):
+            token_ids = [int(token_ids)]
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()

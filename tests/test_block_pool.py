@@ -7,6 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
+import jaxkv.hashing as hashing
 from jaxkv import (
     AllBlocksCleared,
     BlockPool,
@@ -27,7 +28,11 @@ SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 
 @pytest.fixture(autouse=True)
 def _none_hash():
+    """A fixed NONE_HASH for these tests; the module state is put back afterwards."""
+    saved = (hashing.NONE_HASH, hashing._none_hash_seed)
     init_none_hash(SHA_CBOR, "test-seed")
+    yield
+    hashing.NONE_HASH, hashing._none_hash_seed = saved
 
 
 def _h(i: int) -> bytes:

@@ -421,6 +421,43 @@ def test_incremental_hashing_never_recomputes():
     assert req.block_hashes == expected
 
 
+@pytest.mark.parametrize("fn", [SHA, SHA_CBOR], ids=lambda f: f.name)
+def test_memoized_hasher_matches_plain(fn):
+    """Requests sharing a prefix through one (memoizing) hasher get the plain hashes."""
+    init_none_hash(fn, "seed")
+    memo = get_request_block_hasher(4, fn)
+    plain = get_request_block_hasher(4, fn, memo_capacity=0)
+    system = list(range(40))
+    variants = [
+        ({}, system + [1, 2, 3, 4, 5, 6, 7, 8]),
+        ({}, system + [9, 9, 9, 9]),
+        ({"cache_salt": "t"}, system + [9, 9, 9, 9]),
+        ({"lora_request": LoRARequest("l", 1, "/l")}, system),
+        ({"mm_features": [MultiModalFeatureSpec("img", 30, 4)]}, system),
+        ({"mm_features": [MultiModalFeatureSpec("img2", 30, 4)]}, system),
+        ({}, [*system[:20], 7, *system[21:]]),
+        ({}, system),
+    ]
+    got = []
+    for kwargs, tokens in variants:
+        a = Request("m", tokens, block_hasher=memo, **kwargs)
+        b = Request("p", tokens, block_hasher=plain, **kwargs)
+        assert a.block_hashes == b.block_hashes
+        assert len(a.block_hashes) == len(tokens) // 4
+        got.append(a.block_hashes)
+    assert len({h[-1] for h in got}) == len(got)
+    assert got[1][:10] == got[0][:10] == got[7]
+    assert got[6][:5] == got[0][:5] and got[6][5] != got[0][5]
+    assert got[4][:7] == got[5][:7] == got[0][:7] and got[4][7] != got[5][7]
+    assert got[2][0] != got[1][0] and got[3][0] != got[1][0]
+    # A new NONE_HASH must not reuse memoized chains.
+    old = Request("o", system, block_hasher=memo).block_hashes
+    init_none_hash(fn, "other-seed")
+    new = Request("n", system, block_hasher=memo).block_hashes
+    assert new == Request("q", system, block_hasher=plain).block_hashes
+    assert all(x != y for x, y in zip(old, new, strict=True))
+
+
 def test_hashes_only_full_blocks():
     init_none_hash(SHA_CBOR, "seed")
     req = _request(range(7), 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import jaxkv.hashing as hashing
 from jaxkv import (
     AllBlocksCleared,
     BlockRemoved,
@@ -30,7 +31,11 @@ BS = 4
 
 @pytest.fixture(autouse=True)
 def _none_hash():
+    """A fixed NONE_HASH for these tests; the module state is put back afterwards."""
+    saved = (hashing.NONE_HASH, hashing._none_hash_seed)
     init_none_hash(SHA_CBOR, "test-seed")
+    yield
+    hashing.NONE_HASH, hashing._none_hash_seed = saved
 
 
 def make_manager(num_blocks=11, block_size=BS, max_model_len=64, **kwargs) -> KVCacheManager:
@@ -712,3 +717,18 @@ def test_kv_cache_blocks_helpers():
     both = blocks + m.get_blocks("nobody")
     assert both.get_block_ids() == ([1, 2, 3],)
     assert blocks.new_empty().get_block_ids() == ([],)
+
+
+def test_request_without_matching_hashes_rejected_before_any_change():
+    m = make_manager()
+    admit(m, make_request("a", range(9)))
+    before = snapshot(m)
+    no_hasher = Request("n", list(range(9)))
+    with pytest.raises(ValueError, match="block hashes"):
+        m.allocate_slots(no_hasher, 9)
+    coarse = make_request("c", range(9), block_size=8)  # hashes of 8, manager hashes by 4
+    with pytest.raises(ValueError, match="get_request_block_hasher"):
+        m.allocate_slots(coarse, 9)
+    assert snapshot(m) == before
+    # Nothing to cache yet (fewer tokens than a block): no hashes needed.
+    assert admit(m, Request("s", [1, 2, 3])) == (0, [4])

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
@@ -242,7 +241,7 @@ class StepMetadataPacker:
     def put(buffer: np.ndarray, sharding: Sharding | None = None) -> jax.Array:
         """The step's single host-to-device transfer."""
         if sharding is None:
-            return jnp.asarray(buffer)
+            return jax.device_put(buffer)  # jnp.asarray would compile a copy per new shape
         if jax.process_count() == 1:
             return jax.device_put(buffer, sharding)
         return jax.make_array_from_callback(buffer.shape, sharding, lambda idx: buffer[idx])
