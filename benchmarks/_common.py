@@ -55,11 +55,11 @@ def ensure_peer_process(argv: Sequence[str] | None = None) -> bool:
 
 
 def best_of(
-    fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.process_time
+    fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.thread_time
 ) -> tuple[float, object]:
     """Minimum time of `repeats` calls of `fn`, and the last result.
 
-    The default clock is this process's CPU time, which other load on a shared
+    The default clock is this thread's CPU time, which other load on a shared
     machine disturbs far less than wall time; pass `time.perf_counter` for
     work that waits (device calls).
     """

@@ -188,9 +188,14 @@ class KVCacheManager:
                 f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
                 f"tokens exceed max_model_len={max_model_len}"
             )
-        if self.enable_caching and not delay_cache_blocks:
+        # Tokens whose full blocks get cached: never unverified (speculative) ones.
+        num_tokens_to_cache = request.num_tokens
+        if num_tokens < num_tokens_to_cache:
+            num_tokens_to_cache = num_tokens
+        cache = self.enable_caching and not delay_cache_blocks
+        if cache:
             # Checked before any change: caching below would fail half-way otherwise.
-            num_to_cache = min(num_tokens, request.num_tokens) // self.hash_block_size
+            num_to_cache = num_tokens_to_cache // self.hash_block_size
             if len(request.block_hashes) < num_to_cache:
                 raise ValueError(
                     f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
@@ -227,11 +232,8 @@ class KVCacheManager:
             if num_blocks_to_allocate
             else None
         )
-        if self.enable_caching and not delay_cache_blocks:
-            num_request_tokens = request.num_tokens
-            coordinator.cache_blocks(
-                request, num_tokens if num_tokens < num_request_tokens else num_request_tokens
-            )
+        if cache:
+            coordinator.cache_blocks(request, num_tokens_to_cache)
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)

@@ -145,9 +145,12 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         if isinstance(token_ids, (int, np.integer)):
-            token_ids = [int(token_ids)]
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+            token_id = int(token_ids)
+            self.output_token_ids.append(token_id)
+            self.all_token_ids.append(token_id)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
     def get_num_encoder_embeds(self, input_id: int) -> int:
