@@ -47,6 +47,16 @@ def _bad_input_id(request: EncoderRequest, input_id: int) -> ValueError:
     )
 
 
+def _mm_hash(request: EncoderRequest, input_id: int) -> str:
+    """The mm_hash of the request's input `input_id`; ValueError naming it when out of range."""
+    if input_id < 0:
+        raise _bad_input_id(request, input_id)
+    try:
+        return request.mm_features[input_id].identifier
+    except IndexError:
+        raise _bad_input_id(request, input_id) from None
+
+
 def _check_size(name: str, value: int) -> None:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -113,12 +123,7 @@ class EncoderCacheManager:
         A hit on an unreferenced entry takes it out of `freeable` (so it can no
         longer be evicted) and reduces `num_freeable_slots` accordingly.
         """
-        if input_id < 0:
-            raise _bad_input_id(request, input_id)
-        try:
-            mm_hash = request.mm_features[input_id].identifier
-        except IndexError:
-            raise _bad_input_id(request, input_id) from None
+        mm_hash = _mm_hash(request, input_id)
         cached = self.cached
         if mm_hash not in cached:
             return False
@@ -136,12 +141,7 @@ class EncoderCacheManager:
 
     def get_cached_num_encoder_embeds(self, request: EncoderRequest, input_id: int) -> int | None:
         """The embedding count stored for the input's mm_hash, or None when it is not cached."""
-        if input_id < 0:
-            raise _bad_input_id(request, input_id)
-        try:
-            mm_hash = request.mm_features[input_id].identifier
-        except IndexError:
-            raise _bad_input_id(request, input_id) from None
+        mm_hash = _mm_hash(request, input_id)
         return self.num_embeds_by_hash.get(mm_hash)
 
     def can_allocate(
@@ -194,12 +194,7 @@ class EncoderCacheManager:
         (use `check_and_update_cache`) or when its embeddings do not fit in the
         free slots (call `can_allocate` first).
         """
-        if input_id < 0:
-            raise _bad_input_id(request, input_id)
-        try:
-            mm_hash = request.mm_features[input_id].identifier
-        except IndexError:
-            raise _bad_input_id(request, input_id) from None
+        mm_hash = _mm_hash(request, input_id)
         cached = self.cached
         if mm_hash in cached:
             raise ValueError(
