@@ -260,7 +260,9 @@ class BlockPool:
         assert key is not None
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block._block_hash = None
-        if self.track_freed_block_ids:
+        # A page some request still holds (evict_blocks on a live block) is not garbage:
+        # it is reported once it is freed, unhashed.
+        if self.track_freed_block_ids and block.ref_cnt == 0:
             self._freed_block_ids.add(block.block_id)
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(

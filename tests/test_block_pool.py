@@ -553,3 +553,16 @@ def test_freed_block_ids_after_reset():
 def test_take_freed_block_ids_requires_tracking():
     with pytest.raises(ValueError, match="track_freed_block_ids"):
         BlockPool(4).take_freed_block_ids()
+
+
+def test_evicting_a_held_block_does_not_report_it_for_zeroing():
+    pool = BlockPool(6, enable_caching=True, hash_block_size=2, track_freed_block_ids=True)
+    request = Request("r", [1, 2, 3, 4], block_hasher=get_request_block_hasher(2, SHA_CBOR))
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, 2, 0)
+    pool.take_freed_block_ids()
+    pool.evict_blocks([blocks[0].block_id])  # its KV turned out bad, but a request holds it
+    assert blocks[0].block_hash is None
+    assert pool.take_freed_block_ids().tolist() == []  # zeroing it would corrupt a live page
+    pool.free_blocks(reversed(blocks))
+    assert pool.take_freed_block_ids().tolist() == [blocks[0].block_id]
