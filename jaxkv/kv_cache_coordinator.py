@@ -113,6 +113,15 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.cache_blocks(request, num_tokens)
 
+    def get_slot_state(self, request_id: str) -> tuple[int, int]:
+        """Over all groups: (tokens the request's blocks hold, token count filling a block)."""
+        capacity, next_full = self.single_type_managers[0].get_slot_state(request_id)
+        for manager in self.single_type_managers[1:]:
+            group_capacity, group_next_full = manager.get_slot_state(request_id)
+            capacity = min(capacity, group_capacity)
+            next_full = min(next_full, group_next_full)
+        return capacity, next_full
+
     def free(self, request_id: str) -> None:
         for manager in self.single_type_managers:
             manager.free(request_id)

@@ -108,6 +108,12 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.num_kv_cache_groups = self.coordinator.num_groups
         self.kv_cache_config = kv_cache_config
+        # request id -> coordinator.get_slot_state(request id), refreshed after every change
+        # to the request's blocks: a step that needs no new block and fills no block (most
+        # decode steps) is answered from it without visiting the per-group managers. Off
+        # for attention types that release blocks as a request advances.
+        self._slot_state: dict[str, tuple[int, int]] = {}
+        self._use_slot_state = not self.coordinator.skipping_managers
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
@@ -193,6 +199,15 @@ class KVCacheManager:
         if num_tokens < num_tokens_to_cache:
             num_tokens_to_cache = num_tokens
         cache = self.enable_caching and not delay_cache_blocks
+        has_hits = new_computed_blocks is not None and any(new_computed_blocks.blocks)
+        if not has_hits:
+            slot_state = self._slot_state.get(request_id)
+            if (
+                slot_state is not None
+                and num_tokens + num_lookahead_tokens <= slot_state[0]
+                and (not cache or num_tokens_to_cache < slot_state[1])
+            ):
+                return self.empty_kv_cache_blocks
         if cache:
             # Checked before any change: caching below would fail half-way otherwise.
             num_to_cache = num_tokens_to_cache // self.hash_block_size
@@ -204,8 +219,8 @@ class KVCacheManager:
                 )
         coordinator = self.coordinator
         hit_blocks: tuple[Sequence[KVCacheBlock], ...] | None = None
-        if new_computed_blocks is not None and any(new_computed_blocks.blocks):
-            hit_blocks = new_computed_blocks.blocks
+        if has_hits:
+            hit_blocks = new_computed_blocks.blocks  # type: ignore[union-attr]
             if not self.enable_caching:
                 raise ValueError("new_computed_blocks given but prefix caching is disabled")
             if coordinator.holds_blocks(request_id):
@@ -234,6 +249,8 @@ class KVCacheManager:
         )
         if cache:
             coordinator.cache_blocks(request, num_tokens_to_cache)
+        if self._use_slot_state:
+            self._slot_state[request_id] = coordinator.get_slot_state(request_id)
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
@@ -249,9 +266,14 @@ class KVCacheManager:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+            if request.request_id in self._slot_state:
+                self._slot_state[request.request_id] = self.coordinator.get_slot_state(
+                    request.request_id
+                )
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
+        self._slot_state.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
     # -- queries -------------------------------------------------------------

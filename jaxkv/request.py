@@ -151,7 +151,8 @@ class Request:
         else:
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
-        self._update_block_hashes()
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._hash_block_size:
+            self._update_block_hashes()
 
     def get_num_encoder_embeds(self, input_id: int) -> int:
         if not 0 <= input_id < len(self.mm_features):

@@ -100,6 +100,14 @@ class SingleTypeKVCacheManager:
         )
         self.num_cached_block[request_id] = num_full
 
+    def get_slot_state(self, request_id: str) -> tuple[int, int]:
+        """(tokens the request's blocks can hold, token count at which its next block is full)."""
+        block_size = self.block_size
+        return (
+            len(self.req_to_blocks[request_id]) * block_size,
+            (self.num_cached_block[request_id] + 1) * block_size,
+        )
+
     def free(self, request_id: str) -> None:
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
