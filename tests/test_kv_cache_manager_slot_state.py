@@ -1,0 +1,87 @@
+"""The per-request slot state is a pure shortcut: with it on or off, every call agrees."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from jaxkv import FullAttentionSpec, KVCacheManager, Request, get_hash_fn_by_name
+from jaxkv.hashing import get_request_block_hasher, init_none_hash
+
+BLOCK = 4
+FN = get_hash_fn_by_name("sha256")
+
+
+def _manager(use_slot_state: bool) -> KVCacheManager:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype="float32")
+    manager = KVCacheManager.from_spec(spec, 24, 64, enable_kv_cache_events=True)
+    manager._use_slot_state = use_slot_state
+    return manager
+
+
+def _pool_state(manager: KVCacheManager) -> tuple:
+    pool = manager.block_pool
+    return (
+        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        sorted((k, [b.block_id for b in v]) for k, v in pool.cached_block_hash_to_block.items()),
+    )
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "decode", "decode", "decode", "cache", "free"]),
+        st.integers(0, 3),  # request index
+        st.sampled_from([0, 0, 0, 0, 1, 3, 6]),  # lookahead (decode) / prompt variant (admit)
+        st.sampled_from([False, False, False, True]),  # delay_cache_blocks
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=operations)
+def test_slot_state_changes_no_result(ops):
+    init_none_hash(FN, "slot-state")
+    hasher = get_request_block_hasher(BLOCK, FN)
+    managers = [_manager(True), _manager(False)]
+    requests: list[dict[int, Request]] = [{}, {}]
+    for kind, index, extra, delay in ops:
+        results = []
+        for manager, live in zip(managers, requests, strict=True):
+            request = live.get(index)
+            if kind == "admit" and request is None:
+                prompt = [7, 7, 7, 7, 1, 2, 3][: 3 + extra] + [index] * 3
+                request = Request(str(index), prompt, block_hasher=hasher)
+                hits, num_hits = manager.get_computed_blocks(request)
+                blocks = manager.allocate_slots(
+                    request,
+                    request.num_tokens - num_hits,
+                    num_hits,
+                    hits,
+                    delay_cache_blocks=delay,
+                )
+                if blocks is not None:
+                    request.num_computed_tokens = request.num_tokens
+                    live[index] = request
+                results.append(None if blocks is None else blocks.get_block_ids())
+            elif kind == "decode" and request is not None:
+                if request.num_tokens + 1 + extra > manager.max_model_len:
+                    continue
+                request.append_output_token_ids(100 + request.num_tokens)
+                blocks = manager.allocate_slots(
+                    request, 1, num_lookahead_tokens=extra, delay_cache_blocks=delay
+                )
+                if blocks is not None:
+                    request.num_computed_tokens = request.num_tokens
+                results.append(None if blocks is None else blocks.get_block_ids())
+            elif kind == "cache" and request is not None:
+                manager.cache_blocks(request, request.num_computed_tokens)
+            elif kind == "free" and request is not None:
+                manager.free(request)
+                del live[index]
+        assert results == results[:1] * len(results)
+        assert _pool_state(managers[0]) == _pool_state(managers[1])
+        assert managers[0].take_events() == managers[1].take_events()
+        for request_id in map(str, range(4)):
+            assert managers[0].get_block_ids(request_id) == managers[1].get_block_ids(request_id)
