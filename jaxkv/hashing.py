@@ -497,7 +497,8 @@ class BlockHashMemo:
         num_blocks = len(extra_keys)
         if num_blocks <= _SMALL_RUN_BLOCKS:
             return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
-        data = tokens_to_array(token_ids).tobytes()
+        tokens = tokens_to_array(token_ids)
+        data = tokens.tobytes()
         stride = len(data) // num_blocks
         extras = tuple(extra_keys)
         key = (parent, data[:stride], extras[0])
@@ -515,7 +516,7 @@ class BlockHashMemo:
         hashes = run.hashes[:num_shared] if num_shared else []  # type: ignore[union-attr]
         hashes += self.hash_fn.hash_blocks(
             hashes[-1] if hashes else parent,
-            token_ids[num_shared * block_size :],
+            tokens[num_shared * block_size :],
             block_size,
             extra_keys[num_shared:],
         )
