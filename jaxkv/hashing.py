@@ -122,11 +122,7 @@ def _cbor_token_arrays(tokens: np.ndarray, block_size: int, trailer: bytes) -> l
     stream = np.compress(masks.view(np.bool_), rows.view(np.uint8)).tobytes()
     ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
     head = _cbor_head(4, block_size)
-    arrays, start = [], 0
-    for end in ends:
-        arrays.append(head + stream[start:end] + trailer)
-        start = end
-    return arrays
+    return [head + stream[a:b] + trailer for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 class BlockHashFunction:
