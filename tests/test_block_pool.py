@@ -7,7 +7,6 @@ import hashlib
 import numpy as np
 import pytest
 
-import jaxkv.hashing as hashing
 from jaxkv import (
     AllBlocksCleared,
     BlockPool,
@@ -18,7 +17,6 @@ from jaxkv import (
     Request,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    init_none_hash,
     make_block_hash_with_group_id,
 )
 
@@ -26,13 +24,7 @@ BS = 4
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 
 
-@pytest.fixture(autouse=True)
-def _none_hash():
-    """A fixed NONE_HASH for these tests; the module state is put back afterwards."""
-    saved = (hashing.NONE_HASH, hashing._none_hash_seed)
-    init_none_hash(SHA_CBOR, "test-seed")
-    yield
-    hashing.NONE_HASH, hashing._none_hash_seed = saved
+pytestmark = pytest.mark.usefixtures("fixed_none_hash")
 
 
 def _h(i: int) -> bytes:

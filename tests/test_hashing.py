@@ -40,15 +40,6 @@ SHA = get_hash_fn_by_name("sha256")
 XX = get_hash_fn_by_name("xxhash")
 
 
-@pytest.fixture(autouse=True)
-def _restore_none_hash(monkeypatch):
-    """Each test may re-initialise NONE_HASH; put the module state back afterwards."""
-    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    saved = (hashing.NONE_HASH, hashing._none_hash_seed)
-    yield
-    hashing.NONE_HASH, hashing._none_hash_seed = saved
-
-
 def _load(name: str) -> dict:
     path = VECTORS_DIR / name
     if not path.is_file():

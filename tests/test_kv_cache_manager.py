@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import jaxkv.hashing as hashing
 from jaxkv import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,7 +20,6 @@ from jaxkv import (
     Request,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    init_none_hash,
     make_block_hash_with_group_id,
 )
 
@@ -29,13 +27,7 @@ SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 BS = 4
 
 
-@pytest.fixture(autouse=True)
-def _none_hash():
-    """A fixed NONE_HASH for these tests; the module state is put back afterwards."""
-    saved = (hashing.NONE_HASH, hashing._none_hash_seed)
-    init_none_hash(SHA_CBOR, "test-seed")
-    yield
-    hashing.NONE_HASH, hashing._none_hash_seed = saved
+pytestmark = pytest.mark.usefixtures("fixed_none_hash")
 
 
 def make_manager(num_blocks=11, block_size=BS, max_model_len=64, **kwargs) -> KVCacheManager:

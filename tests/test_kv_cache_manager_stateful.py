@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -20,7 +19,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-import jaxkv.hashing as hashing
 from jaxkv import (
     FullAttentionSpec,
     KVCacheManager,
@@ -33,13 +31,6 @@ from jaxkv import (
 
 MAX_MODEL_LEN = 24
 BASE_PREFIXES = ([0, 1, 2, 3] * 5, [1, 1, 0, 0] * 5, [2, 3, 2, 3, 0] * 4)
-
-
-@pytest.fixture(autouse=True)
-def _restore_none_hash():
-    saved = (hashing.NONE_HASH, hashing._none_hash_seed)
-    yield
-    hashing.NONE_HASH, hashing._none_hash_seed = saved
 
 
 def _snapshot(manager: KVCacheManager):
