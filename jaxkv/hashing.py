@@ -58,7 +58,7 @@ def _canonical_cbor(obj: Any) -> bytes:
 
 _CBOR_NULL = b"\xf6"
 # Runs of at most this many blocks are encoded per block (less fixed cost than numpy).
-_SMALL_RUN_BLOCKS = 4
+_SMALL_RUN_BLOCKS = 8
 
 
 def _cbor_head(major: int, value: int) -> bytes:

@@ -58,7 +58,9 @@ def test_memo_reuses_shared_prefix_and_respects_capacity():
     assert first[:10] == second[:10] and first[10:] != second[10:]
     assert second == FN.hash_blocks(get_none_hash(), system + [8] * 2 * BLOCK, BLOCK, [None] * 12)
     for start in (1000, 2000, 3000):  # three other runs push the system prompt out
-        memo.hash_blocks(get_none_hash(), list(range(start, start + 6 * BLOCK)), BLOCK, [None] * 6)
+        memo.hash_blocks(
+            get_none_hash(), list(range(start, start + 10 * BLOCK)), BLOCK, [None] * 10
+        )
     assert len(memo) == 2
     memo.hash_blocks(get_none_hash(), system + [9] * 2 * BLOCK, BLOCK, [None] * 12)
     assert memo.num_reused_blocks == 10
