@@ -14,6 +14,7 @@ from jaxkv.hashing import (
     BlockHashWithGroupId,
     get_block_hash,
     get_group_id,
+    group_id_suffix,
     make_block_hash_with_group_id,
 )
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -44,6 +45,19 @@ class BlockHashToBlockMap:
         if blocks is None or type(blocks) is KVCacheBlock:
             return blocks  # type: ignore[return-value]
         return next(iter(blocks.values()))  # type: ignore[union-attr]
+
+    def get_leading_blocks(
+        self, block_hashes: Sequence[bytes], suffix: bytes, max_blocks: int
+    ) -> list[KVCacheBlock]:
+        """For `block_hashes[i] + suffix`, i = 0, 1, ...: one block each until the first miss."""
+        get = self._map.get
+        hits: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            blocks = get(block_hashes[i] + suffix)  # type: ignore[operator]
+            if blocks is None:
+                break
+            hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
+        return hits
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         blocks = self._map.get(key)
@@ -177,16 +191,16 @@ class BlockPool:
         """
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
-        released: list[KVCacheBlock] = []
-        for block in ordered_blocks:
+        blocks = list(ordered_blocks)
+        for i, block in enumerate(blocks):
             if block.is_null:
                 continue
             if block.ref_cnt <= 0:
-                for done in released:  # leave no state changed
-                    done.ref_cnt += 1
+                for done in blocks[:i]:  # leave no state changed
+                    if not done.is_null:
+                        done.ref_cnt += 1
                 raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
             block.ref_cnt -= 1
-            released.append(block)
             if block.ref_cnt == 0:
                 (unhashed if block._block_hash is None else hashed).append(block)
         if unhashed:
@@ -223,12 +237,13 @@ class BlockPool:
             )
         stored: list[bytes] = []
         cache_map = self.cached_block_hash_to_block
+        suffix = group_id_suffix(kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
                 continue
             block_hash = block_hashes[i]
-            key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+            key = BlockHashWithGroupId(block_hash + suffix)
             if block._block_hash is not None:
                 if block._block_hash != key:
                     raise ValueError(

@@ -160,19 +160,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_size = kv_cache_spec.block_size
         if block_size != hash_block_size:
             block_hashes = BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
-        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         max_num_blocks = min(max_length // block_size, len(block_hashes))
         if len(kv_cache_group_ids) == 1:
-            group_id = kv_cache_group_ids[0]
-            hits = computed[0]
-            lookup = block_pool.cached_block_hash_to_block.get_one_block
-            suffix = group_id_suffix(group_id)
-            for i in range(max_num_blocks):
-                block = lookup(block_hashes[i] + suffix)  # type: ignore[arg-type]
-                if block is None:
-                    break
-                hits.append(block)
-            return computed
+            return (
+                block_pool.cached_block_hash_to_block.get_leading_blocks(
+                    block_hashes, group_id_suffix(kv_cache_group_ids[0]), max_num_blocks
+                ),
+            )
+        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         for i in range(max_num_blocks):
             blocks = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
             if blocks is None:
