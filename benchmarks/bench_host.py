@@ -83,7 +83,7 @@ class JaxkvEngine(Engine):
         fn = jaxkv.get_hash_fn_by_name(hash_fn_name)
         jaxkv.init_none_hash(fn)
         self.hasher = jaxkv.get_request_block_hasher(
-            BLOCK_SIZE, fn, memo_capacity=jaxkv.hashing.DEFAULT_MEMO_CAPACITY if memo else 0
+            BLOCK_SIZE, fn, memo_capacity=jaxkv.request_hashing.DEFAULT_MEMO_CAPACITY if memo else 0
         )
         spec = jaxkv.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128)
         self.manager = jaxkv.KVCacheManager.from_spec(

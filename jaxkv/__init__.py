@@ -17,13 +17,11 @@ from jaxkv.hashing import (
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
-    generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
     get_hash_fn_by_name,
     get_none_hash,
     get_none_hash_seed,
-    get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
     make_block_hash_with_group_id,
@@ -41,8 +39,14 @@ from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheSta
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.mm_hashing import hash_mm_item, processor_kwargs_digest
 from jaxkv.request import LoRARequest, MultiModalFeatureSpec, Request, RequestStatus
+from jaxkv.request_hashing import (
+    BlockHashMemo,
+    generate_block_hash_extra_keys,
+    get_request_block_hasher,
+)
 
 __all__ = [
+    "BlockHashMemo",
     "AllBlocksCleared",
     "BlockHash",
     "BlockHashListWithBlockSize",

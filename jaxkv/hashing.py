@@ -30,16 +30,12 @@ import array
 import hashlib
 import os
 import struct
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NewType
+from typing import Any, NewType
 
 import cbor2
 import numpy as np
 import xxhash
-
-if TYPE_CHECKING:
-    from jaxkv.request import Request
 
 BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
@@ -58,7 +54,7 @@ def _canonical_cbor(obj: Any) -> bytes:
 
 _CBOR_NULL = b"\xf6"
 # Runs of at most this many blocks are encoded per block (less fixed cost than numpy).
-_SMALL_RUN_BLOCKS = 8
+SMALL_RUN_BLOCKS = 8
 
 
 def _cbor_head(major: int, value: int) -> bytes:
@@ -203,7 +199,7 @@ class BlockHashFunction:
             )
         if num_blocks == 0:
             return []
-        if num_blocks <= _SMALL_RUN_BLOCKS:
+        if num_blocks <= SMALL_RUN_BLOCKS:
             if isinstance(token_ids, np.ndarray):
                 token_ids = token_ids.tolist()
             if token_ids and min(token_ids) < 0:
@@ -370,200 +366,6 @@ def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
 
 def get_group_id(key: BlockHashWithGroupId) -> int:
     return int.from_bytes(key[-_GROUP_ID_BYTES:], "big")
-
-
-# ---------------------------------------------------------------------------
-# Extra keys
-
-
-def _mm_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple[list, int]:
-    """("mm", id, offset - start) for each item overlapping [start, end); next item index."""
-    keys = []
-    features = request.mm_features
-    # Items are sorted by offset; skip those that ended before this block.
-    while mm_idx < len(features) and features[mm_idx].offset + features[mm_idx].length <= start:
-        mm_idx += 1
-    i = mm_idx
-    while i < len(features) and features[i].offset < end:
-        feature = features[i]
-        if feature.offset + feature.length > start:
-            keys.append(("mm", feature.identifier, feature.offset - start))
-        i += 1
-    return keys, mm_idx
-
-
-def _prompt_embeds_digest(request: Request, start: int, end: int) -> bytes:
-    digests = request.prompt_embeds_digests
-    digest = digests.get((start, end))
-    if digest is None:
-        rows = np.ascontiguousarray(request.prompt_embeds[start:end])
-        digest = hashlib.sha256(rows.tobytes()).digest()
-        digests[(start, end)] = digest
-    return digest
-
-
-def generate_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
-) -> tuple[ExtraKeys, int]:
-    """Extra keys of the block `[start, end)` (SPEC §2 order) and the next mm index to scan."""
-    keys: list[tuple[Any, ...]] = []
-    lora = request.lora_request
-    if lora is not None:
-        keys.append(("lora", lora.lora_name, lora.lora_path))
-    next_mm_idx = start_mm_idx
-    if request.mm_features:
-        mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
-        keys.extend(mm_keys)
-    if request.cache_salt is not None and start_token_idx == 0:
-        keys.append(("cache_salt", request.cache_salt))
-    if request.prompt_embeds is not None and start_token_idx < request.num_prompt_tokens:
-        end = min(end_token_idx, request.num_prompt_tokens)
-        keys.append(("prompt_embeds", _prompt_embeds_digest(request, start_token_idx, end)))
-    return (tuple(keys) if keys else None), next_mm_idx
-
-
-def _needs_extra_keys(request: Request) -> bool:
-    return bool(
-        request.lora_request is not None
-        or request.mm_features
-        or request.cache_salt is not None
-        or request.prompt_embeds is not None
-    )
-
-
-class _HashedRun:
-    """A memoized run of blocks: token bytes, extra keys and the hashes they chained to."""
-
-    __slots__ = ("data", "extra_keys", "hashes", "stride")
-
-    def __init__(
-        self, data: bytes, extra_keys: tuple[ExtraKeys, ...], hashes: list[BlockHash], stride: int
-    ) -> None:
-        self.data = data
-        self.extra_keys = extra_keys
-        self.hashes = hashes
-        self.stride = stride
-
-    def num_common_blocks(self, data: bytes, extra_keys: tuple[ExtraKeys, ...]) -> int:
-        """Leading blocks whose token bytes and extra keys equal this run's (binary search)."""
-        stride = self.stride
-        mine = self.data
-        lo, hi = 0, min(len(self.hashes), len(extra_keys))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            end = mid * stride
-            # Byte-string slices compare with memcmp (memoryview comparison does not).
-            if mine[:end] == data[:end] and self.extra_keys[:mid] == extra_keys[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-
-class BlockHashMemo:
-    """Recently hashed runs of blocks, so prefixes shared between requests hash once.
-
-    A run is found by exactly what determines its first hash (parent digest,
-    first block's token bytes, first extra keys); its leading blocks whose
-    tokens and extra keys match the new run have, by induction over the chain,
-    the same hashes. System prompts and earlier conversation turns are reused;
-    results are identical to hashing. Keeps at most `capacity` runs, least
-    recently used dropped first. Runs of a few blocks (decode) bypass it.
-    """
-
-    def __init__(self, hash_fn: BlockHashFunction, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"memo capacity must be positive, got {capacity}")
-        self.hash_fn = hash_fn
-        self.capacity = capacity
-        self._runs: OrderedDict[tuple[bytes, bytes, ExtraKeys], _HashedRun] = OrderedDict()
-        self.num_reused_blocks = 0
-
-    def __len__(self) -> int:
-        return len(self._runs)
-
-    def hash_blocks(
-        self,
-        parent: bytes,
-        token_ids: Sequence[int],
-        block_size: int,
-        extra_keys: list[ExtraKeys],
-    ) -> list[BlockHash]:
-        """Same result as `hash_fn.hash_blocks`, reusing a memoized shared prefix."""
-        num_blocks = len(extra_keys)
-        if num_blocks <= _SMALL_RUN_BLOCKS:
-            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
-        tokens = tokens_to_array(token_ids)
-        data = tokens.tobytes()
-        stride = len(data) // num_blocks
-        extras = tuple(extra_keys)
-        key = (parent, data[:stride], extras[0])
-        try:
-            run = self._runs.get(key)
-        except TypeError:  # unhashable extra keys cannot be memo keys
-            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
-        num_shared = 0
-        if run is not None and run.stride == stride:
-            num_shared = run.num_common_blocks(data, extras)
-        self.num_reused_blocks += num_shared
-        if num_shared == num_blocks:
-            self._runs.move_to_end(key)
-            return run.hashes[:num_blocks]  # type: ignore[union-attr]
-        hashes = run.hashes[:num_shared] if num_shared else []  # type: ignore[union-attr]
-        hashes += self.hash_fn.hash_blocks(
-            hashes[-1] if hashes else parent,
-            tokens[num_shared * block_size :],
-            block_size,
-            extra_keys[num_shared:],
-        )
-        self._runs[key] = _HashedRun(data, extras, hashes, stride)
-        self._runs.move_to_end(key)
-        if len(self._runs) > self.capacity:
-            self._runs.popitem(last=False)
-        return hashes
-
-
-DEFAULT_MEMO_CAPACITY = 256
-
-
-def get_request_block_hasher(
-    block_size: int, hash_fn: BlockHashFunction, memo_capacity: int = DEFAULT_MEMO_CAPACITY
-) -> Callable[[Request], list[BlockHash]]:
-    """A hasher returning the hashes of the request's newly full blocks, in order.
-
-    With `memo_capacity > 0` recent block digests are remembered (`BlockHashMemo`),
-    so prefixes shared between requests are hashed once; 0 turns that off.
-    """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size}")
-    if not isinstance(hash_fn, BlockHashFunction):
-        raise ValueError(f"hash_fn must come from get_hash_fn_by_name, got {hash_fn!r}")
-    if memo_capacity < 0:
-        raise ValueError(f"memo_capacity must be >= 0, got {memo_capacity}")
-    hash_blocks = (
-        BlockHashMemo(hash_fn, memo_capacity).hash_blocks if memo_capacity else hash_fn.hash_blocks
-    )
-
-    def request_block_hasher(request: Request) -> list[BlockHash]:
-        num_hashed = len(request.block_hashes)
-        num_full = request.num_tokens // block_size
-        if num_full <= num_hashed:
-            return []
-        start = num_hashed * block_size
-        end = num_full * block_size
-        if _needs_extra_keys(request):
-            extra, mm_idx = [], 0
-            for s in range(start, end, block_size):
-                keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)
-                extra.append(keys)
-        else:
-            extra = [None] * (num_full - num_hashed)
-        parent = request.block_hashes[-1] if num_hashed else get_none_hash()
-        return hash_blocks(parent, request.all_token_ids[start:end], block_size, extra)
-
-    # Lets a request skip the call until a block has filled up.
-    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]
-    return request_block_hasher
 
 
 class BlockHashListWithBlockSize(Sequence[BlockHash]):

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 
 from jaxkv import LoRARequest, Request, get_hash_fn_by_name, get_request_block_hasher
-from jaxkv.hashing import BlockHashMemo, get_none_hash, init_none_hash
+from jaxkv.hashing import get_none_hash, init_none_hash
+from jaxkv.request_hashing import BlockHashMemo
 
 BLOCK = 4
 FN = get_hash_fn_by_name("sha256_cbor")

@@ -6,7 +6,8 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from jaxkv import FullAttentionSpec, KVCacheManager, Request, get_hash_fn_by_name
-from jaxkv.hashing import get_request_block_hasher, init_none_hash
+from jaxkv.hashing import init_none_hash
+from jaxkv.request_hashing import get_request_block_hasher
 
 BLOCK = 4
 FN = get_hash_fn_by_name("sha256")
