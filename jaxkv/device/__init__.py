@@ -4,7 +4,7 @@ Never imports the host scheduler (`jaxkv.kv_cache_manager`, `jaxkv.block_pool`, 
 the host hands over plain int32 numpy data, the device makes no allocation decisions.
 """
 
-from jaxkv.device.attention import ragged_paged_attention
+from jaxkv.device.attention import paged_decode_attention, ragged_paged_attention
 from jaxkv.device.compile_guard import (
     CompilationCounter,
     CompilationError,
@@ -41,6 +41,7 @@ __all__ = [
     "make_mesh",
     "no_compilation",
     "padding_buckets",
+    "paged_decode_attention",
     "pick_bucket",
     "ragged_paged_attention",
     "unpack_step",

@@ -8,8 +8,21 @@ queries, so query `i` of `r` sits at position `seq_lens[r] - q_len + i` and sees
 keys at positions `<=` its own (causal), and `> pos - sliding_window` when a
 window is set. Logits are scaled, then soft-capped (`cap * tanh(s / cap)`).
 
-The pure-JAX reference runs on every backend. On TPU, `impl="auto"` dispatches
-to JAX's Pallas ragged paged attention kernel, whose cache layout is this one.
+The pure-JAX reference runs on every backend. Dispatch (`impl="auto"`):
+
+| function                 | TPU                         | GPU (cuda/rocm)            | CPU       |
+|--------------------------|-----------------------------|----------------------------|-----------|
+| `ragged_paged_attention` | JAX's Pallas ragged kernel  | reference                  | reference |
+| `paged_decode_attention` | JAX's Pallas ragged kernel  | `pallas_gpu` Triton kernel | reference |
+
+Where the kernel does not apply (TPU: a cache stored in another dtype; GPU: block
+shapes outside `pallas_gpu`'s constraints) `"auto"` falls back to the reference.
+`impl="reference"` always runs the reference. `impl="pallas"` forces the table's
+kernel and raises `ValueError` where the table has none, except that
+`paged_decode_attention(..., interpret=True)` runs the GPU kernel in Pallas
+interpret mode on any backend (for tests). The TPU ragged kernel reads this cache
+layout directly; so does the GPU decode kernel (`jaxkv.device.pallas_gpu`), which
+is untested on GPU hardware in this repo (interpret mode and CUDA cross-lowering only).
 
 NaN safety: padded query rows, the null block and free pages may hold anything
 (including NaN). Masked logits are replaced with `jnp.where` and the values of
@@ -25,6 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.device.attention_checks import check_attention_args
+from jaxkv.device.pallas_gpu import (
+    PAGES_PER_COMPUTE_BLOCK,
+    block_shape_error,
+    paged_decode_attention_pallas,
+)
 from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
 _MASKED = -1e30
@@ -57,22 +76,8 @@ def ragged_paged_attention(
     KV head (a query-head slice of a replicated cache); otherwise query heads
     are grouped over the cache's KV heads (GQA).
     """
-    num_tokens, num_q_heads, head_size = q.shape
-    _, _, combined, cache_head_size = kv_cache.shape
-    if cache_head_size != head_size or combined % 2:
-        raise ValueError(
-            f"cache shape {kv_cache.shape} does not fit queries {q.shape}: need "
-            f"[blocks, block_size, 2 * kv_heads, {head_size}]"
-        )
-    num_kv_heads = combined // 2
-    if kv_head is None and num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}"
-        )
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    num_tokens = q.shape[0]
+    check_attention_args(q.shape, kv_cache.shape, sliding_window, soft_cap, kv_head is None)
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
     platform = platform or jax.default_backend()
     use_pallas = impl == "pallas" or (
@@ -95,6 +100,56 @@ def ragged_paged_attention(
         q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         compute=compute, query_chunk=min(query_chunk, num_tokens), kv_head=kv_head,
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    kv_dtype: DTypeLike | None = None,
+    impl: AttentionImpl = "auto",
+    platform: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode-only attention: query `r` of `q [R, Hq, D]` is request `r`'s newest token.
+
+    Same semantics as `ragged_paged_attention` with `query_start_loc = arange(R + 1)`:
+    the query sits at position `seq_lens[r] - 1`; rows at or beyond `num_seqs` return
+    0. Returns `[R, Hq, D]` in q's dtype. Dispatch follows the module docstring's
+    table; `interpret=True` (only with `impl="pallas"`) runs the GPU kernel in
+    Pallas interpret mode on any platform.
+    """
+    if impl not in ("auto", "reference", "pallas"):
+        raise ValueError(f"impl must be 'auto', 'reference' or 'pallas', got {impl!r}")
+    if interpret and impl != "pallas":
+        raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
+    num_reqs = q.shape[0]
+    platform = platform or jax.default_backend()
+    if impl == "pallas" and platform not in ("gpu", "tpu") and not interpret:
+        raise ValueError(
+            f"impl='pallas' needs a GPU (Triton kernel) or a TPU (ragged kernel); got "
+            f"platform={platform!r}. Pass interpret=True to run the GPU kernel in Pallas "
+            f"interpret mode, or use impl='auto'/'reference'"
+        )
+    fits = block_shape_error(q.shape[-1], kv_cache.shape[1], PAGES_PER_COMPUTE_BLOCK) is None
+    if interpret or (platform == "gpu" and (impl == "pallas" or (impl == "auto" and fits))):
+        live = jnp.arange(num_reqs) < num_seqs
+        return paged_decode_attention_pallas(
+            q, kv_cache, block_tables, jnp.where(live, seq_lens, 0),
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            kv_dtype=kv_dtype, interpret=interpret,
+        )  # fmt: skip
+    return ragged_paged_attention(
+        q, kv_cache, block_tables, seq_lens, jnp.arange(num_reqs + 1, dtype=jnp.int32),
+        num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        kv_dtype=kv_dtype, impl=impl, platform=platform,
     )  # fmt: skip
 
 

@@ -1,0 +1,216 @@
+"""Pallas GPU paged decode kernel, run in Pallas interpret mode on CPU.
+
+Compared against the dense float64 NumPy reference of `test_device_attention`
+on random contexts written into a NaN-poisoned cache (null block, free pages and
+page tails are NaN). Interpret mode checks the kernel's semantics, not its Triton
+lowering: nothing here runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from test_device_attention import Case, random_case, reference_attention, rel_error
+
+from jaxkv.device import attention, paged_decode_attention, ragged_paged_attention
+from jaxkv.device.pallas_gpu import paged_decode_attention_pallas
+
+HEAD_SIZE = 16
+WIDTH = 5  # block-table width; one request per case fills it
+
+
+def decode_case(
+    rng: np.random.Generator,
+    seq_lens: list[int],
+    *,
+    group: int,
+    block_size: int,
+    dtype: str = "float32",
+) -> Case:
+    """One query per request plus one padded request (seq_len 0, NaN query)."""
+    pages = sum(-(-s // block_size) for s in seq_lens)
+    return random_case(
+        rng, seq_lens, [1] * len(seq_lens), group=group, head_size=HEAD_SIZE,
+        block_size=block_size, width=WIDTH, num_blocks=pages + 6, dtype=dtype,
+        pad_reqs=1, pad_tokens=1,
+    )  # fmt: skip
+
+
+def poison_table_tails(rng: np.random.Generator, case: Case) -> np.ndarray:
+    """Entries past each request's used pages become stale ids (some out of range)."""
+    tables = case.block_tables.copy()
+    block_size = case.cache.block_size
+    used = -(-case.seq_lens // block_size)
+    tail = np.arange(tables.shape[1])[None, :] >= used[:, None]
+    stale = rng.integers(0, 2 * case.cache.num_blocks, tables.shape, dtype=np.int32)
+    return np.where(tail, stale, tables)
+
+
+def run_kernel(case: Case, tables: np.ndarray, **kw) -> np.ndarray:
+    fn = jax.jit(
+        functools.partial(
+            paged_decode_attention_pallas, kv_dtype=case.cache.dtype, interpret=True, **kw
+        )
+    )
+    return np.asarray(
+        fn(jnp.asarray(case.q), case.kv, jnp.asarray(tables), jnp.asarray(case.seq_lens))
+    )
+
+
+@pytest.mark.parametrize(
+    ("group", "block_size", "pages_per_block", "window", "soft_cap"),
+    [
+        (1, 4, 4, None, None),
+        (2, 8, 2, 5, None),
+        (3, 4, 8, None, 3.0),  # group padded to 16 rows; table padded to 8 pages
+        (4, 4, 4, 6, 2.0),
+        (8, 16, 1, 6, 2.0),  # window starts the loop past the first compute blocks
+    ],
+)
+def test_matches_dense_float64_reference(
+    group, block_size, pages_per_block, window, soft_cap
+) -> None:
+    rng = np.random.default_rng()
+    seq_lens = [1, 7, WIDTH * block_size, 2 * block_size + 3]
+    case = decode_case(rng, seq_lens, group=group, block_size=block_size)
+    opts = {"sm_scale": 0.35, "sliding_window": window, "soft_cap": soft_cap}
+    got = run_kernel(
+        case, poison_table_tails(rng, case), pages_per_compute_block=pages_per_block, **opts
+    )
+    want = reference_attention(case, **opts)
+    n = case.num_seqs
+    assert np.isfinite(got).all(), "NaN leaked from the null block, free pages or page tails"
+    assert rel_error(got[:n], want[:n]) < 1e-5
+    assert not got[n:].any(), "seq_len 0 rows must be exactly 0"
+    if window or soft_cap:  # the options must matter here, or the check above proves little
+        assert np.abs(want - reference_attention(case, sm_scale=0.35)).max() > 1e-3
+
+
+def test_bf16_stored_as_uint16() -> None:
+    rng = np.random.default_rng()
+    case = decode_case(rng, [1, 9, 20], group=2, block_size=4, dtype="bfloat16")
+    assert case.kv.dtype == np.uint16
+    got = run_kernel(case, case.block_tables, sm_scale=0.35, pages_per_compute_block=4)
+    want = reference_attention(case, sm_scale=0.35)
+    n = case.num_seqs
+    assert got.dtype == ml_dtypes.bfloat16 and np.isfinite(got.astype(np.float32)).all()
+    assert rel_error(got[:n], want[:n]) < 2e-2
+    assert not got[n:].astype(np.float32).any()
+
+
+def test_dispatch_matches_reference_and_zeroes_rows_past_num_seqs() -> None:
+    rng = np.random.default_rng()
+    case = decode_case(rng, [3, 20, 1, 11], group=2, block_size=4)
+    num_seqs = 3  # the 4th request is live in the arrays but past num_seqs
+    args = (
+        jnp.asarray(case.q), case.kv, jnp.asarray(case.block_tables),
+        jnp.asarray(case.seq_lens), jnp.asarray(num_seqs, jnp.int32),
+    )  # fmt: skip
+
+    def run(**kw) -> np.ndarray:
+        fn = functools.partial(paged_decode_attention, sm_scale=0.5, soft_cap=4.0, **kw)
+        return np.asarray(jax.jit(fn)(*args))
+
+    auto = run(platform="cpu")
+    kernel = run(impl="pallas", interpret=True, platform="cpu")
+    ragged = ragged_paged_attention(
+        args[0], case.kv, args[2], args[3], jnp.arange(len(case.q) + 1, dtype=jnp.int32),
+        args[4], sm_scale=0.5, soft_cap=4.0, impl="reference",
+    )  # fmt: skip
+    np.testing.assert_allclose(auto, np.asarray(ragged), rtol=1e-6, atol=1e-6)
+    want = reference_attention(case, sm_scale=0.5, soft_cap=4.0)
+    for got in (auto, kernel):
+        assert rel_error(got[:num_seqs], want[:num_seqs]) < 1e-5
+        assert not got[num_seqs:].any()
+
+
+def _args(num_q_heads=4, head_size=16, block_size=4, kv_heads=2, dtype=jnp.float32):
+    q = jnp.zeros((2, num_q_heads, head_size))
+    kv = jnp.zeros((8, block_size, 2 * kv_heads, head_size), dtype)
+    return q, kv, jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32)
+
+
+@pytest.mark.parametrize(
+    ("shape", "kw", "match"),
+    [
+        ({"block_size": 6}, {}, "block_size=6 must be a power of two"),
+        ({"head_size": 24}, {}, "head_size=24 must be a power of two"),
+        ({"head_size": 8}, {}, "head_size=8 must be >= 16"),
+        ({}, {"pages_per_compute_block": 3}, "pages_per_compute_block=3 must be a power of two"),
+        ({}, {"pages_per_compute_block": 2}, r"pages_per_compute_block=2 \* block_size=4"),
+        ({"num_q_heads": 3}, {}, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
+        ({}, {"sliding_window": 0}, "sliding_window must be positive, got 0"),
+        ({}, {"soft_cap": -1.0}, "soft_cap must be positive"),
+        ({"dtype": jnp.uint16}, {"kv_dtype": "float32"}, "kv_dtype=float32 must have the width"),
+    ],
+)
+def test_kernel_rejects_bad_inputs(shape, kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention_pallas(*_args(**shape), sm_scale=1.0, interpret=True, **kw)
+
+
+def test_dispatch_rejects_bad_options() -> None:
+    q, kv, tables, lens = _args()
+    with pytest.raises(ValueError, match="impl='pallas' needs a GPU .* or a TPU"):
+        paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="pallas", platform="cpu")
+    with pytest.raises(ValueError, match="interpret=True needs impl='pallas'"):
+        paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="impl must be"):
+        paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="triton")
+
+
+def test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit(monkeypatch) -> None:
+    """No GPU here: a spy stands in for the kernel to check what `auto` picks."""
+    calls = []
+
+    def spy(q, kv_cache, block_tables, seq_lens, **kw):
+        calls.append((np.asarray(seq_lens), kw))
+        return jnp.zeros_like(q)
+
+    q, kv, tables, lens = _args()  # head_size 16, block_size 4: the kernel applies
+    q8, kv8, _, _ = _args(head_size=8)  # below the kernel's minimum
+    with pytest.raises(ValueError, match="head_size=8 must be >= 16"):  # forced: no fallback
+        paged_decode_attention(
+            q8, kv8, tables, lens, 2, sm_scale=1.0, impl="pallas", platform="gpu"
+        )
+    monkeypatch.setattr(attention, "paged_decode_attention_pallas", spy)
+    paged_decode_attention(q, kv, tables, lens, 1, sm_scale=1.0, platform="gpu")
+    [(seq_lens, kw)] = calls
+    np.testing.assert_array_equal(seq_lens, [1, 0])  # rows past num_seqs get seq_len 0
+    assert kw["interpret"] is False
+    paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="reference", platform="gpu")
+    paged_decode_attention(q8, kv8, tables, lens, 2, sm_scale=1.0, platform="gpu")  # reference
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("storage", "kv_dtype", "window", "soft_cap"),
+    [(jnp.float32, None, None, None), (jnp.uint16, "bfloat16", 6, 2.0)],
+)
+def test_lowers_to_a_triton_call_for_cuda(storage, kv_dtype, window, soft_cap) -> None:
+    """Cross-lowering on CPU runs the Pallas Triton lowering (not PTX compilation).
+
+    Catches constructs Triton rejects (non power-of-two loads, small dots) and a
+    kernel silently routed to Mosaic GPU, which is the default without Triton params.
+    """
+    fn = functools.partial(
+        paged_decode_attention_pallas, sm_scale=0.1, kv_dtype=kv_dtype,
+        sliding_window=window, soft_cap=soft_cap, pages_per_compute_block=4,
+    )  # fmt: skip
+    q_dtype = jnp.float32 if kv_dtype is None else jnp.bfloat16
+    lowered = (
+        jax.jit(fn)
+        .trace(
+            jax.ShapeDtypeStruct((3, 6, 128), q_dtype),
+            jax.ShapeDtypeStruct((50, 16, 4, 128), storage),
+            jax.ShapeDtypeStruct((3, 7), jnp.int32),
+            jax.ShapeDtypeStruct((3,), jnp.int32),
+        )
+        .lower(lowering_platforms=("cuda",))
+    )
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
