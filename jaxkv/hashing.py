@@ -27,6 +27,7 @@ colliding blocks). The resolved seed is `get_none_hash_seed()`.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import os
 import struct
@@ -48,15 +49,20 @@ _GROUP_ID_BYTES = 4
 # Encodings
 
 
+@functools.lru_cache(maxsize=64)
+def _raw_block_struct(block_size: int) -> struct.Struct:
+    """The raw encoding's token count and tokens: ``uint32_le(n) || n x int64_le``."""
+    return struct.Struct(f"<I{block_size}q")
+
+
 def _canonical_cbor(obj: Any) -> bytes:
     return cbor2.dumps(obj, canonical=True)
 
 
 _CBOR_NULL = b"\xf6"
-# Runs of at most this many blocks are encoded per block (less fixed cost than numpy).
-SMALL_RUN_BLOCKS = 8
 
 
+@functools.lru_cache(maxsize=256)
 def _cbor_head(major: int, value: int) -> bytes:
     """The canonical (shortest) CBOR head for `major` type with argument `value`."""
     mt = major << 5
@@ -100,25 +106,48 @@ def _cbor_uint_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return rows, masks, width + np.uint8(1)
 
 
-# Rows of every token id below 2**18 (covers today's vocabularies), built on first use:
-# a lookup is a few numpy calls where computing rows takes a dozen.
-_TABLE_SIZE = 1 << 18
-_uint_row_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+# Token ids below this (2**18 covers today's vocabularies) encode through lookup tables.
+_CBOR_TABLE_SIZE = 1 << 18
 
 
-def _cbor_token_arrays(tokens: np.ndarray, block_size: int, trailer: bytes) -> list[bytes]:
-    """Per block: the canonical CBOR array of its uint32 token ids, then `trailer`."""
-    global _uint_row_table
-    if int(tokens.max()) < _TABLE_SIZE:
-        if _uint_row_table is None:
-            _uint_row_table = _cbor_uint_rows(np.arange(_TABLE_SIZE, dtype=np.uint32))
-        rows, masks, lengths = (table.take(tokens) for table in _uint_row_table)
-    else:
-        rows, masks, lengths = _cbor_uint_rows(tokens)
-    stream = np.compress(masks.view(np.bool_), rows.view(np.uint8)).tobytes()
-    ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
+@functools.cache
+def _cbor_table_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_cbor_uint_rows` of every id below `_CBOR_TABLE_SIZE` (built on first use)."""
+    return _cbor_uint_rows(np.arange(_CBOR_TABLE_SIZE, dtype=np.uint32))
+
+
+def _cbor_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_cbor_uint_rows(tokens)`, by table lookup where the ids allow."""
+    if int(tokens.max()) >= _CBOR_TABLE_SIZE:
+        return _cbor_uint_rows(tokens)
+    rows, masks, lengths = _cbor_table_rows()
+    return rows.take(tokens), masks.take(tokens), lengths.take(tokens)
+
+
+def _compact_rows(rows: np.ndarray, masks: np.ndarray) -> bytes:
+    """The real bytes of `_cbor_uint_rows` rows, back to back."""
+    return np.compress(masks.view(np.bool_), rows.view(np.uint8)).tobytes()
+
+
+# Long runs are encoded this many tokens at a time: numpy's temporaries stay in cache.
+_NUMPY_CHUNK_TOKENS = 1 << 13
+
+
+def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]) -> list[bytes]:
+    """Per block of `block_size` uint32 tokens: their canonical CBOR array, then its trailer."""
     head = _cbor_head(4, block_size)
-    return [head + stream[a:b] + trailer for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    out: list[bytes] = []
+    chunk = max(1, _NUMPY_CHUNK_TOKENS // block_size) * block_size
+    for start in range(0, tokens.size, chunk):
+        rows, masks, lengths = _cbor_rows(tokens[start : start + chunk])
+        stream = _compact_rows(rows, masks)
+        ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
+        chunk_trailers = trailers[start // block_size : (start + chunk) // block_size]
+        out += [
+            head + stream[a:b] + trailer
+            for a, b, trailer in zip([0, *ends[:-1]], ends, chunk_trailers, strict=True)
+        ]
+    return out
 
 
 class BlockHashFunction:
@@ -141,6 +170,7 @@ class BlockHashFunction:
         self.digest_size = new_hasher(b"").digest_size
         self.cbor = cbor
         self.cryptographic = cryptographic
+        self.per_block_run_limit = 8 if cbor else 1
         # What precedes the parent digest in every payload after the first block.
         self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[ExtraKeys, bytes] = {}
@@ -189,8 +219,6 @@ class BlockHashFunction:
         """Chain-hash `len(extra_keys)` consecutive full blocks of `token_ids`.
 
         `token_ids` holds exactly `len(extra_keys) * block_size` non-negative ids.
-        Long runs are encoded with numpy in one pass; a few blocks (a decode
-        step filling one block) take a per-block path with less fixed cost.
         """
         num_blocks = len(extra_keys)
         if len(token_ids) != num_blocks * block_size:
@@ -199,26 +227,7 @@ class BlockHashFunction:
             )
         if num_blocks == 0:
             return []
-        if num_blocks <= SMALL_RUN_BLOCKS:
-            if isinstance(token_ids, np.ndarray):
-                token_ids = token_ids.tolist()
-            if token_ids and min(token_ids) < 0:
-                raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
-            encode = self._encode_block if self.cbor else self._encode_raw_block
-            tails = [
-                encode(token_ids[i * block_size : (i + 1) * block_size], extra)
-                for i, extra in enumerate(extra_keys)
-            ]
-        else:
-            tokens = (
-                tokens_to_array(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids
-            )
-            if tokens.dtype.kind == "i" and int(tokens.min()) < 0:
-                raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
-            if self.cbor:
-                tails = self._cbor_block_tails(tokens, block_size, extra_keys)
-            else:
-                tails = self._raw_block_tails(tokens, block_size, extra_keys)
+        tails = self._encode_tails(token_ids, block_size, extra_keys)
         # The first parent (e.g. a NONE_HASH made by another function) may differ in length.
         head = b"\x83" + _cbor_head(2, len(parent)) if self.cbor else b""
         new_hasher = self.new_hasher
@@ -230,49 +239,70 @@ class BlockHashFunction:
             head = payload_head
         return hashes
 
-    def _encode_block(self, token_ids: list[int], extra_keys: ExtraKeys) -> bytes:
-        # cbor2 always encodes integers in their shortest (canonical) form.
-        try:
-            encoded = cbor2.dumps(token_ids)
-        except cbor2.CBOREncodeError:  # numpy integers in a Python list
-            encoded = cbor2.dumps([int(t) for t in token_ids])
-        return encoded + self._encode_extra(extra_keys)
-
-    def _encode_raw_block(self, token_ids: list[int], extra_keys: ExtraKeys) -> bytes:
-        n = len(token_ids)
-        return struct.pack(f"<I{n}q", n, *token_ids) + self._encode_extra(extra_keys)
-
-    def _cbor_block_tails(
-        self, tokens: np.ndarray, block_size: int, extra_keys: Sequence[ExtraKeys]
+    def _encode_tails(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys],
     ) -> list[bytes]:
-        """Per block: the CBOR token array and the extra keys (all after the parent)."""
+        """Per block, what follows the parent digest in its payload.
+
+        Runs of up to `per_block_run_limit` blocks are encoded block by block,
+        longer ones in numpy passes, whose fixed cost per call only pays off
+        beyond that: from 2 blocks for the fixed-width raw encoding, from a few
+        dozen for CBOR (a decode step fills one block, a prompt's unshared tail
+        a few dozen).
+        """
+        num_blocks = len(extra_keys)
+        if extra_keys.count(None) == num_blocks:
+            trailers = [self._encode_extra(None)] * num_blocks
+        else:
+            trailers = [self._encode_extra(e) for e in extra_keys]
+        if num_blocks <= self.per_block_run_limit:
+            token_list = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+            if min(token_list) < 0:
+                raise ValueError(f"token ids must be non-negative, got {min(token_list)}")
+            return self._encode_per_block(token_list, block_size, trailers)
+        tokens = token_ids if isinstance(token_ids, np.ndarray) else tokens_to_array(token_ids)
+        if tokens.dtype.kind == "i" and int(tokens.min()) < 0:
+            raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
+        if not self.cbor:
+            data = tokens.astype("<i8", copy=False).tobytes()
+            count = struct.pack("<I", block_size)
+            stride = 8 * block_size
+            return [
+                count + data[i * stride : (i + 1) * stride] + trailer
+                for i, trailer in enumerate(trailers)
+            ]
         if tokens.dtype != np.uint32:
             if int(tokens.max()) >= 1 << 32:
-                token_list = tokens.tolist()
-                return [
-                    self._encode_block(token_list[i * block_size : (i + 1) * block_size], e)
-                    for i, e in enumerate(extra_keys)
-                ]
+                return self._encode_per_block(tokens.tolist(), block_size, trailers)
             tokens = tokens.astype(np.uint32)
-        if extra_keys.count(None) == len(extra_keys):
-            return _cbor_token_arrays(tokens, block_size, trailer=_CBOR_NULL)
-        arrays = _cbor_token_arrays(tokens, block_size, trailer=b"")
-        return [a + self._encode_extra(e) for a, e in zip(arrays, extra_keys, strict=True)]
+        return _cbor_uint_arrays(tokens, block_size, trailers)
 
-    def _raw_block_tails(
-        self, tokens: np.ndarray, block_size: int, extra_keys: Sequence[ExtraKeys]
+    def _encode_per_block(
+        self, token_ids: Sequence[int], block_size: int, trailers: list[bytes]
     ) -> list[bytes]:
-        """Per block: uint32 count, int64 tokens and the extra-keys tag (all after the parent)."""
-        data = tokens.astype("<i8", copy=False).tobytes()
-        count = struct.pack("<I", block_size)
-        stride = 8 * block_size
-        if extra_keys.count(None) == len(extra_keys):
-            tag = self._encode_extra(None)
-            return [count + data[i : i + stride] + tag for i in range(0, len(data), stride)]
-        return [
-            count + data[i * stride : (i + 1) * stride] + self._encode_extra(e)
-            for i, e in enumerate(extra_keys)
-        ]
+        """`_encode_tails` one block at a time (ids already checked non-negative)."""
+        starts = range(0, len(token_ids), block_size)
+        if not self.cbor:
+            pack = _raw_block_struct(block_size).pack
+            return [
+                pack(block_size, *token_ids[i : i + block_size]) + trailer
+                for i, trailer in zip(starts, trailers, strict=False)
+            ]
+        # cbor2 encodes integers in their shortest (canonical) form.
+        dumps = cbor2.dumps
+        try:
+            return [
+                dumps(token_ids[i : i + block_size]) + trailer
+                for i, trailer in zip(starts, trailers, strict=False)
+            ]
+        except cbor2.CBOREncodeError:  # numpy integers in a Python list
+            return [
+                dumps([int(t) for t in token_ids[i : i + block_size]]) + trailer
+                for i, trailer in zip(starts, trailers, strict=False)
+            ]
 
 
 _HASH_FUNCTIONS: dict[str, BlockHashFunction] = {

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxkv.hashing import (
-    SMALL_RUN_BLOCKS,
     BlockHash,
     BlockHashFunction,
     ExtraKeys,
@@ -111,6 +110,10 @@ class _HashedRun:
         return lo
 
 
+# Runs of at most this many blocks (decode steps) skip the memo: a lookup costs more.
+MEMO_BYPASS_BLOCKS = 8
+
+
 class BlockHashMemo:
     """Recently hashed runs of blocks, so prefixes shared between requests hash once.
 
@@ -142,7 +145,7 @@ class BlockHashMemo:
     ) -> list[BlockHash]:
         """Same result as `hash_fn.hash_blocks`, reusing a memoized shared prefix."""
         num_blocks = len(extra_keys)
-        if num_blocks <= SMALL_RUN_BLOCKS:
+        if num_blocks <= MEMO_BYPASS_BLOCKS:
             return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
         tokens = tokens_to_array(token_ids)
         data = tokens.tobytes()

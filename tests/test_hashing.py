@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -13,6 +14,8 @@ import cbor2
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxkv.hashing as hashing
 from jaxkv import (
@@ -342,6 +345,70 @@ def test_cbor_widths_match_cbor2(fn, digest, block_size):
         nh, np.asarray(tokens + tokens[::-1], dtype=np.int64), block_size, [extra, None]
     )
     assert batched == [h1, h2]
+
+
+_TOKEN_EDGES = [0, 23, 24, 255, 256, 65535, 65536, 2**18 - 1, 2**18, 2**32 - 1, 2**32, 2**63 - 1]
+
+
+def _ref_raw(parent: bytes, tokens, extra) -> bytes:
+    """jaxkv's documented raw encoding of one block, built field by field."""
+    tag = b"\x00" if extra is None else b"\x01" + cbor2.dumps(extra, canonical=True)
+    count = len(tokens).to_bytes(4, "little")
+    return _sha(parent + count + np.asarray(tokens, "<i8").tobytes() + tag)
+
+
+_RUN_REFERENCES = {"sha256_cbor": functools.partial(_ref_cbor, _sha), "sha256": _ref_raw}
+
+
+@pytest.mark.parametrize("name", sorted(_RUN_REFERENCES))
+@settings(max_examples=100, deadline=None)
+@given(
+    block_size=st.integers(1, 40),
+    blocks=st.lists(
+        st.tuples(
+            st.lists(
+                st.one_of(st.sampled_from(_TOKEN_EDGES), st.integers(0, 300_000)),
+                min_size=40,
+                max_size=40,
+            ),
+            st.sampled_from(
+                [None, (("lora", "a", "p"),), (("mm", "img", -3), ("cache_salt", "s"))]
+            ),
+        ),
+        min_size=1,
+        max_size=2 * SHA_CBOR.per_block_run_limit + 3,
+    ),
+    as_array=st.booleans(),
+)
+def test_runs_match_per_block_reference(name, block_size, blocks, as_array):
+    """Runs on both sides of per_block_run_limit, any token width or extra keys."""
+    fn, reference = get_hash_fn_by_name(name), _RUN_REFERENCES[name]
+    tokens = [t for block, _ in blocks for t in block[:block_size]]
+    extra = [e for _, e in blocks]
+    parent = expected_parent = b"p" * 32
+    expected = []
+    for i, e in enumerate(extra):
+        expected_parent = reference(
+            expected_parent, tokens[i * block_size : (i + 1) * block_size], e
+        )
+        expected.append(expected_parent)
+    given_tokens = np.asarray(tokens, dtype=np.uint64) if as_array else tokens
+    assert fn.hash_blocks(parent, given_tokens, block_size, extra) == expected
+
+
+@pytest.mark.parametrize("block_size", [5, 16, 100])
+def test_long_runs_encode_in_chunks(monkeypatch, block_size):
+    """Runs longer than one numpy chunk (forced small here) chain exactly like cbor2."""
+    monkeypatch.setattr(hashing, "_NUMPY_CHUNK_TOKENS", 64)
+    rng = np.random.default_rng(block_size)
+    num_blocks = SHA_CBOR.per_block_run_limit + 17
+    tokens = rng.choice(_TOKEN_EDGES[:-3] + [7, 300, 70_000], num_blocks * block_size).tolist()
+    extra = [None if i % 3 else (("lora", "a", "p"),) for i in range(num_blocks)]
+    expected, parent = [], b"q" * 32
+    for i, e in enumerate(extra):
+        parent = _ref_cbor(_sha, parent, tokens[i * block_size : (i + 1) * block_size], e)
+        expected.append(parent)
+    assert SHA_CBOR.hash_blocks(b"q" * 32, tokens, block_size, extra) == expected
 
 
 def test_request_hasher_large_token_ids_match_reference():
