@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxkv.device import PagedKVCache
+from jaxkv.device.storage import to_storage
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
 
@@ -70,6 +71,25 @@ def test_bf16_storage_keeps_bits_and_defaults_to_uint16_on_cpu() -> None:
     np.testing.assert_array_equal(stored[1::2], -np.asarray(k)[0])
 
 
+def test_bf16_bits_input_writes_the_same_cache_without_a_temporary() -> None:
+    """K/V handed over as stored bits land exactly like bf16 K/V, with no K/V-sized temp."""
+    cache = _cache("bfloat16", num_blocks=512)
+    rng = np.random.default_rng()
+    k, v = (jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.bfloat16) for _ in range(2))
+    slots = rng.choice(np.arange(4, cache.padding_slot), 6, replace=False)
+    (a,) = cache.allocate()
+    (b,) = cache.allocate()
+    a = cache.write_kv(a, k, v, slots)
+    bits = [to_storage(x, cache.dtype, cache.storage_dtype) for x in (k, v)]
+    assert bits[0].dtype == np.uint16
+    b = cache.write_kv(b, *bits, slots)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    payload = 2 * 64 * 2 * 8 * 2  # K and V bytes of 64 tokens
+    temp_bf16 = cache.lower_write_kv(64).compile().memory_analysis().temp_size_in_bytes
+    temp_bits = cache.lower_write_kv(64, "uint16").compile().memory_analysis().temp_size_in_bytes
+    assert temp_bits < payload // 2 and temp_bf16 >= payload, (temp_bits, temp_bf16)
+
+
 def test_allocate_creates_sharded_zeroed_layers() -> None:
     cache = _cache()
     layers = cache.allocate(num_layers=3)
@@ -113,7 +133,7 @@ def test_donation_updates_in_place(dtype: str) -> None:
         (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8])), r"new_k has shape \(2, 2, 8\)"),
         (
             lambda c, kv, k: c.write_kv(kv, k.astype(jnp.bfloat16), k, np.array([8, 9])),
-            r"dtype bfloat16; expected shape \(2, 2, 8\) dtype float32",
+            r"dtype bfloat16; expected shape \(2, 2, 8\) dtype float32 \(compute dtype",
         ),
         (
             lambda c, kv, k: c.write_kv(kv[:3], k, k, np.array([8, 9])),

@@ -208,10 +208,11 @@ class PagedKVCache:
 
     def _check_tokens(self, name: str, x: jax.Array, num_tokens: int) -> None:
         want = (num_tokens, self.num_kv_heads, self.head_size)
-        if tuple(x.shape) != want or x.dtype != self.dtype:
+        if tuple(x.shape) != want or x.dtype not in (self.dtype, self.storage_dtype):
+            allowed = sorted({str(self.dtype), str(self.storage_dtype)})
             raise ValueError(
                 f"{name} has shape {tuple(x.shape)} dtype {x.dtype}; expected shape {want} "
-                f"dtype {self.dtype}"
+                f"dtype {' or '.join(allowed)} (compute dtype, or its bits in the storage dtype)"
             )
 
     def put(self, arr: np.ndarray, spec: P | None = None) -> jax.Array:
@@ -237,6 +238,9 @@ class PagedKVCache:
 
         Slots are local to their data rank, outside the null block:
         `[block_size, padding_slot)`, or `padding_slot` for a padding token.
+        K/V come in the compute dtype, or as its bits in the storage dtype
+        (`jaxkv.device.storage.to_storage`), which spares the update a temporary
+        of the step's K/V size when the storage dtype differs.
         """
         self._check_cache(kv)
         slots = self._check_ids(
@@ -276,15 +280,19 @@ class PagedKVCache:
             return kv
         return self._zero(kv, self.put(self._pad_ids(arr, self.num_blocks), self._rank_spec))
 
-    def lower_write_kv(self, num_tokens: int) -> jax.stages.Lowered:
+    def lower_write_kv(
+        self, num_tokens: int, token_dtype: DTypeLike | None = None
+    ) -> jax.stages.Lowered:
         """The lowered `write_kv` program for `num_tokens` tokens per data rank.
 
+        `token_dtype` is the K/V input dtype (default: the compute dtype; the
+        storage dtype lowers the path that takes stored bits).
         `.compile().memory_analysis()` shows the donation at work: the cache is
         aliased to the output and the temporaries follow the tokens written.
         """
         tokens = jax.ShapeDtypeStruct(
             (self.dp_size * num_tokens, self.num_kv_heads, self.head_size),
-            self.dtype,
+            self.dtype if token_dtype is None else resolve_dtype(token_dtype),
             sharding=NamedSharding(self.mesh, self._token_spec),
         )
         return self._write.lower(

@@ -41,6 +41,15 @@ def resolve_storage_dtype(compute: np.dtype, storage: DTypeLike | None, platform
 
 
 def to_storage(x: jax.Array, compute: np.dtype, storage: np.dtype) -> jax.Array:
+    """`x` as storage bits; already-stored bits pass through untouched.
+
+    A producer that emits its K/V as storage bits (this bitcast at the end of its
+    own jitted computation, where it fuses into the output) spares the cache
+    update a temporary copy of the step's K/V: XLA's CPU scatter does not fuse the
+    bitcast into its updates.
+    """
+    if x.dtype == storage:
+        return x
     x = x.astype(compute)
     return x if storage == compute else jax.lax.bitcast_convert_type(x, storage)
 
