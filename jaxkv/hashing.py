@@ -171,7 +171,7 @@ class BlockHashFunction:
         self.cbor = cbor
         self.cryptographic = cryptographic
         self.per_block_run_limit = 8 if cbor else 1
-        # What precedes the parent digest in every payload after the first block.
+        # What precedes a parent digest of the usual length in a payload.
         self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[ExtraKeys, bytes] = {}
 
@@ -225,44 +225,63 @@ class BlockHashFunction:
             raise ValueError(
                 f"hash_blocks needs {num_blocks} x {block_size} tokens, got {len(token_ids)}"
             )
-        if num_blocks == 0:
-            return []
-        tails = self._encode_tails(token_ids, block_size, extra_keys)
-        # The first parent (e.g. a NONE_HASH made by another function) may differ in length.
-        head = b"\x83" + _cbor_head(2, len(parent)) if self.cbor else b""
+        # What precedes the first parent: it may be a digest of another length (e.g. a
+        # NONE_HASH made by another function).
+        if len(parent) == self.digest_size or not self.cbor:
+            head = self._payload_head
+        else:
+            head = b"\x83" + _cbor_head(2, len(parent))
         new_hasher = self.new_hasher
-        payload_head = self._payload_head
+        if num_blocks == 1:  # a decode step filled a block: the lean path
+            return [
+                new_hasher(head + parent + self._encode_block(token_ids, extra_keys[0])).digest()
+            ]
         hashes: list[BlockHash] = []
-        for tail in tails:
+        for tail in self._encode_run(token_ids, block_size, extra_keys):
             parent = new_hasher(head + parent + tail).digest()
             hashes.append(parent)
-            head = payload_head
+            head = self._payload_head
         return hashes
 
-    def _encode_tails(
+    def _encode_block(self, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys) -> bytes:
+        """What follows the parent digest in one block's payload."""
+        if type(token_ids) is not list:
+            token_ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+        if min(token_ids) < 0:
+            raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
+        if self.cbor:
+            try:  # cbor2 encodes integers in their shortest (canonical) form
+                encoded = cbor2.dumps(token_ids)
+            except cbor2.CBOREncodeError:  # numpy integers in a Python list
+                encoded = cbor2.dumps([int(t) for t in token_ids])
+        else:
+            encoded = _raw_block_struct(len(token_ids)).pack(len(token_ids), *token_ids)
+        return encoded + self._encode_extra(extra_keys)
+
+    def _encode_run(
         self,
         token_ids: Sequence[int] | np.ndarray,
         block_size: int,
         extra_keys: Sequence[ExtraKeys],
     ) -> list[bytes]:
-        """Per block, what follows the parent digest in its payload.
+        """`_encode_block` of each block of a run.
 
         Runs of up to `per_block_run_limit` blocks are encoded block by block,
         longer ones in numpy passes, whose fixed cost per call only pays off
-        beyond that: from 2 blocks for the fixed-width raw encoding, from a few
-        dozen for CBOR (a decode step fills one block, a prompt's unshared tail
-        a few dozen).
+        beyond that: from 2 blocks for the fixed-width raw encoding, from about
+        10 for CBOR.
         """
         num_blocks = len(extra_keys)
+        if num_blocks <= self.per_block_run_limit:
+            encode = self._encode_block
+            return [
+                encode(token_ids[i * block_size : (i + 1) * block_size], extra)
+                for i, extra in enumerate(extra_keys)
+            ]
         if extra_keys.count(None) == num_blocks:
             trailers = [self._encode_extra(None)] * num_blocks
         else:
             trailers = [self._encode_extra(e) for e in extra_keys]
-        if num_blocks <= self.per_block_run_limit:
-            token_list = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
-            if min(token_list) < 0:
-                raise ValueError(f"token ids must be non-negative, got {min(token_list)}")
-            return self._encode_per_block(token_list, block_size, trailers)
         tokens = token_ids if isinstance(token_ids, np.ndarray) else tokens_to_array(token_ids)
         if tokens.dtype.kind == "i" and int(tokens.min()) < 0:
             raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
@@ -276,33 +295,13 @@ class BlockHashFunction:
             ]
         if tokens.dtype != np.uint32:
             if int(tokens.max()) >= 1 << 32:
-                return self._encode_per_block(tokens.tolist(), block_size, trailers)
+                token_list = tokens.tolist()
+                return [
+                    self._encode_block(token_list[i * block_size : (i + 1) * block_size], e)
+                    for i, e in enumerate(extra_keys)
+                ]
             tokens = tokens.astype(np.uint32)
         return _cbor_uint_arrays(tokens, block_size, trailers)
-
-    def _encode_per_block(
-        self, token_ids: Sequence[int], block_size: int, trailers: list[bytes]
-    ) -> list[bytes]:
-        """`_encode_tails` one block at a time (ids already checked non-negative)."""
-        starts = range(0, len(token_ids), block_size)
-        if not self.cbor:
-            pack = _raw_block_struct(block_size).pack
-            return [
-                pack(block_size, *token_ids[i : i + block_size]) + trailer
-                for i, trailer in zip(starts, trailers, strict=False)
-            ]
-        # cbor2 encodes integers in their shortest (canonical) form.
-        dumps = cbor2.dumps
-        try:
-            return [
-                dumps(token_ids[i : i + block_size]) + trailer
-                for i, trailer in zip(starts, trailers, strict=False)
-            ]
-        except cbor2.CBOREncodeError:  # numpy integers in a Python list
-            return [
-                dumps([int(t) for t in token_ids[i : i + block_size]]) + trailer
-                for i, trailer in zip(starts, trailers, strict=False)
-            ]
 
 
 _HASH_FUNCTIONS: dict[str, BlockHashFunction] = {
