@@ -118,10 +118,11 @@ def _cbor_table_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _cbor_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`_cbor_uint_rows(tokens)`, by table lookup where the ids allow."""
-    if int(tokens.max()) >= _CBOR_TABLE_SIZE:
-        return _cbor_uint_rows(tokens)
     rows, masks, lengths = _cbor_table_rows()
-    return rows.take(tokens), masks.take(tokens), lengths.take(tokens)
+    try:  # `take` checks the bounds anyway: cheaper than a max() up front
+        return rows.take(tokens), masks.take(tokens), lengths.take(tokens)
+    except IndexError:
+        return _cbor_uint_rows(tokens)
 
 
 def _compact_rows(rows: np.ndarray, masks: np.ndarray) -> bytes:

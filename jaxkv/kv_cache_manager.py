@@ -177,6 +177,27 @@ class KVCacheManager:
         past `request.num_tokens` (unverified speculative tokens are not cached)
         and not at all with `delay_cache_blocks`.
         """
+        slot_state = self._slot_state.get(request.request_id)
+        if (
+            slot_state is not None
+            and new_computed_blocks is None
+            and num_new_computed_tokens == 0
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
+        ):
+            # Most decode steps: the request's blocks hold the new tokens and no block
+            # fills up, so nothing changes; answered without visiting the groups.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if (
+                num_tokens + num_lookahead_tokens <= slot_state[0]
+                and num_tokens <= self.max_model_len
+                and (
+                    delay_cache_blocks
+                    or not self.enable_caching
+                    or min(num_tokens, request.num_tokens) < slot_state[1]
+                )
+            ):
+                return self.empty_kv_cache_blocks
         if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"request {request.request_id!r}: num_new_tokens must be > 0 (something to "
@@ -200,14 +221,6 @@ class KVCacheManager:
             num_tokens_to_cache = num_tokens
         cache = self.enable_caching and not delay_cache_blocks
         has_hits = new_computed_blocks is not None and any(new_computed_blocks.blocks)
-        if not has_hits:
-            slot_state = self._slot_state.get(request_id)
-            if (
-                slot_state is not None
-                and num_tokens + num_lookahead_tokens <= slot_state[0]
-                and (not cache or num_tokens_to_cache < slot_state[1])
-            ):
-                return self.empty_kv_cache_blocks
         if cache:
             # Checked before any change: caching below would fail half-way otherwise.
             num_to_cache = num_tokens_to_cache // self.hash_block_size

@@ -144,10 +144,11 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        if isinstance(token_ids, (int, np.integer)):
-            token_id = int(token_ids)
-            self.output_token_ids.append(token_id)
-            self.all_token_ids.append(token_id)
+        if type(token_ids) is not int and isinstance(token_ids, (int, np.integer)):
+            token_ids = int(token_ids)  # numpy integers stored as plain ints
+        if type(token_ids) is int:
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
