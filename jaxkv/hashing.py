@@ -146,7 +146,7 @@ def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]
         chunk_trailers = trailers[start // block_size : (start + chunk) // block_size]
         out += [
             head + stream[a:b] + trailer
-            for a, b, trailer in zip([0, *ends[:-1]], ends, chunk_trailers, strict=True)
+            for a, b, trailer in zip([0, *ends[:-1]], ends, chunk_trailers, strict=False)
         ]
     return out
 

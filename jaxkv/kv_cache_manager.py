@@ -194,7 +194,8 @@ class KVCacheManager:
                 and (
                     delay_cache_blocks
                     or not self.enable_caching
-                    or min(num_tokens, request.num_tokens) < slot_state[1]
+                    or num_tokens < slot_state[1]  # i.e. min(num_tokens, request.num_tokens)
+                    or request.num_tokens < slot_state[1]
                 )
             ):
                 return self.empty_kv_cache_blocks

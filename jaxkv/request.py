@@ -74,9 +74,10 @@ BlockHasher = Callable[["Request"], list[bytes]]
 class Request:
     """A request as the cache managers see it.
 
-    Invariants: `num_tokens == len(all_token_ids)`; `block_hashes[i]` is the
-    hash of full block `i` (when a block hasher is set); `0 <= num_computed_tokens
-    <= num_tokens`.
+    Invariants: `num_tokens == len(all_token_ids)` and `num_output_tokens ==
+    len(output_token_ids)` (the token lists grow only through
+    `append_output_token_ids`); `block_hashes[i]` is the hash of full block `i`
+    (when a block hasher is set); `0 <= num_computed_tokens <= num_tokens`.
     """
 
     request_id: str
@@ -121,19 +122,15 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Prompt-embedding digests per (start, end) block range, computed once.
         self.prompt_embeds_digests: dict[tuple[int, int], bytes] = {}
-        # Tokens per hashed block; "never" without a hasher.
+        self.num_tokens = len(self.all_token_ids)
+        self.num_output_tokens = 0
+        # Tokens per hashed block ("never" without a hasher), and the token count at
+        # which the next block is full.
         self._hash_block_size = (
             getattr(self.block_hasher, "block_size", 1) if self.block_hasher else 1 << 62
         )
+        self._next_hash_at = self._hash_block_size
         self._update_block_hashes()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     @property
     def lora_int_id(self) -> int | None:
@@ -149,10 +146,15 @@ class Request:
         if type(token_ids) is int:
             self.output_token_ids.append(token_ids)
             self.all_token_ids.append(token_ids)
+            self.num_tokens += 1
+            self.num_output_tokens += 1
         else:
+            token_ids = [int(t) for t in token_ids]
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
-        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._hash_block_size:
+            self.num_tokens += len(token_ids)
+            self.num_output_tokens += len(token_ids)
+        if self.num_tokens >= self._next_hash_at:
             self._update_block_hashes()
 
     def get_num_encoder_embeds(self, input_id: int) -> int:
@@ -165,5 +167,6 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         # A hasher that states its block size is only called once a block has filled.
-        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._hash_block_size:
+        if self.num_tokens >= self._next_hash_at:
             self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
+            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
