@@ -95,7 +95,8 @@ class Request:
         prompt = self.prompt_token_ids
         if isinstance(prompt, np.ndarray):
             prompt = prompt.tolist()
-        self.prompt_token_ids = list(prompt)
+        # A list is kept, not copied (as vLLM does): the request never mutates it.
+        self.prompt_token_ids = prompt if type(prompt) is list else list(prompt)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.num_prompt_tokens == 0:
             raise ValueError(f"request {self.request_id!r}: the prompt must not be empty")
