@@ -362,7 +362,7 @@ def dense_check(cfg: Config, params: dict, requests: list[jaxkv.Request]) -> lis
     mismatched = []
     for request in requests:
         tokens = np.zeros(cfg.max_model_len, np.int32)
-        tokens[: request.num_tokens] = request.all_token_ids
+        tokens[: request.num_tokens] = list(request.all_token_ids)
         predicted = np.asarray(forward(params, jnp.asarray(tokens)))
         start = request.num_prompt_tokens - 1  # the prediction after the prompt's last token
         expected = predicted[start : start + request.num_output_tokens].tolist()

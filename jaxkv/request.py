@@ -8,7 +8,8 @@ full. Hashes already computed are never recomputed.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +68,57 @@ class MultiModalFeatureSpec:
         return int(self.is_embed.sum())
 
 
+class AllTokenIds(Sequence[int]):
+    """Read-only view of a request's prompt followed by its output tokens.
+
+    Nothing is copied: the view reads the prompt and output lists it was given,
+    so it stays current as tokens are appended (like vLLM's `ConstantList` over
+    its token list, without keeping a second copy of the prompt).
+    """
+
+    __slots__ = ("_num_prompt", "_output", "_prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt = prompt
+        self._output = output
+        self._num_prompt = len(prompt)
+
+    def __len__(self) -> int:
+        return self._num_prompt + len(self._output)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        num_prompt = self._num_prompt
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if stop <= num_prompt:
+                return self._prompt[start:stop]
+            if start >= num_prompt:
+                return self._output[start - num_prompt : stop - num_prompt]
+            return self._prompt[start:] + self._output[: stop - num_prompt]
+        if index < 0:
+            index += len(self)
+        if 0 <= index < num_prompt:
+            return self._prompt[index]
+        if num_prompt <= index < len(self):
+            return self._output[index - num_prompt]
+        raise IndexError(f"token index {index} out of range for {len(self)} tokens")
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self._prompt, self._output)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"AllTokenIds({list(self)!r})"
+
+
 BlockHasher = Callable[["Request"], list[bytes]]
 
 
@@ -74,10 +126,11 @@ BlockHasher = Callable[["Request"], list[bytes]]
 class Request:
     """A request as the cache managers see it.
 
-    Invariants: `num_tokens == len(all_token_ids)` and `num_output_tokens ==
-    len(output_token_ids)` (the token lists grow only through
-    `append_output_token_ids`); `block_hashes[i]` is the hash of full block `i`
-    (when a block hasher is set); `0 <= num_computed_tokens <= num_tokens`.
+    Invariants: `all_token_ids` is the prompt then the output tokens;
+    `num_tokens == len(all_token_ids)` and `num_output_tokens ==
+    len(output_token_ids)` (outputs grow only through `append_output_token_ids`);
+    `block_hashes[i]` is the hash of full block `i` (when a block hasher is set);
+    `0 <= num_computed_tokens <= num_tokens`.
     """
 
     request_id: str
@@ -115,8 +168,8 @@ class Request:
                     f"prompt has {self.num_prompt_tokens} tokens"
                 )
         self.mm_features = sorted(self.mm_features, key=lambda f: f.offset)
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -146,13 +199,11 @@ class Request:
             token_ids = int(token_ids)  # numpy integers stored as plain ints
         if type(token_ids) is int:
             self.output_token_ids.append(token_ids)
-            self.all_token_ids.append(token_ids)
             self.num_tokens += 1
             self.num_output_tokens += 1
         else:
             token_ids = [int(t) for t in token_ids]
             self.output_token_ids.extend(token_ids)
-            self.all_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
             self.num_output_tokens += len(token_ids)
         if self.num_tokens >= self._next_hash_at:
