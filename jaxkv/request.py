@@ -88,8 +88,8 @@ class AllTokenIds(Sequence[int]):
 
     def __getitem__(self, index):  # type: ignore[override]
         num_prompt = self._num_prompt
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
+        if type(index) is slice:
+            start, stop, step = index.indices(num_prompt + len(self._output))
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
             if stop <= num_prompt:
