@@ -269,8 +269,8 @@ class BlockHashFunction:
 
         Runs of up to `per_block_run_limit` blocks are encoded block by block,
         longer ones in numpy passes, whose fixed cost per call only pays off
-        beyond that: from 2 blocks for the fixed-width raw encoding, from about
-        10 for CBOR.
+        beyond that (measured: from 2 blocks for the fixed-width raw encoding,
+        from about 9 for CBOR).
         """
         num_blocks = len(extra_keys)
         if num_blocks <= self.per_block_run_limit:
