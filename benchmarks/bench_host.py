@@ -304,7 +304,7 @@ def main() -> None:
     peer = args.peer == "vllm" and ensure_peer_process()
     # Before the serving runs: a process that has run many engines encodes measurably
     # slower (a grown, fragmented heap), which would blur this micro-benchmark.
-    hash_rows = bench_hashing(num_blocks=4096, repeats=9)
+    hash_rows = bench_hashing(num_blocks=4096, repeats=21)
     workload = make_workload(args.requests)
     print(
         f"workload: {args.requests} requests, {sum(map(len, workload.prompts))} prompt tokens,"

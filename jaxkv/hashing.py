@@ -130,25 +130,16 @@ def _compact_rows(rows: np.ndarray, masks: np.ndarray) -> bytes:
     return np.compress(masks.view(np.bool_), rows.view(np.uint8)).tobytes()
 
 
-# Long runs are encoded this many tokens at a time: numpy's temporaries stay in cache.
-_NUMPY_CHUNK_TOKENS = 1 << 13
-
-
 def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]) -> list[bytes]:
     """Per block of `block_size` uint32 tokens: their canonical CBOR array, then its trailer."""
     head = _cbor_head(4, block_size)
-    out: list[bytes] = []
-    chunk = max(1, _NUMPY_CHUNK_TOKENS // block_size) * block_size
-    for start in range(0, tokens.size, chunk):
-        rows, masks, lengths = _cbor_rows(tokens[start : start + chunk])
-        stream = _compact_rows(rows, masks)
-        ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
-        chunk_trailers = trailers[start // block_size : (start + chunk) // block_size]
-        out += [
-            head + stream[a:b] + trailer
-            for a, b, trailer in zip([0, *ends[:-1]], ends, chunk_trailers, strict=False)
-        ]
-    return out
+    rows, masks, lengths = _cbor_rows(tokens)
+    stream = _compact_rows(rows, masks)
+    ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
+    return [
+        head + stream[a:b] + trailer
+        for a, b, trailer in zip([0, *ends[:-1]], ends, trailers, strict=False)
+    ]
 
 
 class BlockHashFunction:

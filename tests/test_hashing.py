@@ -396,21 +396,6 @@ def test_runs_match_per_block_reference(name, block_size, blocks, as_array):
     assert fn.hash_blocks(parent, given_tokens, block_size, extra) == expected
 
 
-@pytest.mark.parametrize("block_size", [5, 16, 100])
-def test_long_runs_encode_in_chunks(monkeypatch, block_size):
-    """Runs longer than one numpy chunk (forced small here) chain exactly like cbor2."""
-    monkeypatch.setattr(hashing, "_NUMPY_CHUNK_TOKENS", 64)
-    rng = np.random.default_rng(block_size)
-    num_blocks = SHA_CBOR.per_block_run_limit + 17
-    tokens = rng.choice(_TOKEN_EDGES[:-3] + [7, 300, 70_000], num_blocks * block_size).tolist()
-    extra = [None if i % 3 else (("lora", "a", "p"),) for i in range(num_blocks)]
-    expected, parent = [], b"q" * 32
-    for i, e in enumerate(extra):
-        parent = _ref_cbor(_sha, parent, tokens[i * block_size : (i + 1) * block_size], e)
-        expected.append(parent)
-    assert SHA_CBOR.hash_blocks(b"q" * 32, tokens, block_size, extra) == expected
-
-
 def test_request_hasher_large_token_ids_match_reference():
     nh = init_none_hash(SHA_CBOR, "w")
     tokens = [2**32 + 5, 3, 2**33, 70000, 2**63 - 1, 200, 24, 23]
