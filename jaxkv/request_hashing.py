@@ -82,28 +82,51 @@ def _needs_extra_keys(request: Request) -> bool:
 
 
 class _HashedRun:
-    """A memoized run of blocks: token bytes, extra keys and the hashes they chained to."""
+    """A memoized run of blocks: token bytes, extra keys and the hashes they chained to.
 
-    __slots__ = ("data", "extra_keys", "hashes", "stride")
+    `common_hint` is the shared-prefix length the last lookup found (the next
+    request after a shared system prompt usually shares exactly as much).
+    """
+
+    __slots__ = ("common_hint", "data", "extra_keys", "hashes", "stride")
 
     def __init__(
-        self, data: bytes, extra_keys: tuple[ExtraKeys, ...], hashes: list[BlockHash], stride: int
+        self,
+        data: bytes,
+        extra_keys: tuple[ExtraKeys, ...],
+        hashes: list[BlockHash],
+        stride: int,
+        common_hint: int = 0,
     ) -> None:
         self.data = data
         self.extra_keys = extra_keys
         self.hashes = hashes
         self.stride = stride
+        self.common_hint = common_hint
 
     def num_common_blocks(self, data: bytes, extra_keys: tuple[ExtraKeys, ...]) -> int:
-        """Leading blocks whose token bytes and extra keys equal this run's (binary search)."""
+        """Leading blocks whose token bytes and extra keys equal this run's.
+
+        Tries `common_hint` first (two comparisons), else binary search.
+        """
         stride = self.stride
         mine = self.data
+        mine_extra = self.extra_keys
+
+        def equal(start: int, stop: int) -> bool:
+            # Byte-string slices compare with memcmp (memoryview comparison does not).
+            return (
+                mine[start * stride : stop * stride] == data[start * stride : stop * stride]
+                and mine_extra[start:stop] == extra_keys[start:stop]
+            )
+
         lo, hi = 0, min(len(self.hashes), len(extra_keys))
+        hint = self.common_hint
+        if 0 < hint < hi and equal(0, hint) and not equal(hint, hint + 1):
+            return hint
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            end = mid * stride
-            # Byte-string slices compare with memcmp (memoryview comparison does not).
-            if mine[:end] == data[:end] and self.extra_keys[:mid] == extra_keys[:mid]:
+            if equal(0, mid):
                 lo = mid
             else:
                 hi = mid - 1
@@ -170,7 +193,7 @@ class BlockHashMemo:
             block_size,
             extra_keys[num_shared:],
         )
-        self._runs[key] = _HashedRun(data, extras, hashes, stride)
+        self._runs[key] = _HashedRun(data, extras, hashes, stride, num_shared)
         self._runs.move_to_end(key)
         if len(self._runs) > self.capacity:
             self._runs.popitem(last=False)
