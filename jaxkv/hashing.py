@@ -213,9 +213,10 @@ class BlockHashFunction:
         `token_ids` holds exactly `len(extra_keys) * block_size` non-negative ids.
         """
         num_blocks = len(extra_keys)
-        if len(token_ids) != num_blocks * block_size:
+        if block_size <= 0 or len(token_ids) != num_blocks * block_size:
             raise ValueError(
-                f"hash_blocks needs {num_blocks} x {block_size} tokens, got {len(token_ids)}"
+                f"hash_blocks needs a positive block size and {num_blocks} x {block_size} "
+                f"tokens, got {len(token_ids)}"
             )
         # What precedes the first parent: it may be a digest of another length (e.g. a
         # NONE_HASH made by another function).

@@ -425,10 +425,23 @@ def test_callable_hashes_like_vllm():
     assert XX_CBOR("s") == xxhash.xxh3_128_digest(cbor2.dumps("s", canonical=True))
 
 
-def test_negative_token_rejected():
-    init_none_hash(SHA_CBOR, "seed")
-    with pytest.raises(ValueError, match="non-negative"):
-        hash_block_tokens(SHA_CBOR, None, [1, -1])
+@pytest.mark.parametrize("fn", [SHA, SHA_CBOR], ids=lambda f: f.name)
+@pytest.mark.parametrize("num_blocks", [1, 3, 12])
+def test_negative_token_rejected(fn, num_blocks):
+    """On the one-block, per-block and numpy paths alike, for list and array input."""
+    tokens = [1, 2] * num_blocks
+    tokens[-1] = -1
+    for token_ids in (tokens, np.asarray(tokens, dtype=np.int64)):
+        with pytest.raises(ValueError, match="non-negative, got -1"):
+            fn.hash_blocks(b"p" * 32, token_ids, 2, [None] * num_blocks)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block_size", "num_blocks"), [([], 0, 1), ([1, 2], 2, 2), ([1, 2, 3], 2, 1)]
+)
+def test_hash_blocks_rejects_mismatched_counts(tokens, block_size, num_blocks):
+    with pytest.raises(ValueError, match="positive block size and"):
+        SHA_CBOR.hash_blocks(b"p" * 32, tokens, block_size, [None] * num_blocks)
 
 
 # ---------------------------------------------------------------------------
