@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -202,7 +203,13 @@ class Request:
             self.num_tokens += 1
             self.num_output_tokens += 1
         else:
-            token_ids = [int(t) for t in token_ids]
+            try:
+                token_ids = [operator.index(t) for t in token_ids]
+            except TypeError:
+                raise ValueError(
+                    f"request {self.request_id!r}: output token ids must be integers (one, "
+                    f"or a sequence of them), got {token_ids!r}"
+                ) from None
             self.output_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
             self.num_output_tokens += len(token_ids)

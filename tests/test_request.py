@@ -54,3 +54,11 @@ def test_all_token_ids_is_read_only_and_not_a_copy_of_the_prompt():
     assert view != [5, 6] and view == (5, 6, 7) and repr(view) == "AllTokenIds([5, 6, 7])"
     # A numpy prompt becomes a list of plain ints.
     assert Request("n", np.array([1, 2])).prompt_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [1.5, [1, 2.5], "ab", None])
+def test_non_integer_output_tokens_rejected_without_change(bad):
+    request = Request("r", [1, 2, 3])
+    with pytest.raises(ValueError, match="output token ids must be integers"):
+        request.append_output_token_ids(bad)
+    assert request.num_tokens == 3 and request.output_token_ids == []
