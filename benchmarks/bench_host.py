@@ -5,11 +5,12 @@
 
 The workload: 32 system prompts of 1024 tokens, 1500 requests each made of a
 system prompt and 64-512 unique user tokens, generating 16-96 tokens; block
-size 16, 8192 blocks, at most 256 running; admission until blocks run out,
-preemption (newest running request first) when a decode step cannot get a
-block. Request construction (and so block hashing) is inside the timed loop,
-which is measured in CPU seconds of the serving thread (robust to other load
-on the machine and to background threads of the imported libraries).
+size 16, 8192 blocks (`--num-blocks`; fewer make decode steps preempt), at most
+256 running; admission until blocks run out, preemption (newest running
+request first) when a decode step cannot get a block. Request construction
+(and so block hashing) is inside the timed loop, which is measured in CPU
+seconds of the serving thread (robust to other load on the machine and to
+background threads of the imported libraries).
 Both implementations must report the same hit-token and preemption counts.
 
 A hashing micro-benchmark compares chained `sha256_cbor` hashing of whole
@@ -50,7 +51,7 @@ class Workload:
     max_model_len: int
 
 
-def make_workload(num_requests: int, seed: int = 0) -> Workload:
+def make_workload(num_requests: int, num_blocks: int = 8192, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     system = [rng.integers(0, 150_000, 1024).tolist() for _ in range(32)]
     prompts, max_tokens = [], []
@@ -58,7 +59,7 @@ def make_workload(num_requests: int, seed: int = 0) -> Workload:
         user = rng.integers(0, 150_000, int(rng.integers(64, 513))).tolist()
         prompts.append(system[int(rng.integers(0, 32))] + user)
         max_tokens.append(int(rng.integers(16, 97)))
-    return Workload(prompts, max_tokens, num_blocks=8192, max_running=256, max_model_len=4096)
+    return Workload(prompts, max_tokens, num_blocks=num_blocks, max_running=256, max_model_len=4096)
 
 
 class Engine:
@@ -298,6 +299,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peer", choices=["vllm"], help="also run the workload through vLLM")
     parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=8192,
+        help="KV blocks in the pool (fewer than ~6000 make decode steps preempt)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per config")
     args = parser.parse_args()
 
@@ -305,7 +312,7 @@ def main() -> None:
     # Before the serving runs: a process that has run many engines encodes measurably
     # slower (a grown, fragmented heap), which would blur this micro-benchmark.
     hash_rows = bench_hashing(num_blocks=4096, repeats=21)
-    workload = make_workload(args.requests)
+    workload = make_workload(args.requests, args.num_blocks)
     print(
         f"workload: {args.requests} requests, {sum(map(len, workload.prompts))} prompt tokens,"
         f" {sum(workload.max_tokens)} generated tokens"
@@ -378,7 +385,7 @@ def main() -> None:
         hash_rows,
     )
     write_json(
-        "bench_host",
+        "bench_host" if args.num_blocks == 8192 else f"bench_host_{args.num_blocks}_blocks",
         {
             "command": " ".join(sys.argv),
             "workload": {
