@@ -210,19 +210,21 @@ def test_xxhash_family_random_seed(fn):
     assert nh2 == xxhash.xxh3_128_digest(cbor2.dumps(seed2, canonical=True))
 
 
+def _stdout_of_fresh_process(code: str) -> str:
+    """Run `code` in a new interpreter without PYTHONHASHSEED; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+
 def test_sha256_cbor_default_reproducible_across_processes():
     code = (
         "from jaxkv import get_hash_fn_by_name, init_none_hash, get_none_hash_seed\n"
         "print(init_none_hash(get_hash_fn_by_name('sha256_cbor')).hex(), get_none_hash_seed())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    outs = [
-        subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        ).stdout.split()
-        for _ in range(2)
-    ]
+    outs = [_stdout_of_fresh_process(code).split() for _ in range(2)]
     expected = _sha(cbor2.dumps("vllm-none-hash", canonical=True)).hex()
     assert outs[0] == outs[1] == [expected, "vllm-none-hash"]
     assert expected == BLOCK_VECTORS["sets"][0]["none_hash"]
@@ -233,14 +235,7 @@ def test_xxhash_default_differs_across_processes():
         "from jaxkv import get_hash_fn_by_name, init_none_hash\n"
         "print(init_none_hash(get_hash_fn_by_name('xxhash_cbor')).hex())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    outs = {
-        subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for _ in range(2)
-    }
+    outs = {_stdout_of_fresh_process(code).strip() for _ in range(2)}
     assert len(outs) == 2
 
 
