@@ -128,8 +128,8 @@ class Request:
     """A request as the cache managers see it.
 
     Invariants: `all_token_ids` is the prompt then the output tokens;
-    `num_tokens == len(all_token_ids)` and `num_output_tokens ==
-    len(output_token_ids)` (outputs grow only through `append_output_token_ids`);
+    `num_tokens == len(all_token_ids)`, a counter kept by
+    `append_output_token_ids` (the only way outputs grow);
     `block_hashes[i]` is the hash of full block `i` (when a block hasher is set);
     `0 <= num_computed_tokens <= num_tokens`.
     """
@@ -177,8 +177,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Prompt-embedding digests per (start, end) block range, computed once.
         self.prompt_embeds_digests: dict[tuple[int, int], bytes] = {}
-        self.num_tokens = len(self.all_token_ids)
-        self.num_output_tokens = 0
+        self.num_tokens = self.num_prompt_tokens
         # Tokens per hashed block ("never" without a hasher), and the token count at
         # which the next block is full.
         self._hash_block_size = (
@@ -186,6 +185,10 @@ class Request:
         )
         self._next_hash_at = self._hash_block_size
         self._update_block_hashes()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def lora_int_id(self) -> int | None:
@@ -201,7 +204,6 @@ class Request:
         if type(token_ids) is int:
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
-            self.num_output_tokens += 1
         else:
             try:
                 token_ids = [operator.index(t) for t in token_ids]
@@ -212,7 +214,6 @@ class Request:
                 ) from None
             self.output_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
-            self.num_output_tokens += len(token_ids)
         if self.num_tokens >= self._next_hash_at:
             self._update_block_hashes()
 
