@@ -85,11 +85,11 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
         return np.asarray(token_ids, dtype=np.int64)
 
 
-def _cbor_uint_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _cbor_uint_rows(tokens: np.ndarray) -> np.ndarray:
     """Canonical CBOR of each uint32 token as a little-endian uint64 "row".
 
     A row holds the encoding in its first bytes (head byte, then the big-endian
-    argument); `masks` has a 0x01 byte at each real byte, `lengths` counts them.
+    argument), zeros after it.
     """
     ge256 = (tokens >= 256).view(np.uint8)
     ge64k = (tokens >= 65536).view(np.uint8)
@@ -102,44 +102,73 @@ def _cbor_uint_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     np.left_shift(rows, np.uint64(8), out=rows)  # room for the head byte
     head = np.where(width == 0, tokens.astype(np.uint8), np.uint8(24) + ge256 + ge64k)
     np.bitwise_or(rows, head, out=rows)
-    masks = np.right_shift(np.uint64(0x0101010101), shift)
-    return rows, masks, width + np.uint8(1)
+    return rows
 
 
-# Token ids below this (2**18 covers today's vocabularies) encode through lookup tables.
+def _row_mask(num_bytes: int) -> int:
+    """A row mask with a 0x01 byte at each of the first `num_bytes` bytes."""
+    return int.from_bytes(b"\x01" * num_bytes, "little")
+
+
+# The mask of a token's row, by its head byte: 1 + 0, 1, 2 or 4 argument bytes.
+_ROW_MASK_BY_HEAD = np.array(
+    [_row_mask(1 + {24: 1, 25: 2, 26: 4}.get(head, 0)) for head in range(256)], dtype=np.uint64
+)
+
+# Token ids below this (2**18 covers today's vocabularies) encode through a lookup table.
 _CBOR_TABLE_SIZE = 1 << 18
 
 
 @functools.cache
-def _cbor_table_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _cbor_table_rows() -> np.ndarray:
     """`_cbor_uint_rows` of every id below `_CBOR_TABLE_SIZE` (built on first use)."""
     return _cbor_uint_rows(np.arange(_CBOR_TABLE_SIZE, dtype=np.uint32))
 
 
-def _cbor_rows(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _cbor_rows(tokens: np.ndarray) -> np.ndarray:
     """`_cbor_uint_rows(tokens)`, by table lookup where the ids allow."""
-    rows, masks, lengths = _cbor_table_rows()
     try:  # `take` checks the bounds anyway: cheaper than a max() up front
-        return rows.take(tokens), masks.take(tokens), lengths.take(tokens)
+        return _cbor_table_rows().take(tokens)
     except IndexError:
         return _cbor_uint_rows(tokens)
 
 
-def _compact_rows(rows: np.ndarray, masks: np.ndarray) -> bytes:
-    """The real bytes of `_cbor_uint_rows` rows, back to back."""
-    return np.compress(masks.view(np.bool_), rows.view(np.uint8)).tobytes()
+# Separates the blocks of an encoded run, so that one C-level `bytes.split` cuts the
+# run into per-block payloads. It cannot occur inside a block's encoding: every token
+# starts with a head byte <= 0x1a and has at most 4 argument bytes after it, so at most
+# 5 bytes in a row (argument bytes then the 0xf6 trailer, or the array head) are above
+# 0x1a, and its 8 bytes all are. Being border-free (no proper prefix equal to a
+# suffix), it cannot overlap a real separator either.
+_BLOCK_SEPARATOR = b"\xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8"
 
 
 def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]) -> list[bytes]:
-    """Per block of `block_size` uint32 tokens: their canonical CBOR array, then its trailer."""
-    head = _cbor_head(4, block_size)
-    rows, masks, lengths = _cbor_rows(tokens)
-    stream = _compact_rows(rows, masks)
-    ends = np.cumsum(lengths, dtype=np.int64)[block_size - 1 :: block_size].tolist()
-    return [
-        head + stream[a:b] + trailer
-        for a, b, trailer in zip([0, *ends[:-1]], ends, trailers, strict=False)
-    ]
+    """Per block of `block_size` uint32 tokens: their canonical CBOR array, then its trailer.
+
+    The rows of each block are laid out as [array head, tokens..., null trailer when
+    every block has one, separator], compacted to their real bytes in one numpy pass,
+    and split at the separators.
+    """
+    num_blocks = len(trailers)
+    null_trailers = trailers.count(_CBOR_NULL) == num_blocks
+    extra_rows = [_cbor_head(4, block_size), _BLOCK_SEPARATOR]
+    if null_trailers:
+        extra_rows.insert(1, _CBOR_NULL)
+    rows = np.empty((num_blocks, block_size + len(extra_rows)), dtype=np.uint64)
+    masks = np.empty_like(rows)
+    token_rows = _cbor_rows(tokens).reshape(num_blocks, block_size)
+    rows[:, 1 : block_size + 1] = token_rows
+    masks[:, 1 : block_size + 1] = _ROW_MASK_BY_HEAD.take(token_rows.astype(np.uint8))
+    extra_columns = (0, *range(block_size + 1, rows.shape[1]))
+    for column, encoding in zip(extra_columns, extra_rows, strict=True):
+        rows[:, column] = int.from_bytes(encoding, "little")
+        masks[:, column] = _row_mask(len(encoding))
+    stream = np.compress(masks.view(np.bool_).ravel(), rows.view(np.uint8).ravel()).tobytes()
+    arrays = stream.split(_BLOCK_SEPARATOR)
+    arrays.pop()  # the empty remainder after the last separator
+    if null_trailers:
+        return arrays
+    return [array + trailer for array, trailer in zip(arrays, trailers, strict=True)]
 
 
 class BlockHashFunction:
@@ -229,12 +258,10 @@ class BlockHashFunction:
             return [
                 new_hasher(head + parent + self._encode_block(token_ids, extra_keys[0])).digest()
             ]
-        hashes: list[BlockHash] = []
-        for tail in self._encode_run(token_ids, block_size, extra_keys):
-            parent = new_hasher(head + parent + tail).digest()
-            hashes.append(parent)
-            head = self._payload_head
-        return hashes
+        first, *rest = self._encode_run(token_ids, block_size, extra_keys)
+        parent = new_hasher(head + parent + first).digest()
+        head = self._payload_head
+        return [parent] + [parent := new_hasher(head + parent + tail).digest() for tail in rest]
 
     def _encode_block(self, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys) -> bytes:
         """What follows the parent digest in one block's payload."""

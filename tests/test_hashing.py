@@ -342,7 +342,12 @@ def test_cbor_widths_match_cbor2(fn, digest, block_size):
     assert batched == [h1, h2]
 
 
-_TOKEN_EDGES = [0, 23, 24, 255, 256, 65535, 65536, 2**18 - 1, 2**18, 2**32 - 1, 2**32, 2**63 - 1]
+# Bytes of jaxkv.hashing._BLOCK_SEPARATOR, as token arguments: they must not split a block.
+_SEPARATOR_LIKE = [0xFF, 0xFEFD, 0xFFFEFDFC, 0xFBFAF9F8, 0xF9F8FFFE]
+_TOKEN_EDGES = [
+    *(0, 23, 24, 255, 256, 65535, 65536, 2**18 - 1, 2**18, 2**32 - 1, 2**32, 2**63 - 1),
+    *_SEPARATOR_LIKE,
+]
 
 
 def _ref_raw(parent: bytes, tokens, extra) -> bytes:
@@ -389,6 +394,18 @@ def test_runs_match_per_block_reference(name, block_size, blocks, as_array):
         expected.append(expected_parent)
     given_tokens = np.asarray(tokens, dtype=np.uint64) if as_array else tokens
     assert fn.hash_blocks(parent, given_tokens, block_size, extra) == expected
+
+
+@pytest.mark.parametrize("block_size", [0xFF, 0xFEFF])
+def test_separator_like_bytes_stay_inside_their_block(block_size):
+    """Tokens and array heads made of the run separator's bytes hash as cbor2 encodes them."""
+    num_blocks = SHA_CBOR.per_block_run_limit + 2
+    tokens = (_SEPARATOR_LIKE * num_blocks * block_size)[: num_blocks * block_size]
+    expected, parent = [], b"p" * 32
+    for i in range(num_blocks):
+        parent = _ref_cbor(_sha, parent, tokens[i * block_size : (i + 1) * block_size], None)
+        expected.append(parent)
+    assert SHA_CBOR.hash_blocks(b"p" * 32, tokens, block_size, [None] * num_blocks) == expected
 
 
 def test_request_hasher_large_token_ids_match_reference():
