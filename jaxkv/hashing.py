@@ -105,16 +105,6 @@ def _cbor_uint_rows(tokens: np.ndarray) -> np.ndarray:
     return rows
 
 
-def _row_mask(num_bytes: int) -> int:
-    """A row mask with a 0x01 byte at each of the first `num_bytes` bytes."""
-    return int.from_bytes(b"\x01" * num_bytes, "little")
-
-
-# The mask of a token's row, by its head byte: 1 + 0, 1, 2 or 4 argument bytes.
-_ROW_MASK_BY_HEAD = np.array(
-    [_row_mask(1 + {24: 1, 25: 2, 26: 4}.get(head, 0)) for head in range(256)], dtype=np.uint64
-)
-
 # Token ids below this (2**18 covers today's vocabularies) encode through a lookup table.
 _CBOR_TABLE_SIZE = 1 << 18
 
@@ -142,28 +132,52 @@ def _cbor_rows(tokens: np.ndarray) -> np.ndarray:
 _BLOCK_SEPARATOR = b"\xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8"
 
 
+def _row_length(first_byte: int) -> int:
+    """Real bytes in a row starting with `first_byte`.
+
+    Rows hold a CBOR uint or array head (1 + 0, 1, 2 or 4 argument bytes), the
+    null trailer (1 byte) or the block separator.
+    """
+    if first_byte == _BLOCK_SEPARATOR[0]:
+        return len(_BLOCK_SEPARATOR)
+    return 1 + {24: 1, 25: 2, 26: 4}.get(first_byte & 0x1F, 0)
+
+
+# By a row's first byte: its mask, a 0x01 byte at each real byte.
+_ROW_MASK_BY_FIRST_BYTE = np.array(
+    [int.from_bytes(b"\x01" * _row_length(first), "little") for first in range(256)],
+    dtype=np.uint64,
+)
+
+
+@functools.lru_cache(maxsize=16)
+def _run_rows_template(block_size: int, null_trailers: bool, capacity: int) -> np.ndarray:
+    """Rows of `capacity` blocks: array head, `block_size` token slots (zero), the null
+    trailer if `null_trailers`, the separator."""
+    extras = [_CBOR_NULL, _BLOCK_SEPARATOR] if null_trailers else [_BLOCK_SEPARATOR]
+    template = np.zeros((capacity, block_size + 1 + len(extras)), dtype=np.uint64)
+    template[:, 0] = int.from_bytes(_cbor_head(4, block_size), "little")
+    for column, encoding in enumerate(extras, start=block_size + 1):
+        template[:, column] = int.from_bytes(encoding, "little")
+    template.flags.writeable = False
+    return template
+
+
 def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]) -> list[bytes]:
     """Per block of `block_size` uint32 tokens: their canonical CBOR array, then its trailer.
 
-    The rows of each block are laid out as [array head, tokens..., null trailer when
-    every block has one, separator], compacted to their real bytes in one numpy pass,
-    and split at the separators.
+    Each block's rows ([array head, tokens..., null trailer when every block has
+    one, separator]) are compacted to their real bytes in one numpy pass, then
+    split at the separators.
     """
     num_blocks = len(trailers)
     null_trailers = trailers.count(_CBOR_NULL) == num_blocks
-    extra_rows = [_cbor_head(4, block_size), _BLOCK_SEPARATOR]
-    if null_trailers:
-        extra_rows.insert(1, _CBOR_NULL)
-    rows = np.empty((num_blocks, block_size + len(extra_rows)), dtype=np.uint64)
-    masks = np.empty_like(rows)
-    token_rows = _cbor_rows(tokens).reshape(num_blocks, block_size)
-    rows[:, 1 : block_size + 1] = token_rows
-    masks[:, 1 : block_size + 1] = _ROW_MASK_BY_HEAD.take(token_rows.astype(np.uint8))
-    extra_columns = (0, *range(block_size + 1, rows.shape[1]))
-    for column, encoding in zip(extra_columns, extra_rows, strict=True):
-        rows[:, column] = int.from_bytes(encoding, "little")
-        masks[:, column] = _row_mask(len(encoding))
-    stream = np.compress(masks.view(np.bool_).ravel(), rows.view(np.uint8).ravel()).tobytes()
+    capacity = 1 << (num_blocks - 1).bit_length()
+    rows = _run_rows_template(block_size, null_trailers, capacity)[:num_blocks].copy()
+    rows[:, 1 : block_size + 1] = _cbor_rows(tokens).reshape(num_blocks, block_size)
+    row_bytes = rows.view(np.uint8)
+    masks = _ROW_MASK_BY_FIRST_BYTE.take(row_bytes[:, ::8])
+    stream = row_bytes.ravel().compress(masks.view(np.bool_).ravel()).tobytes()
     arrays = stream.split(_BLOCK_SEPARATOR)
     arrays.pop()  # the empty remainder after the last separator
     if null_trailers:
@@ -191,7 +205,7 @@ class BlockHashFunction:
         self.digest_size = new_hasher(b"").digest_size
         self.cbor = cbor
         self.cryptographic = cryptographic
-        self.per_block_run_limit = 8 if cbor else 1
+        self.per_block_run_limit = 3 if cbor else 1
         # What precedes a parent digest of the usual length in a payload.
         self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[ExtraKeys, bytes] = {}
@@ -289,7 +303,7 @@ class BlockHashFunction:
         Runs of up to `per_block_run_limit` blocks are encoded block by block,
         longer ones in numpy passes, whose fixed cost per call only pays off
         beyond that (measured: from 2 blocks for the fixed-width raw encoding,
-        from about 9 for CBOR).
+        from about 4 for CBOR).
         """
         num_blocks = len(extra_keys)
         if num_blocks <= self.per_block_run_limit:
