@@ -12,9 +12,6 @@ from jaxkv.hashing import (
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
-    get_block_hash,
-    get_group_id,
-    group_id_suffix,
     make_block_hash_with_group_id,
 )
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -23,74 +20,92 @@ if TYPE_CHECKING:
     from jaxkv.request import Request
 
 
+# A group's map: block hash -> its cached block, or {block_id: block} for duplicates.
+_GroupMap = dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]]
+_NO_BLOCKS: _GroupMap = {}  # read only: the map of a group nothing was cached for
+
+
 class BlockHashToBlockMap:
-    """Hash key -> cached blocks, duplicates kept in insertion order.
+    """(KV cache group, block hash) -> cached blocks, duplicates kept in insertion order.
 
     Identical blocks computed by different requests are not merged (block tables
     stay append-only), so a key may map to several blocks; lookups return the
     earliest inserted. A key with one block maps to the block itself (the common
-    case, no inner dict).
+    case, no inner dict). Each group has its own dict keyed by the bare block
+    hash, so lookups use the request's hash objects (their hash is cached) and
+    build no key.
     """
 
-    __slots__ = ("_map",)
+    __slots__ = ("_maps",)
 
     def __init__(self) -> None:
-        self._map: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self._maps: dict[int, _GroupMap] = {}
 
     def __len__(self) -> int:
-        return len(self._map)
+        return sum(len(group_map) for group_map in self._maps.values())
 
-    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        blocks = self._map.get(key)
+    def get_one_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+        blocks = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
         if blocks is None or type(blocks) is KVCacheBlock:
             return blocks  # type: ignore[return-value]
         return next(iter(blocks.values()))  # type: ignore[union-attr]
 
     def get_leading_blocks(
-        self, block_hashes: Sequence[bytes], suffix: bytes, max_blocks: int
+        self, block_hashes: Sequence[BlockHash], group_id: int, max_blocks: int
     ) -> list[KVCacheBlock]:
-        """For `block_hashes[i] + suffix`, i = 0, 1, ...: one block each until the first miss."""
-        get = self._map.get
+        """For `block_hashes[i]`, i = 0, 1, ...: one block each until the first miss."""
+        get = self._maps.get(group_id, _NO_BLOCKS).get
         hits: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            blocks = get(block_hashes[i] + suffix)  # type: ignore[operator]
+            blocks = get(block_hashes[i])
             if blocks is None:
                 break
             hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
         return hits
 
-    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        blocks = self._map.get(key)
+    def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
+        group_map = self._maps.get(group_id)
+        if group_map is None:
+            group_map = self._maps[group_id] = {}
+        blocks = group_map.get(block_hash)
         if blocks is None:
-            self._map[key] = block
+            group_map[block_hash] = block
         elif type(blocks) is KVCacheBlock:
-            self._map[key] = {blocks.block_id: blocks, block.block_id: block}
+            group_map[block_hash] = {blocks.block_id: blocks, block.block_id: block}
         else:
             blocks[block.block_id] = block  # type: ignore[index]
 
-    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        blocks = self._map.get(key)
+    def pop(self, block_hash: BlockHash, group_id: int, block_id: int) -> KVCacheBlock | None:
+        group_map = self._maps.get(group_id, _NO_BLOCKS)
+        blocks = group_map.get(block_hash)
         if blocks is None:
             return None
         if type(blocks) is KVCacheBlock:
             if blocks.block_id != block_id:
                 return None
-            del self._map[key]
+            del group_map[block_hash]
             return blocks
         block = blocks.pop(block_id, None)  # type: ignore[union-attr]
         if len(blocks) == 1:  # type: ignore[arg-type]
-            self._map[key] = next(iter(blocks.values()))  # type: ignore[union-attr]
+            group_map[block_hash] = next(iter(blocks.values()))  # type: ignore[union-attr]
         return block
 
     def num_blocks(self) -> int:
-        return sum(1 if type(v) is KVCacheBlock else len(v) for v in self._map.values())
+        return sum(
+            1 if type(v) is KVCacheBlock else len(v)  # type: ignore[arg-type]
+            for group_map in self._maps.values()
+            for v in group_map.values()
+        )
 
     def items(self) -> Iterable[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
-        for key, blocks in self._map.items():
-            yield key, [blocks] if type(blocks) is KVCacheBlock else list(blocks.values())
+        """(vLLM's key: block hash + group id, blocks) for every cached key."""
+        for group_id, group_map in self._maps.items():
+            for block_hash, blocks in group_map.items():
+                key = make_block_hash_with_group_id(block_hash, group_id)
+                yield key, [blocks] if type(blocks) is KVCacheBlock else list(blocks.values())
 
     def clear(self) -> None:
-        self._map.clear()
+        self._maps.clear()
 
 
 class BlockPool:
@@ -137,9 +152,7 @@ class BlockPool:
         """One cached block per group for `block_hash`, or None if any group misses."""
         cached = []
         for group_id in kv_cache_group_ids:
-            block = self.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, group_id)
-            )
+            block = self.cached_block_hash_to_block.get_one_block(block_hash, group_id)
             if block is None:
                 return None
             cached.append(block)
@@ -237,22 +250,21 @@ class BlockPool:
             )
         stored: list[bytes] = []
         cache_map = self.cached_block_hash_to_block
-        suffix = group_id_suffix(kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
                 continue
             block_hash = block_hashes[i]
-            key = BlockHashWithGroupId(block_hash + suffix)
             if block._block_hash is not None:
-                if block._block_hash != key:
+                if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     raise ValueError(
                         f"block {block.block_id} is already cached under another hash; "
                         "cannot re-stamp it"
                     )
                 continue
-            block._block_hash = key
-            cache_map.insert(key, block)
+            block._block_hash = block_hash
+            block._group_id = kv_cache_group_id
+            cache_map.insert(block_hash, kv_cache_group_id, block)
             stored.append(block_hash)
         if self.enable_kv_cache_events and stored:
             self.kv_event_queue.append(
@@ -271,9 +283,9 @@ class BlockPool:
             )
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
-        key = block._block_hash
-        assert key is not None
-        self.cached_block_hash_to_block.pop(key, block.block_id)
+        block_hash = block._block_hash
+        assert block_hash is not None
+        self.cached_block_hash_to_block.pop(block_hash, block._group_id, block.block_id)
         block._block_hash = None
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
@@ -281,7 +293,7 @@ class BlockPool:
             self._freed_block_ids.add(block.block_id)
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[get_block_hash(key)], group_idx=get_group_id(key))
+                BlockRemoved(block_hashes=[block_hash], group_idx=block._group_id)
             )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -305,7 +317,9 @@ class BlockPool:
         if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
             return False
         if self.track_freed_block_ids:  # their pages lost their hashes: garbage now
-            self._freed_block_ids.update(b.block_id for b in self.blocks if b.block_hash)
+            self._freed_block_ids.update(
+                b.block_id for b in self.blocks if b._block_hash is not None
+            )
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()

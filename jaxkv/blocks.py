@@ -4,21 +4,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from jaxkv.hashing import BlockHashWithGroupId
+from jaxkv.hashing import (
+    BlockHash,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
 
 
 class KVCacheBlock:
     """Metadata of one KV-cache page.
 
     `ref_cnt` counts the requests holding the block; a block with `ref_cnt == 0`
-    (other than the null block) sits in the free queue. The hash key is set once
-    when the block becomes full and is cleared only by `reset_hash` on eviction.
+    (other than the null block) sits in the free queue. The hash key (block hash
+    and KV cache group) is set once when the block becomes full and is cleared
+    only by `reset_hash` on eviction.
     """
 
     __slots__ = (
         "block_id",
         "ref_cnt",
         "_block_hash",
+        "_group_id",
         "prev_free_block",
         "next_free_block",
         "is_null",
@@ -27,23 +35,29 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self._block_hash: BlockHashWithGroupId | None = None
+        # The key is kept as its two parts; `block_hash` joins them as vLLM's key.
+        self._block_hash: BlockHash | None = None
+        self._group_id = 0
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
-        return self._block_hash
+        if self._block_hash is None:
+            return None
+        return make_block_hash_with_group_id(self._block_hash, self._group_id)
 
     @block_hash.setter
-    def block_hash(self, block_hash: BlockHashWithGroupId) -> None:
+    def block_hash(self, key: BlockHashWithGroupId) -> None:
         if self._block_hash is not None:
             raise ValueError(
-                f"block {self.block_id} already has hash {self._block_hash.hex()}; a block "
-                "hash is set once and cleared only by reset_hash() on eviction"
+                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "
+                f"{self._group_id}); a block hash is set once and cleared only by "
+                "reset_hash() on eviction"
             )
-        self._block_hash = block_hash
+        self._block_hash = get_block_hash(key)
+        self._group_id = get_group_id(key)
 
     def reset_hash(self) -> None:
         self._block_hash = None

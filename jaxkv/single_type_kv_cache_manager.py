@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from jaxkv.block_pool import BlockPool
 from jaxkv.blocks import KVCacheBlock
-from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize, group_id_suffix
+from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
 from jaxkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if len(kv_cache_group_ids) == 1:
             return (
                 block_pool.cached_block_hash_to_block.get_leading_blocks(
-                    block_hashes, group_id_suffix(kv_cache_group_ids[0]), max_num_blocks
+                    block_hashes, kv_cache_group_ids[0], max_num_blocks
                 ),
             )
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)

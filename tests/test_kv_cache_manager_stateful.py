@@ -101,7 +101,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         cache_map = self.manager.block_pool.cached_block_hash_to_block
         num = 0
         for block_hash in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
-            if cache_map.get_one_block(make_block_hash_with_group_id(block_hash, 0)) is None:
+            if cache_map.get_one_block(block_hash, 0) is None:
                 break
             num += 1
         return num * self.block_size
