@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import marshal
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -185,6 +186,23 @@ def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]
     return [array + trailer for array, trailer in zip(arrays, trailers, strict=True)]
 
 
+def extra_keys_identity(extra_keys: ExtraKeys) -> object:
+    """A key for caching by extra keys: equal iff the two values encode identically.
+
+    Python's `==` makes `True`, `1` and `1.0` equal (and hash alike), but their CBOR
+    encodings differ, so a cache keyed by the extra keys themselves would hand one
+    the other's digest. marshal format 0 (no back-references, no interning flags)
+    writes each value with its exact type; a value it cannot write gets a fresh
+    object, equal to nothing, so it is never shared.
+    """
+    if extra_keys is None:
+        return None
+    try:
+        return marshal.dumps(extra_keys, 0)
+    except ValueError:
+        return object()
+
+
 class BlockHashFunction:
     """A named block hash: a digest over an encoding of (parent, tokens, extra keys).
 
@@ -208,7 +226,7 @@ class BlockHashFunction:
         self.per_block_run_limit = 3 if cbor else 1
         # What precedes a parent digest of the usual length in a payload.
         self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
-        self._extra_cache: dict[ExtraKeys, bytes] = {}
+        self._extra_cache: dict[object, bytes] = {}
 
     def __repr__(self) -> str:
         return f"BlockHashFunction({self.name!r})"
@@ -229,14 +247,13 @@ class BlockHashFunction:
         return self.digest(_canonical_cbor(obj))
 
     def _encode_extra(self, extra_keys: ExtraKeys) -> bytes:
-        try:
-            cached = self._extra_cache.get(extra_keys)
-        except TypeError:  # unhashable extra keys (lists, as decoded from JSON): no caching
-            return self._encode_extra_uncached(extra_keys)
+        identity = extra_keys_identity(extra_keys)
+        cached = self._extra_cache.get(identity)
         if cached is None:
             cached = self._encode_extra_uncached(extra_keys)
-            if len(self._extra_cache) < 4096:
-                self._extra_cache[extra_keys] = cached
+            # A fresh object (keys marshal cannot write) would never be looked up again.
+            if type(identity) is not object and len(self._extra_cache) < 4096:
+                self._extra_cache[identity] = cached
         return cached
 
     def _encode_extra_uncached(self, extra_keys: ExtraKeys) -> bytes:

@@ -18,6 +18,7 @@ from jaxkv.hashing import (
     BlockHash,
     BlockHashFunction,
     ExtraKeys,
+    extra_keys_identity,
     get_none_hash,
     tokens_to_array,
 )
@@ -84,6 +85,8 @@ def _needs_extra_keys(request: Request) -> bool:
 class _HashedRun:
     """A memoized run of blocks: token bytes, extra keys and the hashes they chained to.
 
+    Extra keys are held as `extra_keys_identity` values (None for a block without).
+
     `common_hint` is the shared-prefix length the last lookup found (the next
     request after a shared system prompt usually shares exactly as much).
     """
@@ -93,7 +96,7 @@ class _HashedRun:
     def __init__(
         self,
         data: bytes,
-        extra_keys: tuple[ExtraKeys, ...],
+        extra_keys: tuple[object, ...],
         hashes: list[BlockHash],
         stride: int,
         common_hint: int = 0,
@@ -104,7 +107,7 @@ class _HashedRun:
         self.stride = stride
         self.common_hint = common_hint
 
-    def num_common_blocks(self, data: bytes, extra_keys: tuple[ExtraKeys, ...]) -> int:
+    def num_common_blocks(self, data: bytes, extra_keys: tuple[object, ...]) -> int:
         """Leading blocks whose token bytes and extra keys equal this run's.
 
         Tries `common_hint` first (two comparisons), else binary search.
@@ -153,7 +156,7 @@ class BlockHashMemo:
             raise ValueError(f"memo capacity must be positive, got {capacity}")
         self.hash_fn = hash_fn
         self.capacity = capacity
-        self._runs: OrderedDict[tuple[bytes, bytes, ExtraKeys], _HashedRun] = OrderedDict()
+        self._runs: OrderedDict[tuple[bytes, bytes, object], _HashedRun] = OrderedDict()
         self.num_reused_blocks = 0
 
     def __len__(self) -> int:
@@ -173,12 +176,13 @@ class BlockHashMemo:
         tokens = tokens_to_array(token_ids)
         data = tokens.tobytes()
         stride = len(data) // num_blocks
-        extras = tuple(extra_keys)
+        # Extra keys are matched by exact type and value (True, 1 and 1.0 hash apart).
+        if extra_keys.count(None) == num_blocks:
+            extras = tuple(extra_keys)
+        else:
+            extras = tuple(map(extra_keys_identity, extra_keys))
         key = (parent, data[:stride], extras[0])
-        try:
-            run = self._runs.get(key)
-        except TypeError:  # unhashable extra keys cannot be memo keys
-            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
+        run = self._runs.get(key)
         num_shared = 0
         if run is not None and run.stride == stride:
             num_shared = run.num_common_blocks(data, extras)

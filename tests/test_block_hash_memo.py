@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
@@ -72,3 +74,25 @@ def test_memo_rejects_bad_capacity():
         BlockHashMemo(FN, 0)
     with pytest.raises(ValueError, match="memo_capacity"):
         get_request_block_hasher(BLOCK, FN, memo_capacity=-1)
+
+
+class _One(enum.IntEnum):
+    ONE = 1
+
+
+@pytest.mark.parametrize("first_keys", [(("x", 1),), (("x", True),), (("x", 1.0),)])
+def test_memo_tells_apart_extra_keys_python_calls_equal(first_keys):
+    """True == 1 == 1.0 in Python, but they encode differently: no reuse across them."""
+    memo = BlockHashMemo(FN, capacity=4)
+    tokens = list(range(12 * BLOCK))
+    parent = b"p" * 32
+    memo.hash_blocks(parent, tokens, BLOCK, [first_keys] * 12)
+    for keys in [(("x", 1),), (("x", True),), (("x", 1.0),), [["x", 1]]]:
+        got = memo.hash_blocks(parent, tokens, BLOCK, [keys] * 12)
+        assert got == FN.hash_blocks(parent, tokens, BLOCK, [keys] * 12)
+    # Keys marshal cannot write (an IntEnum member) are hashed, never matched.
+    enum_keys = [(("x", _One.ONE),)] * 12
+    assert memo.hash_blocks(parent, tokens, BLOCK, enum_keys) == FN.hash_blocks(
+        parent, tokens, BLOCK, enum_keys
+    )
+    assert memo.num_reused_blocks == 12  # only the call with the same typed keys

@@ -408,6 +408,23 @@ def test_separator_like_bytes_stay_inside_their_block(block_size):
     assert SHA_CBOR.hash_blocks(b"p" * 32, tokens, block_size, [None] * num_blocks) == expected
 
 
+@pytest.mark.parametrize("name", sorted(_RUN_REFERENCES))
+def test_extra_keys_python_calls_equal_hash_apart(name):
+    """True == 1 == 1.0 in Python (and hash alike), but they encode differently."""
+    fn, reference = get_hash_fn_by_name(name), _RUN_REFERENCES[name]
+    parent, tokens = b"p" * 32, [1, 2]
+    variants = [(("x", 1),), (("x", True),), (("x", 1.0),), [["x", 1]]]
+    for extra in variants * 2:  # the second pass reads the encodings back from the cache
+        assert hash_block_tokens(fn, parent, tokens, extra) == reference(parent, tokens, extra)
+    run = fn.hash_blocks(parent, tokens * 8, 2, variants * 2)
+    expected, chain = [], parent
+    for i, extra in enumerate(variants * 2):
+        chain = reference(chain, (tokens * 8)[2 * i : 2 * i + 2], extra)
+        expected.append(chain)
+    assert run == expected
+    assert len({hash_block_tokens(fn, parent, tokens, e) for e in variants[:3]}) == 3
+
+
 def test_request_hasher_large_token_ids_match_reference():
     nh = init_none_hash(SHA_CBOR, "w")
     tokens = [2**32 + 5, 3, 2**33, 70000, 2**63 - 1, 200, 24, 23]
