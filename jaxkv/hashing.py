@@ -430,14 +430,9 @@ def hash_block_tokens(
 # Group-qualified keys
 
 
-def group_id_suffix(group_id: int) -> bytes:
-    """The bytes appended to a block hash to key it for `group_id` (4 bytes, big-endian)."""
-    return group_id.to_bytes(_GROUP_ID_BYTES, "big")
-
-
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
-    """The cache-map key: the block hash with the group id suffix appended."""
-    return BlockHashWithGroupId(block_hash + group_id_suffix(group_id))
+    """vLLM's cache key: the block hash, then the group id (4 bytes, big-endian)."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big"))
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
