@@ -86,6 +86,10 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
         return np.asarray(token_ids, dtype=np.int64)
 
 
+# Rows are read back byte by byte, so they are little-endian on any host.
+_ROW_DTYPE = np.dtype("<u8")
+
+
 def _cbor_uint_rows(tokens: np.ndarray) -> np.ndarray:
     """Canonical CBOR of each uint32 token as a little-endian uint64 "row".
 
@@ -98,7 +102,7 @@ def _cbor_uint_rows(tokens: np.ndarray) -> np.ndarray:
     width += ge64k
     width += ge64k
     shift = np.uint8(32) - np.uint8(8) * width
-    rows = tokens.byteswap().astype(np.uint64)
+    rows = tokens.byteswap().astype(_ROW_DTYPE)
     np.right_shift(rows, shift, out=rows)  # drop the argument's leading zero bytes
     np.left_shift(rows, np.uint64(8), out=rows)  # room for the head byte
     head = np.where(width == 0, tokens.astype(np.uint8), np.uint8(24) + ge256 + ge64k)
@@ -147,7 +151,7 @@ def _row_length(first_byte: int) -> int:
 # By a row's first byte: its mask, a 0x01 byte at each real byte.
 _ROW_MASK_BY_FIRST_BYTE = np.array(
     [int.from_bytes(b"\x01" * _row_length(first), "little") for first in range(256)],
-    dtype=np.uint64,
+    dtype=_ROW_DTYPE,
 )
 
 
@@ -156,7 +160,7 @@ def _run_rows_template(block_size: int, null_trailers: bool, capacity: int) -> n
     """Rows of `capacity` blocks: array head, `block_size` token slots (zero), the null
     trailer if `null_trailers`, the separator."""
     extras = [_CBOR_NULL, _BLOCK_SEPARATOR] if null_trailers else [_BLOCK_SEPARATOR]
-    template = np.zeros((capacity, block_size + 1 + len(extras)), dtype=np.uint64)
+    template = np.zeros((capacity, block_size + 1 + len(extras)), dtype=_ROW_DTYPE)
     template[:, 0] = int.from_bytes(_cbor_head(4, block_size), "little")
     for column, encoding in enumerate(extras, start=block_size + 1):
         template[:, column] = int.from_bytes(encoding, "little")
