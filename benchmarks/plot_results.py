@@ -1,0 +1,145 @@
+"""Plot the benchmarks' latest JSON results (benchmarks/results/*.json) as PNGs beside them.
+
+    pip install -e ".[dev]"   # matplotlib
+    python benchmarks/plot_results.py
+
+The benchmarks themselves only write JSON (the vLLM peer environment they may run
+in has no matplotlib); this script renders whatever results are there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import REPO_ROOT, RESULTS_DIR  # noqa: E402
+
+JAXKV_COLOR, VLLM_COLOR = "#1f77b4", "#bbbbbb"
+
+
+def _label_bars(ax, bars, texts: list[str]) -> None:
+    for bar, text in zip(bars, texts, strict=True):
+        ax.annotate(
+            text,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+
+
+def plot_host(result: dict, fig) -> None:
+    """Serving time per hash function (jaxkv vs vLLM) and chained-hashing cost per block."""
+    serving, hashing = result["serving"], result["hashing"]
+    names = [k.split("/", 1)[1] for k in serving if k.startswith("jaxkv/") and k.count("/") == 1]
+    ax_serve, ax_hash = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    x = range(len(names))
+    jaxkv = [serving[f"jaxkv/{n}"]["seconds"] for n in names]
+    ax_serve.bar([i - 0.2 for i in x], jaxkv, 0.4, label="jaxkv", color=JAXKV_COLOR)
+    if all(f"vllm/{n}" in serving for n in names):
+        vllm = [serving[f"vllm/{n}"]["seconds"] for n in names]
+        bars = ax_serve.bar([i + 0.2 for i in x], vllm, 0.4, label="vLLM 0.33", color=VLLM_COLOR)
+        _label_bars(ax_serve, bars, [f"{v / j:.1f}×" for v, j in zip(vllm, jaxkv, strict=True)])
+    workload = result["workload"]
+    ax_serve.set(
+        xticks=list(x),
+        xticklabels=names,
+        ylabel="CPU seconds (best run)",
+        title=f"serving {workload['requests']} requests, {workload['num_blocks']} blocks",
+    )
+    ax_serve.legend()
+
+    labels = [row["method"].replace("jaxkv chained ", "jaxkv ") for row in hashing]
+    labels = [
+        label.replace("per-block cbor2.dumps + sha256", "per block\ncbor2 + sha256")
+        for label in labels
+    ]
+    bars = ax_hash.bar(
+        range(len(hashing)),
+        [row["us_per_block"] for row in hashing],
+        color=[VLLM_COLOR] + [JAXKV_COLOR] * (len(hashing) - 1),
+    )
+    _label_bars(ax_hash, bars, [f"{row['speedup']:.2f}×" for row in hashing])
+    ax_hash.set(
+        xticks=range(len(hashing)),
+        ylabel="µs per block",
+        title="chained hashing, 16-token blocks",
+    )
+    ax_hash.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+
+
+def plot_encoder(result: dict, fig) -> None:
+    """Encoder cache manager throughput, jaxkv vs vLLM."""
+    ax = fig.subplots()
+    rows = result["results"]
+    kinds = [("ops_per_s", "manager calls"), ("loop_ops_per_s", "scheduler loop")]
+    for offset, row in zip((-0.2, 0.2), rows, strict=False):
+        color = JAXKV_COLOR if row["name"] == "jaxkv" else VLLM_COLOR
+        values = [row[key] / 1e6 for key, _ in kinds]
+        ax.bar([i + offset for i in range(len(kinds))], values, 0.4, label=row["name"], color=color)
+    ax.set(
+        xticks=range(len(kinds)),
+        xticklabels=[label for _, label in kinds],
+        ylabel="million operations / s",
+        title=f"encoder cache, {result['config']['requests']} requests",
+    )
+    ax.legend()
+
+
+def plot_device(result: dict, fig) -> None:
+    """Paged-cache update time as the cache grows, per storage dtype."""
+    ax = fig.subplots()
+    by_storage: dict[str, list[dict]] = {}
+    for row in result["updates"]:
+        by_storage.setdefault(row["storage"], []).append(row)
+    for storage, rows in by_storage.items():
+        ax.plot([r["cache_MiB"] for r in rows], [r["update_ms"] for r in rows], "o-", label=storage)
+    sizes = sorted({row["cache_MiB"] for row in result["updates"]})
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xticks=sizes,
+        xticklabels=[f"{size:g}" for size in sizes],
+        xlabel="cache size (MiB)",
+        ylabel="update time (ms)",
+        title=f"paged KV update, {result['tokens_written']} tokens ({result['backend']})",
+    )
+    ax.minorticks_off()
+    ax.legend()
+
+
+PLOTS: dict[str, Callable[[dict, object], None]] = {
+    "bench_host": plot_host,
+    "bench_host_2048_blocks": plot_host,
+    "bench_encoder": plot_encoder,
+    "bench_device": plot_device,
+}
+
+
+def main() -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install -e '.[dev]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, plot in PLOTS.items():
+        source = RESULTS_DIR / f"{name}.json"
+        if not source.exists():
+            print(f"{source.relative_to(REPO_ROOT)} missing: run its benchmark first; skipped")
+            continue
+        fig = plt.figure(figsize=(10, 4.2), layout="constrained")
+        plot(json.loads(source.read_text()), fig)
+        target = source.with_suffix(".png")
+        fig.savefig(target, dpi=110)
+        plt.close(fig)
+        print(f"wrote {target.relative_to(REPO_ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
