@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -56,6 +57,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         # Expected prefix-cache stats: [requests, queries, hits], fresh and preempted.
         self.stats = {False: [0, 0, 0], True: [0, 0, 0]}
+        # Blocks whose hashes `evict_blocks` dropped while a request held them: they
+        # stay unhashed until freed (the holder never re-caches a cached index).
+        self.unhashed_held: set[int] = set()
 
     @initialize(
         block_size=st.integers(2, 4),
@@ -207,6 +211,28 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert _snapshot(self.manager) == before
 
     @precondition(lambda self: self.manager is not None)
+    @rule(block_ids=st.lists(st.integers(-1, 25), max_size=4))
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        """Drop blocks from the prefix cache, free or held; bad ids change nothing."""
+        pool = self.manager.block_pool
+        before = _snapshot(self.manager)
+        if not all(1 <= i < self.num_blocks for i in block_ids):
+            with pytest.raises(ValueError, match="out of range"):
+                pool.evict_blocks(block_ids)
+            assert _snapshot(self.manager) == before
+            return
+        blocks = [pool.blocks[i] for i in block_ids]
+        self.unhashed_held.update(
+            b.block_id for b in blocks if b.ref_cnt > 0 and b.block_hash is not None
+        )
+        pool.evict_blocks(block_ids)
+        assert all(b.block_hash is None for b in blocks)
+        # Nothing but hashes changed: ownership and the free queue stay as they were.
+        after = _snapshot(self.manager)
+        assert after[:3] == before[:3] and after[5] == before[5]
+        event(f"evict: {len(self.unhashed_held)} held blocks unhashed")
+
+    @precondition(lambda self: self.manager is not None)
     @rule()
     def free_unknown(self) -> None:
         before = _snapshot(self.manager)
@@ -263,13 +289,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         # Per request: hashes match the request's own chain; full computed blocks
         # are cached; nothing past them is (lookahead and partial blocks never are).
         bs = self.block_size
+        self.unhashed_held = {i for i in self.unhashed_held if pool.blocks[i].ref_cnt > 0}
         for rid, req in self.running.items():
             blocks = stm.req_to_blocks[rid]
             assert len(blocks) >= math.ceil(req.num_computed_tokens / bs)
             assert len(blocks) <= math.ceil(MAX_MODEL_LEN / bs)
             assert stm.num_cached_block[rid] == req.num_computed_tokens // bs
             for i, block in enumerate(blocks):
-                if i < req.num_computed_tokens // bs:
+                if i < req.num_computed_tokens // bs and block.block_id in self.unhashed_held:
+                    assert block.block_hash is None
+                elif i < req.num_computed_tokens // bs:
                     expected = make_block_hash_with_group_id(req.block_hashes[i], 0)
                     assert block.block_hash == expected
                 else:
