@@ -8,6 +8,7 @@ cached, evicted and re-hit) and checks the pool's invariants after every step.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -21,9 +22,14 @@ from hypothesis.stateful import (
 )
 
 from jaxkv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     FullAttentionSpec,
     KVCacheManager,
     Request,
+    get_block_hash,
+    get_group_id,
     get_hash_fn_by_name,
     get_request_block_hasher,
     init_none_hash,
@@ -60,6 +66,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         # Blocks whose hashes `evict_blocks` dropped while a request held them: they
         # stay unhashed until freed (the holder never re-caches a cached index).
         self.unhashed_held: set[int] = set()
+        # A KV-aware router's view of the cache, rebuilt from the drained KV events
+        # alone: how many blocks hold each (hash, group).
+        self.router_view: Counter[tuple[bytes, int]] = Counter()
 
     @initialize(
         block_size=st.integers(2, 4),
@@ -73,7 +82,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.num_blocks = num_blocks
         self.hasher = get_request_block_hasher(block_size, fn)
         self.manager = KVCacheManager.from_spec(
-            FullAttentionSpec(block_size), num_blocks, MAX_MODEL_LEN, log_stats=True
+            FullAttentionSpec(block_size),
+            num_blocks,
+            MAX_MODEL_LEN,
+            log_stats=True,
+            enable_kv_cache_events=True,
         )
 
     # -- helpers -----------------------------------------------------------
@@ -306,6 +319,29 @@ class KVCacheMachine(RuleBasedStateMachine):
 
         if not self.running:
             assert num_free == self.num_blocks - 1
+
+    @invariant()
+    def events_mirror_cache(self) -> None:
+        """Replaying the KV events reproduces exactly the blocks the pool has cached."""
+        if self.manager is None:
+            return
+        for ev in self.manager.take_events():
+            if isinstance(ev, AllBlocksCleared):
+                self.router_view.clear()
+            elif isinstance(ev, BlockStored):
+                assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+                self.router_view.update((h, ev.group_idx) for h in ev.block_hashes)
+            else:
+                assert isinstance(ev, BlockRemoved)
+                for h in ev.block_hashes:
+                    assert self.router_view[(h, ev.group_idx)] > 0, "removed a hash never stored"
+                    self.router_view[(h, ev.group_idx)] -= 1
+        cached = Counter(
+            (get_block_hash(key), get_group_id(key))
+            for key, blocks in self.manager.block_pool.cached_block_hash_to_block.items()
+            for _ in blocks
+        )
+        assert +self.router_view == cached
 
     def teardown(self) -> None:
         if self.manager is None:
