@@ -69,6 +69,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         # A KV-aware router's view of the cache, rebuilt from the drained KV events
         # alone: how many blocks hold each (hash, group).
         self.router_view: Counter[tuple[bytes, int]] = Counter()
+        # The device side's view of page contents: pages never written or reported by
+        # `take_freed_block_ids` since (zeroed there) are clean. Every page a request
+        # gets other than by a prefix-cache hit must be clean before the step writes.
+        self.clean_pages: set[int] = set()
+        self.seen_blocks: dict[str, int] = {}  # request id -> blocks already checked
+        self.hit_blocks: dict[str, set[int]] = {}
 
     @initialize(
         block_size=st.integers(2, 4),
@@ -87,7 +93,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             MAX_MODEL_LEN,
             log_stats=True,
             enable_kv_cache_events=True,
+            track_freed_block_ids=True,
         )
+        self.clean_pages = set(range(1, num_blocks))
 
     # -- helpers -----------------------------------------------------------
 
@@ -175,6 +183,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         event(f"admit: {'hit' if num_hit else 'miss'}{' (preempted)' * (req.num_preemptions > 0)}")
         self.waiting.remove(req)
         self.running[req.request_id] = req
+        self.hit_blocks[req.request_id] = {b.block_id for b in hit_blocks}
         req.num_computed_tokens = num_hit + num_new
         self._after_compute(req, token)
 
@@ -342,6 +351,32 @@ class KVCacheMachine(RuleBasedStateMachine):
             for _ in blocks
         )
         assert +self.router_view == cached
+
+    @invariant()
+    def reused_pages_were_reported(self) -> None:
+        """No request gets a page holding someone else's KV without it being reported."""
+        if self.manager is None:
+            return
+        freed = self.manager.block_pool.take_freed_block_ids()
+        assert freed.dtype.name == "int32" and list(freed) == sorted(set(freed.tolist()))
+        assert 0 not in freed
+        self.clean_pages.update(freed.tolist())
+        stm = self.manager.coordinator.single_type_managers[0]
+        for rid in list(self.seen_blocks):
+            if rid not in self.running:
+                del self.seen_blocks[rid]
+                self.hit_blocks.pop(rid, None)
+        for rid, blocks in stm.req_to_blocks.items():
+            start = self.seen_blocks.get(rid, 0)
+            hits = self.hit_blocks.get(rid, set())
+            for block in blocks[start:]:
+                if block.block_id in hits:
+                    continue
+                assert block.block_id in self.clean_pages, (
+                    f"{rid} got page {block.block_id} with stale KV, never reported freed"
+                )
+                self.clean_pages.discard(block.block_id)
+            self.seen_blocks[rid] = len(blocks)
 
     def teardown(self) -> None:
         if self.manager is None:
