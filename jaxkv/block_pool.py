@@ -248,7 +248,7 @@ class BlockPool:
                 f"{block_size} but {num_full_blocks} full blocks to cache; give the request a "
                 "block hasher with the manager's hash block size"
             )
-        stored: list[bytes] = []
+        stamped: list[KVCacheBlock] = []
         cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -257,6 +257,9 @@ class BlockPool:
             block_hash = block_hashes[i]
             if block._block_hash is not None:
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
+                    for done in stamped:  # leave no state changed
+                        cache_map.pop(done._block_hash, kv_cache_group_id, done.block_id)
+                        done.reset_hash()
                     raise ValueError(
                         f"block {block.block_id} is already cached under another hash; "
                         "cannot re-stamp it"
@@ -265,8 +268,9 @@ class BlockPool:
             block._block_hash = block_hash
             block._group_id = kv_cache_group_id
             cache_map.insert(block_hash, kv_cache_group_id, block)
-            stored.append(block_hash)
-        if self.enable_kv_cache_events and stored:
+            stamped.append(block)
+        if self.enable_kv_cache_events and stamped:
+            stored = [block._block_hash for block in stamped]
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=stored,

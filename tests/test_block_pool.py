@@ -359,6 +359,23 @@ def test_cache_full_blocks_partial_ranges_and_parent():
     assert blocks[0].block_hash == make_block_hash_with_group_id(req.block_hashes[0], 0)
 
 
+def test_cache_full_blocks_conflict_changes_nothing():
+    """A block cached under another hash halfway through the range: the call is refused
+    and the blocks before it are left unstamped, unmapped and unreported."""
+    pool = BlockPool(8, enable_kv_cache_events=True)
+    req = _request(range(12))
+    other = _request(range(100, 112), "o")
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(other, blocks, 1, 2, BS, 0)  # blocks[1]: other's second hash
+    pool.take_events()
+    with pytest.raises(ValueError, match=f"block {blocks[1].block_id} is already cached"):
+        pool.cache_full_blocks(req, blocks, 0, 3, BS, 0)
+    assert blocks[0].block_hash is None and blocks[2].block_hash is None
+    assert pool.get_cached_block(req.block_hashes[0], [0]) is None
+    assert len(pool.cached_block_hash_to_block) == 1
+    assert pool.take_events() == []
+
+
 def test_cache_full_blocks_needs_hashes():
     pool = BlockPool(8)
     req = Request("nohash", list(range(8)))
