@@ -392,8 +392,17 @@ def main() -> None:
         ["method", "us/block", "speedup", "identical digests"],
         hash_rows,
     )
+    # Runs off the default workload get their own file, so they never replace its figures.
+    suffix = "".join(
+        f"_{value}_{name}"
+        for name, value, default in [
+            ("requests", args.requests, parser.get_default("requests")),
+            ("blocks", args.num_blocks, parser.get_default("num_blocks")),
+        ]
+        if value != default
+    )
     write_json(
-        "bench_host" if args.num_blocks == 8192 else f"bench_host_{args.num_blocks}_blocks",
+        f"bench_host{suffix}",
         {
             "command": " ".join(sys.argv),
             "workload": {
