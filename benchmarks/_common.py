@@ -6,6 +6,7 @@ absolute times on these machines are noisy.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -88,6 +89,22 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def results_name(
+    base: str,
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    measurement_options: Sequence[str] = ("peer", "repeats"),
+) -> str:
+    """`base`, plus `_<value>_<option>` (`_<option>` for a flag) per workload option off
+    its default, so a run of another workload never replaces the recorded figures."""
+    parts = [base]
+    for option, value in vars(args).items():
+        if option in measurement_options or value == parser.get_default(option):
+            continue
+        parts.append(option if value is True else f"{value}_{option}")
+    return "_".join(parts)
 
 
 def write_json(name: str, payload: dict) -> Path:

@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks._common import best_of, print_table, write_json  # noqa: E402
+from benchmarks._common import best_of, print_table, results_name, write_json  # noqa: E402
 from jaxkv.device import PagedKVCache, ragged_paged_attention  # noqa: E402
 from jaxkv.device.storage import to_storage  # noqa: E402
 from jaxkv.kv_cache_interface import FullAttentionSpec  # noqa: E402
@@ -197,7 +197,7 @@ def main() -> None:
     for name, value in targets.items():
         print(f"  {name}: {value}")
     write_json(
-        "bench_device",
+        results_name("bench_device", parser, args),
         {
             "backend": jax.default_backend(),
             "tokens_written": TOKENS,

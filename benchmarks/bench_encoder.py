@@ -34,7 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import ensure_peer_process, print_table, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    ensure_peer_process,
+    print_table,
+    results_name,
+    write_json,
+)
 from jaxkv.encoder_cache_manager import EncoderCacheManager  # noqa: E402
 from jaxkv.request import MultiModalFeatureSpec, Request  # noqa: E402
 
@@ -253,7 +258,7 @@ def main() -> None:
             f"speed vs vLLM: {ops_ratio:.2f}x (manager ops), {loop_ratio:.2f}x (scheduler loop); "
             "target >= 1.5x"
         )
-    write_json("bench_encoder", payload)
+    write_json(results_name("bench_encoder", parser, args), payload)
 
 
 if __name__ == "__main__":

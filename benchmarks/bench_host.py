@@ -36,7 +36,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import best_of, ensure_peer_process, print_table, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    best_of,
+    ensure_peer_process,
+    print_table,
+    results_name,
+    write_json,
+)
 
 BLOCK_SIZE = 16
 HASH_FN_NAMES = ("sha256_cbor", "sha256", "xxhash_cbor", "xxhash")
@@ -392,17 +398,8 @@ def main() -> None:
         ["method", "us/block", "speedup", "identical digests"],
         hash_rows,
     )
-    # Runs off the default workload get their own file, so they never replace its figures.
-    suffix = "".join(
-        f"_{value}_{name}"
-        for name, value, default in [
-            ("requests", args.requests, parser.get_default("requests")),
-            ("blocks", args.num_blocks, parser.get_default("num_blocks")),
-        ]
-        if value != default
-    )
     write_json(
-        f"bench_host{suffix}",
+        results_name("bench_host", parser, args),
         {
             "command": " ".join(sys.argv),
             "workload": {

@@ -112,9 +112,9 @@ def plot_device(result: dict, fig) -> None:
     ax.legend()
 
 
+# By the benchmark a results file comes from (its name up to the workload suffix).
 PLOTS: dict[str, Callable[[dict, object], None]] = {
     "bench_host": plot_host,
-    "bench_host_2048_blocks": plot_host,
     "bench_encoder": plot_encoder,
     "bench_device": plot_device,
 }
@@ -128,13 +128,16 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name, plot in PLOTS.items():
-        source = RESULTS_DIR / f"{name}.json"
-        if not source.exists():
-            print(f"{source.relative_to(REPO_ROOT)} missing: run its benchmark first; skipped")
+    sources = sorted(RESULTS_DIR.glob("bench_*.json"))
+    if not sources:
+        raise SystemExit(f"no results in {RESULTS_DIR.relative_to(REPO_ROOT)}: run a benchmark")
+    for source in sources:
+        benchmark = next((b for b in PLOTS if source.stem.startswith(b)), None)
+        if benchmark is None:
+            print(f"{source.relative_to(REPO_ROOT)}: no plot for it; skipped")
             continue
         fig = plt.figure(figsize=(10, 4.2), layout="constrained")
-        plot(json.loads(source.read_text()), fig)
+        PLOTS[benchmark](json.loads(source.read_text()), fig)
         target = source.with_suffix(".png")
         fig.savefig(target, dpi=110)
         plt.close(fig)
