@@ -67,7 +67,7 @@ def plot_host(result: dict, fig) -> None:
     ax_hash.set(
         xticks=range(len(hashing)),
         ylabel="µs per block",
-        title="chained hashing, 16-token blocks",
+        title=f"chained hashing, {result['workload']['block_size']}-token blocks",
     )
     ax_hash.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
 
