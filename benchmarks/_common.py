@@ -44,7 +44,7 @@ def ensure_peer_process(argv: Sequence[str] | None = None) -> bool:
         return False
     if not peer_python.exists():
         print(
-            f"[peer] {peer_python} is missing; build it with ../shared/tools/vllm-peer-venv.sh"
+            f"[peer] {peer_python} is missing; build it with tools/vllm-peer-venv.sh"
             " — skipping the peer comparison."
         )
         return False
