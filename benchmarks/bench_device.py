@@ -231,8 +231,8 @@ class PagedBatch:
         return lambda: _ready(dense(self.q, keys, values, dec_k, dec_v))
 
 
-def bench_scaling(rounds: int, quick: bool, bar: tqdm) -> dict:
-    """Paged (dispatched: blockwise on CPU) vs dense attention; width; compiled memory."""
+def bench_scaling(rounds: int, quick: bool, bar: tqdm, impl: str = "auto") -> dict:
+    """Paged (`impl`; "auto": blockwise on CPU) vs dense attention; width; compiled memory."""
     width = 4096 // BLOCK_SIZE  # max_model_len 4096
     cases = {
         "prefill 256": ([(256, 256)], 2, 4),
@@ -246,7 +246,7 @@ def bench_scaling(rounds: int, quick: bool, bar: tqdm) -> dict:
     rows = []
     for name, (reqs, kv_heads, group) in cases.items():
         batch = PagedBatch(reqs, width, kv_heads, group)
-        paged, dense = batch.paged_fn(), batch.dense_fn()
+        paged, dense = batch.paged_fn(impl=impl), batch.dense_fn()
         err = float(jnp.abs(paged() - dense()).max())
         times = interleaved({"paged": paged, "dense": dense}, rounds)
         p, d = _summary(times["paged"]), _summary(times["dense"])
@@ -269,7 +269,9 @@ def bench_scaling(rounds: int, quick: bool, bar: tqdm) -> dict:
     # Table width 256 vs 8 at equal contexts: 16 decodes of 128 tokens.
     reqs = [(128, 1)] * 16
     narrow, wide = PagedBatch(reqs, 8, KV_HEADS, 4), PagedBatch(reqs, 256, KV_HEADS, 4)
-    times = interleaved({"w8": narrow.paged_fn(), "w256": wide.paged_fn()}, rounds)
+    times = interleaved(
+        {"w8": narrow.paged_fn(impl=impl), "w256": wide.paged_fn(impl=impl)}, rounds
+    )
     width_ratio = float(np.median(np.divide(times["w256"], times["w8"])))
     width_row = {
         "w8_ms": _summary(times["w8"])["median_ms"],
@@ -280,7 +282,7 @@ def bench_scaling(rounds: int, quick: bool, bar: tqdm) -> dict:
 
     # Compiled temporary memory of a 512-token prefill at max_model_len 4096 (Gemma-like heads).
     prefill = PagedBatch([(512, 512)], width, 4, 2)
-    stats = prefill.lower_paged().compile().memory_analysis()
+    stats = prefill.lower_paged(impl=impl).compile().memory_analysis()
     memory_row = {
         "case": "prefill 512 @ max_model_len 4096",
         "temp_MiB": stats.temp_size_in_bytes / 2**20,
