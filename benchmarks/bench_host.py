@@ -101,11 +101,16 @@ class JaxkvEngine(Engine):
 
     def make_request(self, request_id, prompt, max_tokens):
         return self.jaxkv.Request(
-            request_id, prompt, max_tokens=max_tokens, block_hasher=self.hasher
+            request_id,
+            prompt,
+            self.jaxkv.SamplingParams(max_tokens=max_tokens),
+            None,
+            block_hasher=self.hasher,
         )
 
     def get_computed_blocks(self, request):
-        return self.manager.get_computed_blocks(request)
+        blocks, num_computed, _ = self.manager.get_computed_blocks(request)
+        return blocks, num_computed
 
 
 class VllmEngine(Engine):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxkv._checks import check_bool, check_int
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.hashing import (
     BlockHash,
@@ -124,13 +125,25 @@ class BlockPool:
         enable_caching: bool = True,
         hash_block_size: int | None = None,
         enable_kv_cache_events: bool = False,
+        metrics_collector: object = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = "GPU",
+        *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
+        """vLLM 0.33's positional order; `metrics_collector` and `medium` are accepted and
+        unused, `num_hash_lookahead_tokens` must be 0."""
+        check_int("num_gpu_blocks", num_gpu_blocks, min_value=2)  # block 0 is the null block
+        check_bool("enable_caching", enable_caching)
+        if hash_block_size is not None:
+            check_int("hash_block_size", hash_block_size, min_value=1)
+        check_bool("enable_kv_cache_events", enable_kv_cache_events)
+        if check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, min_value=0):
             raise ValueError(
-                f"num_gpu_blocks must be an integer >= 2 (block 0 is the null block), "
-                f"got {num_gpu_blocks!r}"
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens} is not supported (0 only)"
             )
+        check_bool("track_freed_block_ids", track_freed_block_ids)
+        self.medium = medium
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size

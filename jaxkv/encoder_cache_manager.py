@@ -43,7 +43,7 @@ class EncoderRequest(Protocol):
 def _bad_input_id(request: EncoderRequest, input_id: int) -> ValueError:
     return ValueError(
         f"request {request.request_id!r} has {len(request.mm_features)} multimodal inputs; "
-        f"input id {input_id!r} is out of range (allowed: 0..{len(request.mm_features) - 1})"
+        f"input_id {input_id!r} is out of range (allowed: 0..{len(request.mm_features) - 1})"
     )
 
 
@@ -105,6 +105,16 @@ class EncoderCacheManager:
         # (request, input id, num embeds) of the last input `can_allocate` accepted,
         # so the `allocate` that follows it does not ask the request again.
         self._sized: tuple[object, int, int] = (None, -1, 0)
+
+    @classmethod
+    def create_manager(cls, *, cache_size: int, vllm_config: object = None) -> EncoderCacheManager:
+        """vLLM's factory; `vllm_config` is accepted and unused."""
+        return cls(cache_size)
+
+    @property
+    def request_cached_ids(self) -> dict[str, set[int]]:
+        """request id -> the input ids it holds (vLLM's attribute; a fresh copy, read only)."""
+        return {request_id: set(held) for request_id, held in self._held.items()}
 
     def reset(self) -> None:
         """Drop every entry and reference (e.g. after the model weights change)."""

@@ -79,10 +79,23 @@ def _cbor_head(major: int, value: int) -> bytes:
 
 
 def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
-    """Token ids as a numpy array: uint32 when they fit (the fast path), else int64."""
+    """Token ids as a numpy array: uint32 when they fit (the fast path), else int64.
+
+    TypeError for anything but integers (a float would be truncated and share
+    cache entries with its integer part); ValueError for ids outside [0, 2**63).
+    """
     try:
         return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
-    except (OverflowError, TypeError):
+    except OverflowError:
+        pass
+    except TypeError:
+        if not isinstance(token_ids, np.ndarray) or token_ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got {list(token_ids)[:8]!r}...") from None
+    try:
+        return np.frombuffer(array.array("q", token_ids), dtype=np.int64)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**63), got one out of that range") from None
+    except TypeError:  # an int64/uint64 array whose values array("q") would not take
         return np.asarray(token_ids, dtype=np.int64)
 
 
@@ -333,13 +346,15 @@ class BlockHashFunction:
         """What follows the parent digest in one block's payload."""
         if type(token_ids) is not list:
             token_ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+        for token in token_ids:
+            if type(token) is not int:  # numpy integers become ints; anything else fails
+                token_ids = tokens_to_array(token_ids).tolist()
+                break
         if min(token_ids) < 0:
             raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
         if self.cbor:
-            try:  # cbor2 encodes integers in their shortest (canonical) form
-                encoded = cbor2.dumps(token_ids)
-            except cbor2.CBOREncodeError:  # numpy integers in a Python list
-                encoded = cbor2.dumps([int(t) for t in token_ids])
+            # cbor2 encodes integers in their shortest (canonical) form
+            encoded = cbor2.dumps(token_ids)
         else:
             encoded = _raw_block_struct(len(token_ids)).pack(len(token_ids), *token_ids)
         return encoded + self._encode_extra(extra_keys)
@@ -451,18 +466,27 @@ def get_none_hash_seed() -> str:
 
 
 def hash_block_tokens(
-    hash_fn: BlockHashFunction | Callable[[Any], bytes],
+    hash_fn: BlockHashFunction | Callable[[Any], Any],
     parent_block_hash: bytes | None,
     curr_block_token_ids: Sequence[int],
     extra_keys: ExtraKeys = None,
 ) -> BlockHash:
-    """Hash one block given its parent's hash (`None` → `NONE_HASH`), as in vLLM."""
+    """Hash one block given its parent's hash (`None` → `NONE_HASH`), as in vLLM.
+
+    `hash_fn` is a `BlockHashFunction` or any callable on `(parent, token tuple,
+    extra keys)`, e.g. the builtin `hash`.
+    """
     parent = get_none_hash() if parent_block_hash is None else parent_block_hash
     if isinstance(hash_fn, BlockHashFunction):
         return hash_fn.hash_blocks(
             parent, curr_block_token_ids, len(curr_block_token_ids), [extra_keys]
         )[0]
-    return BlockHash(hash_fn((parent, tuple(curr_block_token_ids), extra_keys)))
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+    tokens = tuple(tokens_to_array(curr_block_token_ids).tolist()) if curr_block_token_ids else ()
+    if tokens and min(tokens) < 0:
+        raise ValueError(f"token ids must be non-negative, got {min(tokens)}")
+    return BlockHash(hash_fn((parent, tokens, extra_keys)))
 
 
 # ---------------------------------------------------------------------------

@@ -283,7 +283,7 @@ def test_unknown_input_id_is_rejected(input_id):
         lambda: manager.allocate(request, input_id),
         lambda: manager.get_cached_num_encoder_embeds(request, input_id),
     ):
-        with pytest.raises(ValueError, match=rf"'r'.*input id {input_id}"):
+        with pytest.raises(ValueError, match=rf"'r'.*input_id {input_id}"):
             call()
     assert manager.cached == {} and manager.num_free_slots == 10
 
@@ -371,9 +371,9 @@ def test_encoder_decoder_manager_bad_input_and_reset():
         manager.allocate(request, 0)
     with pytest.raises(ValueError, match="4 embeddings do not fit in 1 free"):
         manager.allocate(make_request("q", ("audio", 4)), 0)
-    with pytest.raises(ValueError, match="input id 3"):
+    with pytest.raises(ValueError, match="input_id 3"):
         manager.allocate(request, 3)
-    with pytest.raises(ValueError, match="input id -1"):
+    with pytest.raises(ValueError, match="input_id -1"):
         manager.check_and_update_cache(request, -1)
     assert manager.num_free_slots == 1 and manager.allocated == ["audio"]
     manager.reset()
