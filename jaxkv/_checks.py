@@ -29,9 +29,13 @@ def check_int(
     if (min_value is not None and value < min_value) or (
         max_value is not None and value > max_value
     ):
-        low = "" if min_value is None else f"{min_value} <= "
-        high = "" if max_value is None else f" <= {max_value}"
-        raise ValueError(f"{name} must satisfy {low}{name}{high}, got {value}")
+        if max_value is None:
+            allowed = f">= {min_value}"
+        elif min_value is None:
+            allowed = f"<= {max_value}"
+        else:
+            allowed = f"in [{min_value}, {max_value}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
     return value
 
 

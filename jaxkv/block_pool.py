@@ -13,6 +13,8 @@ from jaxkv.hashing import (
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -45,7 +47,15 @@ class BlockHashToBlockMap:
     def __len__(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values())
 
-    def get_one_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+    def get_one_block(
+        self, key: BlockHashWithGroupId | BlockHash, group_id: int | None = None
+    ) -> KVCacheBlock | None:
+        """The earliest cached block for vLLM's combined `key` (block hash + group id), or
+        for `key` as a bare block hash in `group_id`."""
+        if group_id is None:
+            block_hash, group_id = get_block_hash(key), get_group_id(key)  # type: ignore[arg-type]
+        else:
+            block_hash = key  # type: ignore[assignment]
         blocks = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
         if blocks is None or type(blocks) is KVCacheBlock:
             return blocks  # type: ignore[return-value]
@@ -171,6 +181,15 @@ class BlockPool:
             cached.append(block)
         return cached
 
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """The cached block for vLLM's combined key (block hash + group id), or None."""
+        if not isinstance(key, bytes) or len(key) <= 4:
+            raise TypeError(
+                f"key must be a block hash with group id (bytes from "
+                f"make_block_hash_with_group_id), got {key!r}"
+            )
+        return self.cached_block_hash_to_block.get_one_block(key)
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
@@ -248,6 +267,13 @@ class BlockPool:
         kv_cache_group_id: int,
     ) -> None:
         """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys."""
+        if type(num_full_blocks) is not int or not num_full_blocks <= len(blocks):
+            check_int("num_full_blocks", num_full_blocks)
+            raise ValueError(
+                f"num_full_blocks={num_full_blocks} is more than the {len(blocks)} blocks given"
+            )
+        if type(num_cached_blocks) is not int or num_cached_blocks < 0:
+            check_int("num_cached_blocks", num_cached_blocks, min_value=0)
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -278,8 +304,7 @@ class BlockPool:
                         "cannot re-stamp it"
                     )
                 continue
-            block._block_hash = block_hash
-            block._group_id = kv_cache_group_id
+            block.set_hash(block_hash, kv_cache_group_id)
             cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
         if self.enable_kv_cache_events and stamped:
@@ -303,7 +328,7 @@ class BlockPool:
         block_hash = block._block_hash
         assert block_hash is not None
         self.cached_block_hash_to_block.pop(block_hash, block._group_id, block.block_id)
-        block._block_hash = None
+        block.reset_hash()
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids and block.ref_cnt == 0:
