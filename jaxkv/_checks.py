@@ -62,24 +62,25 @@ def check_token_ids(name: str, token_ids: Any) -> list[int]:
     too-large ids are ValueErrors.
     """
     if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iub":
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise TypeError(
                 f"{name} must be a 1-D array of integers, got shape {token_ids.shape} "
                 f"dtype {token_ids.dtype}"
             )
-        ids = token_ids.tolist()
-        packed = array.array("q", ids) if token_ids.dtype.kind == "u" else None
-    elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        if token_ids.size:
+            low, high = int(token_ids.min()), int(token_ids.max())
+            if low < 0 or high >= TOKEN_ID_LIMIT:
+                raise ValueError(
+                    f"{name} must hold token ids in [0, 2**63), got {low if low < 0 else high}"
+                )
+        return token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(
             f"{name} must be a sequence of integer token ids, got {token_ids!r} "
             f"({type(token_ids).__name__})"
         )
-    else:
-        ids = token_ids if type(token_ids) is list else None
-        packed = None
     try:
-        if packed is None:
-            packed = array.array("q", token_ids if ids is None else ids)
+        packed = array.array("q", token_ids)
     except TypeError:
         raise TypeError(
             f"{name} must hold integer token ids only (no floats, strings or nested "
@@ -89,9 +90,8 @@ def check_token_ids(name: str, token_ids: Any) -> list[int]:
         raise ValueError(
             f"{name} must hold token ids in [0, 2**63), got one out of that range"
         ) from None
-    if packed and np.frombuffer(packed, dtype=np.int64).min() < 0:
-        raise ValueError(
-            f"{name} must hold token ids in [0, 2**63), got "
-            f"{int(np.frombuffer(packed, dtype=np.int64).min())}"
-        )
-    return packed.tolist() if ids is None else ids
+    if packed:
+        low = np.frombuffer(packed, dtype=np.int64).min()
+        if low < 0:
+            raise ValueError(f"{name} must hold token ids in [0, 2**63), got {int(low)}")
+    return token_ids if type(token_ids) is list else packed.tolist()
