@@ -166,6 +166,9 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         self.track_freed_block_ids = track_freed_block_ids
         self._freed_block_ids: set[int] = set()
+        # Grows whenever a block loses its hash: a manager's remembered lookup result is
+        # still a set of cached blocks iff this has not changed since.
+        self.num_hash_removals = 0
 
     # -- lookups -------------------------------------------------------------
 
@@ -200,6 +203,8 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, evicting their old hashes."""
+        if type(num_blocks) is not int:
+            check_int("num_blocks", num_blocks)
         if num_blocks > self.free_block_queue.num_free_blocks or num_blocks < 0:
             raise ValueError(
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
@@ -216,7 +221,25 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
-        """Take a reference on cache hits (one list per group); free ones leave the queue."""
+        """Take a reference on cache hits (one list per group); free ones leave the queue.
+
+        Every block must be one of this pool's (checked first: TypeError/ValueError,
+        nothing changed)."""
+        groups = [list(group_blocks) for group_blocks in blocks]
+        pool_blocks = self.blocks
+        for group_blocks in groups:
+            for block in group_blocks:
+                block_id = getattr(block, "block_id", None)
+                if not (
+                    type(block_id) is int
+                    and 0 <= block_id < len(pool_blocks)
+                    and pool_blocks[block_id] is block
+                ):
+                    raise ValueError(f"touch takes this pool's KVCacheBlocks, got {block!r}")
+        self.touch_checked(groups)
+
+    def touch_checked(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
+        """`touch` for blocks the caller has checked are this pool's (the manager's hits)."""
         remove = self.free_block_queue.remove
         for group_blocks in blocks:
             for block in group_blocks:
@@ -238,12 +261,18 @@ class BlockPool:
         hashed: list[KVCacheBlock] = []
         blocks = list(ordered_blocks)
         for i, block in enumerate(blocks):
-            if block.is_null:
-                continue
-            if block.ref_cnt <= 0:
+            try:
+                if block.is_null:
+                    continue
+                refused = block.ref_cnt <= 0
+            except AttributeError:
+                refused = True
+            if refused:
                 for done in blocks[:i]:  # leave no state changed
                     if not done.is_null:
                         done.ref_cnt += 1
+                if not isinstance(block, KVCacheBlock):
+                    raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}")
                 raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -329,6 +358,7 @@ class BlockPool:
         assert block_hash is not None
         self.cached_block_hash_to_block.pop(block_hash, block._group_id, block.block_id)
         block.reset_hash()
+        self.num_hash_removals += 1
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids and block.ref_cnt == 0:
@@ -365,6 +395,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        self.num_hash_removals += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

@@ -168,6 +168,10 @@ class KVCacheManager:
         self.num_kv_cache_groups = self.coordinator.num_groups
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = 0
+        # The last hit `get_computed_blocks` returned: (blocks, tokens, the pool's
+        # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
+        # hash was removed, its blocks are known to be this pool's cached blocks.
+        self._last_lookup: tuple[KVCacheBlocks, int, int] | None = None
         # request id -> `_get_slot_state(request)` for every request holding blocks,
         # refreshed after every change to its blocks: a step that needs no new block and
         # fills no block (most decode steps) is answered from it without visiting the
@@ -244,7 +248,10 @@ class KVCacheManager:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
             )
-        return self.create_kv_cache_blocks(blocks), num_hit_tokens, 0
+        hits = self.create_kv_cache_blocks(blocks)
+        if num_hit_tokens:
+            self._last_lookup = (hits, num_hit_tokens, self.block_pool.num_hash_removals)
+        return hits, num_hit_tokens, 0
 
     def allocate_slots(
         self,
@@ -403,6 +410,12 @@ class KVCacheManager:
                 f"{self.num_kv_cache_groups}"
             )
         pool_blocks = self.block_pool.blocks
+        last, self._last_lookup = self._last_lookup, None
+        known = last is not None and (
+            last[0] is new_computed_blocks
+            and last[1] == num_new_computed_tokens
+            and last[2] == self.block_pool.num_hash_removals
+        )
         for group_id, (manager, group_hits) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
@@ -413,6 +426,8 @@ class KVCacheManager:
                     f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
                     f"size {manager.block_size}); pass what get_computed_blocks returned"
                 )
+            if known:  # the lookup's own result, no hash removed since
+                continue
             # Only attention types that skip blocks may hold the null block in a hit.
             null_allowed = manager in self.coordinator.skipping_managers
             seen: set[int] = set()
@@ -512,7 +527,7 @@ class KVCacheManager:
         if coordinator.skipping_managers:
             coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         if hit_blocks is not None:
-            self.block_pool.touch(hit_blocks)
+            self.block_pool.touch_checked(hit_blocks)
             coordinator.save_new_computed_blocks(request_id, hit_blocks)
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
         new_blocks = (
