@@ -15,7 +15,7 @@ Runs on whatever backend JAX picks (CPU here; unchanged on GPU/TPU):
   median and range of interleaved runs; table width 256 vs 8 at equal contexts (<= 1.2x);
   compiled temporary memory of a 512-token prefill at max_model_len 4096 (<= 64 MiB).
 
-    .venv/bin/python benchmarks/bench_device.py [--quick]
+    .venv/bin/python -m benchmarks.bench_device [--quick] [--sections updates,scaling] [--record]
 """
 
 from __future__ import annotations
@@ -23,19 +23,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from benchmarks._common import best_of, print_table, results_name, write_json  # noqa: E402
-from jaxkv.device import PagedKVCache, ragged_paged_attention  # noqa: E402
-from jaxkv.device.storage import to_storage  # noqa: E402
-from jaxkv.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from benchmarks._common import (
+    add_record_option,
+    best_of,
+    print_table,
+    results_name,
+    write_json,
+)
+from jaxkv.device import PagedKVCache, ragged_paged_attention
+from jaxkv.device.storage import to_storage
+from jaxkv.kv_cache_interface import FullAttentionSpec
 
 BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 16, 8, 128
 TOKENS = 512
@@ -298,6 +301,7 @@ def main() -> None:
     parser.add_argument(
         "--sections", default="updates,scaling", help="comma list of: updates, scaling"
     )
+    add_record_option(parser)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     base_blocks = 64 if args.quick else 256  # 1x f32 = 32 MiB, 8x = 256 MiB
@@ -342,7 +346,7 @@ def main() -> None:
     for name, value in targets.items():
         print(f"  {name}: {value}")
     payload["targets"] = targets
-    write_json(results_name("bench_device", parser, args), payload)
+    write_json(results_name("bench_device", parser, args), payload, record=args.record)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ and the portable blockwise path, against the float64 NumPy reference of
 scaling figures with the kernel and with the blockwise path. Every phase appends to
 `<out>/gpu_check.json`, so a run cut short still reports what it finished.
 
-    python benchmarks/gpu_check.py --out "$OUT"
+    python -m benchmarks.gpu_check --out "$OUT"
 
 On CPU (`--no-bench`, a dry run of the script) the kernel runs in Pallas interpret mode.
 """
@@ -22,8 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' float64 reference and helpers
+# The tests' float64 reference and case builders (tests/ is no package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
