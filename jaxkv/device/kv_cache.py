@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
+from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import StepShape, padding_buckets, pick_bucket, unpack_step
 from jaxkv.device.storage import (
@@ -83,6 +84,9 @@ class PagedKVCache:
         head_policy: str = "auto",
         storage_dtype: DTypeLike | None = "auto",
     ) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}"
@@ -152,6 +156,7 @@ class PagedKVCache:
             )
         )
         self._step_fns: dict[tuple, object] = {}
+        self._alloc_fns: dict[int, object] = {}
 
     # --------------------------------------------------------------- sizing
     @property
@@ -175,13 +180,14 @@ class PagedKVCache:
     # ----------------------------------------------------------- allocation
     def allocate(self, num_layers: int = 1) -> list[jax.Array]:
         """Zeroed caches for `num_layers` layers, created on device by one jitted call."""
-        if num_layers <= 0:
-            raise ValueError(f"num_layers must be positive, got {num_layers}")
-        shape, dtype = self.shape, self.storage_dtype
-        alloc = jax.jit(
-            lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            out_shardings=tuple(self.sharding for _ in range(num_layers)),
-        )
+        num_layers = check_int("num_layers", num_layers, lo=1)
+        alloc = self._alloc_fns.get(num_layers)
+        if alloc is None:
+            shape, dtype = self.shape, self.storage_dtype
+            alloc = self._alloc_fns[num_layers] = jax.jit(
+                lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                out_shardings=tuple(self.sharding for _ in range(num_layers)),
+            )
         return list(alloc())
 
     # ------------------------------------------------------------ validation
@@ -202,14 +208,19 @@ class PagedKVCache:
             raise ValueError(
                 f"{name} has {arr.size} entries, not a multiple of the {self.dp_size} data ranks"
             )
-        bad = (arr < lo) | (arr >= hi)
-        if pad is not None:
-            bad &= arr != pad
-        if bad.any():
-            value = int(arr[np.argmax(bad)])
-            extra = f" or the padding value {pad}" if pad is not None else ""
-            raise ValueError(f"{name} value {value} is out of range [{lo}, {hi}){extra}")
-        return arr.astype(np.int32)
+        return check_ids(name, arr, lo, hi, pad=pad)
+
+    def _check_unique(self, name: str, ids: np.ndarray, skip: int | None = None) -> None:
+        """Each data rank's ids (other than `skip`) distinct: a scatter's order is undefined."""
+        for rank, row in enumerate(ids.reshape(self.dp_size, -1)):
+            uniq, counts = np.unique(
+                row[row != skip] if skip is not None else row, return_counts=True
+            )
+            if (counts > 1).any():
+                raise ValueError(
+                    f"{name} {int(uniq[np.argmax(counts > 1)])} appears more than once "
+                    f"(data rank {rank}); each destination may be written once per call"
+                )
 
     def _check_tokens(self, name: str, x: jax.Array, num_tokens: int) -> None:
         want = (num_tokens, self.num_kv_heads, self.head_size)
@@ -222,18 +233,13 @@ class PagedKVCache:
 
     def put(self, arr: np.ndarray, spec: P | None = None) -> jax.Array:
         """Place a host array (the same on every process) on this cache's mesh."""
-        sharding = NamedSharding(self.mesh, P(DATA_AXIS) if spec is None else spec)
-        if jax.process_count() == 1:
-            return jax.device_put(arr, sharding)
-        return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+        return place(arr, NamedSharding(self.mesh, P(DATA_AXIS) if spec is None else spec))
 
     def _pad_ids(self, arr: np.ndarray, fill: int) -> np.ndarray:
         """Pad each rank's ids to a bucket so few programs are compiled."""
         per_rank = arr.reshape(self.dp_size, -1)
         size = pick_bucket(max(per_rank.shape[1], 1), self.id_buckets)
-        out = np.full((self.dp_size, size), fill, np.int32)
-        out[:, : per_rank.shape[1]] = per_rank
-        return out.reshape(-1)
+        return pad_to_bucket(per_rank, size, fill).reshape(-1)
 
     # --------------------------------------------------------------- updates
     def write_kv(
@@ -251,6 +257,7 @@ class PagedKVCache:
         slots = self._check_ids(
             "slot", slots, self.block_size, self.padding_slot, pad=self.padding_slot
         )
+        self._check_unique("slot", slots, skip=self.padding_slot)
         self._check_tokens("new_k", new_k, slots.size)
         self._check_tokens("new_v", new_v, slots.size)
         return self._write(kv, new_k, new_v, self.put(slots, self._rank_spec))
@@ -264,13 +271,7 @@ class PagedKVCache:
         dst_ids = self._check_ids("dst block id", dst, 1, self.num_blocks)
         if src_ids.shape != dst_ids.shape:
             raise ValueError(f"src has {src_ids.size} ids but dst has {dst_ids.size}")
-        for rank, row in enumerate(dst_ids.reshape(self.dp_size, -1)):
-            uniq, counts = np.unique(row, return_counts=True)
-            if (counts > 1).any():
-                raise ValueError(
-                    f"dst block id {int(uniq[np.argmax(counts > 1)])} appears more than once "
-                    f"(data rank {rank}); each destination may be written once"
-                )
+        self._check_unique("dst block id", dst_ids)
         if src_ids.size == 0:
             return kv
         src_p = self.put(self._pad_ids(src_ids, 0), self._rank_spec)
