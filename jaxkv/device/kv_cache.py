@@ -34,8 +34,13 @@ from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import StepShape, padding_buckets, pick_bucket, unpack_step
 from jaxkv.device.storage import (
+    KV_QUANT,
+    SCALE_BYTES,
     DTypeLike,
+    check_kv_quant,
+    dequantize,
     from_storage,
+    quantize,
     resolve_dtype,
     resolve_storage_dtype,
     to_storage,
@@ -43,12 +48,18 @@ from jaxkv.device.storage import (
 from jaxkv.kv_cache_interface import AttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec
 
 
-def _write_local(kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage):
+def _write_local(
+    kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage, kv_quant=None
+):
     nb, bs, combined, d = kv.shape
+
+    def stored(x):
+        return quantize(x, kv_quant) if kv_quant else to_storage(x, compute, storage)
+
     # Two scatters straight into the K and V lanes: no interleaved temporary.
     flat = kv.reshape(nb * bs, combined // 2, 2, d)
-    flat = flat.at[slots, :, 0].set(to_storage(k, compute, storage), mode="drop")
-    flat = flat.at[slots, :, 1].set(to_storage(v, compute, storage), mode="drop")
+    flat = flat.at[slots, :, 0].set(stored(k), mode="drop")
+    flat = flat.at[slots, :, 1].set(stored(v), mode="drop")
     return flat.reshape(kv.shape)
 
 
@@ -60,9 +71,12 @@ def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
     return kv.at[ids].set(jnp.zeros((), kv.dtype), mode="drop")
 
 
-def _read_local(kv: jax.Array, slots: jax.Array, compute) -> tuple[jax.Array, jax.Array]:
+def _read_local(
+    kv: jax.Array, slots: jax.Array, compute, kv_quant=None
+) -> tuple[jax.Array, jax.Array]:
     nb, bs, combined, d = kv.shape
-    rows = from_storage(kv.reshape(nb * bs, combined, d)[slots], compute)
+    rows = kv.reshape(nb * bs, combined, d)[slots]
+    rows = dequantize(rows, kv_quant, compute) if kv_quant else from_storage(rows, compute)
     return rows[:, 0::2], rows[:, 1::2]
 
 
@@ -83,6 +97,7 @@ class PagedKVCache:
         mesh: Mesh | None = None,
         head_policy: str = "auto",
         storage_dtype: DTypeLike | None = "auto",
+        kv_quant: str | None = None,
     ) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
@@ -107,13 +122,22 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.dp_size = self.layout.dp_size
         self.dtype = resolve_dtype(spec.dtype)
-        self.storage_dtype = resolve_storage_dtype(self.dtype, storage_dtype, self.platform)
+        self.kv_quant = check_kv_quant(kv_quant)
+        if kv_quant is not None:
+            if storage_dtype not in (None, "auto"):
+                raise ValueError(
+                    f"storage_dtype={storage_dtype!r} conflicts with kv_quant={kv_quant!r}, "
+                    f"which stores {KV_QUANT[kv_quant][0]}; leave storage_dtype at 'auto'"
+                )
+            self.storage_dtype = KV_QUANT[kv_quant][0]
+        else:
+            self.storage_dtype = resolve_storage_dtype(self.dtype, storage_dtype, self.platform)
         self.padding_slot = num_blocks * spec.block_size
         self.shape = (
             self.dp_size * num_blocks,
             spec.block_size,
             2 * spec.num_kv_heads,
-            spec.head_size,
+            spec.head_size + (SCALE_BYTES if kv_quant else 0),
         )
         self.sharding = self.layout.cache_sharding()
         self.id_buckets = padding_buckets(num_blocks)
@@ -135,7 +159,7 @@ class PagedKVCache:
         c, s = self.dtype, self.storage_dtype
         self._write = jax.jit(
             sharded(
-                functools.partial(_write_local, compute=c, storage=s),
+                functools.partial(_write_local, compute=c, storage=s, kv_quant=kv_quant),
                 (cache_spec, self._token_spec, self._token_spec, self._rank_spec),
                 cache_spec,
             ),
@@ -150,7 +174,7 @@ class PagedKVCache:
         )
         self._read = jax.jit(
             sharded(
-                functools.partial(_read_local, compute=c),
+                functools.partial(_read_local, compute=c, kv_quant=kv_quant),
                 (cache_spec, self._rank_spec),
                 (self._token_spec, self._token_spec),
             )
@@ -165,17 +189,23 @@ class PagedKVCache:
         return int(np.prod(self.shape)) * self.storage_dtype.itemsize
 
     @property
-    def bytes_per_device(self) -> int:
-        """Bytes of one layer's cache on each device, replication included."""
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of one layer on each device (quantisation scales included).
+
+        Capacity planning: `device_budget // (num_layers * bytes_per_block)` blocks fit.
+        """
         heads = self.layout.kv_heads_per_device
-        return (
-            self.num_blocks
-            * self.block_size
-            * 2
-            * heads
-            * self.head_size
-            * (self.storage_dtype.itemsize)
-        )
+        return self.block_size * 2 * heads * self.shape[-1] * self.storage_dtype.itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes of one layer's cache on each device, replication and scales included."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def replication(self) -> int:
+        """How many devices of one data rank hold each KV head (1: no head is stored twice)."""
+        return self.layout.replication
 
     # ----------------------------------------------------------- allocation
     def allocate(self, num_layers: int = 1) -> list[jax.Array]:
@@ -224,8 +254,9 @@ class PagedKVCache:
 
     def _check_tokens(self, name: str, x: jax.Array, num_tokens: int) -> None:
         want = (num_tokens, self.num_kv_heads, self.head_size)
-        if tuple(x.shape) != want or x.dtype not in (self.dtype, self.storage_dtype):
-            allowed = sorted({str(self.dtype), str(self.storage_dtype)})
+        accepted = (self.dtype,) if self.kv_quant else (self.dtype, self.storage_dtype)
+        if tuple(x.shape) != want or x.dtype not in accepted:
+            allowed = sorted({str(d) for d in accepted})
             raise ValueError(
                 f"{name} has shape {tuple(x.shape)} dtype {x.dtype}; expected shape {want} "
                 f"dtype {' or '.join(allowed)} (compute dtype, or its bits in the storage dtype)"
@@ -398,7 +429,9 @@ class PagedKVCache:
 
         def local(kv, q, k, v, buf, *span_ends):
             md = unpack_step(buf[0], shape)
-            kv = _write_local(kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype)
+            kv = _write_local(
+                kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant
+            )
             kv_head = None
             if replicated_kv_split_q:
                 kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group
@@ -406,6 +439,7 @@ class PagedKVCache:
                 q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
                 sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
                 kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
+                kv_quant=self.kv_quant,
                 attention_chunk=chunk, span_ends=span_ends[0] if spans else None,
             )  # fmt: skip
             return kv, out
