@@ -172,13 +172,16 @@ class KVCacheManager:
         # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
         # hash was removed, its blocks are known to be this pool's cached blocks.
         self._last_lookup: tuple[KVCacheBlocks, int, int] | None = None
-        # request id -> `_get_slot_state(request)` for every request holding blocks,
+        # Request -> `_get_slot_state(request)` for every request holding blocks (keyed by
+        # the object, so a second Request with a running request's id never matches),
         # refreshed after every change to its blocks: a step that needs no new block and
         # fills no block (most decode steps) is answered from it without visiting the
         # per-group managers (off for attention types that release blocks as a request
         # advances). The Request object is kept so a second object with a running
         # request's id is refused.
-        self._slot_state: dict[str, tuple[Request, int, int]] = {}
+        self._slot_state: dict[Request, tuple[int, int]] = {}
+        # request id -> the Request object holding blocks under that id.
+        self._running: dict[str, Request] = {}
         self._use_slot_state = not self.coordinator.skipping_managers
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
@@ -279,69 +282,127 @@ class KVCacheManager:
         and encoder-decoder arguments (`num_external_computed_tokens`,
         `num_encoder_tokens`) must be 0.
         """
-        state = self._slot_state.get(request.request_id)
+        try:
+            state = self._slot_state.get(request)
+        except TypeError:  # unhashable: not a Request
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
         if (
             state is not None
-            and state[0] is request
-            and type(num_new_tokens) is int
-            and 0 < num_new_tokens
             and new_computed_blocks is None
+            and type(num_new_tokens) is type(num_lookahead_tokens) is int
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
             and num_new_computed_tokens == 0
-            and type(num_lookahead_tokens) is int
-            and 0 <= num_lookahead_tokens
-            and not full_sequence_must_fit
-            and reserved_blocks == 0
-            and num_external_computed_tokens == 0
-            and self._step_changes_nothing(
-                state, request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
-            )
+            and not (num_external_computed_tokens or reserved_blocks or full_sequence_must_fit)
         ):
             # Most decode steps: the request's blocks hold the new tokens and no block
-            # fills up, so nothing changes; answered without visiting the groups.
-            return self.empty_kv_cache_blocks
-        return self._allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-        )
-
-    def _step_changes_nothing(
-        self,
-        state: tuple[Request, int, int],
-        request: Request,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> bool:
-        """Whether a step of a request already holding blocks needs no block and caches none.
-
-        `state` is the request's (Request, tokens its blocks hold, token count at
-        which its next block is full); `_allocate_slots` would allocate nothing
-        and cache nothing for such a step.
-        """
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        return (
-            num_tokens + num_lookahead_tokens <= state[1]
-            and num_tokens <= self.max_model_len
-            and (
+            # fills up, so the general path below would change nothing. `state` holds the two
+            # limits it derived for this request (see `_get_slot_state`).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens + num_lookahead_tokens <= state[0] and (
                 delay_cache_blocks
-                or not self.enable_caching
-                or self._num_tokens_to_cache(request, num_tokens) < state[2]
+                # i.e. min(num_tokens, request.num_tokens) < state[1]
+                or num_tokens < state[1]
+                or request.num_tokens < state[1]
+            ):
+                return self.empty_kv_cache_blocks
+        # Every other step. Checked before any change: the request at its first
+        # allocation (a running request was checked then), the counts in one
+        # expression for the common, valid case and in detail otherwise.
+        try:
+            request_id = request.request_id
+        except AttributeError:
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+        holder = self._running.get(request_id)
+        if holder is not request:
+            if holder is not None:
+                raise ValueError(
+                    f"request id {request_id!r} belongs to a running request; a second "
+                    "Request object with that id cannot share its blocks (free the first one)"
+                )
+            self._check_request(request)
+        if not (
+            type(num_new_tokens) is type(num_new_computed_tokens) is int
+            and type(num_lookahead_tokens) is type(reserved_blocks) is int
+            and type(num_external_computed_tokens) is type(num_encoder_tokens) is int
+            and num_new_tokens > 0
+            and num_new_computed_tokens >= 0
+            and num_lookahead_tokens >= 0
+            and reserved_blocks >= 0
+            and not (num_external_computed_tokens or num_encoder_tokens)
+        ):
+            self._check_counts(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
             )
+        coordinator = self.coordinator
+        hit_blocks = (
+            None
+            if new_computed_blocks is None and not num_new_computed_tokens
+            else self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
         )
-
-    @staticmethod
-    def _num_tokens_to_cache(request: Request, num_tokens: int) -> int:
-        """Tokens whose full blocks get cached: never unverified (speculative) ones."""
-        num_verified = request.num_tokens
-        return num_tokens if num_tokens < num_verified else num_verified
+        max_model_len = self.max_model_len
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed_tokens + num_new_tokens
+        if num_tokens > max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
+                f"tokens exceed max_model_len={max_model_len}"
+            )
+        num_tokens_to_cache = request.num_tokens
+        if num_tokens < num_tokens_to_cache:  # never unverified (speculative) tokens
+            num_tokens_to_cache = num_tokens
+        cache = self.enable_caching and not delay_cache_blocks
+        if cache:
+            # Checked before any change: caching below would fail half-way otherwise.
+            num_to_cache = num_tokens_to_cache // self.hash_block_size
+            if len(request.block_hashes) < num_to_cache:
+                raise ValueError(
+                    f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
+                    f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
+                    f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
+                )
+        hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
+        available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, max_model_len)
+            num_blocks_full = coordinator.get_num_blocks_to_allocate(
+                request_id, num_full, hits_or_none
+            )
+            if num_blocks_full > available:
+                return None
+        num_tokens_need_slot = num_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits_or_none
+        )
+        if num_blocks_to_allocate > available:
+            return None
+        if coordinator.skipping_managers:
+            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        if hit_blocks is not None:
+            self.block_pool.touch_checked(hit_blocks)
+            coordinator.save_new_computed_blocks(request_id, hit_blocks)
+        # Nothing to allocate in any group (most decode steps): skip the per-group calls.
+        new_blocks = (
+            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+            if num_blocks_to_allocate
+            else None
+        )
+        if cache:
+            coordinator.cache_blocks(request, num_tokens_to_cache)
+        self._slot_state[request] = self._get_slot_state(request)
+        if holder is None:
+            self._running[request_id] = request
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return self.create_kv_cache_blocks(new_blocks)
 
     def _check_counts(
         self,
@@ -409,13 +470,14 @@ class KVCacheManager:
                 f"new_computed_blocks has {len(hits)} groups, this manager "
                 f"{self.num_kv_cache_groups}"
             )
-        pool_blocks = self.block_pool.blocks
         last, self._last_lookup = self._last_lookup, None
-        known = last is not None and (
+        if last is not None and (
             last[0] is new_computed_blocks
             and last[1] == num_new_computed_tokens
             and last[2] == self.block_pool.num_hash_removals
-        )
+        ):
+            return hits  # the lookup's own result, and no hash was removed since
+        pool_blocks = self.block_pool.blocks
         for group_id, (manager, group_hits) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
@@ -426,8 +488,6 @@ class KVCacheManager:
                     f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
                     f"size {manager.block_size}); pass what get_computed_blocks returned"
                 )
-            if known:  # the lookup's own result, no hash removed since
-                continue
             # Only attention types that skip blocks may hold the null block in a hit.
             null_allowed = manager in self.coordinator.skipping_managers
             seen: set[int] = set()
@@ -455,99 +515,22 @@ class KVCacheManager:
                 seen.add(block_id)
         return hits
 
-    def _allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-    ) -> KVCacheBlocks | None:
-        """`allocate_slots` for every step the slot-state shortcut does not answer."""
-        self._check_request(request)
-        self._check_counts(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
-        )
-        request_id = request.request_id
-        coordinator = self.coordinator
-        state = self._slot_state.get(request_id)
-        if state is not None and state[0] is not request:
-            raise ValueError(
-                f"request id {request_id!r} belongs to a running request; a second Request "
-                "object with that id cannot share its blocks (free the first one)"
-            )
-        hit_blocks = self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
-        max_model_len = self.max_model_len
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens = num_computed_tokens + num_new_tokens
-        if num_tokens > max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
-                f"tokens exceed max_model_len={max_model_len}"
-            )
-        num_tokens_to_cache = self._num_tokens_to_cache(request, num_tokens)
-        cache = self.enable_caching and not delay_cache_blocks
-        if cache:
-            # Checked before any change: caching below would fail half-way otherwise.
-            num_to_cache = num_tokens_to_cache // self.hash_block_size
-            if len(request.block_hashes) < num_to_cache:
-                raise ValueError(
-                    f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
-                    f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
-                    f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
-                )
-        hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
-        available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
-        if full_sequence_must_fit:
-            num_full = min(request.num_tokens, max_model_len)
-            num_blocks_full = coordinator.get_num_blocks_to_allocate(
-                request_id, num_full, hits_or_none
-            )
-            if num_blocks_full > available:
-                return None
-        num_tokens_need_slot = num_tokens + num_lookahead_tokens
-        if num_tokens_need_slot > max_model_len:
-            num_tokens_need_slot = max_model_len
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits_or_none
-        )
-        if num_blocks_to_allocate > available:
-            return None
-        if coordinator.skipping_managers:
-            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
-        if hit_blocks is not None:
-            self.block_pool.touch_checked(hit_blocks)
-            coordinator.save_new_computed_blocks(request_id, hit_blocks)
-        # Nothing to allocate in any group (most decode steps): skip the per-group calls.
-        new_blocks = (
-            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
-            if num_blocks_to_allocate
-            else None
-        )
-        if cache:
-            coordinator.cache_blocks(request, num_tokens_to_cache)
-        self._slot_state[request_id] = self._get_slot_state(request)
-        if new_blocks is None:
-            return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(new_blocks)
+    def _get_slot_state(self, request: Request) -> tuple[int, int]:
+        """The `_slot_state` entry of a request holding blocks.
 
-    def _get_slot_state(self, request: Request) -> tuple[Request, int, int]:
-        """The `_slot_state` entry of a request holding blocks (capacity 0 when the shortcut
-        is off, so it never answers)."""
-        if self._use_slot_state:
-            return (request, *self.coordinator.get_slot_state(request.request_id))
-        return (request, 0, 0)
+        (the most tokens plus lookahead a step may reach without `allocate_slots`
+        allocating a block, the number of tokens to cache at which it would cache
+        one): the first is the tokens the request's blocks hold, capped at
+        `max_model_len`; the second the token count that fills the next block, or
+        never when caching is off. Both are 0 when the shortcut is off (sliding
+        windows release blocks as a request advances), so it never answers.
+        """
+        if not self._use_slot_state:
+            return (0, 0)
+        capacity, next_full = self.coordinator.get_slot_state(request.request_id)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
+        return (capacity, next_full if self.enable_caching else 1 << 62)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
@@ -560,14 +543,16 @@ class KVCacheManager:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
-            if request.request_id in self._slot_state:
-                self._slot_state[request.request_id] = self._get_slot_state(request)
+            if request in self._slot_state:
+                self._slot_state[request] = self._get_slot_state(request)
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a jaxkv Request, got {request!r}")
-        self._slot_state.pop(request.request_id, None)
+        holder = self._running.pop(request.request_id, None)
+        if holder is not None:
+            del self._slot_state[holder]
         self.coordinator.free(request.request_id)
 
     # -- queries -------------------------------------------------------------
@@ -584,7 +569,7 @@ class KVCacheManager:
         """Per group, the leading blocks of `running_request_id` that every running request
         holds; `num_running_requests` defaults to the number of requests holding blocks."""
         if num_running_requests is None:
-            num_running_requests = len(self._slot_state)
+            num_running_requests = len(self._running)
         check_int("num_running_requests", num_running_requests, min_value=0)
         return self.coordinator.get_num_common_prefix_blocks(
             running_request_id, num_running_requests
