@@ -290,6 +290,7 @@ class KVCacheManager:
             state is not None
             and new_computed_blocks is None
             and type(num_new_tokens) is type(num_lookahead_tokens) is int
+            and type(reserved_blocks) is type(num_external_computed_tokens) is int
             and num_new_tokens > 0
             and num_lookahead_tokens >= 0
             and num_new_computed_tokens == 0
@@ -462,8 +463,8 @@ class KVCacheManager:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
         if self.coordinator.holds_blocks(rid):
             raise ValueError(
-                f"request {rid!r} already holds blocks; cache hits can only be "
-                "added when a request is first scheduled"
+                f"request {rid!r} already holds blocks; cache hits (new_computed_blocks) can "
+                "only be added when a request is first scheduled"
             )
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(
@@ -499,19 +500,25 @@ class KVCacheManager:
                     and pool_blocks[block_id] is block
                 ):
                     raise ValueError(
-                        f"request {rid!r}: hit block {block!r} is not a block of this pool"
+                        f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
+                        "a block of this pool"
                     )
                 if block.is_null:
                     if null_allowed:
                         continue
-                    raise ValueError(f"request {rid!r}: the null block cannot be a cache hit")
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds the null block, which "
+                        "cannot be a cache hit"
+                    )
                 if block._block_hash is None or block._group_id != group_id:
                     raise ValueError(
-                        f"request {rid!r}: hit block {block_id} is not a cached block of group "
-                        f"{group_id}"
+                        f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
+                        f"is not a cached block of group {group_id}"
                     )
                 if block_id in seen:
-                    raise ValueError(f"request {rid!r}: hit block {block_id} is given twice")
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds block {block_id} twice"
+                    )
                 seen.add(block_id)
         return hits
 
@@ -541,6 +548,8 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
+        self._check_request(request)
+        check_int("num_computed_tokens", num_computed_tokens, min_value=0)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
             if request in self._slot_state:
