@@ -72,6 +72,8 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
     """
     if isinstance(token_ids, np.ndarray) and token_ids.dtype in (np.uint32, np.int64):
         return token_ids
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token ids must be a sequence of integers, got {token_ids!r}")
     try:
         return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
     except OverflowError:
@@ -347,6 +349,10 @@ def init_none_hash(
 ) -> BlockHash:
     """Set (and return) `NONE_HASH = hash_fn(seed)`, resolving the seed by the module rules."""
     global NONE_HASH, _none_hash_seed
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+    if seed is not None and not isinstance(seed, str):
+        raise TypeError(f"seed must be a str or None, got {seed!r}")
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
@@ -381,16 +387,14 @@ def hash_block_tokens(
     extra keys)`, e.g. the builtin `hash`.
     """
     parent = get_none_hash() if parent_block_hash is None else parent_block_hash
+    tokens = tokens_to_array(curr_block_token_ids)  # TypeError/ValueError for bad ids
+    if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
     if isinstance(hash_fn, BlockHashFunction):
-        return hash_fn.hash_blocks(
-            parent, curr_block_token_ids, len(curr_block_token_ids), [extra_keys]
-        )[0]
+        return hash_fn.hash_blocks(parent, tokens, len(tokens), [extra_keys])[0]
     if not callable(hash_fn):
         raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
-    tokens = tuple(tokens_to_array(curr_block_token_ids).tolist()) if curr_block_token_ids else ()
-    if tokens and min(tokens) < 0:
-        raise ValueError(f"token ids must be non-negative, got {min(tokens)}")
-    return BlockHash(hash_fn((parent, tokens, extra_keys)))
+    return BlockHash(hash_fn((parent, tuple(tokens.tolist()), extra_keys)))
 
 
 # ---------------------------------------------------------------------------
