@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _state import manager_state, pool_state, queue_state
+from _state import encoder_state, manager_state, pool_state, queue_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -145,18 +145,6 @@ def _encoder(cls):
         return manager
 
     return make
-
-
-def _encoder_state(manager) -> tuple:
-    return (
-        manager.num_free_slots,
-        getattr(manager, "num_freeable_slots", None),
-        {k: set(v) for k, v in getattr(manager, "cached", {}).items()},
-        list(getattr(manager, "freeable", {}).items()),
-        list(getattr(manager, "freed", [])),
-        list(getattr(manager, "allocated", [])),
-        {k: dict(v) for k, v in manager._held.items()},
-    )
 
 
 def _table():
@@ -566,7 +554,7 @@ for _cls in (EncoderCacheManager, EncoderDecoderCacheManager):
             "encoder_compute_budget": bad_int(0),
             "num_embeds_to_schedule": bad_int(0),
         },
-        state=_encoder_state,
+        state=encoder_state,
     )
     for _method in ("check_and_update_cache", "allocate", "get_cached_num_encoder_embeds"):
         CASES[f"{_name}.{_method}"] = Case(
@@ -574,21 +562,21 @@ for _cls in (EncoderCacheManager, EncoderDecoderCacheManager):
             call=lambda o, _m=_method, **kw: getattr(o, _m)(**kw),
             good=lambda _o: {"request": _mm_request("q"), "input_id": 1},
             bad={"input_id": bad_int(0, 1)},
-            state=_encoder_state,
+            state=encoder_state,
         )
     CASES[f"{_name}.free_encoder_input"] = Case(
         make=_encoder(_cls),
         call=lambda o, **kw: o.free_encoder_input(**kw),
         good=lambda o: {"request": o.held_request, "input_id": 0},
         bad={"input_id": NOT_INT},
-        state=_encoder_state,
+        state=encoder_state,
     )
     CASES[f"{_name}.check_admission"] = Case(
         make=_encoder(_cls),
         call=lambda o, **kw: o.check_admission(**kw),
         good=lambda _o: {"request": _mm_request("q"), "encoder_compute_budget": 10},
         bad={"encoder_compute_budget": bad_int(0)},
-        state=_encoder_state,
+        state=encoder_state,
     )
 
 
