@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int
+from jaxkv._checks import check_bool, check_int, check_str
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.kv_cache_coordinator import KVCacheCoordinator
 from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -579,6 +579,8 @@ class KVCacheManager:
     # -- queries -------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

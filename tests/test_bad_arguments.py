@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 import jaxkv.hashing as hashing
 from jaxkv import (
+    BlockHashListWithBlockSize,
+    BlockHashMemo,
     BlockPool,
     BlockTable,
     EncoderBudget,
@@ -39,6 +41,7 @@ from jaxkv import (
     hash_block_tokens,
     hash_mm_item,
     init_none_hash,
+    make_block_hash_with_group_id,
 )
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
@@ -267,6 +270,38 @@ CASES: dict[str, Case] = {
         },
         state=lambda o: manager_state(o[0]),
         names={"block_ids": "block id"},
+    ),
+    "KVCacheManager.get_block_ids": Case(
+        make=_manager_obj,
+        call=lambda o, **kw: o[0].get_block_ids(**kw),
+        good=lambda _o: {"request_id": "a"},
+        bad={"request_id": NOT_STR},
+        state=lambda o: manager_state(o[0]),
+    ),
+    "BlockHashMemo": Case(
+        make=lambda: None,
+        call=lambda _o, **kw: BlockHashMemo(**kw),
+        good=lambda _o: {"hash_fn": SHA_CBOR, "capacity": 4},
+        bad={"hash_fn": st.sampled_from([hash, "sha256"]), "capacity": bad_int(1)},
+    ),
+    "BlockHashListWithBlockSize": Case(
+        make=lambda: None,
+        call=lambda _o, **kw: BlockHashListWithBlockSize(**kw),
+        good=lambda _o: {
+            "block_hashes": [b"a", b"b"],
+            "hash_block_size": 2,
+            "target_block_size": 4,
+        },
+        bad={"hash_block_size": bad_int(1), "target_block_size": bad_int(1)},
+    ),
+    "make_block_hash_with_group_id": Case(
+        make=lambda: None,
+        call=lambda _o, **kw: make_block_hash_with_group_id(**kw),
+        good=lambda _o: {"block_hash": b"x" * 32, "group_id": 1},
+        bad={
+            "block_hash": NOT_STR.filter(lambda v: not isinstance(v, bytes)),
+            "group_id": bad_int(0, 2**32 - 1),
+        },
     ),
     "BlockPool": Case(
         make=lambda: None,
