@@ -382,9 +382,12 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits_or_none
-        )
+        if state is not None and num_tokens_need_slot <= state[0]:
+            num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+        else:
+            num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+                request_id, num_tokens_need_slot, hits_or_none
+            )
         if num_blocks_to_allocate > available:
             return None
         if coordinator.skipping_managers:
