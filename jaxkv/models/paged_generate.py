@@ -184,7 +184,7 @@ class PagedGenerator:
 
     def _embeds(self, rows, ids: np.ndarray) -> jax.Array:
         """Input embeddings of this step's token rows: prompt rows from `embeds` when given."""
-        out = np.asarray(self.model.embed_tokens(jnp.asarray(ids)))
+        out = np.array(self.model.embed_tokens(jnp.asarray(ids)))
         row = 0
         for s, start, end in rows:
             if s.embeds is not None:

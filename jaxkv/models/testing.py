@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from jaxkv.models.checkpoint import INDEX_FILE, SINGLE_FILE
+from jaxkv.models.config import model_type_of, parse_llava_config
+from jaxkv.models.llava import VisionTower
 
 # 5.x -> 4.x tensor-name prefixes of LLaVA.
 LEGACY_LLAVA_RENAMES = (
@@ -46,6 +48,8 @@ class RandomTensors:
 
     def get(self, name: str, shape: Sequence[int], spec: P | None = None):
         shape = tuple(shape)
+        if name in self.tensors:
+            return jnp.asarray(self.tensors[name])
         normal = self.rng.standard_normal(shape)
         module = name.split(".")[-2]
         if "norm" in module or "layrnorm" in module:  # RMSNorm / LayerNorm: scale ~0.5, bias ~0
@@ -78,6 +82,7 @@ def save_random_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     recorder = RandomTensors(seed)
     build_model(copy.deepcopy(config), recorder)
+    _record_unread_tensors(config, recorder)
     tensors = recorder.tensors
     if legacy_names:
         renamed = {}
@@ -102,6 +107,18 @@ def save_random_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return tensors
+
+
+def _record_unread_tensors(config: dict[str, Any], recorder: RandomTensors) -> None:
+    """Tensors a real checkpoint holds that the model never reads: the LLaVA vision
+    layers after the selected feature layer and the tower's post-layernorm."""
+    if model_type_of(config) != "llava":
+        return
+    vision = parse_llava_config(config).vision
+    prefix = "model.vision_tower.vision_model."
+    VisionTower(vision, recorder, prefix, vision.num_hidden_layers)
+    for part in ("weight", "bias"):
+        recorder.get(f"{prefix}post_layernorm.{part}", (vision.hidden_size,))
 
 
 def tiny_configs() -> dict[str, dict[str, Any]]:
