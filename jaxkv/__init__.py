@@ -38,9 +38,17 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.mm_hashing import hash_mm_item, processor_kwargs_digest
-from jaxkv.request import LoRARequest, MultiModalFeatureSpec, Request, RequestStatus
+from jaxkv.request import (
+    LoRARequest,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from jaxkv.request_hashing import (
     BlockHashMemo,
+    RequestBlockHasher,
     generate_block_hash_extra_keys,
     get_request_block_hasher,
 )
@@ -71,9 +79,12 @@ __all__ = [
     "KVCacheTensor",
     "LoRARequest",
     "MultiModalFeatureSpec",
+    "PlaceholderRange",
     "PrefixCacheStats",
     "Request",
+    "RequestBlockHasher",
     "RequestStatus",
+    "SamplingParams",
     "SlidingWindowSpec",
     "compute_encoder_budget",
     "generate_block_hash_extra_keys",

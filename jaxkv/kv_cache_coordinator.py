@@ -58,7 +58,7 @@ class KVCacheCoordinator:
             enable_caching,
             hash_block_size,
             enable_kv_cache_events,
-            track_freed_block_ids,
+            track_freed_block_ids=track_freed_block_ids,
         )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id)

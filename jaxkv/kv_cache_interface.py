@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxkv._checks import check_int
+
 
 def dtype_num_bytes(dtype: str | np.dtype) -> int:
     """Bytes per element of `dtype` ("bfloat16", "float32", np.float16, ...)."""
@@ -26,8 +28,7 @@ class KVCacheSpec:
     block_size: int
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size}")
+        check_int("block_size", self.block_size, min_value=1)
 
     @property
     def page_size_bytes(self) -> int:
@@ -46,6 +47,8 @@ class AttentionSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_int("num_kv_heads", self.num_kv_heads)
+        check_int("head_size", self.head_size)
         if self.num_kv_heads <= 0 or self.head_size <= 0:
             raise ValueError(
                 f"num_kv_heads and head_size must be positive, got "
