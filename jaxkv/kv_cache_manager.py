@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv.blocks import KVCacheBlock
-from jaxkv.kv_cache_coordinator import KVCacheCoordinator
+from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
 from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 from jaxkv.kv_events import KVCacheEvent
 from jaxkv.request import Request
 
@@ -88,22 +89,24 @@ class KVCacheManager:
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        scheduler_block_size, default_hash_block_size = resolve_kv_cache_block_sizes(
+            kv_cache_config, enable_caching
+        )
         if hash_block_size is None:
-            hash_block_size = min(
-                g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-            )
+            hash_block_size = default_hash_block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.coordinator = KVCacheCoordinator(
+        self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
             enable_caching,
+            scheduler_block_size,
             hash_block_size,
-            enable_kv_cache_events,
-            track_freed_block_ids,
+            enable_kv_cache_events=enable_kv_cache_events,
+            track_freed_block_ids=track_freed_block_ids,
         )
         self.block_pool = self.coordinator.block_pool
         self.num_kv_cache_groups = self.coordinator.num_groups
@@ -153,7 +156,7 @@ class KVCacheManager:
         self._check_prompt_length(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+        blocks, num_hit_tokens, _ = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
         if self.prefix_cache_stats is not None:
@@ -245,16 +248,20 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
+        if coordinator.skipping_managers:
+            # Before counting (as vLLM): blocks that left the window are released even
+            # when the allocation then fails; they are never read again.
+            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hit_blocks or self.empty_kv_cache_blocks.blocks
+            request_id,
+            num_tokens_need_slot,
+            hit_blocks or self.empty_kv_cache_blocks.blocks,
+            total_computed_tokens=num_computed_tokens,
         )
         if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        if coordinator.skipping_managers:
-            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         if hit_blocks is not None:
-            self.block_pool.touch(hit_blocks)
-            coordinator.save_new_computed_blocks(request_id, hit_blocks)
+            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
         new_blocks = (
             coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
