@@ -189,10 +189,15 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if num_skipped_tokens <= 0 or not blocks:
             return
-        last = min(num_skipped_tokens // self.block_size, len(blocks))
+        self._release_blocks(
+            request_id, blocks, min(num_skipped_tokens // self.block_size, len(blocks))
+        )
+
+    def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
+        """Null and free `blocks[:last]`, backward, up to the already-nulled run."""
         freed: list[KVCacheBlock] = []
         null = self._null_block
-        for i in range(last - 1, -1, -1):  # backward: stop at the nulled run
+        for i in range(last - 1, -1, -1):
             if blocks[i] is null:
                 break
             freed.append(blocks[i])
@@ -475,6 +480,8 @@ class MambaManager(SingleTypeKVCacheManager):
             )
         # Token count the state written by the request's last allocation ends at.
         self._state_end: dict[str, int] = {}
+        # Leading blocks already released (the table has null gaps between states).
+        self._num_retired_blocks: dict[str, int] = {}
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
@@ -543,8 +550,18 @@ class MambaManager(SingleTypeKVCacheManager):
             )
         self.num_cached_block[request_id] = num_full
 
+    def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
+        first = self._num_retired_blocks.get(request_id, 0)
+        freed = [b for b in blocks[first:last] if not b.is_null]
+        for i in range(first, max(first, last)):
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(reversed(freed))
+        self._num_retired_blocks[request_id] = max(first, last)
+
     def free(self, request_id: str) -> None:
         self._state_end.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
         super().free(request_id)
 
     @classmethod
