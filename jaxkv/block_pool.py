@@ -233,8 +233,14 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
-        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys."""
+        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys.
+
+        `block_mask` (one entry per block in that range): blocks marked False are
+        skipped like null blocks (a sliding-window group caches only the blocks
+        that can end a hit).
+        """
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -252,7 +258,7 @@ class BlockPool:
         cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
             if block._block_hash is not None:

@@ -60,6 +60,23 @@ def validate_prefix_cache_retention_interval(
         )
 
 
+def replay_boundaries(
+    num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Positions a later request replaying this prompt can resume at.
+
+    A resend of the identical prompt hits at most `num_tokens - 1` (its last
+    token is recomputed for logits); with EAGLE the hit lands one scheduler
+    block lower, for a resend and for a longer sibling alike.
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
+
+
 class KVCacheCoordinator:
     """Per-group managers over one pool.
 
@@ -197,9 +214,15 @@ class KVCacheCoordinator:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        boundaries = replay_boundaries(
+            request.num_prompt_tokens, self.scheduler_block_size, bool(self.drop_eagle_group_ids)
+        )
         for group_id, manager in enumerate(self.single_type_managers):
             manager.cache_blocks(
-                request, self.get_num_cacheable_tokens(num_computed_tokens, group_id)
+                request,
+                self.get_num_cacheable_tokens(num_computed_tokens, group_id),
+                self.retention_interval,
+                boundaries,
             )
 
     # -- release and queries -------------------------------------------------

@@ -142,8 +142,20 @@ class SingleTypeKVCacheManager:
 
     # -- caching -------------------------------------------------------------
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer the blocks the first `num_tokens` tokens fill to the prefix cache."""
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
+        """Offer the blocks the first `num_tokens` tokens fill to the prefix cache.
+
+        Groups with sparse hits cache only the blocks `reachable_block_mask`
+        keeps: those that can end a hit at some aligned length, thinned out by
+        `retention_interval`, plus the tails ending at `replay_boundaries` and
+        at the request's `shared_prefix_boundary`.
+        """
         if not self.kv_cache_spec.prefix_cacheable:
             return
         request_id = request.request_id
@@ -152,6 +164,12 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, len(request.block_hashes) * hash_block_size) // self.block_size
         if num_full <= num_cached:
             return
+        boundaries = list(replay_boundaries)
+        shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
+        if shared_prefix_boundary:
+            boundaries.append(shared_prefix_boundary)
+            if self.use_eagle:  # a sibling diverging there hits one block lower
+                boundaries.append(shared_prefix_boundary - self.block_size)
         self.block_pool.cache_full_blocks(
             request,
             self.req_to_blocks[request_id],
@@ -159,8 +177,19 @@ class SingleTypeKVCacheManager:
             num_full,
             self.block_size,
             self.kv_cache_group_id,
+            self.reachable_block_mask(num_cached, num_full, retention_interval, boundaries),
         )
         self.num_cached_block[request_id] = num_full
+
+    def reachable_block_mask(
+        self,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        reachable_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Which of blocks [start, end) to cache; None: all (dense hit rule)."""
+        return None
 
     def get_slot_state(self, request_id: str) -> tuple[int, int]:
         """(tokens the request's blocks can hold, token count at which its next block is full)."""
@@ -337,6 +366,42 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def reachable_block_mask(
+        self,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        reachable_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Cache only the `need` blocks ending at each hit boundary a later request can use.
+
+        Dense (`retention_interval` None): every alignment boundary; k > 0: one
+        per k-token segment; 0: none. Plus, under sparse retention, the tails
+        ending at `reachable_boundaries`. With EAGLE the run ends one block past
+        the boundary (the peeked block).
+        """
+        alignment = self.cache_hit_alignment_tokens
+        block_size = self.block_size
+        if alignment % block_size:
+            return None  # a sub-block grid cannot be masked per block: cache all
+        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        shift = 1 if self.use_eagle else 0
+        mask = [False] * (end_block - start_block)
+        segment = alignment if retention_interval is None else retention_interval or None
+        if segment is not None:
+            per_segment = segment // block_size
+            if need >= per_segment:
+                return None  # every block can end a hit
+            for i in range(max(start_block, shift), end_block):
+                if (i - shift) % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+        if retention_interval is not None:
+            for boundary in reachable_boundaries:
+                end = boundary // alignment * alignment // block_size + shift
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
 
     @classmethod
     def find_longest_cache_hit(
@@ -529,9 +594,15 @@ class MambaManager(SingleTypeKVCacheManager):
         req_blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
         if self.mamba_cache_mode != "align":
-            super().cache_blocks(request, num_tokens)
+            super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
             return
         # Only a state that lands exactly on a block boundary can serve a hit.
         request_id = request.request_id
@@ -625,7 +696,13 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         if new_computed_blocks:
             raise ValueError("cross-attention blocks are never cached, so never hit")
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
         return
 
     @classmethod
