@@ -13,7 +13,7 @@ Runs on whatever backend JAX picks (CPU here; unchanged on GPU/TPU):
 * paged decode attention vs dense attention over the same contexts (target:
   <= 2x on CPU).
 
-    .venv/bin/python benchmarks/bench_device.py [--quick]
+    .venv/bin/python -m benchmarks.bench_device [--quick]
 """
 
 from __future__ import annotations
@@ -21,19 +21,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from benchmarks._common import best_of, print_table, results_name, write_json  # noqa: E402
-from jaxkv.device import PagedKVCache, ragged_paged_attention  # noqa: E402
-from jaxkv.device.storage import to_storage  # noqa: E402
-from jaxkv.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from benchmarks._common import (
+    add_record_option,
+    best_of,
+    print_table,
+    results_name,
+    write_json,
+)
+from jaxkv.device import PagedKVCache, ragged_paged_attention
+from jaxkv.device.storage import to_storage
+from jaxkv.kv_cache_interface import FullAttentionSpec
 
 BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 16, 8, 128
 TOKENS = 512
@@ -167,6 +170,7 @@ def bench_attention(num_reqs: int, context: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller caches, fewer repeats")
+    add_record_option(parser)
     args = parser.parse_args()
     base_blocks = 64 if args.quick else 256  # 1x f32 = 32 MiB, 8x = 256 MiB
     repeats = 5 if args.quick else 20
@@ -205,6 +209,7 @@ def main() -> None:
             "attention": attention,
             "targets": targets,
         },
+        record=args.record,
     )
 
 

@@ -1,7 +1,7 @@
 """Plot the benchmarks' latest JSON results (benchmarks/results/*.json) as PNGs beside them.
 
     pip install -e ".[dev]"   # matplotlib
-    python benchmarks/plot_results.py
+    python -m benchmarks.plot_results
 
 The benchmarks themselves only write JSON (the vLLM peer environment they may run
 in has no matplotlib); this script renders whatever results are there.
@@ -10,13 +10,9 @@ in has no matplotlib); this script renders whatever results are there.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import REPO_ROOT, RESULTS_DIR  # noqa: E402
+from benchmarks._common import REPO_ROOT, RESULTS_DIR
 
 JAXKV_COLOR, VLLM_COLOR = "#1f77b4", "#bbbbbb"
 

@@ -258,7 +258,7 @@ class Engine:
         bs = self.cfg.block_size
         if self.manager.num_free_blocks < -(-min(request.num_tokens, budget) // bs):
             return 0  # cheap pre-check, so failed attempts do not count as cache lookups
-        hit_blocks, num_hits = self.manager.get_computed_blocks(request)
+        hit_blocks, num_hits, _ = self.manager.get_computed_blocks(request)
         n = min(request.num_tokens - num_hits, budget)
         if self.manager.allocate_slots(request, n, num_hits, hit_blocks) is None:
             return 0
@@ -352,7 +352,8 @@ def make_requests(cfg: Config, num_requests: int, seed: int) -> list[jaxkv.Reque
     for i in range(num_requests):
         prompt = np.concatenate([systems[i % 3], rng.integers(1, cfg.vocab, rng.integers(4, 80))])
         max_tokens = int(rng.integers(8, 25))
-        requests.append(jaxkv.Request(f"req-{i:02d}", prompt, max_tokens, block_hasher=hasher))
+        params = jaxkv.SamplingParams(max_tokens=max_tokens)
+        requests.append(jaxkv.Request(f"req-{i:02d}", prompt, params, None, block_hasher=hasher))
     return requests
 
 

@@ -74,9 +74,17 @@ from jaxkv.kv_cache_utils import (
 )
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.mm_hashing import hash_mm_item, processor_kwargs_digest
-from jaxkv.request import LoRARequest, MultiModalFeatureSpec, Request, RequestStatus
+from jaxkv.request import (
+    LoRARequest,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from jaxkv.request_hashing import (
     BlockHashMemo,
+    RequestBlockHasher,
     generate_block_hash_extra_keys,
     get_request_block_hasher,
 )
@@ -154,15 +162,18 @@ __all__ = [
     "MLAAttentionSpec",
     "MultiModalFeatureSpec",
     "partial_hash_hits_enabled",
+    "PlaceholderRange",
     "PrefixCacheStats",
     "processor_kwargs_digest",
     "Request",
+    "RequestBlockHasher",
     "RequestStatus",
     "resolve_block_hashes",
     "resolve_cache_hit_alignment_tokens",
     "resolve_dcp_kv_block_size",
     "resolve_dcp_kv_cache_spec",
     "resolve_kv_cache_block_sizes",
+    "SamplingParams",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",

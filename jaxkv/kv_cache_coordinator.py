@@ -139,7 +139,7 @@ class KVCacheCoordinator:
             enable_caching,
             hash_block_size,
             enable_kv_cache_events,
-            track_freed_block_ids,
+            track_freed_block_ids=track_freed_block_ids,
         )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
@@ -475,8 +475,15 @@ def get_kv_cache_coordinator(
     track_freed_block_ids: bool = False,
     dcp_world_size: int = 1,
     num_prefill_lookahead: int = 0,
+    allow_partial_hash_hits: bool = False,
 ) -> KVCacheCoordinator:
-    """The coordinator class the configuration calls for."""
+    """The coordinator class the configuration calls for.
+
+    `allow_partial_hash_hits` (fine-grained hits inside a block, vLLM's Mamba
+    "align" hybrids) is off by default: a hit ending inside a block needs a
+    copy-on-write of that shared block before new tokens are written into it,
+    which jaxkv's managers do not do.
+    """
     kwargs = dict(
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
@@ -492,4 +499,10 @@ def get_kv_cache_coordinator(
         return UnitaryKVCacheCoordinator(
             kv_cache_config, max_model_len, enable_caching=True, **kwargs
         )
-    return HybridKVCacheCoordinator(kv_cache_config, max_model_len, enable_caching=True, **kwargs)
+    return HybridKVCacheCoordinator(
+        kv_cache_config,
+        max_model_len,
+        allow_partial_hash_hits=allow_partial_hash_hits,
+        enable_caching=True,
+        **kwargs,
+    )

@@ -122,7 +122,7 @@ class SingleTypeKVCacheManager:
         num_skipped = self.get_num_skipped_tokens(num_local_computed_tokens) // self.block_size
         kept = list(new_computed_blocks[num_skipped:])
         if kept:
-            self.block_pool.touch((kept,))
+            self.block_pool.touch_checked((kept,))
         req_blocks = [self._null_block] * num_skipped + kept
         self.req_to_blocks[request_id] = req_blocks
         self.num_cached_block[request_id] = len(req_blocks)

@@ -251,20 +251,44 @@ def test_mamba_last_state_hits_and_align_caching():
     check_invariants(m)
 
 
-def test_mamba_align_fine_grained_hits():
-    # Mamba block 32, attention 16, hashed per 16: hits on the 16-token grid.
+def test_mamba_coarser_block_hits_on_the_scheduler_grid():
+    # Mamba block 32, attention 16, hashed per 16. Partial (sub-block) hits need a
+    # copy-on-write of the shared tail block, so the manager keeps hits on the 32 grid.
     m = manager_for(full(16), mamba(32), num_blocks=40)
     coordinator = m.coordinator
     assert isinstance(coordinator, HybridKVCacheCoordinator)
-    assert coordinator.enable_partial_hash_hits and coordinator.cache_hit_alignment_tokens == 16
+    assert not coordinator.enable_partial_hash_hits
+    assert coordinator.cache_hit_alignment_tokens == 32 and m.hash_block_size == 16
     a = request("a", range(64))
     schedule(m, a, 48)  # state at 48: not on a Mamba block boundary, never cached
-    schedule(m, a, 16)  # state at 64: cached under hash unit 3
-    b = request("b", [*range(64), 5])
-    blocks, num_hit = computed(m, b)
-    assert num_hit == 64
-    assert [len(g) for g in blocks.get_block_ids()] == [4, 2]
+    schedule(m, a, 16)  # state at 64: cached
+    blocks, num_hit = computed(m, request("b", [*range(64), 5]))
+    assert num_hit == 64 and [len(g) for g in blocks.get_block_ids()] == [4, 2]
+    blocks, num_hit = computed(m, request("c", [*range(56), 5]))
+    assert num_hit == 0  # only the state at 64 exists
     check_invariants(m)
+
+
+def test_mamba_fine_grained_finder_hits_at_hash_units():
+    pool, hashes = cached_pool([1, 0, 1, 1, 0, 1, 0, 0])
+    spec = MambaSpec(8, shapes=((2,),), dtypes=("float32",), mamba_cache_mode="align")
+    # Hash unit 2 inside Mamba block 8: the last cached state at or below the candidate.
+    blocks, length = MambaManager.find_longest_cache_hit(hashes, 16, [0], pool, spec, False, 2)
+    assert (length, hit_ids(blocks)) == (12, [0, 4])  # hash unit 5 ends at 12, in block 1
+    blocks, length = MambaManager.find_longest_cache_hit(hashes, 9, [0], pool, spec, False, 2)
+    assert (length, hit_ids(blocks)) == (8, [3])
+    # Block granularity: block i is hash unit 4i + 3 (cached for block 0, not block 1).
+    blocks, length = MambaManager.find_longest_cache_hit(hashes, 16, [0], pool, spec, False, 8)
+    assert (length, hit_ids(blocks)) == (8, [3])
+    partial = get_kv_cache_coordinator(
+        KVCacheConfig.from_groups([(full(16), ("a",)), (mamba(32), ("b",))], 8),
+        64,
+        True,
+        32,
+        16,
+        allow_partial_hash_hits=True,
+    )
+    assert partial.enable_partial_hash_hits and partial.cache_hit_alignment_tokens == 16
 
 
 def test_mamba_none_mode_rejects_caching():
