@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from jaxkv._checks import check_bool, check_int
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
-from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from jaxkv.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    get_kv_cache_spec_sliding_window,
+)
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
-from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
 
 
@@ -170,6 +174,11 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
+        # (spec kind, sliding window) per group, for the BlockStored events.
+        self._event_metadata = tuple(
+            (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
         self.num_kv_cache_groups = self.coordinator.num_groups
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = 0
@@ -626,7 +635,16 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The step's events; `BlockStored` carries its group's spec kind and window."""
+        events = self.block_pool.take_events()
+        metadata = self._event_metadata
+        for i, event in enumerate(events):
+            if type(event) is BlockStored:
+                kind, window = metadata[event.group_idx]
+                events[i] = replace(
+                    event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     def take_freed_block_ids(self) -> np.ndarray:
         return self.block_pool.take_freed_block_ids()

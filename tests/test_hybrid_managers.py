@@ -14,6 +14,7 @@ from jaxkv import (
     KVCacheConfig,
     KVCacheManager,
     MambaSpec,
+    MultiModalFeatureSpec,
     Request,
     SlidingWindowSpec,
     get_hash_fn_by_name,
@@ -430,3 +431,38 @@ def test_mamba_manager_is_the_spec_manager():
     m = manager_for(full(), mamba(), sw(32))
     kinds = [type(s) for s in m.coordinator.single_type_managers]
     assert kinds[1] is MambaManager and kinds[2] is SlidingWindowManager
+
+
+# -- events -----------------------------------------------------------------------
+
+
+def test_hybrid_events_name_their_group_kind_window_and_untagged_extra_keys():
+    m = manager_for(full(8), sw(4, bs=4), num_blocks=40, enable_kv_cache_events=True)
+    assert (m.scheduler_block_size, m.hash_block_size) == (8, 4)
+    image = MultiModalFeatureSpec("img0", offset=6, length=4)
+    req = Request(
+        "a",
+        list(range(20)),
+        block_hasher=get_request_block_hasher(4, SHA),
+        mm_features=[image],
+        cache_salt="salt",
+    )
+    schedule(m, req)
+    events = m.take_events()
+    assert [
+        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events
+    ] == [
+        (0, "full_attention", None),
+        (1, "sliding_window", 4),
+    ]
+    full_event, sw_event = events
+    hashes = req.block_hashes
+    # 16 tokens are on the scheduler grid: two 8-token blocks, keyed by their last hash unit.
+    assert full_event.block_hashes == [hashes[1], hashes[3]] and full_event.block_size == 8
+    # Untagged extra keys: the salt bare, the image as (identifier, offset in the block).
+    assert full_event.extra_keys == [(("img0", 6), "salt"), (("img0", -2),)]
+    assert full_event.token_ids == list(range(16)) and full_event.lora_name is None
+    # The window (4 tokens) needs 1 block ending on the 8 grid: only blocks 1 and 3 are cached.
+    assert sw_event.block_hashes == [hashes[1], hashes[3]] and sw_event.block_size == 4
+    assert sw_event.extra_keys == [(("img0", 2),), None]
+    assert m.take_events() == []

@@ -412,7 +412,10 @@ def test_events_content():
             block_size=BS,
             lora_id=7,
             medium="GPU",
+            lora_name="ad",
+            extra_keys=[("ad",), ("ad",)],  # untagged, one entry per block
             group_idx=0,
+            kv_cache_spec_kind="full_attention",
         )
     ]
     assert m.take_events() == []
@@ -426,6 +429,9 @@ def test_events_content():
             token_ids=[8, 9, 10, 11],
             block_size=BS,
             lora_id=7,
+            lora_name="ad",
+            extra_keys=[("ad",)],
+            kv_cache_spec_kind="full_attention",
         )
     ]
     m.free(a)
@@ -442,6 +448,7 @@ def test_events_content():
             token_ids=list(range(100, 112)),
             block_size=BS,
             lora_id=None,
+            kv_cache_spec_kind="full_attention",
         ),
     ]
 
