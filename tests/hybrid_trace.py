@@ -32,11 +32,15 @@ def _build_jaxkv(case: dict[str, Any]):
                 jaxkv.ChunkedLocalAttentionSpec(block_size, **common, attention_chunk_size=param)
             )
     config = jaxkv.KVCacheConfig.from_groups(
-        [(s, (f"l{i}",)) for i, s in enumerate(specs)], case["num_blocks"]
+        [(s, (f"l{i}",)) for i, s in enumerate(specs)],
+        case["num_blocks"],
+        case.get("retention"),
     )
     hash_fn = jaxkv.get_hash_fn_by_name("sha256_cbor")
     jaxkv.init_none_hash(hash_fn)
-    manager = jaxkv.KVCacheManager(config, case["max_model_len"])
+    manager = jaxkv.KVCacheManager(
+        config, case["max_model_len"], use_eagle=case.get("use_eagle", False)
+    )
     hasher = jaxkv.get_request_block_hasher(manager.hash_block_size, hash_fn)
 
     def make_request(rid: str, tokens: list[int]):
@@ -77,7 +81,10 @@ def _build_vllm(case: dict[str, Any]):
     scheduler_block_size = math.lcm(*sizes)
     hash_block_size = math.gcd(*sizes)
     config = KVCacheConfig(
-        num_blocks=case["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups
+        num_blocks=case["num_blocks"],
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=case.get("retention"),
     )
     fn = get_hash_fn_by_name("sha256_cbor")
     init_none_hash(fn)
@@ -87,6 +94,7 @@ def _build_vllm(case: dict[str, Any]):
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
         enable_caching=True,
+        use_eagle=case.get("use_eagle", False),
     )
     hasher = get_request_block_hasher(hash_block_size, fn)
 
@@ -115,8 +123,17 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             waiting.append(make_request(f"r{counter}", tokens[: max_len - 8]))
         elif action < 0.5 and waiting:
             req = waiting[0]
-            blocks, num_hit = manager.get_computed_blocks(req)[:2]
-            log.append(("hit", req.request_id, num_hit, [list(g) for g in blocks.get_block_ids()]))
+            blocks, num_hit, boundary = manager.get_computed_blocks(req)
+            req.shared_prefix_boundary = boundary  # as vLLM's scheduler stores it
+            log.append(
+                (
+                    "hit",
+                    req.request_id,
+                    num_hit,
+                    boundary,
+                    [list(g) for g in blocks.get_block_ids()],
+                )
+            )
             chunk = rng.randint(1, req.num_tokens - num_hit)
             new = manager.allocate_slots(req, chunk, num_hit, blocks)
             log.append(("admit", req.request_id, None if new is None else new.get_block_ids()))
@@ -125,14 +142,16 @@ def replay(backend: str, case: dict[str, Any]) -> list:
                 running.append(waiting.pop(0))
         elif action < 0.85 and running:
             req = running[rng.randrange(len(running))]
+            lookahead = 0
             if req.num_computed_tokens < req.num_tokens:
                 n = rng.randint(1, req.num_tokens - req.num_computed_tokens)
             elif req.num_tokens < max_len - 1:
                 req.append_output_token_ids(rng.randrange(VOCAB))
                 n = 1
+                lookahead = case.get("lookahead", 0)
             else:
                 continue
-            new = manager.allocate_slots(req, n)
+            new = manager.allocate_slots(req, n, num_lookahead_tokens=lookahead)
             log.append(("step", req.request_id, None if new is None else new.get_block_ids()))
             if new is not None:
                 req.num_computed_tokens += n

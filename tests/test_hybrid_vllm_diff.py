@@ -40,6 +40,10 @@ def random_cases(n: int, seed: int) -> list[dict]:
                 "chunked": rng.choice([8, 12, 16]),
             }[kind]
             groups.append((kind, block_size, param))
+        scheduler_block_size = max(bs for _, bs, _ in groups)
+        retention = None
+        if any(kind == "sw" for kind, _, _ in groups):
+            retention = rng.choice([None, None, 0, 2 * scheduler_block_size])
         cases.append(
             {
                 "groups": groups,
@@ -47,6 +51,14 @@ def random_cases(n: int, seed: int) -> list[dict]:
                 "max_model_len": 48,
                 "seed": seed * 1000 + i,
                 "num_steps": 120,
+                # EAGLE: not with chunked local attention (vLLM asserts), and not with
+                # mixed block sizes, where vLLM also registers the prompt's partial
+                # tail block (jaxkv does not: see docs/vllm-differences.md).
+                "use_eagle": "chunked" not in kinds
+                and len({bs for _, bs, _ in groups}) == 1
+                and rng.random() < 0.4,
+                "lookahead": rng.choice([0, 0, 1, 3]),
+                "retention": retention,
             }
         )
     return cases
