@@ -213,17 +213,31 @@ class KVCacheCoordinator:
         """Tokens of group `kv_cache_group_id` whose KV is final and may be cached."""
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        boundaries = replay_boundaries(
-            request.num_prompt_tokens, self.scheduler_block_size, bool(self.drop_eagle_group_ids)
-        )
-        for group_id, manager in enumerate(self.single_type_managers):
-            manager.cache_blocks(
-                request,
-                self.get_num_cacheable_tokens(num_computed_tokens, group_id),
-                self.retention_interval,
-                boundaries,
+    def cache_blocks(
+        self, request: Request, num_computed_tokens: int, step_end: int | None = None
+    ) -> None:
+        """Cache every group's blocks that the first `num_computed_tokens` tokens fill.
+
+        `step_end`: the token count the step computed up to (more than
+        `num_computed_tokens` when it includes unverified speculative tokens); a
+        group caching a recurrent state caches only when they agree.
+        """
+        retention_interval = self.retention_interval
+        boundaries: tuple[int, ...] = ()
+        if retention_interval is not None:  # only sparse retention keeps them specially
+            boundaries = replay_boundaries(
+                request.num_prompt_tokens,
+                self.scheduler_block_size,
+                bool(self.drop_eagle_group_ids),
             )
+        for group_id, manager in enumerate(self.single_type_managers):
+            if manager.caches_at_step_end:
+                if step_end is not None and step_end != num_computed_tokens:
+                    continue  # the state holds unverified tokens
+                num_tokens = num_computed_tokens
+            else:
+                num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
+            manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
 
     # -- release and queries -------------------------------------------------
 
@@ -241,14 +255,17 @@ class KVCacheCoordinator:
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
-    def get_slot_state(self, request_id: str) -> tuple[int, int]:
-        """Over all groups: (tokens the request's blocks hold, token count filling a block)."""
-        capacity, next_full = self.single_type_managers[0].get_slot_state(request_id)
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        """Over all groups, the smallest of each of the managers' `get_slot_state` values:
+        (tokens the request's blocks hold, token count filling a block, computed-token
+        count releasing a block). Below all three a step changes nothing."""
+        capacity, next_full, release_at = self.single_type_managers[0].get_slot_state(request_id)
         for manager in self.single_type_managers[1:]:
-            group_capacity, group_next_full = manager.get_slot_state(request_id)
+            group_capacity, group_next_full, group_release_at = manager.get_slot_state(request_id)
             capacity = min(capacity, group_capacity)
             next_full = min(next_full, group_next_full)
-        return capacity, next_full
+            release_at = min(release_at, group_release_at)
+        return capacity, next_full, release_at
 
     def get_num_common_prefix_blocks(
         self, running_request_id: str, num_running_requests: int
@@ -379,17 +396,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         """Aligned down to the hit grid; an EAGLE group also caches the block it drops."""
-
-        def align(n: int) -> int:
-            if self.enable_partial_hash_hits:
-                return n
-            return n // self.scheduler_block_size * self.scheduler_block_size
-
-        cacheable = align(num_computed_tokens)
+        grid = 1 if self.enable_partial_hash_hits else self.scheduler_block_size
+        cacheable = num_computed_tokens // grid * grid
         manager = self.single_type_managers[kv_cache_group_id]
         if manager.use_eagle and cacheable > 0:
             finalized = max(0, num_computed_tokens - self.num_reprefillable_tokens)
-            return min(finalized, align(finalized) + manager.block_size)
+            return min(finalized, finalized // grid * grid + manager.block_size)
         return cacheable
 
     def find_longest_cache_hit(

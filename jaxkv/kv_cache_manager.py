@@ -189,11 +189,10 @@ class KVCacheManager:
         # request id -> `_get_slot_state(request)` for every request holding blocks,
         # refreshed after every change to its blocks: a step that needs no new block and
         # fills no block (most decode steps) is answered from it without visiting the
-        # per-group managers (off for attention types that release blocks as a request
-        # advances). The Request object is kept so a second object with a running
+        # per-group managers (nor releases a block that left a sliding window, chunk
+        # or Mamba state). The Request object is kept so a second object with a running
         # request's id is refused.
-        self._slot_state: dict[str, tuple[Request, int, int]] = {}
-        self._use_slot_state = not self.coordinator.skipping_managers
+        self._slot_state: dict[str, tuple[Request, int, int, int]] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
@@ -337,7 +336,7 @@ class KVCacheManager:
 
     def _step_changes_nothing(
         self,
-        state: tuple[Request, int, int],
+        state: tuple[Request, int, int, int],
         request: Request,
         num_new_tokens: int,
         num_lookahead_tokens: int,
@@ -346,12 +345,14 @@ class KVCacheManager:
         """Whether a step of a request already holding blocks needs no block and caches none.
 
         `state` is the request's (Request, tokens its blocks hold, token count at
-        which its next block is full); `_allocate_slots` would allocate nothing
-        and cache nothing for such a step.
+        which its next block is full, computed-token count at which a block leaves
+        its attention window); `_allocate_slots` would release nothing, allocate
+        nothing and cache nothing for such a step.
         """
         num_tokens = request.num_computed_tokens + num_new_tokens
         return (
             num_tokens + num_lookahead_tokens <= state[1]
+            and request.num_computed_tokens < state[3]
             and num_tokens <= self.max_model_len
             and (
                 delay_cache_blocks
@@ -561,18 +562,15 @@ class KVCacheManager:
             else None
         )
         if cache:
-            coordinator.cache_blocks(request, num_tokens_to_cache)
+            coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
         self._slot_state[request_id] = self._get_slot_state(request)
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
 
-    def _get_slot_state(self, request: Request) -> tuple[Request, int, int]:
-        """The `_slot_state` entry of a request holding blocks (capacity 0 when the shortcut
-        is off, so it never answers)."""
-        if self._use_slot_state:
-            return (request, *self.coordinator.get_slot_state(request.request_id))
-        return (request, 0, 0)
+    def _get_slot_state(self, request: Request) -> tuple[Request, int, int, int]:
+        """The `_slot_state` entry of a request holding blocks."""
+        return (request, *self.coordinator.get_slot_state(request.request_id))
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""

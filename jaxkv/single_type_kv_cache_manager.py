@@ -8,6 +8,7 @@ takes. All pages come from the shared `BlockPool`. The rules are vLLM 0.33's.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -34,6 +35,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
+_NEVER = sys.maxsize
 
 
 class SingleTypeKVCacheManager:
@@ -50,6 +52,11 @@ class SingleTypeKVCacheManager:
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
     # Whether remove_skipped_blocks can release anything (chosen per class).
     releases_blocks: ClassVar[bool] = False
+    # Whether only some blocks can end a hit (reachable_block_mask thins the caching).
+    sparse_hits: ClassVar[bool] = False
+    # Whether cache_blocks must be given the step's exact end (a recurrent state
+    # describes one position), not the count aligned to the hit grid.
+    caches_at_step_end: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -164,12 +171,15 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, len(request.block_hashes) * hash_block_size) // self.block_size
         if num_full <= num_cached:
             return
-        boundaries = list(replay_boundaries)
-        shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
-        if shared_prefix_boundary:
-            boundaries.append(shared_prefix_boundary)
-            if self.use_eagle:  # a sibling diverging there hits one block lower
-                boundaries.append(shared_prefix_boundary - self.block_size)
+        mask = None
+        if self.sparse_hits:
+            boundaries = list(replay_boundaries)
+            shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
+            if shared_prefix_boundary:
+                boundaries.append(shared_prefix_boundary)
+                if self.use_eagle:  # a sibling diverging there hits one block lower
+                    boundaries.append(shared_prefix_boundary - self.block_size)
+            mask = self.reachable_block_mask(num_cached, num_full, retention_interval, boundaries)
         self.block_pool.cache_full_blocks(
             request,
             self.req_to_blocks[request_id],
@@ -177,7 +187,7 @@ class SingleTypeKVCacheManager:
             num_full,
             self.block_size,
             self.kv_cache_group_id,
-            self.reachable_block_mask(num_cached, num_full, retention_interval, boundaries),
+            mask,
         )
         self.num_cached_block[request_id] = num_full
 
@@ -191,13 +201,34 @@ class SingleTypeKVCacheManager:
         """Which of blocks [start, end) to cache; None: all (dense hit rule)."""
         return None
 
-    def get_slot_state(self, request_id: str) -> tuple[int, int]:
-        """(tokens the request's blocks can hold, token count at which its next block is full)."""
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        """(tokens the request's blocks can hold, token count at which its next block is
+        full, computed-token count at which `remove_skipped_blocks` would release a block).
+
+        Below all three a step changes nothing in this group.
+        """
         block_size = self.block_size
+        blocks = self.req_to_blocks[request_id]
         return (
-            len(self.req_to_blocks[request_id]) * block_size,
+            len(blocks) * block_size,
             (self.num_cached_block[request_id] + 1) * block_size,
+            self._release_threshold(request_id, blocks) if self.releases_blocks else _NEVER,
         )
+
+    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
+        """Smallest computed-token count at which the first held block leaves the window."""
+        lo, hi = 0, len(blocks)  # the nulls are a prefix: binary search its end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if blocks[mid].is_null:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self.release_threshold_for_block(lo)
+
+    def release_threshold_for_block(self, block_index: int) -> int:
+        """Smallest computed-token count whose skipped tokens cover block `block_index`."""
+        return _NEVER
 
     # -- release -------------------------------------------------------------
 
@@ -355,6 +386,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     spec_types = (SlidingWindowSpec,)
     releases_blocks = True
+    sparse_hits = True
 
     def __init__(self, kv_cache_spec: SlidingWindowSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -366,6 +398,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def release_threshold_for_block(self, block_index: int) -> int:
+        return (block_index + 1) * self.block_size + self.sliding_window - 1
 
     def reachable_block_mask(
         self,
@@ -424,31 +459,43 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
         max_num_blocks = min(max_length // block_size, len(block_hashes))
-        null = block_pool.null_block
-        computed: HitBlocks = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
-        num_contiguous = 0
-        match_found = False
+        if len(kv_cache_group_ids) == 1:
+            get_one, group_id = (
+                block_pool.cached_block_hash_to_block.get_one_block,
+                kv_cache_group_ids[0],
+            )
+
+            def lookup(block_hash: BlockHash) -> Sequence[KVCacheBlock] | None:
+                block = get_one(block_hash, group_id)
+                return None if block is None else (block,)
+        else:
+
+            def lookup(block_hash: BlockHash) -> Sequence[KVCacheBlock] | None:
+                return block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+
+        # The run of cached blocks, right to left, ending at the candidate hit.
+        run: list[Sequence[KVCacheBlock]] = []
+        start = 0
         for i in range(max_num_blocks - 1, -1, -1):  # right to left, stop at the first run
-            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            cached = lookup(block_hashes[i])
             if cached is None:
-                num_contiguous = 0
+                run.clear()
                 continue
-            if num_contiguous == 0 and block_size != alignment_tokens:
+            if not run and block_size != alignment_tokens:
                 ends_at = i if drop_eagle_block else i + 1
                 if ends_at * block_size % alignment_tokens:
                     continue  # a run must end on the alignment grid
-            for group_blocks, block in zip(computed, cached, strict=True):
-                group_blocks[i] = block
-            num_contiguous += 1
-            if num_contiguous >= need:
-                for group_blocks in computed:
-                    del group_blocks[i + num_contiguous :]
-                match_found = True
+            run.append(cached)
+            if len(run) >= need:
+                start = i
                 break
-        if not match_found:
-            # A run reaching the start is a hit even when shorter than the window.
-            for group_blocks in computed:
-                del group_blocks[num_contiguous:]
+        # Without a full window, a run reaching the start is a hit all the same.
+        null = block_pool.null_block
+        computed: HitBlocks = tuple(
+            [null] * start + [cached[g] for cached in reversed(run)]
+            for g in range(len(kv_cache_group_ids))
+        )
+        if len(run) < need:
             cls._align(computed, block_size, alignment_tokens)
         if drop_eagle_block and computed[0]:
             for group_blocks in computed:
@@ -479,6 +526,10 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def release_threshold_for_block(self, block_index: int) -> int:
+        chunk = self.attention_chunk_size
+        return _cdiv((block_index + 1) * self.block_size, chunk) * chunk
 
     @classmethod
     def find_longest_cache_hit(
@@ -533,6 +584,7 @@ class MambaManager(SingleTypeKVCacheManager):
     spec_types = (MambaSpec,)
     supports_fine_grained_hash_lookup = True
     releases_blocks = True
+    caches_at_step_end = True
 
     def __init__(self, kv_cache_spec: MambaSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -543,8 +595,6 @@ class MambaManager(SingleTypeKVCacheManager):
                 "Mamba prefix caching requires mamba_cache_mode='align' or 'all', got 'none'; "
                 "disable prefix caching or change the mode"
             )
-        # Token count the state written by the request's last allocation ends at.
-        self._state_end: dict[str, int] = {}
         # Leading blocks already released (the table has null gaps between states).
         self._num_retired_blocks: dict[str, int] = {}
 
@@ -552,6 +602,15 @@ class MambaManager(SingleTypeKVCacheManager):
         if self.mamba_cache_mode == "all":
             return 0
         return num_computed_tokens - 1
+
+    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
+        if self.mamba_cache_mode == "all":
+            return _NEVER
+        # Null gaps sit between states: the first held block after the retired ones.
+        for i in range(self._num_retired_blocks.get(request_id, 0), len(blocks)):
+            if not blocks[i].is_null:
+                return (i + 1) * self.block_size + 1
+        return _NEVER
 
     def _keeps_last_state_only(self) -> bool:
         return self.mamba_cache_mode != "all"
@@ -579,7 +638,6 @@ class MambaManager(SingleTypeKVCacheManager):
         )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        self._state_end[request_id] = num_tokens
         if not self._keeps_last_state_only():
             return super().allocate_new_blocks(request_id, num_tokens)
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -604,9 +662,10 @@ class MambaManager(SingleTypeKVCacheManager):
         if self.mamba_cache_mode != "align":
             super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
             return
-        # Only a state that lands exactly on a block boundary can serve a hit.
+        # `num_tokens` is where the step's state stands (the coordinator passes the
+        # step end); only a state exactly on a block boundary can serve a hit.
         request_id = request.request_id
-        end = min(self._state_end.get(request_id, 0), num_tokens)
+        end = num_tokens
         num_cached = self.num_cached_block[request_id]
         hash_block_size = self.block_pool.hash_block_size or self.block_size
         if end % self.block_size or end > len(request.block_hashes) * hash_block_size:
@@ -631,7 +690,6 @@ class MambaManager(SingleTypeKVCacheManager):
         self._num_retired_blocks[request_id] = max(first, last)
 
     def free(self, request_id: str) -> None:
-        self._state_end.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
         super().free(request_id)
 
@@ -704,6 +762,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         replay_boundaries: Sequence[int] = (),
     ) -> None:
         return
+
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        return _NEVER, _NEVER, _NEVER  # a fixed allocation: decoding never changes it
 
     @classmethod
     def find_longest_cache_hit(
