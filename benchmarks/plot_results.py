@@ -87,8 +87,14 @@ def plot_encoder(result: dict, fig) -> None:
 
 
 def plot_device(result: dict, fig) -> None:
-    """Paged-cache update time as the cache grows, per storage dtype."""
-    ax = fig.subplots()
+    """Paged-cache update time as the cache grows; paged vs dense attention time."""
+    panels = [key for key in ("updates", "scaling") if key in result]
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        (_plot_device_updates if panel == "updates" else _plot_device_scaling)(result, ax)
+
+
+def _plot_device_updates(result: dict, ax) -> None:
     by_storage: dict[str, list[dict]] = {}
     for row in result["updates"]:
         by_storage.setdefault(row["storage"], []).append(row)
@@ -105,6 +111,23 @@ def plot_device(result: dict, fig) -> None:
         title=f"paged KV update, {result['tokens_written']} tokens ({result['backend']})",
     )
     ax.minorticks_off()
+    ax.legend()
+
+
+def _plot_device_scaling(result: dict, ax) -> None:
+    rows = result["scaling"]["attention_vs_dense"]
+    x = range(len(rows))
+    paged = ax.bar([i - 0.2 for i in x], [r["paged_ms"] for r in rows], 0.4, label="paged")
+    ax.bar([i + 0.2 for i in x], [r["dense_ms"] for r in rows], 0.4, label="dense",
+           color=VLLM_COLOR)  # fmt: skip
+    _label_bars(ax, paged, [f"{r['paged_vs_dense']:.2f}x" for r in rows])
+    ax.set(
+        yscale="log",
+        xticks=list(x),
+        ylabel="median time (ms)",
+        title=f"attention: paged vs dense ({result['backend']})",
+    )
+    ax.set_xticklabels([r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.legend()
 
 

@@ -267,23 +267,23 @@ class BlockPool:
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         blocks = list(ordered_blocks)
-        for i, block in enumerate(blocks):
-            try:
+        i = 0
+        try:
+            for i, block in enumerate(blocks):  # noqa: B007 (i names the refused block)
                 if block.is_null:
                     continue
-                refused = block.ref_cnt <= 0
-            except AttributeError:
-                refused = True
-            if refused:
-                for done in blocks[:i]:  # leave no state changed
-                    if not done.is_null:
-                        done.ref_cnt += 1
-                if not isinstance(block, KVCacheBlock):
-                    raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}")
-                raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (unhashed if block._block_hash is None else hashed).append(block)
+                if block.ref_cnt <= 0:
+                    raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    (unhashed if block._block_hash is None else hashed).append(block)
+        except (AttributeError, ValueError) as error:
+            for done in blocks[:i]:  # leave no state changed
+                if not done.is_null:
+                    done.ref_cnt += 1
+            if isinstance(error, AttributeError):
+                raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}") from None
+            raise
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
             if self.track_freed_block_ids:
@@ -309,13 +309,13 @@ class BlockPool:
         skipped like null blocks (a sliding-window group caches only the blocks
         that can end a hit).
         """
-        if type(num_full_blocks) is not int or not num_full_blocks <= len(blocks):
-            check_int("num_full_blocks", num_full_blocks)
-            raise ValueError(
-                f"num_full_blocks={num_full_blocks} is more than the {len(blocks)} blocks given"
-            )
-        if type(num_cached_blocks) is not int or num_cached_blocks < 0:
+        if not (
+            type(num_cached_blocks) is type(num_full_blocks) is int
+            and 0 <= num_cached_blocks
+            and num_full_blocks <= len(blocks)
+        ):
             check_int("num_cached_blocks", num_cached_blocks, min_value=0)
+            check_int("num_full_blocks", num_full_blocks, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -337,7 +337,7 @@ class BlockPool:
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
-            if block._block_hash is not None:
+            if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
                         cache_map.pop(done._block_hash, kv_cache_group_id, done.block_id)
@@ -347,7 +347,6 @@ class BlockPool:
                         "cannot re-stamp it"
                     )
                 continue
-            block.set_hash(block_hash, kv_cache_group_id)
             cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
             stamped_index.append(i)

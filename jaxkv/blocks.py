@@ -56,14 +56,21 @@ class KVCacheBlock:
     def set_hash(self, block_hash: BlockHash, group_id: int) -> None:
         """Stamp the block with its key, given as its two parts (what `block_hash = key`
         does without joining and splitting the key). Set once, like `block_hash`."""
-        if self._block_hash is not None:
+        if not self.try_set_hash(block_hash, group_id):
             raise ValueError(
-                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "
+                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "  # type: ignore[union-attr]
                 f"{self._group_id}); a block hash is set once and cleared only by "
                 "reset_hash() on eviction"
             )
+
+    def try_set_hash(self, block_hash: BlockHash, group_id: int) -> bool:
+        """`set_hash` unless the block already has a hash (then nothing changes); whether it
+        was stamped."""
+        if self._block_hash is not None:
+            return False
         self._block_hash = block_hash
         self._group_id = group_id
+        return True
 
     @property
     def block_hash_only(self) -> BlockHash | None:

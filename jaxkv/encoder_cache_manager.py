@@ -254,6 +254,8 @@ class EncoderCacheManager:
         or already freed) is a no-op, as in vLLM: schedulers free inputs they may
         have freed before.
         """
+        if type(input_id) is not int:
+            check_int("input_id", input_id)
         request_id = request.request_id
         held = self._held.get(request_id)
         if held is None or input_id not in held:
@@ -399,6 +401,8 @@ class EncoderDecoderCacheManager:
 
     def free_encoder_input(self, request: EncoderRequest, input_id: int) -> None:
         """Return the input's slots; a no-op for an input the request does not hold."""
+        if type(input_id) is not int:
+            check_int("input_id", input_id)
         request_id = request.request_id
         held = self._held.get(request_id)
         if held is None or input_id not in held:

@@ -40,6 +40,7 @@ import cbor2
 import numpy as np
 import xxhash
 
+from jaxkv._checks import check_int
 from jaxkv.cbor_fast import CBOR_NULL, cbor_head, cbor_uint_arrays
 
 BlockHash = NewType("BlockHash", bytes)
@@ -69,6 +70,8 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
     TypeError for anything but integers (a float would be truncated and share
     cache entries with its integer part); ValueError for ids outside [0, 2**63).
     """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype in (np.uint32, np.int64):
+        return token_ids
     try:
         return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
     except OverflowError:
@@ -204,8 +207,30 @@ class BlockHashFunction:
     ) -> list[BlockHash]:
         """Chain-hash `len(extra_keys)` consecutive full blocks of `token_ids`.
 
-        `token_ids` holds exactly `len(extra_keys) * block_size` non-negative ids.
+        `token_ids` holds exactly `len(extra_keys) * block_size` ids, integers in
+        [0, 2**63) (TypeError/ValueError otherwise, before anything is hashed).
         """
+        if not isinstance(parent, bytes):
+            raise TypeError(f"parent must be a bytes digest, got {parent!r}")
+        if not isinstance(extra_keys, Sequence) or isinstance(extra_keys, (str, bytes)):
+            raise TypeError(
+                f"extra_keys must be a sequence (one entry per block), got {extra_keys!r}"
+            )
+        check_int("block_size", block_size, min_value=1)
+        tokens = tokens_to_array(token_ids)
+        if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+            raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
+        return self.hash_checked_blocks(parent, tokens, block_size, extra_keys)
+
+    def hash_checked_blocks(
+        self,
+        parent: bytes,
+        token_ids: Sequence[int] | np.ndarray,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys],
+    ) -> list[BlockHash]:
+        """`hash_blocks` for ids known to be integers in [0, 2**63): a `Request`'s, checked
+        when they entered it (the request hasher's path)."""
         num_blocks = len(extra_keys)
         if block_size <= 0 or len(token_ids) != num_blocks * block_size:
             raise ValueError(
@@ -227,15 +252,13 @@ class BlockHashFunction:
         """What follows the parent digest in one block's payload."""
         if type(token_ids) is not list:
             token_ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
-        for token in token_ids:
-            if type(token) is not int:  # numpy integers become ints; anything else fails
-                token_ids = tokens_to_array(token_ids).tolist()
-                break
         if min(token_ids) < 0:
             raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
         if self.cbor:
-            # cbor2 encodes integers in their shortest (canonical) form
-            encoded = cbor2.dumps(token_ids)
+            try:  # cbor2 encodes integers in their shortest (canonical) form
+                encoded = cbor2.dumps(token_ids)
+            except cbor2.CBOREncodeError:  # numpy integers in a Python list
+                encoded = cbor2.dumps([int(t) for t in token_ids])
         else:
             encoded = _raw_block_struct(len(token_ids)).pack(len(token_ids), *token_ids)
         return encoded + self._encode_extra(extra_keys)

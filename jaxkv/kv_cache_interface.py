@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from jaxkv._checks import check_int
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -71,7 +73,8 @@ class TensorParallelBytes:
 
 
 def _check_positive(name: str, value: object, what: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+    """TypeError unless an integer (as `check_int`), ValueError unless positive."""
+    if check_int(name, value) <= 0:
         raise ValueError(f"{what}: {name} must be a positive integer, got {value!r}")
 
 

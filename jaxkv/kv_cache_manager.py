@@ -106,9 +106,12 @@ class KVCacheManager:
         """vLLM 0.33's arguments, in its order (docs/vllm-differences.md lists what differs).
 
         `scheduler_block_size` defaults to the LCM of the group block sizes and,
-        when given, must equal it; `hash_block_size` defaults to the smallest
-        group block size. Features jaxkv does not have (EAGLE, hash lookahead,
-        context parallelism, a watermark) must be left at their defaults.
+        when given, must equal it; `hash_block_size` defaults to vLLM's choice
+        (`resolve_kv_cache_block_sizes`: the group block size, or the GCD of a
+        hybrid's). `use_eagle` drops the last matched block of EAGLE groups;
+        `num_prefill_lookahead` (multi-token MTP) keeps its re-prefilled tokens
+        out of the cache. Features jaxkv does not have (hash lookahead, context
+        parallelism, a watermark) must be left at their defaults.
         """
         check_int("max_model_len", max_model_len, min_value=1)
         if not isinstance(kv_cache_config, KVCacheConfig):
@@ -186,13 +189,14 @@ class KVCacheManager:
         # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
         # hash was removed, its blocks are known to be this pool's cached blocks.
         self._last_lookup: tuple[KVCacheBlocks, int, int] | None = None
-        # request id -> `_get_slot_state(request)` for every request holding blocks,
+        # Request -> `_get_slot_state(request)` for every request holding blocks (keyed by
+        # the object, so a second Request with a running request's id never matches),
         # refreshed after every change to its blocks: a step that needs no new block and
-        # fills no block (most decode steps) is answered from it without visiting the
-        # per-group managers (nor releases a block that left a sliding window, chunk
-        # or Mamba state). The Request object is kept so a second object with a running
-        # request's id is refused.
-        self._slot_state: dict[str, tuple[Request, int, int, int]] = {}
+        # fills no block (most decode steps) nor releases one that left an attention
+        # window is answered from it without visiting the per-group managers.
+        self._slot_state: dict[Request, tuple[int, int, int]] = {}
+        # request id -> the Request object holding blocks under that id.
+        self._running: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
@@ -301,217 +305,76 @@ class KVCacheManager:
         longer reads are released first (as vLLM does), even when the
         allocation then returns None; they are never read again.
         """
-        state = self._slot_state.get(request.request_id)
+        try:
+            state = self._slot_state.get(request)
+        except TypeError:  # unhashable: not a Request
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
         if (
             state is not None
-            and state[0] is request
-            and type(num_new_tokens) is int
-            and 0 < num_new_tokens
             and new_computed_blocks is None
+            and type(num_new_tokens) is type(num_lookahead_tokens) is int
+            and type(reserved_blocks) is type(num_external_computed_tokens) is int
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
             and num_new_computed_tokens == 0
-            and type(num_lookahead_tokens) is int
-            and 0 <= num_lookahead_tokens
-            and not full_sequence_must_fit
-            and reserved_blocks == 0
-            and num_external_computed_tokens == 0
-            and self._step_changes_nothing(
-                state, request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
-            )
+            and not (num_external_computed_tokens or reserved_blocks or full_sequence_must_fit)
         ):
-            # Most decode steps: the request's blocks hold the new tokens and no block
-            # fills up, so nothing changes; answered without visiting the groups.
-            return self.empty_kv_cache_blocks
-        return self._allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-        )
-
-    def _step_changes_nothing(
-        self,
-        state: tuple[Request, int, int, int],
-        request: Request,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> bool:
-        """Whether a step of a request already holding blocks needs no block and caches none.
-
-        `state` is the request's (Request, tokens its blocks hold, token count at
-        which its next block is full, computed-token count at which a block leaves
-        its attention window); `_allocate_slots` would release nothing, allocate
-        nothing and cache nothing for such a step.
-        """
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        return (
-            num_tokens + num_lookahead_tokens <= state[1]
-            and request.num_computed_tokens < state[3]
-            and num_tokens <= self.max_model_len
-            and (
+            # Most decode steps: the request's blocks hold the new tokens, no block
+            # fills up and none leaves an attention window, so the general path below
+            # would change nothing. `state` holds the three limits it derived for this
+            # request (see `_get_slot_state`).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if (
+                num_tokens + num_lookahead_tokens <= state[0]
+                and request.num_computed_tokens < state[2]
+            ) and (
                 delay_cache_blocks
-                or not self.enable_caching
-                or self._num_tokens_to_cache(request, num_tokens) < state[2]
-            )
-        )
-
-    @staticmethod
-    def _num_tokens_to_cache(request: Request, num_tokens: int) -> int:
-        """Tokens whose full blocks get cached: never unverified (speculative) ones."""
-        num_verified = request.num_tokens
-        return num_tokens if num_tokens < num_verified else num_verified
-
-    def _check_counts(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        num_encoder_tokens: int,
-        reserved_blocks: int,
-    ) -> None:
-        rid = request.request_id
-        check_int("num_new_tokens", num_new_tokens)
-        check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
-        check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
-        check_int("reserved_blocks", reserved_blocks, min_value=0)
-        if num_new_tokens <= 0:
-            raise ValueError(
-                f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), "
-                f"got {num_new_tokens}"
-            )
-        check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
-        if check_int("num_external_computed_tokens", num_external_computed_tokens, min_value=0):
-            raise ValueError(
-                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
-                "by jaxkv (no KV connector); it must be 0"
-            )
-
-    def _check_hits(
-        self,
-        request: Request,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-    ) -> tuple[Sequence[KVCacheBlock], ...] | None:
-        """The hit blocks per group, checked to be this pool's cached blocks for exactly
-        `num_new_computed_tokens` tokens; None when there are none."""
-        rid = request.request_id
-        if new_computed_blocks is None:
-            hits = None
-        elif isinstance(new_computed_blocks, KVCacheBlocks):
-            hits = new_computed_blocks.blocks if any(new_computed_blocks.blocks) else None
-        else:
-            raise TypeError(
-                f"new_computed_blocks must be KVCacheBlocks or None, got {new_computed_blocks!r}"
-            )
-        if hits is None:
-            if num_new_computed_tokens:
+                # i.e. min(num_tokens, request.num_tokens) < state[1]
+                or num_tokens < state[1]
+                or request.num_tokens < state[1]
+            ):
+                return self.empty_kv_cache_blocks
+        # Every other step. Checked before any change: the request at its first
+        # allocation (a running request was checked then), the counts in one
+        # expression for the common, valid case and in detail otherwise.
+        try:
+            request_id = request.request_id
+        except AttributeError:
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+        holder = self._running.get(request_id)
+        if holder is not request:
+            if holder is not None:
                 raise ValueError(
-                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} but "
-                    "new_computed_blocks holds no blocks; pass what get_computed_blocks returned"
+                    f"request id {request_id!r} belongs to a running request; a second "
+                    "Request object with that id cannot share its blocks (free the first one)"
                 )
-            return None
-        if not self.enable_caching:
-            raise ValueError("new_computed_blocks given but prefix caching is disabled")
-        if self.coordinator.holds_blocks(rid):
-            raise ValueError(
-                f"request {rid!r} already holds blocks; cache hits can only be "
-                "added when a request is first scheduled"
-            )
-        if len(hits) != self.num_kv_cache_groups:
-            raise ValueError(
-                f"new_computed_blocks has {len(hits)} groups, this manager "
-                f"{self.num_kv_cache_groups}"
-            )
-        pool_blocks = self.block_pool.blocks
-        last, self._last_lookup = self._last_lookup, None
-        known = last is not None and (
-            last[0] is new_computed_blocks
-            and last[1] == num_new_computed_tokens
-            and last[2] == self.block_pool.num_hash_removals
-        )
-        for group_id, (manager, group_hits) in enumerate(
-            zip(self.coordinator.single_type_managers, hits, strict=True)
+            self._check_request(request)
+        if not (
+            type(num_new_tokens) is type(num_new_computed_tokens) is int
+            and type(num_lookahead_tokens) is type(reserved_blocks) is int
+            and type(num_external_computed_tokens) is type(num_encoder_tokens) is int
+            and num_new_tokens > 0
+            and num_new_computed_tokens >= 0
+            and num_lookahead_tokens >= 0
+            and reserved_blocks >= 0
+            and num_encoder_tokens >= 0
+            and not num_external_computed_tokens
         ):
-            if not manager.kv_cache_spec.prefix_cacheable:
-                expected = 0  # cross-attention never hits
-            else:
-                expected = num_new_computed_tokens // manager.block_size
-            if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
-                raise ValueError(
-                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
-                    f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
-                    f"size {manager.block_size}); pass what get_computed_blocks returned"
-                )
-            if known:  # the lookup's own result, no hash removed since
-                continue
-            # Only attention types that skip blocks may hold the null block in a hit.
-            null_allowed = manager in self.coordinator.skipping_managers
-            seen: set[int] = set()
-            for block in group_hits:
-                block_id = getattr(block, "block_id", None)
-                if block_id is None or not (
-                    type(block_id) is int
-                    and 0 <= block_id < len(pool_blocks)
-                    and pool_blocks[block_id] is block
-                ):
-                    raise ValueError(
-                        f"request {rid!r}: hit block {block!r} is not a block of this pool"
-                    )
-                if block.is_null:
-                    if null_allowed:
-                        continue
-                    raise ValueError(f"request {rid!r}: the null block cannot be a cache hit")
-                if block._block_hash is None or block._group_id != group_id:
-                    raise ValueError(
-                        f"request {rid!r}: hit block {block_id} is not a cached block of group "
-                        f"{group_id}"
-                    )
-                if block_id in seen:
-                    raise ValueError(f"request {rid!r}: hit block {block_id} is given twice")
-                seen.add(block_id)
-        return hits
-
-    def _allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-    ) -> KVCacheBlocks | None:
-        """`allocate_slots` for every step the slot-state shortcut does not answer."""
-        self._check_request(request)
-        self._check_counts(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
-        )
-        request_id = request.request_id
-        coordinator = self.coordinator
-        state = self._slot_state.get(request_id)
-        if state is not None and state[0] is not request:
-            raise ValueError(
-                f"request id {request_id!r} belongs to a running request; a second Request "
-                "object with that id cannot share its blocks (free the first one)"
+            self._check_counts(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
             )
-        hit_blocks = self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
+        coordinator = self.coordinator
+        hit_blocks = (
+            None
+            if new_computed_blocks is None and not num_new_computed_tokens
+            else self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
+        )
         max_model_len = self.max_model_len
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed_tokens + num_new_tokens
@@ -520,7 +383,9 @@ class KVCacheManager:
                 f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
                 f"tokens exceed max_model_len={max_model_len}"
             )
-        num_tokens_to_cache = self._num_tokens_to_cache(request, num_tokens)
+        num_tokens_to_cache = request.num_tokens
+        if num_tokens < num_tokens_to_cache:  # never unverified (speculative) tokens
+            num_tokens_to_cache = num_tokens
         cache = self.enable_caching and not delay_cache_blocks
         if cache:
             # Checked before any change: caching below would fail half-way otherwise.
@@ -563,14 +428,145 @@ class KVCacheManager:
         )
         if cache:
             coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
-        self._slot_state[request_id] = self._get_slot_state(request)
+        self._slot_state[request] = self._get_slot_state(request)
+        if holder is None:
+            self._running[request_id] = request
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
 
-    def _get_slot_state(self, request: Request) -> tuple[Request, int, int, int]:
-        """The `_slot_state` entry of a request holding blocks."""
-        return (request, *self.coordinator.get_slot_state(request.request_id))
+    def _check_counts(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+    ) -> None:
+        rid = request.request_id
+        check_int("num_new_tokens", num_new_tokens)
+        check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
+        check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
+        check_int("reserved_blocks", reserved_blocks, min_value=0)
+        check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
+        if num_new_tokens <= 0:
+            raise ValueError(
+                f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), "
+                f"got {num_new_tokens}"
+            )
+        if check_int("num_external_computed_tokens", num_external_computed_tokens, min_value=0):
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
+                "by jaxkv (no KV connector); it must be 0"
+            )
+
+    def _check_hits(
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+    ) -> tuple[Sequence[KVCacheBlock], ...] | None:
+        """The hit blocks per group, checked to be this pool's cached blocks for exactly
+        `num_new_computed_tokens` tokens; None when there are none."""
+        rid = request.request_id
+        if new_computed_blocks is None:
+            hits = None
+        elif isinstance(new_computed_blocks, KVCacheBlocks):
+            hits = new_computed_blocks.blocks if any(new_computed_blocks.blocks) else None
+        else:
+            raise TypeError(
+                f"new_computed_blocks must be KVCacheBlocks or None, got {new_computed_blocks!r}"
+            )
+        if hits is None:
+            if num_new_computed_tokens:
+                raise ValueError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} but "
+                    "new_computed_blocks holds no blocks; pass what get_computed_blocks returned"
+                )
+            return None
+        if not self.enable_caching:
+            raise ValueError("new_computed_blocks given but prefix caching is disabled")
+        if self.coordinator.holds_blocks(rid):
+            raise ValueError(
+                f"request {rid!r} already holds blocks; cache hits (new_computed_blocks) can "
+                "only be added when a request is first scheduled"
+            )
+        if len(hits) != self.num_kv_cache_groups:
+            raise ValueError(
+                f"new_computed_blocks has {len(hits)} groups, this manager "
+                f"{self.num_kv_cache_groups}"
+            )
+        last, self._last_lookup = self._last_lookup, None
+        if last is not None and (
+            last[0] is new_computed_blocks
+            and last[1] == num_new_computed_tokens
+            and last[2] == self.block_pool.num_hash_removals
+        ):
+            return hits  # the lookup's own result, and no hash was removed since
+        pool_blocks = self.block_pool.blocks
+        for group_id, (manager, group_hits) in enumerate(
+            zip(self.coordinator.single_type_managers, hits, strict=True)
+        ):
+            if not manager.kv_cache_spec.prefix_cacheable:
+                expected = 0  # cross-attention never hits
+            else:
+                expected = num_new_computed_tokens // manager.block_size
+            if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
+                raise ValueError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
+                    f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
+                    f"size {manager.block_size}); pass what get_computed_blocks returned"
+                )
+            # Only attention types that skip blocks may hold the null block in a hit.
+            null_allowed = manager in self.coordinator.skipping_managers
+            seen: set[int] = set()
+            for block in group_hits:
+                block_id = getattr(block, "block_id", None)
+                if block_id is None or not (
+                    type(block_id) is int
+                    and 0 <= block_id < len(pool_blocks)
+                    and pool_blocks[block_id] is block
+                ):
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
+                        "a block of this pool"
+                    )
+                if block.is_null:
+                    if null_allowed:
+                        continue
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds the null block, which "
+                        "cannot be a cache hit"
+                    )
+                if block._block_hash is None or block._group_id != group_id:
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
+                        f"is not a cached block of group {group_id}"
+                    )
+                if block_id in seen:
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds block {block_id} twice"
+                    )
+                seen.add(block_id)
+        return hits
+
+    def _get_slot_state(self, request: Request) -> tuple[int, int, int]:
+        """The `_slot_state` entry of a request holding blocks.
+
+        (the most tokens plus lookahead a step may reach without `allocate_slots`
+        allocating a block, the number of tokens to cache at which it would cache
+        one, the computed-token count at which it would release a block that left
+        an attention window): the first is the tokens the request's blocks hold,
+        capped at `max_model_len`; the second the token count that fills the next
+        block, or never when caching is off; the third never without sliding-window,
+        chunked-local or Mamba groups.
+        """
+        capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
+        return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
@@ -581,16 +577,20 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
+        self._check_request(request)
+        check_int("num_computed_tokens", num_computed_tokens, min_value=0)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
-            if request.request_id in self._slot_state:
-                self._slot_state[request.request_id] = self._get_slot_state(request)
+            if request in self._slot_state:
+                self._slot_state[request] = self._get_slot_state(request)
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a jaxkv Request, got {request!r}")
-        self._slot_state.pop(request.request_id, None)
+        holder = self._running.pop(request.request_id, None)
+        if holder is not None:
+            del self._slot_state[holder]
         self.coordinator.free(request.request_id)
 
     # -- queries -------------------------------------------------------------
@@ -607,7 +607,7 @@ class KVCacheManager:
         """Per group, the leading blocks of `running_request_id` that every running request
         holds; `num_running_requests` defaults to the number of requests holding blocks."""
         if num_running_requests is None:
-            num_running_requests = len(self._slot_state)
+            num_running_requests = len(self._running)
         check_int("num_running_requests", num_running_requests, min_value=0)
         return self.coordinator.get_num_common_prefix_blocks(
             running_request_id, num_running_requests

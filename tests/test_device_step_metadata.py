@@ -6,7 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_device_attention import query_kv, random_case, reference_attention, rel_error
+from test_device_attention import (
+    query_kv,
+    random_case,
+    random_spans,
+    reference_attention,
+    rel_error,
+)
 
 from jaxkv.block_table import BlockTable
 from jaxkv.device import (
@@ -21,7 +27,11 @@ from jaxkv.device import (
     pick_bucket,
     unpack_step,
 )
-from jaxkv.kv_cache_interface import FullAttentionSpec
+from jaxkv.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 
 def test_padding_buckets() -> None:
@@ -103,6 +113,63 @@ def test_fused_step_writes_and_attends(dtype: str) -> None:
     want = reference_attention(case, sm_scale=0.4)
     assert np.isfinite(out).all() and not out[num_q:].any()
     assert rel_error(out[:num_q], want[:num_q]) < (1e-5 if dtype == "float32" else 2e-2)
+
+
+def _run_step(case, rng, **kw) -> np.ndarray:
+    """`case`'s batch through `PagedKVCache.step` (same K/V rewritten); output rows."""
+    cache, n = case.cache, case.num_seqs
+    packer = StepMetadataPacker(
+        max_num_tokens=32, max_num_reqs=8, max_blocks_per_req=case.block_tables.shape[1],
+        block_size=cache.block_size, num_blocks=cache.num_blocks,
+    )  # fmt: skip
+    buf, shape = packer.pack(
+        StepInputs(case.block_tables[:n], case.seq_lens[:n], case.q_lens, case.slots)
+    )
+    num_q = int(case.q_lens.sum())
+    pad = shape.num_tokens - num_q
+    q = np.concatenate([case.q[:num_q], np.zeros((pad, *case.q.shape[1:]), cache.dtype)])
+    k, v = (np.concatenate([x, np.zeros((pad, *x.shape[1:]), cache.dtype)]) for x in query_kv(case))
+    if kw.get("span_ends") is not None:
+        kw["span_ends"] = jnp.asarray(np.pad(kw["span_ends"][:num_q], (0, pad)), jnp.int32)
+    case.kv, out = cache.step(
+        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
+        sm_scale=0.4, **kw,
+    )  # fmt: skip
+    return np.asarray(out)[:num_q]
+
+
+@pytest.mark.parametrize(
+    ("spec", "mask"),
+    [
+        (SlidingWindowSpec(4, 2, 8, "float32", sliding_window=5), {"sliding_window": 5}),
+        (ChunkedLocalAttentionSpec(4, 2, 8, "float32", attention_chunk_size=8),
+         {"attention_chunk": 8}),
+    ],
+)  # fmt: skip
+def test_cache_built_from_a_spec_applies_its_mask(spec, mask) -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(spec, 40)
+    case = random_case(rng, [19, 7, 13], [9, 1, 4], cache=cache, pad_tokens=0)
+    num_q = int(case.q_lens.sum())
+    want = reference_attention(case, sm_scale=0.4, **mask)[:num_q]
+    assert rel_error(_run_step(case, rng), want) < 1e-5  # not told again
+    assert rel_error(_run_step(case, rng, **mask), want) < 1e-5  # told the same: fine
+    full = reference_attention(case, sm_scale=0.4)[:num_q]
+    assert np.abs(full - want).max() > 1e-3, "the mask must matter in this case"
+    ((name, value),) = mask.items()
+    with pytest.raises(ValueError, match=f"{name}={value + 1} conflicts with this cache's spec"):
+        _run_step(case, rng, **{name: value + 1})
+
+
+def test_step_bidirectional_spans() -> None:
+    rng = np.random.default_rng()
+    case = random_case(rng, [19, 7, 13], [9, 1, 4], pad_tokens=0)
+    ends = random_spans(rng, case)
+    num_q = int(case.q_lens.sum())
+    want = reference_attention(case, sm_scale=0.4, span_ends=ends)[:num_q]
+    assert rel_error(_run_step(case, rng, span_ends=ends), want) < 1e-5
+    with pytest.raises(ValueError, match="span_ends has shape"):
+        _run_step(case, rng, span_ends=jnp.zeros(3, jnp.int32))
 
 
 def test_step_rejects_mismatched_inputs() -> None:

@@ -39,7 +39,7 @@ from jaxkv.device.storage import (
     resolve_storage_dtype,
     to_storage,
 )
-from jaxkv.kv_cache_interface import AttentionSpec
+from jaxkv.kv_cache_interface import AttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec
 
 
 def _write_local(kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage):
@@ -113,6 +113,11 @@ class PagedKVCache:
         )
         self.sharding = self.layout.cache_sharding()
         self.id_buckets = padding_buckets(num_blocks)
+        # The spec's own mask: a step applies it without being told again.
+        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.attention_chunk = (
+            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        )
         head = self.layout.head_axis
         self._token_spec = P(DATA_AXIS, head, None)
         self._rank_spec = P(DATA_AXIS)
@@ -326,6 +331,8 @@ class PagedKVCache:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         impl: AttentionImpl = "auto",
+        attention_chunk: int | None = None,
+        span_ends: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """One layer's step: write this step's K/V, then ragged paged attention.
 
@@ -333,6 +340,11 @@ class PagedKVCache:
         (`StepMetadataPacker.pack` + `put`, one transfer); `q [dp*T, Hq, D]`,
         `new_k/new_v [dp*T, kv_heads, D]` with `T = shape.num_tokens`. Donates
         `kv`; returns the updated cache and the attention output `[dp*T, Hq, D]`.
+
+        Masks: a cache built from a `SlidingWindowSpec` / `ChunkedLocalAttentionSpec`
+        applies its window / chunk by itself (passing a different value is a
+        `ValueError`); `span_ends [dp*T]` int32 (rank-major, positions local to
+        each request) makes bidirectional spans (`jaxkv.device.attention`).
         """
         self._check_cache(kv)
         tokens = self.dp_size * shape.num_tokens
@@ -347,20 +359,43 @@ class PagedKVCache:
                 f"metadata has shape {metadata.shape} dtype {metadata.dtype}; expected "
                 f"({self.dp_size}, {shape.length}) int32"
             )
+        window = self._spec_mask("sliding_window", self.sliding_window, sliding_window)
+        chunk = self._spec_mask("attention_chunk", self.attention_chunk, attention_chunk)
+        if span_ends is not None and (span_ends.shape != (tokens,) or span_ends.dtype != jnp.int32):
+            raise ValueError(
+                f"span_ends has shape {span_ends.shape} dtype {span_ends.dtype}; expected "
+                f"({tokens},) int32"
+            )
         scale = float(self.head_size**-0.5 if sm_scale is None else sm_scale)
-        key = (shape, q.shape[1], q.dtype, scale, sliding_window, soft_cap, impl)
+        spans = span_ends is not None
+        key = (shape, q.shape[1], q.dtype, scale, window, soft_cap, impl, chunk, spans)
         fn = self._step_fns.get(key)
         if fn is None:
             fn = self._step_fns[key] = self._build_step(*key)
-        return fn(kv, q, new_k, new_v, metadata)
+        extra = (span_ends,) if spans else ()
+        return fn(kv, q, new_k, new_v, metadata, *extra)
 
-    def _build_step(self, shape, num_q_heads, q_dtype, scale, window, soft_cap, impl):
+    def _spec_mask(self, name: str, from_spec: int | None, given: int | None) -> int | None:
+        if given is None or given == from_spec:
+            return from_spec
+        if from_spec is not None or isinstance(given, bool) or not isinstance(given, int):
+            raise ValueError(
+                f"{name}={given!r} conflicts with this cache's spec {type(self.spec).__name__} "
+                f"({name}={from_spec}); allowed: None or {from_spec}"
+                if from_spec is not None
+                else f"{name} must be a positive int or None, got {given!r}"
+            )
+        if given <= 0:
+            raise ValueError(f"{name} must be a positive int or None, got {given!r}")
+        return given
+
+    def _build_step(self, shape, num_q_heads, q_dtype, scale, window, soft_cap, impl, chunk, spans):
         q_axis = self.layout.q_head_axis(num_q_heads)
         replicated_kv_split_q = q_axis is not None and not self.layout.heads_sharded
         group = num_q_heads // self.num_kv_heads
         per_rank = num_q_heads // self.layout.model_size
 
-        def local(kv, q, k, v, buf):
+        def local(kv, q, k, v, buf, *span_ends):
             md = unpack_step(buf[0], shape)
             kv = _write_local(kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype)
             kv_head = None
@@ -370,6 +405,7 @@ class PagedKVCache:
                 q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
                 sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
                 kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
+                attention_chunk=chunk, span_ends=span_ends[0] if spans else None,
             )  # fmt: skip
             return kv, out
 
@@ -378,7 +414,8 @@ class PagedKVCache:
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, P(DATA_AXIS)),
+            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, P(DATA_AXIS))
+            + ((self._rank_spec,) if spans else ()),
             out_specs=(cache_spec, q_spec),
             check_vma=False,
         )
