@@ -324,15 +324,19 @@ class KVCacheManager:
             # would change nothing. `state` holds the three limits it derived for this
             # request (see `_get_slot_state`).
             num_tokens = request.num_computed_tokens + num_new_tokens
-            if (
-                num_tokens + num_lookahead_tokens <= state[0]
-                and request.num_computed_tokens < state[2]
-            ) and (
+            if num_tokens + num_lookahead_tokens <= state[0] and (
                 delay_cache_blocks
                 # i.e. min(num_tokens, request.num_tokens) < state[1]
                 or num_tokens < state[1]
                 or request.num_tokens < state[1]
             ):
+                if request.num_computed_tokens >= state[2]:
+                    # All the general path would do: release the blocks that left an
+                    # attention window.
+                    self.coordinator.remove_skipped_blocks(
+                        request.request_id, request.num_computed_tokens
+                    )
+                    self._slot_state[request] = self._get_slot_state(request)
                 return self.empty_kv_cache_blocks
         # Every other step. Checked before any change: the request at its first
         # allocation (a running request was checked then), the counts in one

@@ -172,7 +172,7 @@ class SingleTypeKVCacheManager:
         if num_full <= num_cached:
             return
         mask = None
-        if self.sparse_hits:
+        if self.sparse_hits and (retention_interval is not None or not self.dense_hit_grid()):
             boundaries = list(replay_boundaries)
             shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
             if shared_prefix_boundary:
@@ -190,6 +190,10 @@ class SingleTypeKVCacheManager:
             mask,
         )
         self.num_cached_block[request_id] = num_full
+
+    def dense_hit_grid(self) -> bool:
+        """Whether every block can end a hit on the alignment grid (then all are cached)."""
+        return True
 
     def reachable_block_mask(
         self,
@@ -398,6 +402,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def dense_hit_grid(self) -> bool:
+        alignment, block_size = self.cache_hit_alignment_tokens, self.block_size
+        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        return alignment % block_size != 0 or need >= alignment // block_size
 
     def release_threshold_for_block(self, block_index: int) -> int:
         return (block_index + 1) * self.block_size + self.sliding_window - 1
