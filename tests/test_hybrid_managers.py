@@ -466,3 +466,43 @@ def test_hybrid_events_name_their_group_kind_window_and_untagged_extra_keys():
     assert sw_event.block_hashes == [hashes[1], hashes[3]] and sw_event.block_size == 4
     assert sw_event.extra_keys == [(("img0", 2),), None]
     assert m.take_events() == []
+
+
+def test_shared_prefix_boundary_names_the_prefix_a_lagging_group_lacks():
+    m = manager_for(full(), sw(32), num_blocks=40)
+    a = request("a", range(64))
+    schedule(m, a)
+    m.evict_blocks(ids(m, "a")[1])  # the sliding group's copies are gone, full attention's stay
+    b = request("b", [*range(64), 7])
+    blocks, num_hit, boundary = m.get_computed_blocks(b)
+    # Full attention could serve 64 tokens, the sliding group none: hit 0, junction at 64.
+    assert (num_hit, boundary) == (0, 64)
+    schedule(m, request("c", range(64)))  # c hits nothing, computes all, caches the window
+    assert m.get_computed_blocks(request("d", [*range(64), 7]))[1:] == (64, 0)
+
+
+def test_cross_attention_through_the_manager():
+    config = KVCacheConfig.from_groups(
+        [(full(), ("self",)), (CrossAttentionSpec(16, 2, 8, "float32"), ("cross",))], 40
+    )
+    m = KVCacheManager(config, 256)
+    a = request("a", range(20))
+    new = m.allocate_slots(a, 20, num_encoder_tokens=100)
+    assert new.get_block_ids() == ([1, 2], list(range(3, 10)))
+    a.num_computed_tokens = 20
+    a.append_output_token_ids(5)
+    assert m.allocate_slots(a, 1, num_encoder_tokens=100).get_block_ids() == ([], [])
+    blocks, num_hit, _ = m.get_computed_blocks(request("b", [*range(20), 3]))
+    assert num_hit == 16 and blocks.get_block_ids() == ([1], [])
+    with pytest.raises(ValueError, match="num_encoder_tokens must be >= 0"):
+        m.allocate_slots(request("c", range(4)), 4, num_encoder_tokens=-1)
+    m.free(a)
+    assert m.num_free_blocks == 39
+
+
+def test_eagle_drops_the_last_matched_block():
+    m = manager_for(full(), sw(32), num_blocks=40, use_eagle=True)
+    a = request("a", range(64))
+    schedule(m, a)
+    # 64 shared tokens: the last matched 16-token block is recomputed for EAGLE.
+    assert computed(m, request("b", [*range(64), 7]))[1] == 48
