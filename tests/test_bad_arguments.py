@@ -175,7 +175,7 @@ MANAGER_ALLOC = {
     "num_new_computed_tokens": bad_int(0),
     "num_lookahead_tokens": bad_int(0),
     "num_external_computed_tokens": bad_int(0, 0),
-    "num_encoder_tokens": bad_int(0, 0),
+    "num_encoder_tokens": bad_int(0),  # sizes cross-attention groups; ignored without one
     "reserved_blocks": bad_int(0),
     "request": NOT_REQUEST,
 }

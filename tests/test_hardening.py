@@ -359,8 +359,8 @@ def test_vllm_style_calls_mean_the_same_thing():
     assert (m.scheduler_block_size, m.hash_block_size, m.enable_caching) == (BS, BS, True)
     with pytest.raises(ValueError, match="scheduler_block_size=8"):
         KVCacheManager(config, 64, 8, BS)  # the old third positional was hash_block_size
-    with pytest.raises(ValueError, match="use_eagle"):
-        KVCacheManager(config, 64, BS, BS, use_eagle=True)
+    with pytest.raises(ValueError, match="dcp_world_size"):  # use_eagle is supported (#11)
+        KVCacheManager(config, 64, BS, BS, dcp_world_size=2)
     request = Request("r", list(range(9)), SamplingParams(max_tokens=5), None,
                       block_hasher=get_request_block_hasher(BS, SHA_CBOR))  # fmt: skip
     assert request.max_tokens == 5
