@@ -328,10 +328,10 @@ class BlockPool:
         if not (
             type(num_cached_blocks) is type(num_full_blocks) is int
             and 0 <= num_cached_blocks
-            and num_full_blocks <= len(blocks)
+            and 0 <= num_full_blocks <= len(blocks)
         ):
             check_int("num_cached_blocks", num_cached_blocks, min_value=0)
-            check_int("num_full_blocks", num_full_blocks, max_value=len(blocks))
+            check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -412,7 +412,9 @@ class BlockPool:
         ids = list(block_ids)
         for block_id in ids:
             if not (
-                isinstance(block_id, (int, np.integer)) and 1 <= block_id < self.num_gpu_blocks
+                isinstance(block_id, (int, np.integer))
+                and not isinstance(block_id, bool)
+                and 1 <= block_id < self.num_gpu_blocks
             ):
                 raise ValueError(
                     f"block id {block_id!r} is out of range; valid ids are "

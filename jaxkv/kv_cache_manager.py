@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int
+from jaxkv._checks import check_bool, check_int, check_str
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
 from jaxkv.kv_cache_interface import (
@@ -18,6 +18,11 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
+
+# `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
+# False and numpy zeros are other objects). Where it is False for a zero, the general
+# path answers instead: only slower, never different.
+_ZERO = 0
 
 
 @dataclass
@@ -312,12 +317,18 @@ class KVCacheManager:
         if (
             state is not None
             and new_computed_blocks is None
-            and type(num_new_tokens) is type(num_lookahead_tokens) is int
-            and type(reserved_blocks) is type(num_external_computed_tokens) is int
+            and type(num_new_tokens) is int
             and num_new_tokens > 0
-            and num_lookahead_tokens >= 0
-            and num_new_computed_tokens == 0
-            and not (num_external_computed_tokens or reserved_blocks or full_sequence_must_fit)
+            and num_new_computed_tokens
+            is num_external_computed_tokens
+            is reserved_blocks
+            is num_encoder_tokens
+            is _ZERO
+            and (
+                num_lookahead_tokens is _ZERO
+                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
+            )
+            and not full_sequence_must_fit
         ):
             # Most decode steps: the request's blocks hold the new tokens, no block
             # fills up and none leaves an attention window, so the general path below
@@ -520,8 +531,9 @@ class KVCacheManager:
             if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
                 raise ValueError(
                     f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
-                    f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
-                    f"size {manager.block_size}); pass what get_computed_blocks returned"
+                    f"not match new_computed_blocks' {len(group_hits)} hit blocks of group "
+                    f"{group_id} (block size {manager.block_size}); pass what "
+                    "get_computed_blocks returned"
                 )
             # Only attention types that skip blocks may hold the null block in a hit.
             null_allowed = manager in self.coordinator.skipping_managers
@@ -600,6 +612,8 @@ class KVCacheManager:
     # -- queries -------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
