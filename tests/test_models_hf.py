@@ -24,7 +24,20 @@ NUM_NEW = 6
 
 
 def hf_configs() -> dict[str, dict]:
-    return {**family_configs(), "gemma3-4.x-config": gemma3_v4_config()}
+    llama3_rope = {
+        **family_configs()["llama"],
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    return {
+        **family_configs(),
+        "gemma3-4.x-config": gemma3_v4_config(),
+        "llama-llama3-rope-tied": llama3_rope,
+    }
 
 
 def check_equivalent(prompt, hf, dense, prompt_embeds=None) -> None:
