@@ -17,7 +17,14 @@ from jaxkv.hashing import (
     get_group_id,
     make_block_hash_with_group_id,
 )
-from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    to_event_extra_keys,
+)
+from jaxkv.request_hashing import generate_block_hash_extra_keys
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -294,15 +301,21 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
-        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys."""
+        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys.
+
+        `block_mask` (one entry per block in that range): blocks marked False are
+        skipped like null blocks (a sliding-window group caches only the blocks
+        that can end a hit).
+        """
         if not (
             type(num_cached_blocks) is type(num_full_blocks) is int
             and 0 <= num_cached_blocks
-            and num_full_blocks <= len(blocks)
+            and 0 <= num_full_blocks <= len(blocks)
         ):
             check_int("num_cached_blocks", num_cached_blocks, min_value=0)
-            check_int("num_full_blocks", num_full_blocks, max_value=len(blocks))
+            check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -317,10 +330,11 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
+        stamped_index: list[int] = []
         cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
             if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
@@ -335,8 +349,16 @@ class BlockPool:
                 continue
             cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
+            stamped_index.append(i)
         if self.enable_kv_cache_events and stamped:
             stored = [block._block_hash for block in stamped]
+            extra_keys, mm_idx = [], 0
+            for i in stamped_index:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx
+                )
+                extra_keys.append(keys)
+            lora = request.lora_request
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=stored,
@@ -348,6 +370,8 @@ class BlockPool:
                     ],
                     block_size=block_size,
                     lora_id=request.lora_int_id,
+                    lora_name=lora.lora_name if lora is not None else None,
+                    extra_keys=to_event_extra_keys(extra_keys),
                     group_idx=kv_cache_group_id,
                 )
             )
@@ -372,7 +396,9 @@ class BlockPool:
         ids = list(block_ids)
         for block_id in ids:
             if not (
-                isinstance(block_id, (int, np.integer)) and 1 <= block_id < self.num_gpu_blocks
+                isinstance(block_id, (int, np.integer))
+                and not isinstance(block_id, bool)
+                and 1 <= block_id < self.num_gpu_blocks
             ):
                 raise ValueError(
                     f"block id {block_id!r} is out of range; valid ids are "

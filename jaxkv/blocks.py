@@ -191,22 +191,22 @@ class FreeKVCacheBlockQueue:
         """
         last = start
         count = 0
-        refused: object = None
+        block: object = None
         try:
             for block in blocks:
-                if block.prev_free_block is not None:
-                    refused = block
+                if block.prev_free_block is not None:  # type: ignore[attr-defined]
                     break
-                last.next_free_block = block
-                block.prev_free_block = last
-                last = block
+                last.next_free_block = block  # type: ignore[assignment]
+                block.prev_free_block = last  # type: ignore[attr-defined]
+                last = block  # type: ignore[assignment]
                 count += 1
-        except AttributeError as error:  # not a block
-            refused = getattr(error, "obj", error)
-        if refused is None:
-            last.next_free_block = end
-            end.prev_free_block = last  # type: ignore[union-attr]
-            return count
+            else:
+                last.next_free_block = end
+                end.prev_free_block = last  # type: ignore[union-attr]
+                return count
+        except AttributeError:  # not a block
+            pass
+        refused = block
         while last is not start:  # undo: unlink what this call linked
             prev = last.prev_free_block
             last.prev_free_block = last.next_free_block = None

@@ -171,13 +171,11 @@ class EncoderCacheManager:
         step exceed free + reclaimable slots (nothing is evicted then).
         Evicted hashes are appended to `freed`; device memory is not touched.
         """
-        # One test for three ints: a bitwise OR is negative iff one of them is (and fails
-        # for a non-integer).
-        try:
-            bad = (input_id | encoder_compute_budget | num_embeds_to_schedule) < 0
-        except TypeError:
-            bad = True
-        if bad:
+        # Three ints in one test: a bitwise OR is negative iff one of them is.
+        if not (
+            type(input_id) is type(encoder_compute_budget) is type(num_embeds_to_schedule) is int
+            and (input_id | encoder_compute_budget | num_embeds_to_schedule) >= 0
+        ):
             _check_can_allocate_args(
                 request, input_id, encoder_compute_budget, num_embeds_to_schedule
             )

@@ -72,6 +72,8 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
     """
     if isinstance(token_ids, np.ndarray) and token_ids.dtype in (np.uint32, np.int64):
         return token_ids
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token ids must be a sequence of integers, got {token_ids!r}")
     try:
         return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
     except OverflowError:
@@ -158,8 +160,8 @@ class BlockHashFunction:
             self._chain = functools.partial(_chain_by_oneshot, oneshot_digest, self._payload_head)
         else:
             # hashlib's constructors pay OpenSSL 3's algorithm fetch on every call;
-            # copying a hasher that already holds the head skips it (measured: SHA-256
-            # chains 10% faster, and no head + parent concatenation per block).
+            # copying a hasher that already holds the head skips it, and the head +
+            # parent concatenation per block (benchmarks/RESULTS.md, design figures).
             seeded_copy = new_hasher(self._payload_head).copy
             self._chain = functools.partial(_chain_by_seeded_copies, seeded_copy)
 
@@ -273,8 +275,8 @@ class BlockHashFunction:
 
         Runs of up to `per_block_run_limit` blocks are encoded block by block,
         longer ones in numpy passes, whose fixed cost per call only pays off
-        beyond that (measured: from 2 blocks for the fixed-width raw encoding,
-        from about 4 for CBOR).
+        beyond that (the break-even points are in benchmarks/RESULTS.md, design
+        figures).
         """
         num_blocks = len(extra_keys)
         if num_blocks <= self.per_block_run_limit:
@@ -347,6 +349,10 @@ def init_none_hash(
 ) -> BlockHash:
     """Set (and return) `NONE_HASH = hash_fn(seed)`, resolving the seed by the module rules."""
     global NONE_HASH, _none_hash_seed
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+    if seed is not None and not isinstance(seed, str):
+        raise TypeError(f"seed must be a str or None, got {seed!r}")
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
@@ -381,16 +387,14 @@ def hash_block_tokens(
     extra keys)`, e.g. the builtin `hash`.
     """
     parent = get_none_hash() if parent_block_hash is None else parent_block_hash
+    tokens = tokens_to_array(curr_block_token_ids)  # TypeError/ValueError for bad ids
+    if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
     if isinstance(hash_fn, BlockHashFunction):
-        return hash_fn.hash_blocks(
-            parent, curr_block_token_ids, len(curr_block_token_ids), [extra_keys]
-        )[0]
+        return hash_fn.hash_blocks(parent, tokens, len(tokens), [extra_keys])[0]
     if not callable(hash_fn):
         raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
-    tokens = tuple(tokens_to_array(curr_block_token_ids).tolist()) if curr_block_token_ids else ()
-    if tokens and min(tokens) < 0:
-        raise ValueError(f"token ids must be non-negative, got {min(tokens)}")
-    return BlockHash(hash_fn((parent, tokens, extra_keys)))
+    return BlockHash(hash_fn((parent, tuple(tokens.tolist()), extra_keys)))
 
 
 # ---------------------------------------------------------------------------
@@ -399,6 +403,10 @@ def hash_block_tokens(
 
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
     """vLLM's cache key: the block hash, then the group id (4 bytes, big-endian)."""
+    if type(group_id) is not int or not 0 <= group_id < 1 << 32:
+        check_int("group_id", group_id, min_value=0, max_value=(1 << 32) - 1)
+    if not isinstance(block_hash, bytes):
+        raise TypeError(f"block_hash must be bytes, got {block_hash!r}")
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big"))
 
 
@@ -420,7 +428,9 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
     def __init__(
         self, block_hashes: Sequence[BlockHash], hash_block_size: int, target_block_size: int
     ) -> None:
-        if hash_block_size <= 0 or target_block_size <= 0 or target_block_size % hash_block_size:
+        check_int("hash_block_size", hash_block_size, min_value=1)
+        check_int("target_block_size", target_block_size, min_value=1)
+        if target_block_size % hash_block_size:
             raise ValueError(
                 f"target block size {target_block_size} must be a positive integer multiple "
                 f"of the hash block size {hash_block_size}"

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int
+from jaxkv._checks import check_bool, check_int, check_str
 from jaxkv.blocks import KVCacheBlock
-from jaxkv.kv_cache_coordinator import KVCacheCoordinator
-from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
+from jaxkv.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    get_kv_cache_spec_sliding_window,
+)
+from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
+from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
+
+# `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
+# False and numpy zeros are other objects). Where it is False for a zero, the general
+# path answers instead: only slower, never different.
+_ZERO = 0
 
 
 @dataclass
@@ -101,19 +111,23 @@ class KVCacheManager:
         """vLLM 0.33's arguments, in its order (docs/vllm-differences.md lists what differs).
 
         `scheduler_block_size` defaults to the LCM of the group block sizes and,
-        when given, must equal it; `hash_block_size` defaults to the smallest
-        group block size. Features jaxkv does not have (EAGLE, hash lookahead,
-        context parallelism, a watermark) must be left at their defaults.
+        when given, must equal it; `hash_block_size` defaults to vLLM's choice
+        (`resolve_kv_cache_block_sizes`: the group block size, or the GCD of a
+        hybrid's). `use_eagle` drops the last matched block of EAGLE groups;
+        `num_prefill_lookahead` (multi-token MTP) keeps its re-prefilled tokens
+        out of the cache. Features jaxkv does not have (hash lookahead, context
+        parallelism, a watermark) must be left at their defaults.
         """
         check_int("max_model_len", max_model_len, min_value=1)
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
         if not kv_cache_config.kv_cache_groups:
             raise ValueError("kv_cache_config needs at least one KV cache group")
+        lcm_block_size, default_hash_block_size = resolve_kv_cache_block_sizes(
+            kv_cache_config, enable_caching
+        )
         if hash_block_size is None:
-            hash_block_size = min(
-                g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-            )
+            hash_block_size = default_hash_block_size
         check_int("hash_block_size", hash_block_size, min_value=1)
         if max_in_flight_tokens is not None:
             check_int("max_in_flight_tokens", max_in_flight_tokens, min_value=1)
@@ -124,10 +138,10 @@ class KVCacheManager:
             ("track_freed_block_ids", track_freed_block_ids),
         ):
             check_bool(name, value)
+        check_bool("use_eagle", use_eagle)
+        check_int("num_prefill_lookahead", num_prefill_lookahead, min_value=0)
         unsupported = {
-            "use_eagle": (use_eagle, False),
             "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
-            "num_prefill_lookahead": (num_prefill_lookahead, 0),
             "dcp_world_size": (dcp_world_size, 1),
             "pcp_world_size": (pcp_world_size, 1),
             "watermark": (watermark, 0.0),
@@ -148,13 +162,16 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.coordinator = KVCacheCoordinator(
+        self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
             enable_caching,
+            lcm_block_size,
             hash_block_size,
-            enable_kv_cache_events,
-            track_freed_block_ids,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            track_freed_block_ids=track_freed_block_ids,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
@@ -165,6 +182,11 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
+        # (spec kind, sliding window) per group, for the BlockStored events.
+        self._event_metadata = tuple(
+            (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
         self.num_kv_cache_groups = self.coordinator.num_groups
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = 0
@@ -175,14 +197,11 @@ class KVCacheManager:
         # Request -> `_get_slot_state(request)` for every request holding blocks (keyed by
         # the object, so a second Request with a running request's id never matches),
         # refreshed after every change to its blocks: a step that needs no new block and
-        # fills no block (most decode steps) is answered from it without visiting the
-        # per-group managers (off for attention types that release blocks as a request
-        # advances). The Request object is kept so a second object with a running
-        # request's id is refused.
-        self._slot_state: dict[Request, tuple[int, int]] = {}
+        # fills no block (most decode steps) nor releases one that left an attention
+        # window is answered from it without visiting the per-group managers.
+        self._slot_state: dict[Request, tuple[int, int, int]] = {}
         # request id -> the Request object holding blocks under that id.
         self._running: dict[str, Request] = {}
-        self._use_slot_state = not self.coordinator.skipping_managers
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
@@ -234,8 +253,13 @@ class KVCacheManager:
 
         The hit is the longest cached prefix, block aligned, of at most
         `max_cache_hit_length` tokens (default `num_tokens - 1`: the last token
-        is always recomputed for its logits). `shared_prefix_boundary` is vLLM's
-        pin for sparse-retention groups; jaxkv does not pin, so it is 0.
+        is always recomputed for its logits).
+
+        `shared_prefix_boundary` (0 unless hybrid): where some group's cached
+        prefix runs past the hit every group agrees on, i.e. a shared prefix a
+        sliding-window or Mamba group has not cached yet. As vLLM's scheduler
+        does, store it in `request.shared_prefix_boundary`: sparse retention
+        then keeps the blocks ending there, so the junction stays reusable.
         """
         self._check_request(request)
         if max_cache_hit_length is None:
@@ -244,7 +268,7 @@ class KVCacheManager:
             check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
         if self.prefix_cache_stats is not None:
@@ -254,7 +278,7 @@ class KVCacheManager:
         hits = self.create_kv_cache_blocks(blocks)
         if num_hit_tokens:
             self._last_lookup = (hits, num_hit_tokens, self.block_pool.num_hash_removals)
-        return hits, num_hit_tokens, 0
+        return hits, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
 
     def allocate_slots(
         self,
@@ -278,9 +302,13 @@ class KVCacheManager:
         became full are cached, but never past `request.num_tokens` (unverified
         speculative tokens are not cached) and not at all with
         `delay_cache_blocks`. `full_sequence_must_fit` admits only when the
-        whole request fits; `reserved_blocks` stay free for others. KV-connector
-        and encoder-decoder arguments (`num_external_computed_tokens`,
-        `num_encoder_tokens`) must be 0.
+        whole request fits; `reserved_blocks` stay free for others.
+        `num_encoder_tokens` sizes cross-attention groups (encoder-decoder
+        models). `num_external_computed_tokens` (KV connector) must be 0.
+
+        Hybrid models: blocks a sliding-window, chunked-local or Mamba group no
+        longer reads are released first (as vLLM does), even when the
+        allocation then returns None; they are never read again.
         """
         try:
             state = self._slot_state.get(request)
@@ -289,16 +317,23 @@ class KVCacheManager:
         if (
             state is not None
             and new_computed_blocks is None
-            and type(num_new_tokens) is type(num_lookahead_tokens) is int
-            and type(reserved_blocks) is type(num_external_computed_tokens) is int
+            and type(num_new_tokens) is int
             and num_new_tokens > 0
-            and num_lookahead_tokens >= 0
-            and num_new_computed_tokens == 0
-            and not (num_external_computed_tokens or reserved_blocks or full_sequence_must_fit)
+            and num_new_computed_tokens
+            is num_external_computed_tokens
+            is reserved_blocks
+            is num_encoder_tokens
+            is _ZERO
+            and (
+                num_lookahead_tokens is _ZERO
+                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
+            )
+            and not full_sequence_must_fit
         ):
-            # Most decode steps: the request's blocks hold the new tokens and no block
-            # fills up, so the general path below would change nothing. `state` holds the two
-            # limits it derived for this request (see `_get_slot_state`).
+            # Most decode steps: the request's blocks hold the new tokens, no block
+            # fills up and none leaves an attention window, so the general path below
+            # would change nothing. `state` holds the three limits it derived for this
+            # request (see `_get_slot_state`).
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens + num_lookahead_tokens <= state[0] and (
                 delay_cache_blocks
@@ -306,6 +341,13 @@ class KVCacheManager:
                 or num_tokens < state[1]
                 or request.num_tokens < state[1]
             ):
+                if request.num_computed_tokens >= state[2]:
+                    # All the general path would do: release the blocks that left an
+                    # attention window.
+                    self.coordinator.remove_skipped_blocks(
+                        request.request_id, request.num_computed_tokens
+                    )
+                    self._slot_state[request] = self._get_slot_state(request)
                 return self.empty_kv_cache_blocks
         # Every other step. Checked before any change: the request at its first
         # allocation (a running request was checked then), the counts in one
@@ -330,7 +372,8 @@ class KVCacheManager:
             and num_new_computed_tokens >= 0
             and num_lookahead_tokens >= 0
             and reserved_blocks >= 0
-            and not (num_external_computed_tokens or num_encoder_tokens)
+            and num_encoder_tokens >= 0
+            and not num_external_computed_tokens
         ):
             self._check_counts(
                 request,
@@ -369,35 +412,37 @@ class KVCacheManager:
                     f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
                 )
         hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
-        available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
+        free_block_queue = self.block_pool.free_block_queue
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, max_model_len)
             num_blocks_full = coordinator.get_num_blocks_to_allocate(
-                request_id, num_full, hits_or_none
+                request_id, num_full, hits_or_none, num_encoder_tokens, num_computed_tokens
             )
-            if num_blocks_full > available:
+            if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
                 return None
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits_or_none
-        )
-        if num_blocks_to_allocate > available:
-            return None
         if coordinator.skipping_managers:
-            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+            # As vLLM, before counting: blocks that left the attention window are
+            # released even when the allocation then fails (they are never read again).
+            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits_or_none, num_encoder_tokens, num_computed_tokens
+        )
+        if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
+            return None
         if hit_blocks is not None:
-            self.block_pool.touch_checked(hit_blocks)
-            coordinator.save_new_computed_blocks(request_id, hit_blocks)
+            # Two-phase: every group takes its hits before any group takes new blocks.
+            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
         new_blocks = (
-            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_encoder_tokens)
             if num_blocks_to_allocate
             else None
         )
         if cache:
-            coordinator.cache_blocks(request, num_tokens_to_cache)
+            coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
         self._slot_state[request] = self._get_slot_state(request)
         if holder is None:
             self._running[request_id] = request
@@ -420,20 +465,17 @@ class KVCacheManager:
         check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
         check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
         check_int("reserved_blocks", reserved_blocks, min_value=0)
+        check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
         if num_new_tokens <= 0:
             raise ValueError(
                 f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), "
                 f"got {num_new_tokens}"
             )
-        for name, value in (
-            ("num_external_computed_tokens", num_external_computed_tokens),
-            ("num_encoder_tokens", num_encoder_tokens),
-        ):
-            if check_int(name, value, min_value=0):
-                raise ValueError(
-                    f"{name}={value} is not supported by jaxkv (no KV connector, no "
-                    "cross-attention); it must be 0"
-                )
+        if check_int("num_external_computed_tokens", num_external_computed_tokens, min_value=0):
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
+                "by jaxkv (no KV connector); it must be 0"
+            )
 
     def _check_hits(
         self,
@@ -482,12 +524,16 @@ class KVCacheManager:
         for group_id, (manager, group_hits) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
-            expected = num_new_computed_tokens // manager.block_size
+            if not manager.kv_cache_spec.prefix_cacheable:
+                expected = 0  # cross-attention never hits
+            else:
+                expected = num_new_computed_tokens // manager.block_size
             if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
                 raise ValueError(
                     f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
-                    f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
-                    f"size {manager.block_size}); pass what get_computed_blocks returned"
+                    f"not match new_computed_blocks' {len(group_hits)} hit blocks of group "
+                    f"{group_id} (block size {manager.block_size}); pass what "
+                    "get_computed_blocks returned"
                 )
             # Only attention types that skip blocks may hold the null block in a hit.
             null_allowed = manager in self.coordinator.skipping_managers
@@ -522,22 +568,21 @@ class KVCacheManager:
                 seen.add(block_id)
         return hits
 
-    def _get_slot_state(self, request: Request) -> tuple[int, int]:
+    def _get_slot_state(self, request: Request) -> tuple[int, int, int]:
         """The `_slot_state` entry of a request holding blocks.
 
         (the most tokens plus lookahead a step may reach without `allocate_slots`
         allocating a block, the number of tokens to cache at which it would cache
-        one): the first is the tokens the request's blocks hold, capped at
-        `max_model_len`; the second the token count that fills the next block, or
-        never when caching is off. Both are 0 when the shortcut is off (sliding
-        windows release blocks as a request advances), so it never answers.
+        one, the computed-token count at which it would release a block that left
+        an attention window): the first is the tokens the request's blocks hold,
+        capped at `max_model_len`; the second the token count that fills the next
+        block, or never when caching is off; the third never without sliding-window,
+        chunked-local or Mamba groups.
         """
-        if not self._use_slot_state:
-            return (0, 0)
-        capacity, next_full = self.coordinator.get_slot_state(request.request_id)
+        capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
         if capacity > self.max_model_len:
             capacity = self.max_model_len
-        return (capacity, next_full if self.enable_caching else 1 << 62)
+        return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
@@ -567,6 +612,8 @@ class KVCacheManager:
     # -- queries -------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -604,7 +651,16 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The step's events; `BlockStored` carries its group's spec kind and window."""
+        events = self.block_pool.take_events()
+        metadata = self._event_metadata
+        for i, event in enumerate(events):
+            if type(event) is BlockStored:
+                kind, window = metadata[event.group_idx]
+                events[i] = replace(
+                    event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     def take_freed_block_ids(self) -> np.ndarray:
         return self.block_pool.take_freed_block_ids()

@@ -155,8 +155,9 @@ class BlockHashMemo:
     """
 
     def __init__(self, hash_fn: BlockHashFunction, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"memo capacity must be positive, got {capacity}")
+        check_int("capacity", capacity, min_value=1)
+        if not isinstance(hash_fn, BlockHashFunction):
+            raise TypeError(f"hash_fn must come from get_hash_fn_by_name, got {hash_fn!r}")
         self.hash_fn = hash_fn
         self.capacity = capacity
         self._runs: OrderedDict[tuple[bytes, bytes, object], _HashedRun] = OrderedDict()

@@ -40,3 +40,16 @@ def manager_state(manager: KVCacheManager) -> tuple:
         {id(r): s for r, s in manager._slot_state.items()},
         dict(manager._running),
     )
+
+
+def encoder_state(manager) -> tuple:
+    """Everything an encoder cache manager's behaviour depends on, comparable."""
+    return (
+        manager.num_free_slots,
+        getattr(manager, "num_freeable_slots", None),
+        {k: set(v) for k, v in getattr(manager, "cached", {}).items()},
+        list(getattr(manager, "freeable", {}).items()),
+        list(getattr(manager, "freed", [])),
+        list(getattr(manager, "allocated", [])),
+        {k: dict(v) for k, v in manager._held.items()},
+    )

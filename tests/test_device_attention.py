@@ -36,7 +36,12 @@ class Case:
 
 
 def poisoned_cache(cache: PagedKVCache) -> jax.Array:
-    """A cache filled with NaN (as stored bits when the storage dtype is an integer)."""
+    """A cache filled with NaN (as stored bits when the storage dtype is an integer).
+
+    A quantised cache is filled with 0xFF bytes: every scale reads as NaN.
+    """
+    if cache.kv_quant:
+        return jax.device_put(np.full(cache.shape, 0xFF, np.uint8).view(cache.storage_dtype))
     nan = np.full(cache.shape, np.nan, cache.dtype)
     return jax.device_put(nan.view(cache.storage_dtype), cache.sharding)
 

@@ -55,7 +55,8 @@ def _packer(**kw) -> StepMetadataPacker:
 def test_pack_unpack_round_trip() -> None:
     packer = _packer()
     bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
-    step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), np.arange(20, 26))
+    slots = np.array([15, 36, 37, 21, 44, 45])  # positions 3-5 of row 0, 1 of row 1, 8-9 of row 2
+    step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), slots)
     buf, shape = packer.pack(step)
     assert buf.shape == (1, shape.length) and buf.dtype == np.int32
     assert shape == StepShape(num_tokens=8, num_reqs=4, max_blocks_per_req=4)
@@ -64,7 +65,7 @@ def test_pack_unpack_round_trip() -> None:
     np.testing.assert_array_equal(md.block_tables, np.vstack([bt, np.zeros((1, 4))]))
     np.testing.assert_array_equal(md.seq_lens, [6, 2, 10, 0])
     np.testing.assert_array_equal(md.query_start_loc, [0, 3, 4, 6, 6])
-    np.testing.assert_array_equal(md.slot_mapping, [20, 21, 22, 23, 24, 25, 256, 256])
+    np.testing.assert_array_equal(md.slot_mapping, [*slots, 256, 256])
     np.testing.assert_array_equal(md.positions, [3, 4, 5, 1, 8, 9, 0, 0])
 
 
@@ -72,18 +73,45 @@ def test_pack_unpack_round_trip() -> None:
     ("step", "match"),
     [
         (StepInputs(np.zeros((1, 3)), [4], [1], [4]), r"block_tables shape \(1, 3\)"),
-        (StepInputs(np.array([[64, 0, 0, 0]]), [4], [1], [4]), r"block id 64 .*\[0, 64\)"),
-        (StepInputs(np.zeros((1, 4), int), [17], [1], [4]), r"seq_len 17 .*\[1, 17\)"),
+        (StepInputs(np.array([[64, 0, 0, 0]]), [4], [1], [4]), r"block id value 64 .*\[0, 64\)"),
+        (StepInputs(np.zeros((1, 4), int), [17], [1], [4]), r"seq_len value 17 .*\[1, 17\)"),
         (StepInputs(np.zeros((1, 4), int), [2], [3], [4, 5, 6]), r"query_lens\[0\] = 3"),
         (StepInputs(np.zeros((1, 4), int), [4], [2], [4]), r"slot_mapping shape \(1,\)"),
-        (StepInputs(np.zeros((1, 4), int), [4], [1], [2]), r"slot 2 .*\[4, 256\)"),
-        (StepInputs(np.zeros((1, 4), int), [4], [0], []), r"query_len 0 .*\[1, 17\)"),
+        (StepInputs(np.zeros((1, 4), int), [4], [1], [2]), r"slot value 2 .*\[4, 256\)"),
+        (StepInputs(np.zeros((1, 4), int), [4], [0], []), r"query_len value 0 .*\[1, 17\)"),
         (StepInputs(np.zeros((5, 4), int), [4] * 5, [1] * 5, [4] * 5), r"size 5 .*\[0, 4\]"),
+        (  # block 5 belongs to no request of this step: position 1 of row 0 is in block 3
+            StepInputs(np.array([[3, 0, 0, 0]]), [2], [1], [21]),
+            r"slot_mapping\[0\] = 21 is not position 1 of request 0: .* slot 13 \(block 3\)",
+        ),
+        (  # the right block, the wrong offset
+            StepInputs(np.array([[3, 7, 0, 0]]), [6], [2], [28, 28]),
+            r"slot_mapping\[1\] = 28 is not position 5 of request 0: .* slot 29",
+        ),
     ],
 )
 def test_pack_rejects_bad_steps(step: StepInputs, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _packer().pack(step)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: _packer(block_size=4.0), r"block_size must be an int, got 4.0"),
+        (lambda: _packer(max_num_tokens="16"), r"max_num_tokens must be an int, got '16'"),
+        (lambda: _packer(max_num_reqs=True), r"max_num_reqs must be an int, got True"),
+        (lambda: _packer().pack(StepInputs(np.zeros((1, 4)), [4], [1], [4])), r"dtype float64"),
+        (lambda: _packer().pack(StepInputs(np.zeros((1, 4), int), [4.0], [1], [4])), "seq_len"),
+        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8.5), "num_blocks .*8.5"),
+        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), True), "num_blocks .*True"),
+        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8).allocate(2.0), "num_lay"),
+        (lambda: PagedKVCache("spec", 8), "spec must be an AttentionSpec"),
+    ],
+)
+def test_sizes_and_ids_must_be_integers(make, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        make()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -198,7 +198,7 @@ def test_cache_full_blocks_with_more_full_blocks_than_blocks_stamps_nothing():
     request = make_request("r", range(12))
     blocks = pool.get_new_blocks(2)
     before = pool_state(pool)
-    with pytest.raises(ValueError, match="num_full_blocks must be <= 2, got 3"):
+    with pytest.raises(ValueError, match=r"num_full_blocks must be in \[0, 2\], got 3"):
         pool.cache_full_blocks(request, blocks, 0, 3, BS, 0)
     assert pool_state(pool) == before
 
@@ -359,8 +359,8 @@ def test_vllm_style_calls_mean_the_same_thing():
     assert (m.scheduler_block_size, m.hash_block_size, m.enable_caching) == (BS, BS, True)
     with pytest.raises(ValueError, match="scheduler_block_size=8"):
         KVCacheManager(config, 64, 8, BS)  # the old third positional was hash_block_size
-    with pytest.raises(ValueError, match="use_eagle"):
-        KVCacheManager(config, 64, BS, BS, use_eagle=True)
+    with pytest.raises(ValueError, match="dcp_world_size"):  # use_eagle is supported (#11)
+        KVCacheManager(config, 64, BS, BS, dcp_world_size=2)
     request = Request("r", list(range(9)), SamplingParams(max_tokens=5), None,
                       block_hasher=get_request_block_hasher(BS, SHA_CBOR))  # fmt: skip
     assert request.max_tokens == 5

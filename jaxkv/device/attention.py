@@ -34,9 +34,9 @@ Dispatch (`impl="auto"`):
 | `ragged_paged_attention` | JAX's Pallas ragged kernel | `pallas_gpu` Triton kernel | blockwise |
 | `paged_decode_attention` | JAX's Pallas ragged kernel | `pallas_gpu` Triton kernel | blockwise |
 
-Where a kernel does not apply (TPU: a cache stored in another dtype, chunked-local
-or span masks, a replicated KV head; GPU: block shapes outside `pallas_gpu`'s
-constraints, a replicated KV head) `"auto"` runs the blockwise path.
+Where a kernel does not apply (a quantised cache; TPU: a cache stored in another
+dtype, chunked-local or span masks, a replicated KV head; GPU: block shapes outside
+`pallas_gpu`'s constraints, a replicated KV head) `"auto"` runs the blockwise path.
 `impl="reference"` always runs it. `impl="pallas"` forces the table's kernel and
 raises `ValueError` where the table has none; `interpret=True` runs the GPU kernel
 in Pallas interpret mode on any backend (for tests). See the README's "Attention
@@ -62,7 +62,14 @@ from jaxkv.device.pallas_gpu import (
     block_shape_error,
     paged_attention_rows_pallas,
 )
-from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
+from jaxkv.device.storage import (
+    SCALE_BYTES,
+    DTypeLike,
+    check_kv_quant,
+    dequantize,
+    from_storage,
+    resolve_dtype,
+)
 
 _MASKED = -1e30
 AttentionImpl = Literal["auto", "reference", "pallas"]
@@ -138,6 +145,7 @@ def ragged_paged_attention(
     token_chunk: int = 8,
     keys_per_chunk: int = 128,
     interpret: bool = False,
+    kv_quant: str | None = None,
 ) -> jax.Array:
     """Attention of `q [T, Hq, D]` over the paged cache; returns `[T, Hq, D]` in q's dtype.
 
@@ -150,15 +158,21 @@ def ragged_paged_attention(
     attention) and `span_ends [T]` (bidirectional spans) are the module
     docstring's masks. `query_chunk`, `token_chunk` and `keys_per_chunk` size the
     blockwise path's tiles (they never change the result beyond float rounding; the
-    tiles do not depend on the table width, so neither does the result).
+    tiles do not depend on the table width, so neither does the result). `kv_quant`
+    ("int8"/"fp8") reads a quantised cache (`jaxkv.device.storage`), dequantised
+    inside the blockwise path; `kv_dtype` is then the dtype it dequantises to.
     """
     num_tokens = q.shape[0]
-    check_attention_args(q.shape, kv_cache.shape, sliding_window, soft_cap, kv_head is None)
+    check_kv_quant(kv_quant)
+    value_shape = kv_cache.shape[:-1] + (kv_cache.shape[-1] - (SCALE_BYTES if kv_quant else 0),)
+    check_attention_args(q.shape, value_shape, sliding_window, soft_cap, kv_head is None)
     _check_tiling(impl, attention_chunk, query_chunk, token_chunk, keys_per_chunk)
     if interpret and impl != "pallas":
         raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
     if span_ends is not None and span_ends.shape != (num_tokens,):
         raise ValueError(f"span_ends has shape {span_ends.shape}; expected ({num_tokens},)")
+    if kv_quant and kv_dtype is None:
+        raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
     platform = platform or jax.default_backend()
     num_blocks, block_size = kv_cache.shape[:2]
@@ -169,7 +183,7 @@ def ragged_paged_attention(
     }
     kernel = _pick_kernel(
         impl, platform, interpret, kv_cache, compute, kv_head, q.shape[-1],
-        tpu_ok=attention_chunk is None and span_ends is None,
+        tpu_ok=attention_chunk is None and span_ends is None, quantised=kv_quant is not None,
     )  # fmt: skip
     if kernel == "tpu":
         out = _pallas_tpu(
@@ -191,7 +205,7 @@ def ragged_paged_attention(
         q, kv_cache, block_tables, query_start_loc, num_seqs, iv,
         sm_scale=sm_scale, soft_cap=soft_cap, compute=compute, kv_head=kv_head,
         query_chunk=min(query_chunk, num_tokens), token_chunk=min(token_chunk, num_tokens),
-        pages_per_chunk=max(1, keys_per_chunk // block_size),
+        pages_per_chunk=max(1, keys_per_chunk // block_size), kv_quant=kv_quant,
     )  # fmt: skip
 
 
@@ -207,10 +221,14 @@ def _check_tiling(impl, attention_chunk, *sizes: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
 
 
-def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, tpu_ok):
-    """ "tpu", "gpu" or "blockwise" for this call (module docstring's dispatch table)."""
-    if impl == "reference":
+def _pick_kernel(
+    impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, tpu_ok, quantised
+):
+    """`"tpu"`, `"gpu"` or `"blockwise"` for this call (module docstring's dispatch table)."""
+    if impl == "reference" or (impl == "auto" and quantised):
         return "blockwise"
+    if quantised:
+        raise ValueError("impl='pallas' has no kernel for a quantised cache; use 'auto'")
     block_size = kv_cache.shape[1]
     gpu_fits = (
         kv_head is None
@@ -331,6 +349,7 @@ def _blockwise(
     query_chunk: int,
     token_chunk: int,
     pages_per_chunk: int,
+    kv_quant: str | None,
 ) -> jax.Array:
     """Flash-style attention (module docstring): request-major long, token-major short."""
     num_tokens, num_q_heads, head_size = q.shape
@@ -343,7 +362,7 @@ def _blockwise(
     keys_per_chunk = pages_per_chunk * block_size
     padded_width = -(-width // pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    cache5 = kv_cache.reshape(num_blocks, block_size, combined // 2, 2, head_size)
+    cache5 = kv_cache.reshape(num_blocks, block_size, combined // 2, 2, kv_cache.shape[-1])
     key_offsets = jnp.arange(keys_per_chunk, dtype=jnp.int32)
 
     def load(pages: jax.Array, lane: int) -> jax.Array:
@@ -352,7 +371,7 @@ def _blockwise(
             x = cache5[pages, :, :, lane, :]
         else:
             x = cache5[pages, :, kv_head, lane, :][..., None, :]
-        x = from_storage(x, compute).astype(acc)
+        x = dequantize(x, kv_quant, acc) if kv_quant else from_storage(x, compute).astype(acc)
         return x.reshape(*pages.shape[:-1], keys_per_chunk, heads, head_size)
 
     def capped(logits: jax.Array) -> jax.Array:
