@@ -139,5 +139,5 @@ def write_json(name: str, payload: dict, record: bool = False) -> Path:
     }
     path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(f"wrote {path.relative_to(REPO_ROOT)}")
+    print(f"wrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}")
     return path

@@ -99,11 +99,7 @@ class JaxkvEngine(Engine):
 
     def make_request(self, request_id, prompt, max_tokens):
         return self.jaxkv.Request(
-            request_id,
-            prompt,
-            self.jaxkv.SamplingParams(max_tokens=max_tokens),
-            None,
-            block_hasher=self.hasher,
+            request_id, prompt, max_tokens=max_tokens, block_hasher=self.hasher
         )
 
     def get_computed_blocks(self, request):

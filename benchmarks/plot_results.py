@@ -132,10 +132,52 @@ def _plot_device_scaling(result: dict, ax) -> None:
 
 
 # By the benchmark a results file comes from (its name up to the workload suffix).
+def plot_hybrid(result: dict, fig) -> None:
+    """Serving time per generated token: hybrid vs single group, jaxkv vs vLLM (median, range)."""
+    serving, workload = result["serving"], result["workload"]
+    ax = fig.subplots()
+    kinds = ["single", "hybrid"]
+    for offset, impl, color in ((-0.2, "jaxkv", JAXKV_COLOR), (0.2, "vllm", VLLM_COLOR)):
+        runs = [serving.get(f"{impl}/{kind}") for kind in kinds]
+        if any(run is None for run in runs):
+            continue
+        per_token = 1e6 / workload["generated_tokens"]
+        medians = [run["median_seconds"] * per_token for run in runs]
+        low = [m - min(run["seconds"]) * per_token for m, run in zip(medians, runs, strict=True)]
+        high = [max(run["seconds"]) * per_token - m for m, run in zip(medians, runs, strict=True)]
+        bars = ax.bar(
+            [i + offset for i in range(len(kinds))],
+            medians,
+            0.4,
+            yerr=[low, high],
+            label="jaxkv" if impl == "jaxkv" else "vLLM 0.33",
+            color=color,
+        )
+        if impl == "vllm":
+            jax_medians = [serving[f"jaxkv/{kind}"]["median_seconds"] for kind in kinds]
+            _label_bars(
+                ax,
+                bars,
+                [f"{r['median_seconds'] / j:.1f}×" for r, j in zip(runs, jax_medians, strict=True)],
+            )
+    ax.set(
+        xticks=range(len(kinds)),
+        xticklabels=[
+            "single group (full attention)",
+            f"hybrid: full + sliding window {workload['sliding_window']}",
+        ],
+        ylabel="host CPU µs per generated token (median, range)",
+        title=f"serving {workload['requests']} requests, {workload['num_blocks_single']} / "
+        f"{workload['num_blocks_hybrid']} blocks",
+    )
+    ax.legend()
+
+
 PLOTS: dict[str, Callable[[dict, object], None]] = {
     "bench_host": plot_host,
     "bench_encoder": plot_encoder,
     "bench_device": plot_device,
+    "bench_hybrid": plot_hybrid,
 }
 
 

@@ -17,7 +17,14 @@ from jaxkv.hashing import (
     get_group_id,
     make_block_hash_with_group_id,
 )
-from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    to_event_extra_keys,
+)
+from jaxkv.request_hashing import generate_block_hash_extra_keys
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -73,6 +80,22 @@ class BlockHashToBlockMap:
                 break
             hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
         return hits
+
+    def get_entries(
+        self, block_hashes: Sequence[BlockHash], group_id: int, stop: int
+    ) -> list[KVCacheBlock | dict[int, KVCacheBlock] | None]:
+        """The map entries of `block_hashes[:stop]` in one pass: None for a miss, the block,
+        or (duplicates) a `{block_id: block}` dict whose first value is the earliest block;
+        `first_block` picks it."""
+        get = self._maps.get(group_id, _NO_BLOCKS).get
+        if isinstance(block_hashes, list):
+            return list(map(get, block_hashes[:stop]))
+        return [get(block_hashes[i]) for i in range(stop)]
+
+    @staticmethod
+    def first_block(entry: KVCacheBlock | dict[int, KVCacheBlock]) -> KVCacheBlock:
+        """The block a (non-None) `get_entries` entry stands for."""
+        return entry if type(entry) is KVCacheBlock else next(iter(entry.values()))  # type: ignore[union-attr]
 
     def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
         group_map = self._maps.get(group_id)
@@ -260,23 +283,23 @@ class BlockPool:
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         blocks = list(ordered_blocks)
-        for i, block in enumerate(blocks):
-            try:
+        i = 0
+        try:
+            for i, block in enumerate(blocks):  # noqa: B007 (i names the refused block)
                 if block.is_null:
                     continue
-                refused = block.ref_cnt <= 0
-            except AttributeError:
-                refused = True
-            if refused:
-                for done in blocks[:i]:  # leave no state changed
-                    if not done.is_null:
-                        done.ref_cnt += 1
-                if not isinstance(block, KVCacheBlock):
-                    raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}")
-                raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (unhashed if block._block_hash is None else hashed).append(block)
+                if block.ref_cnt <= 0:
+                    raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    (unhashed if block._block_hash is None else hashed).append(block)
+        except (AttributeError, ValueError) as error:
+            for done in blocks[:i]:  # leave no state changed
+                if not done.is_null:
+                    done.ref_cnt += 1
+            if isinstance(error, AttributeError):
+                raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}") from None
+            raise
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
             if self.track_freed_block_ids:
@@ -294,15 +317,21 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
-        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys."""
-        if type(num_full_blocks) is not int or not num_full_blocks <= len(blocks):
-            check_int("num_full_blocks", num_full_blocks)
-            raise ValueError(
-                f"num_full_blocks={num_full_blocks} is more than the {len(blocks)} blocks given"
-            )
-        if type(num_cached_blocks) is not int or num_cached_blocks < 0:
+        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys.
+
+        `block_mask` (one entry per block in that range): blocks marked False are
+        skipped like null blocks (a sliding-window group caches only the blocks
+        that can end a hit).
+        """
+        if not (
+            type(num_cached_blocks) is type(num_full_blocks) is int
+            and 0 <= num_cached_blocks
+            and 0 <= num_full_blocks <= len(blocks)
+        ):
             check_int("num_cached_blocks", num_cached_blocks, min_value=0)
+            check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -317,13 +346,14 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
+        stamped_index: list[int] = []
         cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
-            if block._block_hash is not None:
+            if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
                         cache_map.pop(done._block_hash, kv_cache_group_id, done.block_id)
@@ -333,11 +363,18 @@ class BlockPool:
                         "cannot re-stamp it"
                     )
                 continue
-            block.set_hash(block_hash, kv_cache_group_id)
             cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
+            stamped_index.append(i)
         if self.enable_kv_cache_events and stamped:
             stored = [block._block_hash for block in stamped]
+            extra_keys, mm_idx = [], 0
+            for i in stamped_index:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx
+                )
+                extra_keys.append(keys)
+            lora = request.lora_request
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=stored,
@@ -349,6 +386,8 @@ class BlockPool:
                     ],
                     block_size=block_size,
                     lora_id=request.lora_int_id,
+                    lora_name=lora.lora_name if lora is not None else None,
+                    extra_keys=to_event_extra_keys(extra_keys),
                     group_idx=kv_cache_group_id,
                 )
             )
@@ -373,7 +412,9 @@ class BlockPool:
         ids = list(block_ids)
         for block_id in ids:
             if not (
-                isinstance(block_id, (int, np.integer)) and 1 <= block_id < self.num_gpu_blocks
+                isinstance(block_id, (int, np.integer))
+                and not isinstance(block_id, bool)
+                and 1 <= block_id < self.num_gpu_blocks
             ):
                 raise ValueError(
                     f"block id {block_id!r} is out of range; valid ids are "

@@ -56,14 +56,21 @@ class KVCacheBlock:
     def set_hash(self, block_hash: BlockHash, group_id: int) -> None:
         """Stamp the block with its key, given as its two parts (what `block_hash = key`
         does without joining and splitting the key). Set once, like `block_hash`."""
-        if self._block_hash is not None:
+        if not self.try_set_hash(block_hash, group_id):
             raise ValueError(
-                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "
+                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "  # type: ignore[union-attr]
                 f"{self._group_id}); a block hash is set once and cleared only by "
                 "reset_hash() on eviction"
             )
+
+    def try_set_hash(self, block_hash: BlockHash, group_id: int) -> bool:
+        """`set_hash` unless the block already has a hash (then nothing changes); whether it
+        was stamped."""
+        if self._block_hash is not None:
+            return False
         self._block_hash = block_hash
         self._group_id = group_id
+        return True
 
     @property
     def block_hash_only(self) -> BlockHash | None:
@@ -184,22 +191,22 @@ class FreeKVCacheBlockQueue:
         """
         last = start
         count = 0
-        refused: object = None
+        block: object = None
         try:
             for block in blocks:
-                if block.prev_free_block is not None:
-                    refused = block
+                if block.prev_free_block is not None:  # type: ignore[attr-defined]
                     break
-                last.next_free_block = block
-                block.prev_free_block = last
-                last = block
+                last.next_free_block = block  # type: ignore[assignment]
+                block.prev_free_block = last  # type: ignore[attr-defined]
+                last = block  # type: ignore[assignment]
                 count += 1
-        except AttributeError as error:  # not a block
-            refused = getattr(error, "obj", error)
-        if refused is None:
-            last.next_free_block = end
-            end.prev_free_block = last  # type: ignore[union-attr]
-            return count
+            else:
+                last.next_free_block = end
+                end.prev_free_block = last  # type: ignore[union-attr]
+                return count
+        except AttributeError:  # not a block
+            pass
+        refused = block
         while last is not start:  # undo: unlink what this call linked
             prev = last.prev_free_block
             last.prev_free_block = last.next_free_block = None

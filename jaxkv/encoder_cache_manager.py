@@ -171,13 +171,11 @@ class EncoderCacheManager:
         step exceed free + reclaimable slots (nothing is evicted then).
         Evicted hashes are appended to `freed`; device memory is not touched.
         """
-        # One test for three ints: a bitwise OR is negative iff one of them is (and fails
-        # for a non-integer).
-        try:
-            bad = (input_id | encoder_compute_budget | num_embeds_to_schedule) < 0
-        except TypeError:
-            bad = True
-        if bad:
+        # Three ints in one test: a bitwise OR is negative iff one of them is.
+        if not (
+            type(input_id) is type(encoder_compute_budget) is type(num_embeds_to_schedule) is int
+            and (input_id | encoder_compute_budget | num_embeds_to_schedule) >= 0
+        ):
             _check_can_allocate_args(
                 request, input_id, encoder_compute_budget, num_embeds_to_schedule
             )
@@ -254,6 +252,8 @@ class EncoderCacheManager:
         or already freed) is a no-op, as in vLLM: schedulers free inputs they may
         have freed before.
         """
+        if type(input_id) is not int:
+            check_int("input_id", input_id)
         request_id = request.request_id
         held = self._held.get(request_id)
         if held is None or input_id not in held:
@@ -399,6 +399,8 @@ class EncoderDecoderCacheManager:
 
     def free_encoder_input(self, request: EncoderRequest, input_id: int) -> None:
         """Return the input's slots; a no-op for an input the request does not hold."""
+        if type(input_id) is not int:
+            check_int("input_id", input_id)
         request_id = request.request_id
         held = self._held.get(request_id)
         if held is None or input_id not in held:

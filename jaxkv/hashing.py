@@ -40,6 +40,7 @@ import cbor2
 import numpy as np
 import xxhash
 
+from jaxkv._checks import check_int
 from jaxkv.cbor_fast import CBOR_NULL, cbor_head, cbor_uint_arrays
 
 BlockHash = NewType("BlockHash", bytes)
@@ -69,6 +70,10 @@ def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
     TypeError for anything but integers (a float would be truncated and share
     cache entries with its integer part); ValueError for ids outside [0, 2**63).
     """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype in (np.uint32, np.int64):
+        return token_ids
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token ids must be a sequence of integers, got {token_ids!r}")
     try:
         return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
     except OverflowError:
@@ -155,8 +160,8 @@ class BlockHashFunction:
             self._chain = functools.partial(_chain_by_oneshot, oneshot_digest, self._payload_head)
         else:
             # hashlib's constructors pay OpenSSL 3's algorithm fetch on every call;
-            # copying a hasher that already holds the head skips it (measured: SHA-256
-            # chains 10% faster, and no head + parent concatenation per block).
+            # copying a hasher that already holds the head skips it, and the head +
+            # parent concatenation per block (benchmarks/RESULTS.md, design figures).
             seeded_copy = new_hasher(self._payload_head).copy
             self._chain = functools.partial(_chain_by_seeded_copies, seeded_copy)
 
@@ -204,8 +209,30 @@ class BlockHashFunction:
     ) -> list[BlockHash]:
         """Chain-hash `len(extra_keys)` consecutive full blocks of `token_ids`.
 
-        `token_ids` holds exactly `len(extra_keys) * block_size` non-negative ids.
+        `token_ids` holds exactly `len(extra_keys) * block_size` ids, integers in
+        [0, 2**63) (TypeError/ValueError otherwise, before anything is hashed).
         """
+        if not isinstance(parent, bytes):
+            raise TypeError(f"parent must be a bytes digest, got {parent!r}")
+        if not isinstance(extra_keys, Sequence) or isinstance(extra_keys, (str, bytes)):
+            raise TypeError(
+                f"extra_keys must be a sequence (one entry per block), got {extra_keys!r}"
+            )
+        check_int("block_size", block_size, min_value=1)
+        tokens = tokens_to_array(token_ids)
+        if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+            raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
+        return self.hash_checked_blocks(parent, tokens, block_size, extra_keys)
+
+    def hash_checked_blocks(
+        self,
+        parent: bytes,
+        token_ids: Sequence[int] | np.ndarray,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys],
+    ) -> list[BlockHash]:
+        """`hash_blocks` for ids known to be integers in [0, 2**63): a `Request`'s, checked
+        when they entered it (the request hasher's path)."""
         num_blocks = len(extra_keys)
         if block_size <= 0 or len(token_ids) != num_blocks * block_size:
             raise ValueError(
@@ -227,15 +254,13 @@ class BlockHashFunction:
         """What follows the parent digest in one block's payload."""
         if type(token_ids) is not list:
             token_ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
-        for token in token_ids:
-            if type(token) is not int:  # numpy integers become ints; anything else fails
-                token_ids = tokens_to_array(token_ids).tolist()
-                break
         if min(token_ids) < 0:
             raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
         if self.cbor:
-            # cbor2 encodes integers in their shortest (canonical) form
-            encoded = cbor2.dumps(token_ids)
+            try:  # cbor2 encodes integers in their shortest (canonical) form
+                encoded = cbor2.dumps(token_ids)
+            except cbor2.CBOREncodeError:  # numpy integers in a Python list
+                encoded = cbor2.dumps([int(t) for t in token_ids])
         else:
             encoded = _raw_block_struct(len(token_ids)).pack(len(token_ids), *token_ids)
         return encoded + self._encode_extra(extra_keys)
@@ -250,8 +275,8 @@ class BlockHashFunction:
 
         Runs of up to `per_block_run_limit` blocks are encoded block by block,
         longer ones in numpy passes, whose fixed cost per call only pays off
-        beyond that (measured: from 2 blocks for the fixed-width raw encoding,
-        from about 4 for CBOR).
+        beyond that (the break-even points are in benchmarks/RESULTS.md, design
+        figures).
         """
         num_blocks = len(extra_keys)
         if num_blocks <= self.per_block_run_limit:
@@ -324,6 +349,10 @@ def init_none_hash(
 ) -> BlockHash:
     """Set (and return) `NONE_HASH = hash_fn(seed)`, resolving the seed by the module rules."""
     global NONE_HASH, _none_hash_seed
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+    if seed is not None and not isinstance(seed, str):
+        raise TypeError(f"seed must be a str or None, got {seed!r}")
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
@@ -358,16 +387,14 @@ def hash_block_tokens(
     extra keys)`, e.g. the builtin `hash`.
     """
     parent = get_none_hash() if parent_block_hash is None else parent_block_hash
+    tokens = tokens_to_array(curr_block_token_ids)  # TypeError/ValueError for bad ids
+    if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
     if isinstance(hash_fn, BlockHashFunction):
-        return hash_fn.hash_blocks(
-            parent, curr_block_token_ids, len(curr_block_token_ids), [extra_keys]
-        )[0]
+        return hash_fn.hash_blocks(parent, tokens, len(tokens), [extra_keys])[0]
     if not callable(hash_fn):
         raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
-    tokens = tuple(tokens_to_array(curr_block_token_ids).tolist()) if curr_block_token_ids else ()
-    if tokens and min(tokens) < 0:
-        raise ValueError(f"token ids must be non-negative, got {min(tokens)}")
-    return BlockHash(hash_fn((parent, tokens, extra_keys)))
+    return BlockHash(hash_fn((parent, tuple(tokens.tolist()), extra_keys)))
 
 
 # ---------------------------------------------------------------------------
@@ -376,6 +403,10 @@ def hash_block_tokens(
 
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
     """vLLM's cache key: the block hash, then the group id (4 bytes, big-endian)."""
+    if type(group_id) is not int or not 0 <= group_id < 1 << 32:
+        check_int("group_id", group_id, min_value=0, max_value=(1 << 32) - 1)
+    if not isinstance(block_hash, bytes):
+        raise TypeError(f"block_hash must be bytes, got {block_hash!r}")
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big"))
 
 
@@ -397,7 +428,9 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
     def __init__(
         self, block_hashes: Sequence[BlockHash], hash_block_size: int, target_block_size: int
     ) -> None:
-        if hash_block_size <= 0 or target_block_size <= 0 or target_block_size % hash_block_size:
+        check_int("hash_block_size", hash_block_size, min_value=1)
+        check_int("target_block_size", target_block_size, min_value=1)
+        if target_block_size % hash_block_size:
             raise ValueError(
                 f"target block size {target_block_size} must be a positive integer multiple "
                 f"of the hash block size {hash_block_size}"

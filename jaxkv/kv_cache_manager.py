@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int
+from jaxkv._checks import check_bool, check_int, check_str
 from jaxkv.blocks import KVCacheBlock
-from jaxkv.kv_cache_coordinator import KVCacheCoordinator
-from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
+from jaxkv.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    get_kv_cache_spec_sliding_window,
+)
+from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
+from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
+
+# `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
+# False and numpy zeros are other objects). Where it is False for a zero, the general
+# path answers instead: only slower, never different.
+_ZERO = 0
 
 
 @dataclass
@@ -101,19 +111,23 @@ class KVCacheManager:
         """vLLM 0.33's arguments, in its order (docs/vllm-differences.md lists what differs).
 
         `scheduler_block_size` defaults to the LCM of the group block sizes and,
-        when given, must equal it; `hash_block_size` defaults to the smallest
-        group block size. Features jaxkv does not have (EAGLE, hash lookahead,
-        context parallelism, a watermark) must be left at their defaults.
+        when given, must equal it; `hash_block_size` defaults to vLLM's choice
+        (`resolve_kv_cache_block_sizes`: the group block size, or the GCD of a
+        hybrid's). `use_eagle` drops the last matched block of EAGLE groups;
+        `num_prefill_lookahead` (multi-token MTP) keeps its re-prefilled tokens
+        out of the cache. Features jaxkv does not have (hash lookahead, context
+        parallelism, a watermark) must be left at their defaults.
         """
         check_int("max_model_len", max_model_len, min_value=1)
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
         if not kv_cache_config.kv_cache_groups:
             raise ValueError("kv_cache_config needs at least one KV cache group")
+        lcm_block_size, default_hash_block_size = resolve_kv_cache_block_sizes(
+            kv_cache_config, enable_caching
+        )
         if hash_block_size is None:
-            hash_block_size = min(
-                g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-            )
+            hash_block_size = default_hash_block_size
         check_int("hash_block_size", hash_block_size, min_value=1)
         if max_in_flight_tokens is not None:
             check_int("max_in_flight_tokens", max_in_flight_tokens, min_value=1)
@@ -124,10 +138,10 @@ class KVCacheManager:
             ("track_freed_block_ids", track_freed_block_ids),
         ):
             check_bool(name, value)
+        check_bool("use_eagle", use_eagle)
+        check_int("num_prefill_lookahead", num_prefill_lookahead, min_value=0)
         unsupported = {
-            "use_eagle": (use_eagle, False),
             "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
-            "num_prefill_lookahead": (num_prefill_lookahead, 0),
             "dcp_world_size": (dcp_world_size, 1),
             "pcp_world_size": (pcp_world_size, 1),
             "watermark": (watermark, 0.0),
@@ -148,13 +162,16 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.coordinator = KVCacheCoordinator(
+        self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
             enable_caching,
+            lcm_block_size,
             hash_block_size,
-            enable_kv_cache_events,
-            track_freed_block_ids,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            track_freed_block_ids=track_freed_block_ids,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
@@ -165,6 +182,11 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
+        # (spec kind, sliding window) per group, for the BlockStored events.
+        self._event_metadata = tuple(
+            (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
         self.num_kv_cache_groups = self.coordinator.num_groups
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = 0
@@ -172,14 +194,16 @@ class KVCacheManager:
         # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
         # hash was removed, its blocks are known to be this pool's cached blocks.
         self._last_lookup: tuple[KVCacheBlocks, int, int] | None = None
-        # request id -> `_get_slot_state(request)` for every request holding blocks,
+        # Request -> `_get_slot_state(request)` for every request holding blocks (keyed by
+        # the object, so a second Request with a running request's id never matches),
         # refreshed after every change to its blocks: a step that needs no new block and
-        # fills no block (most decode steps) is answered from it without visiting the
-        # per-group managers (off for attention types that release blocks as a request
-        # advances). The Request object is kept so a second object with a running
-        # request's id is refused.
-        self._slot_state: dict[str, tuple[Request, int, int]] = {}
-        self._use_slot_state = not self.coordinator.skipping_managers
+        # fills no block (most decode steps) nor releases one that left an attention
+        # window is answered from it without visiting the per-group managers.
+        self._slot_state: dict[Request, tuple[int, int, int]] = {}
+        # Off (tests only), every step takes the general path: the state is a shortcut.
+        self._use_slot_state = True
+        # request id -> the Request object holding blocks under that id.
+        self._running: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
@@ -231,8 +255,13 @@ class KVCacheManager:
 
         The hit is the longest cached prefix, block aligned, of at most
         `max_cache_hit_length` tokens (default `num_tokens - 1`: the last token
-        is always recomputed for its logits). `shared_prefix_boundary` is vLLM's
-        pin for sparse-retention groups; jaxkv does not pin, so it is 0.
+        is always recomputed for its logits).
+
+        `shared_prefix_boundary` (0 unless hybrid): where some group's cached
+        prefix runs past the hit every group agrees on, i.e. a shared prefix a
+        sliding-window or Mamba group has not cached yet. As vLLM's scheduler
+        does, store it in `request.shared_prefix_boundary`: sparse retention
+        then keeps the blocks ending there, so the junction stays reusable.
         """
         self._check_request(request)
         if max_cache_hit_length is None:
@@ -241,7 +270,7 @@ class KVCacheManager:
             check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
         if self.prefix_cache_stats is not None:
@@ -251,7 +280,7 @@ class KVCacheManager:
         hits = self.create_kv_cache_blocks(blocks)
         if num_hit_tokens:
             self._last_lookup = (hits, num_hit_tokens, self.block_pool.num_hash_removals)
-        return hits, num_hit_tokens, 0
+        return hits, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
 
     def allocate_slots(
         self,
@@ -275,73 +304,152 @@ class KVCacheManager:
         became full are cached, but never past `request.num_tokens` (unverified
         speculative tokens are not cached) and not at all with
         `delay_cache_blocks`. `full_sequence_must_fit` admits only when the
-        whole request fits; `reserved_blocks` stay free for others. KV-connector
-        and encoder-decoder arguments (`num_external_computed_tokens`,
-        `num_encoder_tokens`) must be 0.
-        """
-        state = self._slot_state.get(request.request_id)
-        if (
-            state is not None
-            and state[0] is request
-            and type(num_new_tokens) is int
-            and 0 < num_new_tokens
-            and new_computed_blocks is None
-            and num_new_computed_tokens == 0
-            and type(num_lookahead_tokens) is int
-            and 0 <= num_lookahead_tokens
-            and not full_sequence_must_fit
-            and reserved_blocks == 0
-            and num_external_computed_tokens == 0
-            and self._step_changes_nothing(
-                state, request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
-            )
-        ):
-            # Most decode steps: the request's blocks hold the new tokens and no block
-            # fills up, so nothing changes; answered without visiting the groups.
-            return self.empty_kv_cache_blocks
-        return self._allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-        )
+        whole request fits; `reserved_blocks` stay free for others.
+        `num_encoder_tokens` sizes cross-attention groups (encoder-decoder
+        models). `num_external_computed_tokens` (KV connector) must be 0.
 
-    def _step_changes_nothing(
-        self,
-        state: tuple[Request, int, int],
-        request: Request,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> bool:
-        """Whether a step of a request already holding blocks needs no block and caches none.
-
-        `state` is the request's (Request, tokens its blocks hold, token count at
-        which its next block is full); `_allocate_slots` would allocate nothing
-        and cache nothing for such a step.
+        Hybrid models: blocks a sliding-window, chunked-local or Mamba group no
+        longer reads are released first (as vLLM does), even when the
+        allocation then returns None; they are never read again.
         """
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        return (
-            num_tokens + num_lookahead_tokens <= state[1]
-            and num_tokens <= self.max_model_len
+        try:
+            state = self._slot_state.get(request)
+        except TypeError:  # unhashable: not a Request
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+        # The counts of most steps: no KV-connector, encoder or reservation arguments, and
+        # integers in range. Anything else is checked in detail below, before any change.
+        plain_counts = (
+            type(num_new_tokens) is int
+            and num_new_tokens > 0
+            and num_external_computed_tokens is reserved_blocks is num_encoder_tokens is _ZERO
             and (
-                delay_cache_blocks
-                or not self.enable_caching
-                or self._num_tokens_to_cache(request, num_tokens) < state[2]
+                num_lookahead_tokens is _ZERO
+                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
             )
         )
-
-    @staticmethod
-    def _num_tokens_to_cache(request: Request, num_tokens: int) -> int:
-        """Tokens whose full blocks get cached: never unverified (speculative) ones."""
-        num_verified = request.num_tokens
-        return num_tokens if num_tokens < num_verified else num_verified
+        if plain_counts and num_new_computed_tokens is _ZERO:
+            if state is not None and new_computed_blocks is None and not full_sequence_must_fit:
+                # Most decode steps: the request's blocks hold the new tokens, no block
+                # fills up and none leaves an attention window, so the general path below
+                # would change nothing. `state` holds the three limits it derived for this
+                # request (see `_get_slot_state`).
+                num_tokens = request.num_computed_tokens + num_new_tokens
+                if num_tokens + num_lookahead_tokens <= state[0] and (
+                    delay_cache_blocks
+                    # i.e. min(num_tokens, request.num_tokens) < state[1]
+                    or num_tokens < state[1]
+                    or request.num_tokens < state[1]
+                ):
+                    if request.num_computed_tokens >= state[2]:
+                        # All the general path would do: release the blocks that left an
+                        # attention window.
+                        self.coordinator.remove_skipped_blocks(
+                            request.request_id, request.num_computed_tokens
+                        )
+                        self._slot_state[request] = self._get_slot_state(request)
+                    return self.empty_kv_cache_blocks
+        elif not (
+            plain_counts and type(num_new_computed_tokens) is int and num_new_computed_tokens > 0
+        ):
+            self._check_counts(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
+            )
+        # Every other step. A request is checked at its first allocation (one with a
+        # `state` holds blocks under exactly this object, and was checked then).
+        if state is None:
+            try:
+                request_id = request.request_id
+            except AttributeError:
+                raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+            holder = self._running.get(request_id)
+            if holder is not None:
+                raise ValueError(
+                    f"request id {request_id!r} belongs to a running request; a second "
+                    "Request object with that id cannot share its blocks (free the first one)"
+                )
+            self._check_request(request)
+        else:
+            request_id = request.request_id
+        coordinator = self.coordinator
+        hit_blocks = (
+            None
+            if new_computed_blocks is None and not num_new_computed_tokens
+            else self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
+        )
+        max_model_len = self.max_model_len
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed_tokens + num_new_tokens
+        if num_tokens > max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
+                f"tokens exceed max_model_len={max_model_len}"
+            )
+        num_tokens_to_cache = request.num_tokens
+        if num_tokens < num_tokens_to_cache:  # never unverified (speculative) tokens
+            num_tokens_to_cache = num_tokens
+        cache = self.enable_caching and not delay_cache_blocks
+        if cache:
+            # Checked before any change: caching below would fail half-way otherwise.
+            num_to_cache = num_tokens_to_cache // self.hash_block_size
+            if len(request.block_hashes) < num_to_cache:
+                raise ValueError(
+                    f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
+                    f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
+                    f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
+                )
+        hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
+        free_block_queue = self.block_pool.free_block_queue
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, max_model_len)
+            num_blocks_full = coordinator.get_num_blocks_to_allocate(
+                request_id, num_full, hits_or_none, num_encoder_tokens, num_computed_tokens
+            )
+            if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
+                return None
+        num_tokens_need_slot = num_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        if coordinator.skipping_managers:
+            # As vLLM, before counting: blocks that left the attention window are
+            # released even when the allocation then fails (they are never read again).
+            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
+            num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+        else:
+            num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens_need_slot,
+                hits_or_none,
+                num_encoder_tokens,
+                num_computed_tokens,
+            )
+        if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
+            return None
+        if hit_blocks is not None:
+            # Two-phase: every group takes its hits before any group takes new blocks.
+            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
+        # Nothing to allocate in any group (most decode steps): skip the per-group calls.
+        new_blocks = (
+            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_encoder_tokens)
+            if num_blocks_to_allocate
+            else None
+        )
+        # A running request's `state` says when its next block fills: below that, caching
+        # would stamp nothing (half the steps that allocate a block).
+        if cache and (state is None or num_tokens_to_cache >= state[1]):
+            coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
+        if state is None:
+            self._running[request_id] = request
+        self._slot_state[request] = self._get_slot_state(request)
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return self.create_kv_cache_blocks(new_blocks)
 
     def _check_counts(
         self,
@@ -358,20 +466,17 @@ class KVCacheManager:
         check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
         check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
         check_int("reserved_blocks", reserved_blocks, min_value=0)
+        check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
         if num_new_tokens <= 0:
             raise ValueError(
                 f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), "
                 f"got {num_new_tokens}"
             )
-        for name, value in (
-            ("num_external_computed_tokens", num_external_computed_tokens),
-            ("num_encoder_tokens", num_encoder_tokens),
-        ):
-            if check_int(name, value, min_value=0):
-                raise ValueError(
-                    f"{name}={value} is not supported by jaxkv (no KV connector, no "
-                    "cross-attention); it must be 0"
-                )
+        if check_int("num_external_computed_tokens", num_external_computed_tokens, min_value=0):
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
+                "by jaxkv (no KV connector); it must be 0"
+            )
 
     def _check_hits(
         self,
@@ -401,153 +506,106 @@ class KVCacheManager:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
         if self.coordinator.holds_blocks(rid):
             raise ValueError(
-                f"request {rid!r} already holds blocks; cache hits can only be "
-                "added when a request is first scheduled"
+                f"request {rid!r} already holds blocks; cache hits (new_computed_blocks) can "
+                "only be added when a request is first scheduled"
             )
         if len(hits) != self.num_kv_cache_groups:
             raise ValueError(
                 f"new_computed_blocks has {len(hits)} groups, this manager "
                 f"{self.num_kv_cache_groups}"
             )
-        pool_blocks = self.block_pool.blocks
         last, self._last_lookup = self._last_lookup, None
-        known = last is not None and (
+        if last is not None and (
             last[0] is new_computed_blocks
             and last[1] == num_new_computed_tokens
             and last[2] == self.block_pool.num_hash_removals
-        )
+        ):
+            return hits  # the lookup's own result, and no hash was removed since
+        pool_blocks = self.block_pool.blocks
         for group_id, (manager, group_hits) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
-            expected = num_new_computed_tokens // manager.block_size
+            if not manager.kv_cache_spec.prefix_cacheable:
+                expected = 0  # cross-attention never hits
+            else:
+                expected = num_new_computed_tokens // manager.block_size
             if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
                 raise ValueError(
                     f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
-                    f"not match the {len(group_hits)} hit blocks of group {group_id} (block "
-                    f"size {manager.block_size}); pass what get_computed_blocks returned"
+                    f"not match new_computed_blocks' {len(group_hits)} hit blocks of group "
+                    f"{group_id} (block size {manager.block_size}); pass what "
+                    "get_computed_blocks returned"
                 )
-            if known:  # the lookup's own result, no hash removed since
-                continue
             # Only attention types that skip blocks may hold the null block in a hit.
             null_allowed = manager in self.coordinator.skipping_managers
-            seen: set[int] = set()
-            for block in group_hits:
-                block_id = getattr(block, "block_id", None)
-                if block_id is None or not (
-                    type(block_id) is int
-                    and 0 <= block_id < len(pool_blocks)
-                    and pool_blocks[block_id] is block
-                ):
-                    raise ValueError(
-                        f"request {rid!r}: hit block {block!r} is not a block of this pool"
-                    )
-                if block.is_null:
-                    if null_allowed:
+            try:
+                for block in group_hits:  # the common case in one pass; errors below
+                    if pool_blocks[block.block_id] is not block or (
+                        block._group_id != group_id or block._block_hash is None
+                    ):
+                        break
+                else:
+                    if len(set(map(id, group_hits))) == len(group_hits):
                         continue
-                    raise ValueError(f"request {rid!r}: the null block cannot be a cache hit")
-                if block._block_hash is None or block._group_id != group_id:
-                    raise ValueError(
-                        f"request {rid!r}: hit block {block_id} is not a cached block of group "
-                        f"{group_id}"
-                    )
-                if block_id in seen:
-                    raise ValueError(f"request {rid!r}: hit block {block_id} is given twice")
-                seen.add(block_id)
+            except (AttributeError, IndexError, TypeError):
+                pass
+            self._refuse_hits(rid, group_id, group_hits, null_allowed)
         return hits
 
-    def _allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-    ) -> KVCacheBlocks | None:
-        """`allocate_slots` for every step the slot-state shortcut does not answer."""
-        self._check_request(request)
-        self._check_counts(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
-        )
-        request_id = request.request_id
-        coordinator = self.coordinator
-        state = self._slot_state.get(request_id)
-        if state is not None and state[0] is not request:
-            raise ValueError(
-                f"request id {request_id!r} belongs to a running request; a second Request "
-                "object with that id cannot share its blocks (free the first one)"
-            )
-        hit_blocks = self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
-        max_model_len = self.max_model_len
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens = num_computed_tokens + num_new_tokens
-        if num_tokens > max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
-                f"tokens exceed max_model_len={max_model_len}"
-            )
-        num_tokens_to_cache = self._num_tokens_to_cache(request, num_tokens)
-        cache = self.enable_caching and not delay_cache_blocks
-        if cache:
-            # Checked before any change: caching below would fail half-way otherwise.
-            num_to_cache = num_tokens_to_cache // self.hash_block_size
-            if len(request.block_hashes) < num_to_cache:
+    def _refuse_hits(
+        self, rid: str, group_id: int, group_hits: Sequence[object], null_allowed: bool
+    ) -> None:
+        """Raise the ValueError naming what is wrong with group `group_id`'s hit blocks
+        (not this pool's, the null block, not cached in the group, given twice); return
+        if nothing is (null blocks where the attention type allows them)."""
+        pool_blocks = self.block_pool.blocks
+        seen: set[int] = set()
+        for block in group_hits:
+            block_id = getattr(block, "block_id", None)
+            if not (
+                type(block_id) is int
+                and 0 <= block_id < len(pool_blocks)
+                and pool_blocks[block_id] is block
+            ):
                 raise ValueError(
-                    f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
-                    f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
-                    f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
+                    f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
+                    "a block of this pool"
                 )
-        hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
-        available = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
-        if full_sequence_must_fit:
-            num_full = min(request.num_tokens, max_model_len)
-            num_blocks_full = coordinator.get_num_blocks_to_allocate(
-                request_id, num_full, hits_or_none
-            )
-            if num_blocks_full > available:
-                return None
-        num_tokens_need_slot = num_tokens + num_lookahead_tokens
-        if num_tokens_need_slot > max_model_len:
-            num_tokens_need_slot = max_model_len
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits_or_none
-        )
-        if num_blocks_to_allocate > available:
-            return None
-        if coordinator.skipping_managers:
-            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
-        if hit_blocks is not None:
-            self.block_pool.touch_checked(hit_blocks)
-            coordinator.save_new_computed_blocks(request_id, hit_blocks)
-        # Nothing to allocate in any group (most decode steps): skip the per-group calls.
-        new_blocks = (
-            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
-            if num_blocks_to_allocate
-            else None
-        )
-        if cache:
-            coordinator.cache_blocks(request, num_tokens_to_cache)
-        self._slot_state[request_id] = self._get_slot_state(request)
-        if new_blocks is None:
-            return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(new_blocks)
+            if block.is_null:  # type: ignore[attr-defined]
+                if null_allowed:
+                    continue
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds the null block, which "
+                    "cannot be a cache hit"
+                )
+            if block._block_hash is None or block._group_id != group_id:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
+                    f"is not a cached block of group {group_id}"
+                )
+            if block_id in seen:
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds block {block_id} twice"
+                )
+            seen.add(block_id)
 
-    def _get_slot_state(self, request: Request) -> tuple[Request, int, int]:
-        """The `_slot_state` entry of a request holding blocks (capacity 0 when the shortcut
-        is off, so it never answers)."""
-        if self._use_slot_state:
-            return (request, *self.coordinator.get_slot_state(request.request_id))
-        return (request, 0, 0)
+    def _get_slot_state(self, request: Request) -> tuple[int, int, int]:
+        """The `_slot_state` entry of a request holding blocks.
+
+        (the most tokens plus lookahead a step may reach without `allocate_slots`
+        allocating a block, the number of tokens to cache at which it would cache
+        one, the computed-token count at which it would release a block that left
+        an attention window): the first is the tokens the request's blocks hold,
+        capped at `max_model_len`; the second the token count that fills the next
+        block, or never when caching is off; the third never without sliding-window,
+        chunked-local or Mamba groups.
+        """
+        if not self._use_slot_state:
+            return (0, 0, 0)  # nothing is answered from it
+        capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
+        return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
@@ -558,21 +616,27 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
+        self._check_request(request)
+        check_int("num_computed_tokens", num_computed_tokens, min_value=0)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
-            if request.request_id in self._slot_state:
-                self._slot_state[request.request_id] = self._get_slot_state(request)
+            if request in self._slot_state:
+                self._slot_state[request] = self._get_slot_state(request)
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a jaxkv Request, got {request!r}")
-        self._slot_state.pop(request.request_id, None)
+        holder = self._running.pop(request.request_id, None)
+        if holder is not None:
+            del self._slot_state[holder]
         self.coordinator.free(request.request_id)
 
     # -- queries -------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -584,7 +648,7 @@ class KVCacheManager:
         """Per group, the leading blocks of `running_request_id` that every running request
         holds; `num_running_requests` defaults to the number of requests holding blocks."""
         if num_running_requests is None:
-            num_running_requests = len(self._slot_state)
+            num_running_requests = len(self._running)
         check_int("num_running_requests", num_running_requests, min_value=0)
         return self.coordinator.get_num_common_prefix_blocks(
             running_request_id, num_running_requests
@@ -610,7 +674,16 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The step's events; `BlockStored` carries its group's spec kind and window."""
+        events = self.block_pool.take_events()
+        metadata = self._event_metadata
+        for i, event in enumerate(events):
+            if type(event) is BlockStored:
+                kind, window = metadata[event.group_idx]
+                events[i] = replace(
+                    event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     def take_freed_block_ids(self) -> np.ndarray:
         return self.block_pool.take_freed_block_ids()

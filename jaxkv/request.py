@@ -7,6 +7,7 @@ full. Hashes already computed are never recomputed.
 
 from __future__ import annotations
 
+import array
 import enum
 import itertools
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv._checks import TOKEN_ID_LIMIT, check_bool, check_int, check_str, check_token_ids
+from jaxkv._checks import check_bool, check_int, check_str, check_token_ids
 from jaxkv.hashing import BlockHash
 from jaxkv.request_hashing import RequestBlockHasher
 
@@ -112,6 +113,10 @@ class MultiModalFeatureSpec:
         if self.is_embed is None:
             return self.length  # type: ignore[return-value]
         return int(self.is_embed.sum())
+
+
+def _offset(feature: MultiModalFeatureSpec) -> int:
+    return feature.offset  # type: ignore[return-value]
 
 
 class AllTokenIds(Sequence[int]):
@@ -219,7 +224,8 @@ class Request:
         max_tokens: int | None = None,
         skip_reading_prefix_cache: bool | None = None,
     ) -> None:
-        check_str("request_id", request_id)
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
@@ -227,18 +233,37 @@ class Request:
         self.priority = priority
         self.arrival_time = 0.0 if arrival_time is None else arrival_time
         if max_tokens is None:
-            max_tokens = getattr(sampling_params, "max_tokens", 16)
             if pooling_params is not None:
                 max_tokens = 1
-        self.max_tokens = check_int("max_tokens", max_tokens, min_value=0)
-        for params in (sampling_params, pooling_params):
-            if skip_reading_prefix_cache is None:
-                skip_reading_prefix_cache = getattr(params, "skip_reading_prefix_cache", None)
+            elif sampling_params is not None:
+                max_tokens = sampling_params.max_tokens
+            else:
+                max_tokens = 16
+        if type(max_tokens) is not int or max_tokens < 0:
+            check_int("max_tokens", max_tokens, min_value=0)
+        self.max_tokens = max_tokens
+        if skip_reading_prefix_cache is None:
+            for params in (sampling_params, pooling_params):
+                if params is not None and skip_reading_prefix_cache is None:
+                    skip_reading_prefix_cache = getattr(params, "skip_reading_prefix_cache", None)
         self.skip_reading_prefix_cache = skip_reading_prefix_cache is not None and check_bool(
             "skip_reading_prefix_cache", skip_reading_prefix_cache
         )
-        # A list is kept, not copied (as vLLM does): the request never mutates it.
-        self.prompt_token_ids: list[int] = check_token_ids("prompt_token_ids", prompt_token_ids)
+        # A list is kept, not copied (as vLLM does): the request never mutates it. Its
+        # ids are checked by packing them into the array the block hasher reads:
+        # uint32 when they fit, else int64 (rejecting floats, strings, nested lists, and
+        # ids outside [0, 2**63)).
+        if type(prompt_token_ids) is not list:
+            prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
+        try:
+            self._prompt_packed = array.array("I", prompt_token_ids)
+        except TypeError:
+            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises, naming the id
+            raise
+        except OverflowError:
+            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises if out of range
+            self._prompt_packed = array.array("q", prompt_token_ids)
+        self.prompt_token_ids: list[int] = prompt_token_ids
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.num_prompt_tokens == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -250,7 +275,7 @@ class Request:
                     f"({self.num_prompt_tokens}, hidden), got {prompt_embeds.shape}"
                 )
         self.prompt_embeds = prompt_embeds
-        features = [] if mm_features is None else list(mm_features)
+        features = [] if not mm_features else list(mm_features)
         for feature in features:
             if not isinstance(feature, MultiModalFeatureSpec):
                 raise TypeError(
@@ -263,18 +288,21 @@ class Request:
                     f"spans [{feature.offset}, {feature.offset + feature.length}) but the "
                     f"prompt has {self.num_prompt_tokens} tokens"
                 )
-        self.mm_features = sorted(features, key=lambda f: f.offset)
+        self.mm_features = sorted(features, key=_offset) if features else features
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
         self.lora_request = lora_request
-        # "" means no salt, as in vLLM.
-        self.cache_salt = check_str("cache_salt", cache_salt, allow_none=True) or None
+        if cache_salt is not None and type(cache_salt) is not str:
+            check_str("cache_salt", cache_salt, allow_none=True)
+        self.cache_salt = cache_salt or None  # "" means no salt, as in vLLM
         if block_hasher is not None and not isinstance(block_hasher, RequestBlockHasher):
             raise TypeError(
                 "block_hasher must come from get_request_block_hasher (it declares the block "
                 f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"
             )
         self.block_hasher = block_hasher
+        # The hasher's bound __call__: calling it directly skips the instance-call lookup.
+        self._hash_new_blocks = None if block_hasher is None else block_hasher.__call__
         self.output_token_ids: list[int] = []
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
@@ -298,6 +326,12 @@ class Request:
         )
 
     @property
+    def prompt_token_array(self) -> np.ndarray:
+        """The prompt's ids as a read-only numpy array (uint32 when they fit, else int64)."""
+        packed = self._prompt_packed
+        return np.frombuffer(packed, dtype=np.uint32 if packed.typecode == "I" else np.int64)
+
+    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
@@ -311,25 +345,29 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append one token id or a sequence of them; a bad id raises before anything changes."""
-        if type(token_ids) is not int and isinstance(token_ids, (int, np.integer)):
-            if isinstance(token_ids, (bool, np.bool_)):
-                raise TypeError(
-                    f"request {self.request_id!r}: token_ids must be integers, got {token_ids!r}"
-                )
-            token_ids = int(token_ids)  # numpy integers stored as plain ints
-        if type(token_ids) is int:
-            if not 0 <= token_ids < TOKEN_ID_LIMIT:
-                raise ValueError(
-                    f"request {self.request_id!r}: token_ids must be in [0, 2**63), got {token_ids}"
-                )
+        if type(token_ids) is int and 0 <= token_ids <= 0x7FFFFFFFFFFFFFFF:  # < 2**63
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
         else:
-            token_ids = check_token_ids("token_ids", token_ids)
+            token_ids = self._check_appended(token_ids)
             self.output_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
         if self.num_tokens >= self._next_hash_at:
             self._update_block_hashes()
+
+    def _check_appended(self, token_ids: object) -> list[int]:
+        """`append_output_token_ids`'s argument as a checked list of ids (numpy ints become
+        ints); TypeError/ValueError naming the request otherwise."""
+        if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
+            token_ids = [int(token_ids)]
+        elif isinstance(token_ids, (bool, np.bool_)):
+            raise TypeError(
+                f"request {self.request_id!r}: token_ids must be integers, got {token_ids!r}"
+            )
+        try:
+            return check_token_ids("token_ids", token_ids)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"request {self.request_id!r}: {error}") from None
 
     def get_num_encoder_embeds(self, input_id: int) -> int:
         if type(input_id) is not int or not 0 <= input_id < len(self.mm_features):
@@ -343,5 +381,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         # The hasher is only called once a block has filled.
         if self.num_tokens >= self._next_hash_at:
-            self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
+            self.block_hashes.extend(self._hash_new_blocks(self))  # type: ignore[misc]
             self._next_hash_at = (len(self.block_hashes) + 1) * self.hash_block_size  # type: ignore[operator]

@@ -155,8 +155,9 @@ class BlockHashMemo:
     """
 
     def __init__(self, hash_fn: BlockHashFunction, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"memo capacity must be positive, got {capacity}")
+        check_int("capacity", capacity, min_value=1)
+        if not isinstance(hash_fn, BlockHashFunction):
+            raise TypeError(f"hash_fn must come from get_hash_fn_by_name, got {hash_fn!r}")
         self.hash_fn = hash_fn
         self.capacity = capacity
         self._runs: OrderedDict[tuple[bytes, bytes, object], _HashedRun] = OrderedDict()
@@ -175,7 +176,7 @@ class BlockHashMemo:
         """Same result as `hash_fn.hash_blocks`, reusing a memoized shared prefix."""
         num_blocks = len(extra_keys)
         if num_blocks <= MEMO_BYPASS_BLOCKS:
-            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
+            return self.hash_fn.hash_checked_blocks(parent, token_ids, block_size, extra_keys)
         tokens = tokens_to_array(token_ids)
         data = tokens.tobytes()
         stride = len(data) // num_blocks
@@ -194,7 +195,7 @@ class BlockHashMemo:
             self._runs.move_to_end(key)
             return run.hashes[:num_blocks]  # type: ignore[union-attr]
         hashes = run.hashes[:num_shared] if num_shared else []  # type: ignore[union-attr]
-        hashes += self.hash_fn.hash_blocks(
+        hashes += self.hash_fn.hash_checked_blocks(
             hashes[-1] if hashes else parent,
             tokens[num_shared * block_size :],
             block_size,
@@ -244,7 +245,7 @@ class RequestBlockHasher:
             self.memo = BlockHashMemo(hash_fn, memo_capacity)
             self._hash_blocks = self.memo.hash_blocks
         else:
-            self._hash_blocks = hash_fn.hash_blocks
+            self._hash_blocks = hash_fn.hash_checked_blocks
 
     def __repr__(self) -> str:
         return f"RequestBlockHasher(block_size={self.block_size}, hash_fn={self.hash_fn!r})"
@@ -265,7 +266,12 @@ class RequestBlockHasher:
         else:
             extra = [None] * (num_full - num_hashed)
         parent = request.block_hashes[-1] if num_hashed else self.none_hash
-        return self._hash_blocks(parent, request.all_token_ids[start:end], block_size, extra)
+        if num_full - num_hashed > MEMO_BYPASS_BLOCKS and end <= request.num_prompt_tokens:
+            # A long run of the prompt: its ids are already packed in an array.
+            tokens = request.prompt_token_array[start:end]
+        else:
+            tokens = request.all_token_ids[start:end]
+        return self._hash_blocks(parent, tokens, block_size, extra)
 
 
 def _hash_blocks_one_by_one(

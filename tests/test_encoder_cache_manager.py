@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _state import encoder_state
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
@@ -19,18 +20,6 @@ from jaxkv.encoder_cache_manager import (
     compute_encoder_budget,
 )
 from jaxkv.request import MultiModalFeatureSpec, Request
-
-
-def encoder_state(manager) -> tuple:
-    """Everything an encoder cache manager's behaviour depends on, comparable."""
-    return (
-        manager.num_free_slots,
-        getattr(manager, "num_freeable_slots", None),
-        {k: set(v) for k, v in getattr(manager, "cached", {}).items()},
-        list(getattr(manager, "freeable", {}).items()),
-        list(getattr(manager, "freed", getattr(manager, "allocated", []))),
-        {k: dict(v) for k, v in manager._held.items()},
-    )
 
 
 def make_request(request_id: str, *items: tuple[str, int]) -> Request:

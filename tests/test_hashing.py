@@ -485,7 +485,7 @@ def test_negative_token_rejected(fn, num_blocks):
     ("tokens", "block_size", "num_blocks"), [([], 0, 1), ([1, 2], 2, 2), ([1, 2, 3], 2, 1)]
 )
 def test_hash_blocks_rejects_mismatched_counts(tokens, block_size, num_blocks):
-    with pytest.raises(ValueError, match="positive block size and"):
+    with pytest.raises(ValueError, match="block_size must be >= 1|positive block size and"):
         SHA_CBOR.hash_blocks(b"p" * 32, tokens, block_size, [None] * num_blocks)
 
 
@@ -501,10 +501,10 @@ class CountingHasher(hashing.BlockHashFunction):
         self.tokens_hashed = 0
         self.calls = 0
 
-    def hash_blocks(self, parent, tokens, block_size, extra_keys):
+    def hash_checked_blocks(self, parent, tokens, block_size, extra_keys):
         self.calls += 1
         self.tokens_hashed += len(tokens)
-        return super().hash_blocks(parent, tokens, block_size, extra_keys)
+        return super().hash_checked_blocks(parent, tokens, block_size, extra_keys)
 
 
 def test_incremental_hashing_never_recomputes():
@@ -778,7 +778,7 @@ def test_block_hash_list_with_block_size():
 
 @pytest.mark.parametrize("hash_bs,target", [(4, 6), (4, 2), (3, 0), (0, 4), (4, -4)])
 def test_block_hash_list_non_multiple_rejected(hash_bs, target):
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match="multiple|block_size must be >= 1"):
         BlockHashListWithBlockSize([], hash_bs, target)
 
 

@@ -412,7 +412,10 @@ def test_events_content():
             block_size=BS,
             lora_id=7,
             medium="GPU",
+            lora_name="ad",
+            extra_keys=[("ad",), ("ad",)],  # untagged, one entry per block
             group_idx=0,
+            kv_cache_spec_kind="full_attention",
         )
     ]
     assert m.take_events() == []
@@ -426,6 +429,9 @@ def test_events_content():
             token_ids=[8, 9, 10, 11],
             block_size=BS,
             lora_id=7,
+            lora_name="ad",
+            extra_keys=[("ad",)],
+            kv_cache_spec_kind="full_attention",
         )
     ]
     m.free(a)
@@ -442,6 +448,7 @@ def test_events_content():
             token_ids=list(range(100, 112)),
             block_size=BS,
             lora_id=None,
+            kv_cache_spec_kind="full_attention",
         ),
     ]
 
@@ -693,7 +700,10 @@ def test_two_groups_different_block_sizes():
     assert pool.blocks[6].block_hash == key(a.block_hashes[1], 1)
     assert pool.blocks[7].block_hash == key(a.block_hashes[3], 1)
     assert pool.blocks[8].block_hash is None
-    assert pool.blocks[5].block_hash == key(a.block_hashes[4], 0)
+    # As vLLM 0.33's hybrid coordinator: only the scheduler-block-aligned 16 tokens are
+    # cached (a hit can never end at 20), so group 0's fifth block stays unhashed.
+    assert pool.blocks[4].block_hash == key(a.block_hashes[3], 0)
+    assert pool.blocks[5].block_hash is None
     blocks, num_hit, _ = m.get_computed_blocks(make_request("b", [*range(20), 1, 2, 3, 4]))
     assert (num_hit, blocks.get_block_ids()) == (16, ([1, 2, 3, 4], [6, 7]))
     # 12 shared tokens: group 0 could serve 12, but hits are multiples of 8.
