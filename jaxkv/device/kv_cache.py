@@ -485,6 +485,8 @@ class PagedKVCache:
         return fn(kv, q, new_k, new_v, metadata, *extra)
 
     def _on_mesh(self, x: jax.Array, spec: P) -> jax.Array:
+        if isinstance(x, jax.core.Tracer):  # `step` called inside the caller's jit
+            return x
         want = NamedSharding(self.mesh, spec)
         if isinstance(x, jax.Array) and x.committed and x.sharding == want:
             return x
