@@ -101,7 +101,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             SchedulerConfig(
-                max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
                 max_model_len=c.max_model_len,
                 long_prefill_token_threshold=c.long_prefill_token_threshold,
             ),  # fmt: skip

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.block_table import BlockTable
 from jaxkv.device import (
@@ -122,8 +123,11 @@ class ModelRunner:
             width = -(-max_model_len // bs)
             self.packers.append(
                 StepMetadataPacker(
-                    max_num_tokens=max_num_batched_tokens, max_num_reqs=max_num_seqs,
-                    max_blocks_per_req=width, block_size=bs, num_blocks=num_blocks,
+                    max_num_tokens=max_num_batched_tokens,
+                    max_num_reqs=max_num_seqs,
+                    max_blocks_per_req=width,
+                    block_size=bs,
+                    num_blocks=num_blocks,
                 )  # fmt: skip
             )
             self.tables.append(BlockTable(bs, max_num_seqs, width, num_blocks))
@@ -148,7 +152,9 @@ class ModelRunner:
             if self.encoder_store is not None
             else None
         )
-        self.sampled = jnp.zeros(max_num_seqs, jnp.int32)  # the last step's tokens, on device
+        # The last step's tokens, on device, placed as the step places its output (so the
+        # first step compiles the same program as the others).
+        self.sampled = self.paged[0].put(np.zeros(max_num_seqs, np.int32), P())
         self._rows: dict[str, int] = {}  # request id -> its row in the last step
         self.num_encoded = 0
 
@@ -200,7 +206,9 @@ class ModelRunner:
         total = int(query_lens.sum())
         rows = np.repeat(np.arange(n), query_lens)
         cu = np.concatenate([[0], np.cumsum(query_lens)])
-        positions = np.repeat(starts, query_lens) + (np.arange(total) - np.repeat(cu[:-1], query_lens))
+        positions = np.repeat(starts, query_lens) + (
+            np.arange(total) - np.repeat(cu[:-1], query_lens)
+        )
         parts, shapes = [], []
         for g, (packer, table) in enumerate(zip(self.packers, self.tables, strict=True)):
             for i, s in enumerate(scheduled):
