@@ -1,37 +1,37 @@
-"""The serving engine: scheduler, model runner, sampling, `LLMEngine` (imports JAX).
+"""The serving engine: scheduler, model runner, sampling, `LLMEngine`.
 
-`jaxkv.engine.scheduler` alone is host-only (no JAX), for host benchmarks and tests.
+Names load lazily: `jaxkv.engine.scheduler` (and `Scheduler` & co. from here) never
+import JAX, so host-only benchmarks and tests can use the scheduler alone.
 """
 
-from jaxkv.engine.engine import EngineConfig, LLMEngine
-from jaxkv.engine.model_runner import ModelRunner, RowSampling, group_kv_cache_specs
-from jaxkv.engine.outputs import RequestOutput
-from jaxkv.engine.sampling import SamplingParams, sample_tokens
-from jaxkv.engine.scheduler import (
-    FinishReason,
-    RequestUpdate,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
-from jaxkv.engine.stats import EngineStats, StepStats
+from __future__ import annotations
 
-__all__ = [
-    "EngineConfig",
-    "EngineStats",
-    "FinishReason",
-    "LLMEngine",
-    "ModelRunner",
-    "RequestOutput",
-    "RequestUpdate",
-    "RowSampling",
-    "SamplingParams",
-    "ScheduledRequest",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerOutput",
-    "StepStats",
-    "group_kv_cache_specs",
-    "sample_tokens",
-]
+import importlib
+
+_EXPORTS = {
+    "EngineConfig": "engine",
+    "LLMEngine": "engine",
+    "ModelRunner": "model_runner",
+    "RowSampling": "model_runner",
+    "group_kv_cache_specs": "model_runner",
+    "RequestOutput": "outputs",
+    "SamplingParams": "sampling",
+    "sample_tokens": "sampling",
+    "FinishReason": "scheduler",
+    "RequestUpdate": "scheduler",
+    "ScheduledRequest": "scheduler",
+    "Scheduler": "scheduler",
+    "SchedulerConfig": "scheduler",
+    "SchedulerOutput": "scheduler",
+    "EngineStats": "stats",
+    "StepStats": "stats",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxkv.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxkv.engine.{module}"), name)
