@@ -13,7 +13,7 @@ import pytest
 
 from jaxkv.device import compilation_count
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.reference import DenseReference
+from jaxkv.engine.reference import DenseReference, image_offsets
 from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
 
 MAX_LEN = 192
@@ -194,17 +194,6 @@ def test_abort_frees_the_request_and_others_finish(text_model, text_reference) -
 # -- images -----------------------------------------------------------------------------
 
 
-def image_runs(prompt: list[int], image_token_id: int, n: int) -> list[int]:
-    offsets, i = [], 0
-    while i < len(prompt):
-        if prompt[i] == image_token_id:
-            offsets.append(i)
-            i += n
-        else:
-            i += 1
-    return offsets
-
-
 def image_prompt(rng, num_images: int) -> list[int]:
     prompt = rng.integers(3, 512, 5).tolist()
     for _ in range(num_images):
@@ -214,7 +203,7 @@ def image_prompt(rng, num_images: int) -> list[int]:
 
 def check_images(reference, outputs, images, cfg) -> None:
     for out, imgs in zip(outputs, images, strict=True):
-        offsets = image_runs(out.prompt_token_ids, cfg.image_token_id, cfg.num_image_tokens)
+        offsets = image_offsets(out.prompt_token_ids, cfg.image_token_id, cfg.num_image_tokens)
         assert len(offsets) == len(imgs)
         want = reference.expected(
             out.prompt_token_ids, out.output_token_ids, list(zip(offsets, imgs, strict=True))

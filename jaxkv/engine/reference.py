@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["DenseReference"]
+__all__ = ["DenseReference", "image_offsets"]
 
 
 class DenseReference:
@@ -62,3 +62,15 @@ class DenseReference:
         predicted = np.asarray(self._greedy(self._state, jnp.asarray(padded), embeds))
         start = len(prompt_token_ids) - 1
         return predicted[start : start + len(output_token_ids)].tolist()
+
+
+def image_offsets(prompt_token_ids: Sequence[int], image_token_id: int, length: int) -> list[int]:
+    """Start of each run of `length` image placeholder tokens (as the engine expands them)."""
+    offsets, i = [], 0
+    while i < len(prompt_token_ids):
+        if prompt_token_ids[i] == image_token_id:
+            offsets.append(i)
+            i += length
+        else:
+            i += 1
+    return offsets
