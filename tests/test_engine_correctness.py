@@ -18,7 +18,7 @@ from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
 
 MAX_LEN = 192
 BASE = EngineConfig(
-    block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_LEN
+    block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_LEN
 )
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -94,12 +94,12 @@ def test_tiny_chunks_match_dense(text_model, text_reference) -> None:
 
 def test_recurring_preemption_loses_nothing(text_model, text_reference) -> None:
     """A pool so small that requests are preempted again and again."""
-    config = dataclasses.replace(BASE, num_blocks=14, max_num_seqs=4)
-    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
-    engine, outputs = run(text_model, config, shared_prefix_prompts(8, seed=2), sampling)
+    config = BASE
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    engine, outputs = run(text_model, config, shared_prefix_prompts(10, seed=2), sampling)
     assert engine.scheduler.num_preemptions >= 5
     assert max(o.num_preemptions for o in outputs) >= 2, "some request preempted repeatedly"
-    assert_dense(text_reference, outputs, expected_len=24)
+    assert_dense(text_reference, outputs, expected_len=48)
     assert engine.kv_cache_manager.num_free_blocks == config.num_blocks - 1
 
 
@@ -115,7 +115,7 @@ def test_prefix_hit_and_miss_give_the_same_tokens(text_model, text_reference) ->
 
 def test_zeroing_freed_blocks_keeps_outputs(text_model) -> None:
     prompts = shared_prefix_prompts(6, seed=5)
-    config = dataclasses.replace(BASE, num_blocks=16)
+    config = BASE
     plain, a = run(text_model, config, prompts)
     zeroed, b = run(text_model, dataclasses.replace(config, zero_freed_blocks=True), prompts)
     assert zeroed.stats.total("num_freed_blocks") > 0
@@ -240,9 +240,8 @@ def test_images_with_tiny_chunks_and_preemption(image_model, image_reference) ->
     """Text cut before images, chunks through placeholders, a small pool."""
     cfg = image_model.config
     config = dataclasses.replace(
-        BASE, max_num_batched_tokens=8, num_blocks=14, encoder_compute_budget=16,
-        encoder_cache_size=32,
-    )  # fmt: skip
+        BASE, max_num_batched_tokens=8, encoder_compute_budget=16, encoder_cache_size=32
+    )
     rng = np.random.default_rng(13)
     pictures = [rng.standard_normal((3, 32, 32)).astype(np.float32) for _ in range(3)]
     images = [[pictures[i % 3], pictures[(i + 1) % 3]] for i in range(5)]

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxkv.device import compilation_count
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
-from jaxkv.engine.model_runner import ModelRunner, RowSampling
+from jaxkv.engine.model_runner import ModelRunner, RowSampling, image_inputs
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
@@ -76,11 +76,10 @@ class LLMEngine:
         mcfg = model.config
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (getattr(mcfg, "eos_token_ids", ()) or ()))
-        self.image_token_id = getattr(mcfg, "image_token_id", None)
-        num_image_tokens = int(getattr(mcfg, "num_image_tokens", 0) or 0)
+        self.images = image_inputs(model)
         encoder_budget = None
-        if self.image_token_id is not None and num_image_tokens:
-            default = max(c.max_num_batched_tokens, num_image_tokens)
+        if self.images is not None:
+            default = max(c.max_num_batched_tokens, self.images.num_image_tokens)
             encoder_budget = EncoderBudget(
                 compute_budget=c.encoder_compute_budget or default,
                 cache_size=c.encoder_cache_size or default,
@@ -155,17 +154,16 @@ class LLMEngine:
         self, request_id: str, ids: list[int], images: Sequence[np.ndarray]
     ) -> tuple[list[int], list[MultiModalFeatureSpec], list[np.ndarray]]:
         """Expand each image token into the image's placeholder tokens."""
-        if self.image_token_id is None:
+        if self.images is None:
             raise ValueError(f"request {request_id!r} has images but the model takes text only")
-        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        image_token_id = self.images.image_token_id
+        positions = [i for i, t in enumerate(ids) if t == image_token_id]
         if len(positions) != len(images):
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(positions)} image tokens "
-                f"(id {self.image_token_id}) but {len(images)} images were given"
+                f"(id {image_token_id}) but {len(images)} images were given"
             )
-        c = self.model.config
-        want = (c.num_channels, c.image_size, c.image_size)
-        n = int(c.num_image_tokens)
+        want, n = self.images.pixel_shape, self.images.num_image_tokens
         expanded, features, pixels = [], [], []
         last = 0
         for pos, image in zip(positions, images, strict=True):
@@ -178,7 +176,7 @@ class LLMEngine:
             expanded += ids[last:pos]
             mm_hash = hash_mm_item(image)
             features.append(MultiModalFeatureSpec(mm_hash, len(expanded), n))
-            expanded += [self.image_token_id] * n
+            expanded += [image_token_id] * n
             pixels.append(image)
             last = pos + 1
         return expanded + ids[last:], features, pixels

@@ -41,10 +41,54 @@ from jaxkv.device import (
 )
 from jaxkv.engine.sampling import sample_tokens
 from jaxkv.engine.scheduler import SchedulerOutput
-from jaxkv.engine.tiny_model import PagedContext
-from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
+from jaxkv.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+)
+from jaxkv.models.base import PagedContext
 
-__all__ = ["ModelRunner", "RowSampling", "group_kv_cache_specs"]
+__all__ = ["ImageInputs", "ModelRunner", "RowSampling", "group_kv_cache_specs", "image_inputs"]
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """How a model takes images: placeholder token, embeddings per image, pixel shape."""
+
+    image_token_id: int
+    num_image_tokens: int
+    pixel_shape: tuple[int, int, int]
+
+
+def image_inputs(model) -> ImageInputs | None:
+    """The model's image interface (LLaVA-style models), None for a text-only model."""
+    token_id = getattr(model.config, "image_token_id", None)
+    if token_id is None or not hasattr(model, "encode_images"):
+        return None
+    shape = getattr(model, "image_input_shape", None)
+    if shape is None:  # jaxkv.models' LLaVA: the vision tower's config says it
+        vision = model.llava_config.vision
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+    return ImageInputs(int(token_id), int(model.num_image_tokens), tuple(shape))
+
+
+def _served_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """`spec`, or a full-attention spec of the same page shape when the host managers have
+    no manager for its type yet (e.g. sliding windows before hybrid groups land): the model
+    still applies its window in attention; only the out-of-window blocks are kept."""
+    from jaxkv.single_type_kv_cache_manager import SPEC_MANAGER_TYPES
+
+    if any(type(spec) in m.spec_types for m in SPEC_MANAGER_TYPES):
+        return spec
+    if isinstance(spec, AttentionSpec):
+        return FullAttentionSpec(
+            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size, dtype=spec.dtype,
+        )  # fmt: skip
+    raise ValueError(f"no KV cache manager serves {type(spec).__name__} layers")
 
 
 def group_kv_cache_specs(
@@ -56,6 +100,7 @@ def group_kv_cache_specs(
     """
     if not specs:
         raise ValueError("the model declares no KV-cache layers")
+    specs = {name: _served_spec(spec) for name, spec in specs.items()}
     group_of: dict[KVCacheSpec, int] = {}
     names: list[list[str]] = []
     layer_to_group = []
@@ -81,6 +126,61 @@ class RowSampling:
     top_k: int
     top_p: float
     seed: int
+
+
+@functools.cache
+def _shared_paged_cache(spec: KVCacheSpec, num_blocks: int) -> PagedKVCache:
+    """One `PagedKVCache` per (spec, pool size): engines built alike share compiled programs."""
+    return PagedKVCache(spec, num_blocks)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "paged", "layer_to_group", "max_num_seqs", "shapes"),
+    donate_argnames="kv_caches",
+)
+def _paged_step(
+    state, kv_caches, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group,
+    max_num_seqs, shapes,
+):  # fmt: skip
+    """Forward + sampling of one packed step (see `ModelRunner._pack` for the layout)."""
+    model = nnx.merge(graphdef, state)
+    t, r = shapes[0].num_tokens, shapes[0].num_reqs
+    offset, metadata = 0, []
+    for shape in shapes:
+        metadata.append(buffer[:, offset : offset + shape.length])
+        offset += shape.length
+    row = buffer[0]
+
+    def take(n: int) -> jax.Array:
+        nonlocal offset
+        offset += n
+        return row[offset - n : offset]
+
+    tokens, src, logits_indices = take(t), take(t), take(r)
+    temperature = jax.lax.bitcast_convert_type(take(r), jnp.float32)
+    top_k = take(r)
+    top_p = jax.lax.bitcast_convert_type(take(r), jnp.float32)
+    seeds, counters = take(r), take(r)
+    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], tokens)
+    ctx = PagedContext(
+        caches=paged, shapes=shapes, layer_to_group=layer_to_group,
+        metadata=tuple(metadata), logits_indices=logits_indices,
+    )  # fmt: skip
+    embeds = None
+    if store is not None:
+        merge_src, merge_dst = take(t), take(t)
+        embeds = model.embed_tokens(token_ids)
+        rows = store.reshape(-1, store.shape[-1]).at[merge_src].get(mode="fill", fill_value=0)
+        embeds = embeds.at[merge_dst].set(rows.astype(embeds.dtype), mode="drop")
+    logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
+    sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters)
+    return kv_caches, jnp.zeros(max_num_seqs, jnp.int32).at[:r].set(sampled)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _encode_images(state, pixel_values, *, graphdef):
+    return nnx.merge(graphdef, state).encode_images(pixel_values)
 
 
 class ModelRunner:
@@ -111,7 +211,7 @@ class ModelRunner:
         specs = model.kv_cache_specs(block_size, dtype)
         self.kv_cache_config, self.layer_to_group = group_kv_cache_specs(specs, num_blocks)
         groups = self.kv_cache_config.kv_cache_groups
-        self.paged = tuple(PagedKVCache(g.kv_cache_spec, num_blocks) for g in groups)
+        self.paged = tuple(_shared_paged_cache(g.kv_cache_spec, num_blocks) for g in groups)
         self.kv_caches: list[jax.Array] = [None] * len(self.layer_to_group)  # type: ignore
         for g, cache in enumerate(self.paged):
             layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
@@ -133,66 +233,31 @@ class ModelRunner:
             self.tables.append(BlockTable(bs, max_num_seqs, width, num_blocks))
         self.hidden_size = int(model.config.hidden_size)
         self.encoder_store: EncoderCacheStore | None = None
-        self.num_image_tokens = int(getattr(model.config, "num_image_tokens", 0) or 0)
-        if encoder_cache_size and self.num_image_tokens:
+        self.images = image_inputs(model)
+        if encoder_cache_size and self.images is not None:
             pages = EncoderCacheStore.pages_needed(
-                encoder_cache_size, encoder_page_size, self.num_image_tokens
+                encoder_cache_size, encoder_page_size, self.images.num_image_tokens
             )
             self.encoder_store = EncoderCacheStore(
                 max(pages, 1), encoder_page_size, self.hidden_size, dtype=jnp.float32
             )
-        graphdef, self._state = nnx.split(model)
-        self._step = jax.jit(
-            functools.partial(self._step_impl, graphdef),
-            static_argnames=("shapes",),
-            donate_argnums=1,
-        )
-        self._encode = (
-            jax.jit(lambda state, px: nnx.merge(graphdef, state).encode_images(px))
-            if self.encoder_store is not None
-            else None
-        )
+        self._graphdef, self._state = nnx.split(model)
         # The last step's tokens, on device, placed as the step places its output (so the
         # first step compiles the same program as the others).
         self.sampled = self.paged[0].put(np.zeros(max_num_seqs, np.int32), P())
         self._rows: dict[str, int] = {}  # request id -> its row in the last step
         self.num_encoded = 0
 
-    # -- the jitted step ----------------------------------------------------------------
-
-    def _step_impl(self, graphdef, state, kv_caches, store, buffer, prev_sampled, *, shapes):
-        model = nnx.merge(graphdef, state)
-        t, r = shapes[0].num_tokens, shapes[0].num_reqs
-        offset, metadata = 0, []
-        for shape in shapes:
-            metadata.append(buffer[:, offset : offset + shape.length])
-            offset += shape.length
-        row = buffer[0]
-
-        def take(n: int) -> jax.Array:
-            nonlocal offset
-            offset += n
-            return row[offset - n : offset]
-
-        tokens, src, logits_indices = take(t), take(t), take(r)
-        temperature = jax.lax.bitcast_convert_type(take(r), jnp.float32)
-        top_k = take(r)
-        top_p = jax.lax.bitcast_convert_type(take(r), jnp.float32)
-        seeds, counters = take(r), take(r)
-        token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], tokens)
-        ctx = PagedContext(
-            caches=self.paged, shapes=shapes, layer_to_group=self.layer_to_group,
-            metadata=tuple(metadata), logits_indices=logits_indices,
+    def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
+        store = None if self.encoder_store is None else self.encoder_store.cache
+        return _paged_step(
+            self._state, self.kv_caches, store, self.paged[0].put(buffer), self.sampled,
+            graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
+            max_num_seqs=self.max_num_seqs, shapes=shapes,
         )  # fmt: skip
-        embeds = None
-        if store is not None:
-            merge_src, merge_dst = take(t), take(t)
-            embeds = model.embed_tokens(token_ids)
-            rows = store.reshape(-1, store.shape[-1]).at[merge_src].get(mode="fill", fill_value=0)
-            embeds = embeds.at[merge_dst].set(rows.astype(embeds.dtype), mode="drop")
-        logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
-        sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters)
-        return kv_caches, jnp.zeros(self.max_num_seqs, jnp.int32).at[:r].set(sampled)
+
+    def _encode(self, pixel_values: jax.Array) -> jax.Array:
+        return _encode_images(self._state, pixel_values, graphdef=self._graphdef)
 
     # -- host side ----------------------------------------------------------------------
 
@@ -280,7 +345,7 @@ class ModelRunner:
                 if mm_hash in store:
                     continue  # same content already encoded (e.g. twice in one step)
                 pixels = jnp.asarray(images[mm_hash][None])
-                store.put(mm_hash, self._encode(self._state, pixels)[0])
+                store.put(mm_hash, self._encode(pixels)[0])
                 self.num_encoded += 1
 
     def execute(
@@ -301,11 +366,7 @@ class ModelRunner:
         if out.is_empty:
             return self.sampled
         buffer, shapes = self._pack(out, sampling)
-        store = None if self.encoder_store is None else self.encoder_store.cache
-        self.kv_caches, self.sampled = self._step(
-            self._state, self.kv_caches, store, self.paged[0].put(buffer), self.sampled,
-            shapes=shapes,
-        )  # fmt: skip
+        self.kv_caches, self.sampled = self._step(buffer, shapes)
         self._rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
         return self.sampled
 
@@ -323,15 +384,10 @@ class ModelRunner:
             if self.encoder_store is not None:
                 parts += [np.zeros(t, np.int32), np.full(t, t, np.int32)]
             buffer = np.concatenate(parts)[None, :].astype(np.int32)
-            store = None if self.encoder_store is None else self.encoder_store.cache
-            self.kv_caches, self.sampled = self._step(
-                self._state, self.kv_caches, store, self.paged[0].put(buffer), self.sampled,
-                shapes=tuple(shapes),
-            )  # fmt: skip
+            self.kv_caches, self.sampled = self._step(buffer, tuple(shapes))
         if self.encoder_store is not None:
-            c = self.model.config
-            pixels = jnp.zeros((1, c.num_channels, c.image_size, c.image_size), jnp.float32)
-            self.encoder_store.put("warm-up", self._encode(self._state, pixels)[0])
+            pixels = jnp.zeros((1, *self.images.pixel_shape), jnp.float32)
+            self.encoder_store.put("warm-up", self._encode(pixels)[0])
             self.encoder_store.free(["warm-up"])
         if self.zero_freed_blocks:
             for size in self.paged[0].id_buckets:

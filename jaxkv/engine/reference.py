@@ -3,6 +3,7 @@ cache, no batching), the check every engine output must pass under greedy sampli
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -11,6 +12,25 @@ import numpy as np
 from flax import nnx
 
 __all__ = ["DenseReference", "image_offsets"]
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _dense_greedy(state, token_ids, embeds, *, graphdef):
+    model = nnx.merge(graphdef, state)
+    return jnp.argmax(model.forward_dense(token_ids, embeds), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _embed_with_images(state, token_ids, pixel_values, offsets, *, graphdef):
+    """Token embeddings with image `i`'s features written at rows `offsets[i]...`."""
+    model = nnx.merge(graphdef, state)
+    embeds = model.embed_tokens(token_ids)
+    features = model.encode_images(pixel_values)
+    for i in range(pixel_values.shape[0]):
+        embeds = jax.lax.dynamic_update_slice_in_dim(
+            embeds, features[i].astype(embeds.dtype), offsets[i], axis=0
+        )
+    return embeds
 
 
 class DenseReference:
@@ -22,21 +42,7 @@ class DenseReference:
 
     def __init__(self, model, max_len: int) -> None:
         self.model, self.max_len = model, max_len
-        graphdef, self._state = nnx.split(model)
-
-        @jax.jit
-        def greedy(state, token_ids, embeds):
-            model = nnx.merge(graphdef, state)
-            return jnp.argmax(model.forward_dense(token_ids, embeds), axis=-1)
-
-        @jax.jit
-        def embed(state, token_ids):
-            return nnx.merge(graphdef, state).embed_tokens(token_ids)
-
-        self._greedy, self._embed = greedy, embed
-        self._encode = None
-        if getattr(model.config, "image_token_id", None) is not None:
-            self._encode = jax.jit(lambda state, px: nnx.merge(graphdef, state).encode_images(px))
+        self._graphdef, self._state = nnx.split(model)
 
     def expected(
         self,
@@ -55,11 +61,12 @@ class DenseReference:
         padded[: len(tokens)] = tokens
         embeds = None
         if images:
-            embeds = self._embed(self._state, jnp.asarray(padded))
-            for offset, pixels in images:
-                rows = self._encode(self._state, jnp.asarray(pixels, jnp.float32)[None])[0]
-                embeds = embeds.at[offset : offset + rows.shape[0]].set(rows)
-        predicted = np.asarray(self._greedy(self._state, jnp.asarray(padded), embeds))
+            pixels = np.stack([np.asarray(p, np.float32) for _, p in images])
+            offsets = np.array([o for o, _ in images], np.int32)
+            embeds = _embed_with_images(
+                self._state, padded, pixels, offsets, graphdef=self._graphdef
+            )
+        predicted = np.asarray(_dense_greedy(self._state, padded, embeds, graphdef=self._graphdef))
         start = len(prompt_token_ids) - 1
         return predicted[start : start + len(output_token_ids)].tolist()
 

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.device import StepShape, unpack_step
 from jaxkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from jaxkv.models.base import PagedContext
 
-__all__ = ["PagedContext", "TinyConfig", "TinyCausalLM", "tiny_configs"]
+__all__ = ["TinyConfig", "TinyCausalLM", "tiny_configs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,25 +53,6 @@ def tiny_configs() -> dict[str, TinyConfig]:
             eos_token_ids=(1,), image_token_id=2, image_size=32, patch_size=8
         ),
     }
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagedContext:
-    """One paged step's device inputs per KV-cache group (the models' contract)."""
-
-    caches: tuple = dataclasses.field(metadata=dict(static=True))
-    shapes: tuple[StepShape, ...] = dataclasses.field(metadata=dict(static=True))
-    layer_to_group: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    metadata: tuple[jax.Array, ...] = ()
-    logits_indices: jax.Array | None = None
-    positions: jax.Array | None = None
-
-    def token_positions(self) -> jax.Array:
-        if self.positions is not None:
-            return self.positions
-        shape = self.shapes[0]
-        return jax.vmap(lambda buf: unpack_step(buf, shape).positions)(self.metadata[0]).reshape(-1)
 
 
 def _rms_norm(x: jax.Array) -> jax.Array:
@@ -115,6 +96,16 @@ class TinyCausalLM(nnx.Module):
             )
             self.proj_1 = weight(d, d)
             self.proj_2 = weight(d, d)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.config.num_image_tokens
+
+    @property
+    def image_input_shape(self) -> tuple[int, int, int]:
+        """Pixel values one image takes: `(channels, height, width)`."""
+        c = self.config
+        return (c.num_channels, c.image_size, c.image_size)
 
     def kv_cache_specs(self, block_size: int, dtype: str = "float32") -> dict[str, KVCacheSpec]:
         c = self.config

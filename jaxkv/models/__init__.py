@@ -1,0 +1,42 @@
+"""Model runners on jaxkv: Gemma 1/2/3, Llama and LLaVA in Flax NNX, Hugging Face checkpoints.
+
+The names below load on first use, so importing this package is cheap; the modules
+themselves import JAX. The interface the engine codes to is documented in
+`jaxkv.models.base`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "CausalLM": "jaxkv.models.base",
+    "PagedContext": "jaxkv.models.base",
+    "DecoderConfig": "jaxkv.models.config",
+    "LlavaConfig": "jaxkv.models.config",
+    "VisionConfig": "jaxkv.models.config",
+    "parse_decoder_config": "jaxkv.models.config",
+    "parse_llava_config": "jaxkv.models.config",
+    "load_model": "jaxkv.models.loading",
+    "load_tokenizer": "jaxkv.models.loading",
+    "LlavaForConditionalGeneration": "jaxkv.models.llava",
+    "merge_image_features": "jaxkv.models.llava",
+    "preprocess_image": "jaxkv.models.image",
+    "save_random_checkpoint": "jaxkv.models.testing",
+    "tiny_configs": "jaxkv.models.testing",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxkv.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,202 @@
+"""The model interface the engine codes to: `CausalLM`, `PagedContext`.
+
+Contract (final form; `docs`-level description of `/work/notes/model_contract.md`):
+
+- `jaxkv.models.load_model(path, *, dtype="float32", mesh=None) -> CausalLM` reads a
+  local Hugging Face checkpoint (`config.json` + `*.safetensors`, sharded through
+  `model.safetensors.index.json`), dispatching on `architectures[0]` (else `model_type`):
+  Gemma, Gemma 2, Gemma 3 text (`Gemma3ForCausalLM`), Llama, LLaVA. Unknown architecture,
+  missing or misshapen tensor: `ValueError` naming it. Weights are placed on `mesh`
+  (`jaxkv.device.make_mesh`; heads and MLP units split over the model axis where they
+  divide, replicated over the data axis).
+- `CausalLM.config` is the text decoder's `DecoderConfig` (vocab_size, num_hidden_layers,
+  num_key_value_heads, head_dim, eos_token_ids, layer_types, sliding_window,
+  image_token_id (LLaVA, else None), ...).
+- `kv_cache_specs(block_size, dtype="float32") -> {"layers.{i}": FullAttentionSpec |
+  SlidingWindowSpec}` one per decoder layer. Layers with equal specs can share a KV-cache
+  group; `PagedContext.layer_to_group` says which group (and `PagedKVCache`) serves a layer.
+- `forward_paged(token_ids [N] int32, kv_caches (one per layer), ctx, inputs_embeds=None)
+  -> (logits [R, vocab] float32, new kv_caches)`, traceable; call it inside a jit that
+  donates `kv_caches`, or use `paged_step_fn()`, which is that jit. `N = dp *
+  shape.num_tokens` token rows, rank-major as `StepMetadataPacker.pack` lays them out
+  (padding rows carry any id). Each layer calls `ctx.caches[g].step(...)` with its sliding
+  window and the attention soft-cap. Token positions come from the packed metadata
+  (or `ctx.positions` when given). Logits are those of rows `ctx.logits_indices [R]`.
+- `forward_dense(token_ids [S], inputs_embeds=None) -> logits [S, vocab]` float32: the
+  reference, whole sequence at positions `0..S-1`, plain JAX, no cache. `dense_fn()` jits it.
+- `embed_tokens(token_ids) -> [T, hidden]` (scaled as the model scales them); for LLaVA
+  `encode_images(pixel_values [N, C, H, W]) -> [N, num_image_tokens, hidden]` and
+  `merge_image_features(token_ids, embeds, features, image_token_id)` put image features
+  into the placeholder rows of `inputs_embeds`, which `forward_paged`/`forward_dense` take.
+- `jaxkv.models.preprocess_image(pil_image, preprocessor_config) -> [C, H, W]` float32.
+- `jaxkv.models.load_tokenizer(path)`: the `tokenizers.Tokenizer` of `tokenizer.json`, or None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.device import PagedKVCache, StepShape, unpack_step
+from jaxkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from jaxkv.models.config import DecoderConfig
+from jaxkv.models.decoder import Decoder
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["metadata", "logits_indices", "positions"],
+    meta_fields=["caches", "shapes", "layer_to_group"],
+)
+@dataclasses.dataclass(frozen=True)
+class PagedContext:
+    """One paged step's device inputs, per KV-cache group `g` (a pytree).
+
+    Static (part of the jit cache key): `caches[g]` (the group's `PagedKVCache`),
+    `shapes[g]` (its `StepShape`), `layer_to_group[i]` (decoder layer -> group).
+    On device: `metadata[g]` (the packed `[dp, length]` int32 step buffer),
+    `logits_indices [R]` int32 (the token row whose logits each request needs),
+    `positions [N]` int32 or None (then taken from group 0's metadata).
+    All groups pack the same tokens in the same order; only block tables differ.
+    """
+
+    caches: tuple[PagedKVCache, ...]
+    shapes: tuple[StepShape, ...]
+    layer_to_group: tuple[int, ...]
+    metadata: tuple[jax.Array, ...]
+    logits_indices: jax.Array
+    positions: jax.Array | None = None
+
+    def token_positions(self) -> jax.Array:
+        if self.positions is not None:
+            return self.positions
+        shape = self.shapes[0]
+        return jax.vmap(lambda buf: unpack_step(buf, shape).positions)(self.metadata[0]).reshape(-1)
+
+
+class CausalLM(nnx.Module):
+    """A text decoder served paged or run dense (see the module docstring)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.decoder.cfg
+
+    def kv_cache_specs(self, block_size: int, dtype: str = "float32") -> dict[str, KVCacheSpec]:
+        cfg = self.config
+        specs: dict[str, KVCacheSpec] = {}
+        for i in range(cfg.num_hidden_layers):
+            common = dict(
+                block_size=block_size,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_size=cfg.head_dim,
+                dtype=dtype,
+            )
+            window = cfg.window_of(i)
+            specs[f"layers.{i}"] = (
+                FullAttentionSpec(**common)
+                if window is None
+                else SlidingWindowSpec(**common, sliding_window=window)
+            )
+        return specs
+
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        return self.decoder.embed(token_ids)
+
+    def _input_embeddings(self, token_ids: jax.Array, inputs_embeds: jax.Array | None):
+        chex.assert_rank(token_ids, 1)
+        chex.assert_type(token_ids, jnp.int32)
+        if inputs_embeds is None:
+            return self.decoder.embed(token_ids)
+        chex.assert_shape(inputs_embeds, (token_ids.shape[0], self.config.hidden_size))
+        return inputs_embeds.astype(self.decoder.dtype)
+
+    def forward_dense(
+        self, token_ids: jax.Array, inputs_embeds: jax.Array | None = None
+    ) -> jax.Array:
+        from jaxkv.models.layers import dense_attention
+
+        cfg = self.config
+        x = self._input_embeddings(token_ids, inputs_embeds)
+
+        def attend(i, q, k, v):
+            return dense_attention(
+                q, k, v, sm_scale=cfg.sm_scale, sliding_window=cfg.window_of(i),
+                soft_cap=cfg.attn_logit_softcapping,
+            )  # fmt: skip
+
+        positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+        logits = self.decoder.logits(self.decoder.hidden_states(x, positions, attend))
+        chex.assert_shape(logits, (token_ids.shape[0], cfg.vocab_size))
+        return logits
+
+    def forward_paged(
+        self,
+        token_ids: jax.Array,
+        kv_caches: Sequence[jax.Array],
+        ctx: PagedContext,
+        inputs_embeds: jax.Array | None = None,
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        cfg = self.config
+        if len(kv_caches) != cfg.num_hidden_layers:
+            raise ValueError(
+                f"kv_caches has {len(kv_caches)} entries; the model has "
+                f"{cfg.num_hidden_layers} layers"
+            )
+        if len(ctx.layer_to_group) != cfg.num_hidden_layers:
+            raise ValueError(
+                f"ctx.layer_to_group has {len(ctx.layer_to_group)} entries; expected "
+                f"{cfg.num_hidden_layers}"
+            )
+        x = self._input_embeddings(token_ids, inputs_embeds)
+        positions = ctx.token_positions()
+        chex.assert_shape(positions, token_ids.shape)
+        new_caches = list(kv_caches)
+
+        def attend(i, q, k, v):
+            g = ctx.layer_to_group[i]
+            new_caches[i], out = ctx.caches[g].step(
+                new_caches[i], q, k, v, ctx.metadata[g], ctx.shapes[g],
+                sm_scale=cfg.sm_scale, sliding_window=cfg.window_of(i),
+                soft_cap=cfg.attn_logit_softcapping,
+            )  # fmt: skip
+            return out
+
+        h = self.decoder.hidden_states(x, positions, attend)
+        logits = self.decoder.logits(h[ctx.logits_indices])
+        chex.assert_shape(logits, (ctx.logits_indices.shape[0], cfg.vocab_size))
+        return logits, new_caches
+
+    # --- jitted entry points ---------------------------------------------------------
+    def paged_step_fn(self):
+        """`fn(token_ids, kv_caches, ctx, inputs_embeds=None) -> (logits, kv_caches)`, jitted,
+        `kv_caches` donated; parameters are passed as arguments (not baked in)."""
+        graphdef, state = nnx.split(self)
+
+        @functools.partial(jax.jit, donate_argnums=2)
+        def step(state, token_ids, kv_caches, ctx, inputs_embeds):
+            model = nnx.merge(graphdef, state)
+            return model.forward_paged(token_ids, kv_caches, ctx, inputs_embeds)
+
+        def call(token_ids, kv_caches, ctx, inputs_embeds=None):
+            return step(state, token_ids, list(kv_caches), ctx, inputs_embeds)
+
+        return call
+
+    def dense_fn(self):
+        """`fn(token_ids, inputs_embeds=None) -> logits`: `forward_dense`, jitted."""
+        graphdef, state = nnx.split(self)
+
+        @jax.jit
+        def dense(state, token_ids, inputs_embeds):
+            return nnx.merge(graphdef, state).forward_dense(token_ids, inputs_embeds)
+
+        return lambda token_ids, inputs_embeds=None: dense(state, token_ids, inputs_embeds)

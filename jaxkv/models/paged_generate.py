@@ -1,0 +1,195 @@
+"""A small paged greedy generation loop over `CausalLM.forward_paged`, without the engine.
+
+`PagedGenerator` batches every request of a `generate` call into each step: prompts are
+prefilled in chunks of at most `chunk_size` tokens, then decoded one token per step. Each
+request owns fresh blocks (the pool is never recycled: size it for the run); full
+blocks are remembered by their token prefix, so a later request whose prompt starts
+with the same tokens reuses those blocks instead of computing them (a prefix hit).
+All layers form one KV-cache group with full-attention block tables; sliding layers
+pass their window to the attention (correct, just no block release). It exists for
+the examples and the model tests; serving belongs to `jaxkv.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxkv.device import PagedKVCache, StepInputs, StepMetadataPacker
+from jaxkv.kv_cache_interface import FullAttentionSpec
+from jaxkv.models.base import CausalLM, PagedContext
+
+
+@dataclasses.dataclass
+class _Sequence:
+    tokens: list[int]
+    num_prompt: int
+    blocks: list[int]
+    num_computed: int = 0
+    embeds: np.ndarray | None = None  # [num_prompt, hidden] input embeddings (LLaVA)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # per output token
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+
+class PagedGenerator:
+    """Greedy generation through paged KV caches (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        block_size: int = 4,
+        num_blocks: int = 256,
+        max_model_len: int = 128,
+        max_num_tokens: int = 64,
+        max_num_reqs: int = 8,
+        mesh: Mesh | None = None,
+        dtype: str = "float32",
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_size=cfg.head_dim,
+            dtype=dtype,
+        )
+        self.cache = PagedKVCache(spec, num_blocks, mesh=mesh)
+        self.kv_caches = self.cache.allocate(cfg.num_hidden_layers)
+        self.packer = StepMetadataPacker(
+            max_num_tokens=max_num_tokens,
+            max_num_reqs=max_num_reqs,
+            max_blocks_per_req=-(-max_model_len // block_size),
+            block_size=block_size,
+            num_blocks=num_blocks,
+        )
+        self.step_fn = model.paged_step_fn()
+        self.num_blocks = num_blocks
+        self.next_block = 1  # block 0 is the null block
+        self.prefix_blocks: dict[tuple[int, ...], int] = {}  # token prefix -> its last block
+        self.num_cached_tokens = 0  # prompt tokens served by prefix hits, over all calls
+
+    def _new_block(self) -> int:
+        if self.next_block >= self.num_blocks:
+            raise ValueError(f"PagedGenerator ran out of its {self.num_blocks} blocks")
+        self.next_block += 1
+        return self.next_block - 1
+
+    def _start(self, prompt: list[int], embeds: np.ndarray | None) -> _Sequence:
+        seq = _Sequence(list(prompt), len(prompt), [], embeds=embeds)
+        bs = self.block_size
+        # Reuse cached full blocks, always leaving the last prompt token to compute. Keys
+        # are token ids only: prompts with their own embeddings never hit.
+        while embeds is None and (len(seq.blocks) + 1) * bs < len(prompt):
+            block = self.prefix_blocks.get(tuple(prompt[: (len(seq.blocks) + 1) * bs]))
+            if block is None:
+                break
+            seq.blocks.append(block)
+        seq.num_computed = len(seq.blocks) * bs
+        self.num_cached_tokens += seq.num_computed
+        return seq
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        chunk_size: int | None = None,
+        prompt_embeds: list[np.ndarray | None] | None = None,
+    ) -> list[list[int]]:
+        """Greedy continuations of `prompts`, `max_new_tokens` each.
+
+        `prompt_embeds[i]` (optional) replaces request i's prompt token embeddings
+        (e.g. with image features merged in); generated tokens use the token embeddings.
+        `last_logits[i][j]` keeps the float32 logits that chose request i's token j.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        if len(prompts) > self.max_num_reqs:
+            raise ValueError(f"{len(prompts)} prompts exceed max_num_reqs={self.max_num_reqs}")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > self.max_model_len:
+            raise ValueError(f"prompt + max_new_tokens = {longest} exceeds max_model_len")
+        chunk = chunk_size or self.max_num_tokens
+        embeds = prompt_embeds or [None] * len(prompts)
+        seqs = [self._start(list(p), e) for p, e in zip(prompts, embeds, strict=True)]
+        self.last_logits = [s.logits for s in seqs]
+        while any(len(s.output) < max_new_tokens for s in seqs):
+            active = [s for s in seqs if len(s.output) < max_new_tokens]
+            budget, scheduled = self.max_num_tokens, []
+            for s in active:
+                n = min(len(s.tokens) - s.num_computed, chunk, budget)
+                if n > 0:
+                    scheduled.append((s, n))
+                    budget -= n
+            self._step(scheduled)
+        return [s.output for s in seqs]
+
+    def _step(self, scheduled: list[tuple[_Sequence, int]]) -> None:
+        bs, width = self.block_size, self.packer.max_blocks_per_req
+        tables = np.zeros((len(scheduled), width), np.int32)
+        slots, token_ids, rows_embeds, uses_embeds = [], [], [], False
+        for row, (s, n) in enumerate(scheduled):
+            end = s.num_computed + n
+            while len(s.blocks) * bs < end:
+                s.blocks.append(self._new_block())
+            tables[row, : len(s.blocks)] = s.blocks
+            positions = np.arange(s.num_computed, end)
+            slots.append(np.asarray(s.blocks)[positions // bs] * bs + positions % bs)
+            token_ids += s.tokens[s.num_computed : end]
+            uses_embeds |= s.embeds is not None
+            rows_embeds.append((s, s.num_computed, end))
+        step = StepInputs(
+            block_tables=tables,
+            seq_lens=np.array([s.num_computed + n for s, n in scheduled]),
+            query_lens=np.array([n for _, n in scheduled]),
+            slot_mapping=np.concatenate(slots),
+        )
+        metadata, shape = self.packer.pack(step)
+        ids = np.zeros(shape.num_tokens, np.int32)
+        ids[: len(token_ids)] = token_ids
+        ends = np.cumsum([n for _, n in scheduled])
+        logits_indices = np.zeros(shape.num_reqs, np.int32)
+        logits_indices[: len(scheduled)] = ends - 1
+        inputs_embeds = self._embeds(rows_embeds, ids) if uses_embeds else None
+        ctx = PagedContext(
+            caches=(self.cache,),
+            shapes=(shape,),
+            layer_to_group=(0,) * self.model.config.num_hidden_layers,
+            metadata=(self.cache.put(metadata),),
+            logits_indices=jnp.asarray(logits_indices),
+        )
+        logits, self.kv_caches = self.step_fn(jnp.asarray(ids), self.kv_caches, ctx, inputs_embeds)
+        logits = np.asarray(logits)
+        next_tokens = logits.argmax(axis=-1)
+        for row, (s, n) in enumerate(scheduled):
+            s.num_computed += n
+            for b in range(s.num_computed // bs):  # remember full prompt blocks
+                if s.embeds is None and (b + 1) * bs <= s.num_prompt:
+                    self.prefix_blocks.setdefault(tuple(s.tokens[: (b + 1) * bs]), s.blocks[b])
+            if s.num_computed == len(s.tokens):
+                s.tokens.append(int(next_tokens[row]))
+                s.logits.append(logits[row])
+
+    def _embeds(self, rows, ids: np.ndarray) -> jax.Array:
+        """Input embeddings of this step's token rows: prompt rows from `embeds` when given."""
+        out = np.array(self.model.embed_tokens(jnp.asarray(ids)))
+        row = 0
+        for s, start, end in rows:
+            if s.embeds is not None:
+                prompt_end = min(end, s.num_prompt)
+                if start < prompt_end:
+                    out[row : row + prompt_end - start] = s.embeds[start:prompt_end]
+            row += end - start
+        return jnp.asarray(out)

@@ -1,0 +1,198 @@
+"""Tiny built-in configurations and random-weight checkpoints in Hugging Face format.
+
+`save_random_checkpoint(path, config, seed)` writes `config.json` and safetensors with
+every tensor the model reads, under the names transformers gives them (5.x by default,
+`legacy_names=True` for the 4.x LLaVA layout), optionally split into shards with a
+`model.safetensors.index.json`. The tensor list comes from building the model against a
+recording reader, so it is exactly what `load_model` asks for; the Hugging Face
+equivalence tests load the same files into transformers, which checks the names.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
+
+from jaxkv.models.checkpoint import INDEX_FILE, SINGLE_FILE
+from jaxkv.models.config import model_type_of, parse_llava_config
+from jaxkv.models.llava import VisionTower
+
+# 5.x -> 4.x tensor-name prefixes of LLaVA.
+LEGACY_LLAVA_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+class RandomTensors:
+    """A stand-in `CheckpointReader`: hands out random tensors and records them by name."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.dtype = jnp.dtype(jnp.float32)
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name.startswith("model.language_model.")  # build the 5.x layout
+
+    def get(self, name: str, shape: Sequence[int], spec: P | None = None):
+        shape = tuple(shape)
+        if name in self.tensors:
+            return jnp.asarray(self.tensors[name])
+        normal = self.rng.standard_normal(shape)
+        module = name.split(".")[-2]
+        if "norm" in module or "layrnorm" in module:  # RMSNorm / LayerNorm: scale ~0.5, bias ~0
+            value = normal * 0.1 + (0.5 if name.endswith(".weight") else 0.0)
+        elif len(shape) >= 2:
+            value = normal / math.sqrt(math.prod(shape[1:]))
+        else:
+            value = normal * 0.1
+        value = value.astype(np.float32)
+        self.tensors[name] = value
+        return jnp.asarray(value)
+
+
+def save_random_checkpoint(
+    path: str | Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    *,
+    num_shards: int = 1,
+    legacy_names: bool = False,
+) -> dict[str, np.ndarray]:
+    """Write a random-weight checkpoint of `config` into directory `path`; returns the tensors.
+
+    `num_shards > 1` splits the tensors over `model-0000i-of-0000n.safetensors` files
+    with an index, as `save_pretrained` does for large models.
+    """
+    from jaxkv.models.loading import build_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    recorder = RandomTensors(seed)
+    build_model(copy.deepcopy(config), recorder)
+    _record_unread_tensors(config, recorder)
+    tensors = recorder.tensors
+    if legacy_names:
+        renamed = {}
+        for name, value in tensors.items():
+            for new, old in LEGACY_LLAVA_RENAMES:
+                if name.startswith(new):
+                    name = old + name[len(new) :]
+                    break
+            renamed[name] = value
+        tensors = renamed
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if num_shards <= 1:
+        save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
+        return tensors
+    names = sorted(tensors)
+    weight_map = {}
+    for i, chunk in enumerate(np.array_split(np.array(names, dtype=object), num_shards)):
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in chunk}, path / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    total = int(sum(v.nbytes for v in tensors.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return tensors
+
+
+def _record_unread_tensors(config: dict[str, Any], recorder: RandomTensors) -> None:
+    """Tensors a real checkpoint holds that the model never reads: the LLaVA vision
+    layers after the selected feature layer and the tower's post-layernorm."""
+    if model_type_of(config) != "llava":
+        return
+    vision = parse_llava_config(config).vision
+    prefix = "model.vision_tower.vision_model."
+    VisionTower(vision, recorder, prefix, vision.num_hidden_layers)
+    for part in ("weight", "bias"):
+        recorder.get(f"{prefix}post_layernorm.{part}", (vision.hidden_size,))
+
+
+def tiny_configs() -> dict[str, dict[str, Any]]:
+    """Small Hugging Face-style configs (transformers 5.x fields) for tests and demos."""
+    gemma3 = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    llava = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_index": 255,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "image_seq_length": 16,
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_channels": 3,
+            "image_size": 16,
+            "patch_size": 4,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            "projection_dim": 32,
+        },
+        "text_config": {k: v for k, v in llama.items() if k != "architectures"},
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    return {"gemma3-tiny": gemma3, "llama-tiny": llama, "llava-tiny": llava}

@@ -1,0 +1,82 @@
+"""Helpers shared by the tests/test_models_*.py files."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.models import tiny_configs
+
+REPO = Path(__file__).resolve().parent.parent
+HF_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+HF_SCRIPT = Path(__file__).resolve().parent / "hf_reference.py"
+
+
+def family_configs() -> dict[str, dict]:
+    """Tiny HF configs of each decoder family (Gemma 1/2/3, Llama)."""
+    tiny = tiny_configs()
+    gemma3 = tiny["gemma3-tiny"]
+    common = {k: gemma3[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+        "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
+    )}  # fmt: skip
+    gemma = {
+        **common, "architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+        "num_hidden_layers": 2, "hidden_act": "gelu_pytorch_tanh", "rope_theta": 10000.0,
+    }  # fmt: skip
+    gemma2 = {
+        **common, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+        "num_hidden_layers": 4, "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": 10000.0, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+    }  # fmt: skip
+    return {
+        "gemma": gemma,
+        "gemma2": gemma2,
+        "gemma3": copy.deepcopy(gemma3),
+        "llama": copy.deepcopy(tiny["llama-tiny"]),
+    }
+
+
+def dense_greedy(dense_fn, prompt: list[int], num_new: int, embeds=None, pad_to: int = 64):
+    """Greedy continuation by the dense reference, recomputing the whole sequence each token.
+
+    Returns the tokens and the logits that chose each of them. `embeds(ids)` (optional)
+    gives the input embeddings. The sequence is padded at the end to `pad_to` tokens
+    (causal attention: the padding changes no earlier row), so one program serves all.
+    """
+    tokens, logits = list(prompt), []
+    for _ in range(num_new):
+        n = len(tokens)
+        ids = jnp.asarray(tokens + [0] * (max(pad_to, n) - n), jnp.int32)
+        if embeds is None:
+            row = np.asarray(dense_fn(ids)[n - 1])
+        else:
+            row = np.asarray(dense_fn(ids, embeds(ids))[n - 1])
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+    return tokens[len(prompt) :], logits
+
+
+def run_hf(ckpt: Path, input_ids, num_new: int, pixel_values=None) -> dict | None:
+    """transformers' logits and greedy tokens on `ckpt` (None when the peer env is absent)."""
+    if not HF_PYTHON.exists():
+        return None
+    inputs = {"input_ids": np.asarray(input_ids, np.int32), "max_new_tokens": num_new}
+    if pixel_values is not None:
+        inputs["pixel_values"] = np.asarray(pixel_values, np.float32)
+    np.savez(ckpt / "hf_in.npz", **inputs)
+    out_file = ckpt / "hf_out.npz"
+    proc = subprocess.run(
+        [str(HF_PYTHON), str(HF_SCRIPT), str(ckpt), str(ckpt / "hf_in.npz"), str(out_file)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"transformers reference failed:\n{proc.stderr[-4000:]}")
+    with np.load(out_file) as out:
+        return {k: out[k] for k in out.files}

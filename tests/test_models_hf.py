@@ -1,0 +1,89 @@
+"""Equivalence with transformers: the same tiny random checkpoint gives the same logits and
+greedy tokens in transformers' own model (Gemma, Gemma2, Gemma3ForCausalLM, Llama, LLaVA)
+and in ours.
+
+transformers + torch live only in the peer env `REPO_ROOT/.venv-vllm` (no JAX there): a
+subprocess under its python runs `tests/hf_reference.py` and writes the logits and greedy
+tokens to a file. Skipped when that env is absent.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models_util import HF_PYTHON, dense_greedy, family_configs, run_hf
+from test_models_checkpoint import gemma3_v4_config
+
+from jaxkv.models import load_model, save_random_checkpoint, tiny_configs
+
+pytestmark = pytest.mark.skipif(not HF_PYTHON.exists(), reason="no .venv-vllm with transformers")
+
+NUM_NEW = 6
+
+
+def hf_configs() -> dict[str, dict]:
+    return {**family_configs(), "gemma3-4.x-config": gemma3_v4_config()}
+
+
+def check_equivalent(prompt, hf, ours_dense) -> None:
+    assert list(hf["missing"]) == [] and list(hf["unexpected"]) == []
+    logits = np.asarray(ours_dense(jnp.asarray(prompt, jnp.int32)))
+    np.testing.assert_allclose(logits, hf["logits"], rtol=1e-4, atol=1e-4)
+    tokens, _ = dense_greedy(ours_dense, prompt, NUM_NEW)
+    assert tokens == hf["generated"].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(hf_configs()))
+def test_decoder_matches_transformers(tmp_path, name):
+    save_random_checkpoint(tmp_path, hf_configs()[name], seed=4)
+    prompt = np.random.default_rng(0).integers(3, 256, 21).tolist()  # > the window (8)
+    hf = run_hf(tmp_path, prompt, NUM_NEW)
+    check_equivalent(prompt, hf, load_model(tmp_path).dense_fn())
+
+
+def llava_configs() -> dict[str, tuple[dict, bool]]:
+    """(config, 4.x tensor names) of the LLaVA variants: CLIP + Llama, and SigLIP + Gemma 3."""
+    clip_llama = tiny_configs()["llava-tiny"]
+    siglip_gemma = {
+        **clip_llama,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "text_config": {
+            k: v for k, v in family_configs()["gemma3"].items() if k != "architectures"
+        },
+        "vision_config": {
+            **clip_llama["vision_config"],
+            "model_type": "siglip_vision_model",
+            "hidden_act": "gelu_pytorch_tanh",
+            "layer_norm_eps": 1e-6,
+            "vision_use_head": False,
+        },
+    }
+    return {
+        "clip-llama": (clip_llama, False),
+        "clip-llama-4.x-names": (clip_llama, True),
+        "siglip-gemma3": (siglip_gemma, False),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(llava_configs()))
+def test_llava_matches_transformers(tmp_path, name):
+    config, legacy = llava_configs()[name]
+    save_random_checkpoint(tmp_path, config, seed=9, legacy_names=legacy)
+    model = load_model(tmp_path)
+    prompt = model.expand_image_tokens([2, 17, 255, 30, 31, 32, 33, 34, 35])
+    px = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    hf = run_hf(tmp_path, prompt, NUM_NEW, px)
+    embeds = model.multimodal_embeddings(jnp.asarray(prompt, jnp.int32), jnp.asarray(px))
+    dense = model.dense_fn()
+
+    def inputs(ids):  # the prompt's rows merged, generated rows token embeddings
+        rows = np.array(model.embed_tokens(ids))
+        rows[: len(prompt)] = np.asarray(embeds)
+        return jnp.asarray(rows)
+
+    def with_image(ids):
+        return dense(ids, inputs(ids))
+
+    check_equivalent(prompt, hf, with_image)
