@@ -28,8 +28,9 @@ from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
 __all__ = ["main", "run_demo"]
 
 ENGINE = EngineConfig(
-    block_size=16, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=384
-)
+    block_size=16, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=384,
+    encoder_cache_size=64,  # room for the workload's three images (16 embeddings each)
+)  # fmt: skip
 QUICK = dataclasses.replace(ENGINE, num_blocks=28, max_num_seqs=4, max_num_batched_tokens=32)
 
 
