@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Recorded figures (cited by RESULTS.md), written only with --record; other runs go to OUT_DIR.
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+OUT_DIR = REPO_ROOT / "benchmarks" / "out"
 PEER_VENV = REPO_ROOT / ".venv-vllm"
 _IN_PEER_ENV = "JAXKV_BENCH_IN_PEER"
 
@@ -50,7 +52,13 @@ def ensure_peer_process(argv: Sequence[str] | None = None) -> bool:
         return False
     env = dict(os.environ, **{_IN_PEER_ENV: "1"})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    args = [str(peer_python), *(argv if argv is not None else sys.argv)]
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if argv is not None:
+        args = [str(peer_python), *argv]
+    elif main_spec is not None:  # started as `python -m benchmarks.<name>`
+        args = [str(peer_python), "-m", main_spec.name, *sys.argv[1:]]
+    else:
+        args = [str(peer_python), *sys.argv]
     os.execve(str(peer_python), args, env)
     return False  # unreachable
 
@@ -95,7 +103,7 @@ def results_name(
     base: str,
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
-    measurement_options: Sequence[str] = ("peer", "repeats"),
+    measurement_options: Sequence[str] = ("peer", "repeats", "record"),
 ) -> str:
     """`base`, plus `_<value>_<option>` (`_<option>` for a flag) per workload option off
     its default, so a run of another workload never replaces the recorded figures."""
@@ -107,9 +115,21 @@ def results_name(
     return "_".join(parts)
 
 
-def write_json(name: str, payload: dict) -> Path:
-    """Write `payload` (plus machine facts) to benchmarks/results/<name>.json."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def add_record_option(parser: argparse.ArgumentParser) -> None:
+    """`--record`: replace the recorded figures in benchmarks/results/ (else benchmarks/out/)."""
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="write the JSON into benchmarks/results/, replacing the recorded figures that "
+        "RESULTS.md cites (default: benchmarks/out/, git-ignored)",
+    )
+
+
+def write_json(name: str, payload: dict, record: bool = False) -> Path:
+    """Write `payload` (plus machine facts) to <name>.json: in benchmarks/results/ (the
+    recorded figures) only when `record`, else in benchmarks/out/."""
+    directory = RESULTS_DIR if record else OUT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
     payload = dict(payload)
     payload["machine"] = {
         "python": platform.python_version(),
@@ -117,7 +137,7 @@ def write_json(name: str, payload: dict) -> Path:
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    path = RESULTS_DIR / f"{name}.json"
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(f"wrote {path.relative_to(REPO_ROOT)}")
+    print(f"wrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}")
     return path

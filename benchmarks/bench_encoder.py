@@ -18,30 +18,27 @@ Two timings per manager:
 the same process and checks that every hit, allocation decision and freed hash
 is identical before reporting the speed ratio.
 
-    .venv/bin/python benchmarks/bench_encoder.py [--peer vllm] [--requests 4000]
+    .venv/bin/python -m benchmarks.bench_encoder [--peer vllm] [--requests 4000]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
+    add_record_option,
     ensure_peer_process,
     print_table,
     results_name,
     write_json,
 )
-from jaxkv.encoder_cache_manager import EncoderCacheManager  # noqa: E402
-from jaxkv.request import MultiModalFeatureSpec, Request  # noqa: E402
+from jaxkv.encoder_cache_manager import EncoderCacheManager
+from jaxkv.request import MultiModalFeatureSpec, Request
 
 EMBEDS_PER_IMAGE = 576
 TEXT_TOKENS = 32
@@ -205,6 +202,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    add_record_option(parser)
     args = parser.parse_args()
 
     peer = args.peer == "vllm" and ensure_peer_process()
@@ -258,7 +256,7 @@ def main() -> None:
             f"speed vs vLLM: {ops_ratio:.2f}x (manager ops), {loop_ratio:.2f}x (scheduler loop); "
             "target >= 1.5x"
         )
-    write_json(results_name("bench_encoder", parser, args), payload)
+    write_json(results_name("bench_encoder", parser, args), payload, record=args.record)
 
 
 if __name__ == "__main__":

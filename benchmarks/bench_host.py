@@ -1,7 +1,7 @@
 """Host-side benchmark: a shared-prefix serving workload through the KV cache manager.
 
-    python benchmarks/bench_host.py                # jaxkv only
-    python benchmarks/bench_host.py --peer vllm    # same workload through vLLM 0.33, ratios
+    python -m benchmarks.bench_host                # jaxkv only
+    python -m benchmarks.bench_host --peer vllm    # same workload through vLLM 0.33, ratios
 
 The workload: 32 system prompts of 1024 tokens, 1500 requests each made of a
 system prompt and 64-512 unique user tokens, generating 16-96 tokens; block
@@ -29,14 +29,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
+    add_record_option,
     best_of,
     ensure_peer_process,
     print_table,
@@ -105,7 +103,8 @@ class JaxkvEngine(Engine):
         )
 
     def get_computed_blocks(self, request):
-        return self.manager.get_computed_blocks(request)
+        blocks, num_computed, _ = self.manager.get_computed_blocks(request)
+        return blocks, num_computed
 
 
 class VllmEngine(Engine):
@@ -319,6 +318,7 @@ def main() -> None:
         help="KV blocks in the pool (fewer than ~6000 make decode steps preempt)",
     )
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per config")
+    add_record_option(parser)
     args = parser.parse_args()
 
     peer = args.peer == "vllm" and ensure_peer_process()
@@ -425,6 +425,7 @@ def main() -> None:
                 for r in hash_rows
             ],
         },
+        record=args.record,
     )
 
 

@@ -1,7 +1,7 @@
 """Plot the benchmarks' latest JSON results (benchmarks/results/*.json) as PNGs beside them.
 
     pip install -e ".[dev]"   # matplotlib
-    python benchmarks/plot_results.py
+    python -m benchmarks.plot_results
 
 The benchmarks themselves only write JSON (the vLLM peer environment they may run
 in has no matplotlib); this script renders whatever results are there.
@@ -10,13 +10,9 @@ in has no matplotlib); this script renders whatever results are there.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import REPO_ROOT, RESULTS_DIR  # noqa: E402
+from benchmarks._common import REPO_ROOT, RESULTS_DIR
 
 JAXKV_COLOR, VLLM_COLOR = "#1f77b4", "#bbbbbb"
 
@@ -91,8 +87,14 @@ def plot_encoder(result: dict, fig) -> None:
 
 
 def plot_device(result: dict, fig) -> None:
-    """Paged-cache update time as the cache grows, per storage dtype."""
-    ax = fig.subplots()
+    """Paged-cache update time as the cache grows; paged vs dense attention time."""
+    panels = [key for key in ("updates", "scaling") if key in result]
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        (_plot_device_updates if panel == "updates" else _plot_device_scaling)(result, ax)
+
+
+def _plot_device_updates(result: dict, ax) -> None:
     by_storage: dict[str, list[dict]] = {}
     for row in result["updates"]:
         by_storage.setdefault(row["storage"], []).append(row)
@@ -112,11 +114,70 @@ def plot_device(result: dict, fig) -> None:
     ax.legend()
 
 
+def _plot_device_scaling(result: dict, ax) -> None:
+    rows = result["scaling"]["attention_vs_dense"]
+    x = range(len(rows))
+    paged = ax.bar([i - 0.2 for i in x], [r["paged_ms"] for r in rows], 0.4, label="paged")
+    ax.bar([i + 0.2 for i in x], [r["dense_ms"] for r in rows], 0.4, label="dense",
+           color=VLLM_COLOR)  # fmt: skip
+    _label_bars(ax, paged, [f"{r['paged_vs_dense']:.2f}x" for r in rows])
+    ax.set(
+        yscale="log",
+        xticks=list(x),
+        ylabel="median time (ms)",
+        title=f"attention: paged vs dense ({result['backend']})",
+    )
+    ax.set_xticklabels([r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.legend()
+
+
 # By the benchmark a results file comes from (its name up to the workload suffix).
+def plot_hybrid(result: dict, fig) -> None:
+    """Serving time per generated token: hybrid vs single group, jaxkv vs vLLM (median, range)."""
+    serving, workload = result["serving"], result["workload"]
+    ax = fig.subplots()
+    kinds = ["single", "hybrid"]
+    for offset, impl, color in ((-0.2, "jaxkv", JAXKV_COLOR), (0.2, "vllm", VLLM_COLOR)):
+        runs = [serving.get(f"{impl}/{kind}") for kind in kinds]
+        if any(run is None for run in runs):
+            continue
+        per_token = 1e6 / workload["generated_tokens"]
+        medians = [run["median_seconds"] * per_token for run in runs]
+        low = [m - min(run["seconds"]) * per_token for m, run in zip(medians, runs, strict=True)]
+        high = [max(run["seconds"]) * per_token - m for m, run in zip(medians, runs, strict=True)]
+        bars = ax.bar(
+            [i + offset for i in range(len(kinds))],
+            medians,
+            0.4,
+            yerr=[low, high],
+            label="jaxkv" if impl == "jaxkv" else "vLLM 0.33",
+            color=color,
+        )
+        if impl == "vllm":
+            jax_medians = [serving[f"jaxkv/{kind}"]["median_seconds"] for kind in kinds]
+            _label_bars(
+                ax,
+                bars,
+                [f"{r['median_seconds'] / j:.1f}×" for r, j in zip(runs, jax_medians, strict=True)],
+            )
+    ax.set(
+        xticks=range(len(kinds)),
+        xticklabels=[
+            "single group (full attention)",
+            f"hybrid: full + sliding window {workload['sliding_window']}",
+        ],
+        ylabel="host CPU µs per generated token (median, range)",
+        title=f"serving {workload['requests']} requests, {workload['num_blocks_single']} / "
+        f"{workload['num_blocks_hybrid']} blocks",
+    )
+    ax.legend()
+
+
 PLOTS: dict[str, Callable[[dict, object], None]] = {
     "bench_host": plot_host,
     "bench_encoder": plot_encoder,
     "bench_device": plot_device,
+    "bench_hybrid": plot_hybrid,
 }
 
 

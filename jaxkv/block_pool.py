@@ -7,14 +7,24 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxkv._checks import check_bool, check_int
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.hashing import (
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
-from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    to_event_extra_keys,
+)
+from jaxkv.request_hashing import generate_block_hash_extra_keys
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -44,7 +54,15 @@ class BlockHashToBlockMap:
     def __len__(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values())
 
-    def get_one_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+    def get_one_block(
+        self, key: BlockHashWithGroupId | BlockHash, group_id: int | None = None
+    ) -> KVCacheBlock | None:
+        """The earliest cached block for vLLM's combined `key` (block hash + group id), or
+        for `key` as a bare block hash in `group_id`."""
+        if group_id is None:
+            block_hash, group_id = get_block_hash(key), get_group_id(key)  # type: ignore[arg-type]
+        else:
+            block_hash = key  # type: ignore[assignment]
         blocks = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
         if blocks is None or type(blocks) is KVCacheBlock:
             return blocks  # type: ignore[return-value]
@@ -124,13 +142,25 @@ class BlockPool:
         enable_caching: bool = True,
         hash_block_size: int | None = None,
         enable_kv_cache_events: bool = False,
+        metrics_collector: object = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = "GPU",
+        *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
+        """vLLM 0.33's positional order; `metrics_collector` and `medium` are accepted and
+        unused, `num_hash_lookahead_tokens` must be 0."""
+        check_int("num_gpu_blocks", num_gpu_blocks, min_value=2)  # block 0 is the null block
+        check_bool("enable_caching", enable_caching)
+        if hash_block_size is not None:
+            check_int("hash_block_size", hash_block_size, min_value=1)
+        check_bool("enable_kv_cache_events", enable_kv_cache_events)
+        if check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, min_value=0):
             raise ValueError(
-                f"num_gpu_blocks must be an integer >= 2 (block 0 is the null block), "
-                f"got {num_gpu_blocks!r}"
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens} is not supported (0 only)"
             )
+        check_bool("track_freed_block_ids", track_freed_block_ids)
+        self.medium = medium
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -143,6 +173,9 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         self.track_freed_block_ids = track_freed_block_ids
         self._freed_block_ids: set[int] = set()
+        # Grows whenever a block loses its hash: a manager's remembered lookup result is
+        # still a set of cached blocks iff this has not changed since.
+        self.num_hash_removals = 0
 
     # -- lookups -------------------------------------------------------------
 
@@ -158,6 +191,15 @@ class BlockPool:
             cached.append(block)
         return cached
 
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """The cached block for vLLM's combined key (block hash + group id), or None."""
+        if not isinstance(key, bytes) or len(key) <= 4:
+            raise TypeError(
+                f"key must be a block hash with group id (bytes from "
+                f"make_block_hash_with_group_id), got {key!r}"
+            )
+        return self.cached_block_hash_to_block.get_one_block(key)
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
@@ -168,6 +210,8 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, evicting their old hashes."""
+        if type(num_blocks) is not int:
+            check_int("num_blocks", num_blocks)
         if num_blocks > self.free_block_queue.num_free_blocks or num_blocks < 0:
             raise ValueError(
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
@@ -184,7 +228,25 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
-        """Take a reference on cache hits (one list per group); free ones leave the queue."""
+        """Take a reference on cache hits (one list per group); free ones leave the queue.
+
+        Every block must be one of this pool's (checked first: TypeError/ValueError,
+        nothing changed)."""
+        groups = [list(group_blocks) for group_blocks in blocks]
+        pool_blocks = self.blocks
+        for group_blocks in groups:
+            for block in group_blocks:
+                block_id = getattr(block, "block_id", None)
+                if not (
+                    type(block_id) is int
+                    and 0 <= block_id < len(pool_blocks)
+                    and pool_blocks[block_id] is block
+                ):
+                    raise ValueError(f"touch takes this pool's KVCacheBlocks, got {block!r}")
+        self.touch_checked(groups)
+
+    def touch_checked(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
+        """`touch` for blocks the caller has checked are this pool's (the manager's hits)."""
         remove = self.free_block_queue.remove
         for group_blocks in blocks:
             for block in group_blocks:
@@ -205,17 +267,23 @@ class BlockPool:
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         blocks = list(ordered_blocks)
-        for i, block in enumerate(blocks):
-            if block.is_null:
-                continue
-            if block.ref_cnt <= 0:
-                for done in blocks[:i]:  # leave no state changed
-                    if not done.is_null:
-                        done.ref_cnt += 1
-                raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (unhashed if block._block_hash is None else hashed).append(block)
+        i = 0
+        try:
+            for i, block in enumerate(blocks):  # noqa: B007 (i names the refused block)
+                if block.is_null:
+                    continue
+                if block.ref_cnt <= 0:
+                    raise ValueError(f"block {block.block_id} is already free (ref_cnt 0)")
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    (unhashed if block._block_hash is None else hashed).append(block)
+        except (AttributeError, ValueError) as error:
+            for done in blocks[:i]:  # leave no state changed
+                if not done.is_null:
+                    done.ref_cnt += 1
+            if isinstance(error, AttributeError):
+                raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}") from None
+            raise
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
             if self.track_freed_block_ids:
@@ -233,8 +301,21 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
-        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys."""
+        """Stamp `blocks[num_cached_blocks:num_full_blocks]` with their hash keys.
+
+        `block_mask` (one entry per block in that range): blocks marked False are
+        skipped like null blocks (a sliding-window group caches only the blocks
+        that can end a hit).
+        """
+        if not (
+            type(num_cached_blocks) is type(num_full_blocks) is int
+            and 0 <= num_cached_blocks
+            and 0 <= num_full_blocks <= len(blocks)
+        ):
+            check_int("num_cached_blocks", num_cached_blocks, min_value=0)
+            check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes: Sequence[BlockHash] = request.block_hashes
@@ -249,13 +330,14 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
+        stamped_index: list[int] = []
         cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
-            if block._block_hash is not None:
+            if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
                         cache_map.pop(done._block_hash, kv_cache_group_id, done.block_id)
@@ -265,12 +347,18 @@ class BlockPool:
                         "cannot re-stamp it"
                     )
                 continue
-            block._block_hash = block_hash
-            block._group_id = kv_cache_group_id
             cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
+            stamped_index.append(i)
         if self.enable_kv_cache_events and stamped:
             stored = [block._block_hash for block in stamped]
+            extra_keys, mm_idx = [], 0
+            for i in stamped_index:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx
+                )
+                extra_keys.append(keys)
+            lora = request.lora_request
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=stored,
@@ -282,6 +370,8 @@ class BlockPool:
                     ],
                     block_size=block_size,
                     lora_id=request.lora_int_id,
+                    lora_name=lora.lora_name if lora is not None else None,
+                    extra_keys=to_event_extra_keys(extra_keys),
                     group_idx=kv_cache_group_id,
                 )
             )
@@ -290,7 +380,8 @@ class BlockPool:
         block_hash = block._block_hash
         assert block_hash is not None
         self.cached_block_hash_to_block.pop(block_hash, block._group_id, block.block_id)
-        block._block_hash = None
+        block.reset_hash()
+        self.num_hash_removals += 1
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids and block.ref_cnt == 0:
@@ -305,7 +396,9 @@ class BlockPool:
         ids = list(block_ids)
         for block_id in ids:
             if not (
-                isinstance(block_id, (int, np.integer)) and 1 <= block_id < self.num_gpu_blocks
+                isinstance(block_id, (int, np.integer))
+                and not isinstance(block_id, bool)
+                and 1 <= block_id < self.num_gpu_blocks
             ):
                 raise ValueError(
                     f"block id {block_id!r} is out of range; valid ids are "
@@ -327,6 +420,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        self.num_hash_removals += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

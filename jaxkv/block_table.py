@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv._checks import check_int
+
 NULL_BLOCK_ID = 0
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -33,19 +35,14 @@ class BlockTable:
         max_num_blocks_per_req: int,
         num_blocks: int | None = None,
     ) -> None:
-        for name, value in (
-            ("block_size", block_size),
-            ("max_num_reqs", max_num_reqs),
-            ("max_num_blocks_per_req", max_num_blocks_per_req),
-        ):
-            if int(value) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
+        block_size = check_int("block_size", block_size, min_value=1)
+        max_num_reqs = check_int("max_num_reqs", max_num_reqs, min_value=1)
+        max_num_blocks_per_req = check_int(
+            "max_num_blocks_per_req", max_num_blocks_per_req, min_value=1
+        )
         if num_blocks is not None:
-            if int(num_blocks) <= 1:
-                raise ValueError(
-                    f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}"
-                )
-            if int(num_blocks) * int(block_size) > _INT32_MAX:
+            num_blocks = check_int("num_blocks", num_blocks, min_value=2)  # 0 is the null block
+            if num_blocks * block_size > _INT32_MAX:
                 raise ValueError(
                     f"num_blocks * block_size = {int(num_blocks) * int(block_size)} slots "
                     f"exceeds the int32 range [0, {_INT32_MAX}]"
@@ -59,9 +56,7 @@ class BlockTable:
 
     # ------------------------------------------------------------------ checks
     def _check_row(self, row_idx: int, name: str = "row_idx") -> int:
-        if not 0 <= int(row_idx) < self.max_num_reqs:
-            raise ValueError(f"{name} {row_idx} is out of range [0, {self.max_num_reqs})")
-        return int(row_idx)
+        return check_int(name, row_idx, min_value=0, max_value=self.max_num_reqs - 1)
 
     def _check_block_ids(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(block_ids)
@@ -134,13 +129,12 @@ class BlockTable:
         `n` up is cleared. Returns the `(src, tgt)` moves made, in order, so the
         caller can update its request-to-row map.
         """
-        if not 0 <= int(num_rows) <= self.max_num_reqs:
-            raise ValueError(f"num_rows {num_rows} is out of range [0, {self.max_num_reqs}]")
-        num_rows = int(num_rows)
-        given = [int(r) for r in empty_rows]
-        for r in given:
-            if not 0 <= r < num_rows:
-                raise ValueError(f"empty row {r} is out of range [0, {num_rows})")
+        num_rows = check_int("num_rows", num_rows, min_value=0, max_value=self.max_num_reqs)
+        if isinstance(empty_rows, (str, bytes)):
+            raise TypeError(f"empty_rows must be a sequence of row indices, got {empty_rows!r}")
+        given = [
+            check_int("empty_rows[i]", r, min_value=0, max_value=num_rows - 1) for r in empty_rows
+        ]
         holes = sorted(set(given))
         if len(holes) != len(given):
             raise ValueError(f"empty_rows {given} contains duplicates")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from jaxkv._checks import check_int
 from jaxkv.hashing import (
     BlockHash,
     BlockHashWithGroupId,
@@ -50,14 +51,36 @@ class KVCacheBlock:
 
     @block_hash.setter
     def block_hash(self, key: BlockHashWithGroupId) -> None:
-        if self._block_hash is not None:
+        self.set_hash(get_block_hash(key), get_group_id(key))
+
+    def set_hash(self, block_hash: BlockHash, group_id: int) -> None:
+        """Stamp the block with its key, given as its two parts (what `block_hash = key`
+        does without joining and splitting the key). Set once, like `block_hash`."""
+        if not self.try_set_hash(block_hash, group_id):
             raise ValueError(
-                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "
+                f"block {self.block_id} already has hash {self._block_hash.hex()} (group "  # type: ignore[union-attr]
                 f"{self._group_id}); a block hash is set once and cleared only by "
                 "reset_hash() on eviction"
             )
-        self._block_hash = get_block_hash(key)
-        self._group_id = get_group_id(key)
+
+    def try_set_hash(self, block_hash: BlockHash, group_id: int) -> bool:
+        """`set_hash` unless the block already has a hash (then nothing changes); whether it
+        was stamped."""
+        if self._block_hash is not None:
+            return False
+        self._block_hash = block_hash
+        self._group_id = group_id
+        return True
+
+    @property
+    def block_hash_only(self) -> BlockHash | None:
+        """The block hash without the group id (None when the block is not cached)."""
+        return self._block_hash
+
+    @property
+    def group_id(self) -> int:
+        """The KV cache group of the block's hash key (meaningful while it is cached)."""
+        return self._group_id
 
     def reset_hash(self) -> None:
         self._block_hash = None
@@ -69,25 +92,42 @@ class KVCacheBlock:
         )
 
 
+def _not_queueable(block: object) -> ValueError | TypeError:
+    """The error for a block that cannot join the free queue (not a block, or queued)."""
+    if not isinstance(block, KVCacheBlock):
+        return TypeError(f"blocks must be KVCacheBlock objects, got {block!r}")
+    return ValueError(
+        f"block {block.block_id} is already in the free queue (or given twice); queuing it "
+        "again would corrupt the queue's links"
+    )
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks, in eviction order (head is evicted first).
 
-    Invariants: sentinel `head`/`tail` bracket the list; a block is linked iff
-    it is in the queue; `num_free_blocks` equals the number of linked blocks.
-    Every operation is O(1) per block, including `remove` from the middle.
+    Invariants: sentinel `head`/`tail` (vLLM's `fake_free_list_head`/`_tail`)
+    bracket the list; a block is linked (both links set) iff it is in the
+    queue, so a block already queued is refused by every insertion, which
+    then changes nothing; `num_free_blocks` equals the number of linked
+    blocks. Every operation is O(1) per block, including `remove` from the
+    middle.
     """
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
+        self.num_free_blocks = 0
         self.head = KVCacheBlock(-1)
         self.tail = KVCacheBlock(-1)
-        prev = self.head
-        for block in blocks:
-            prev.next_free_block = block
-            block.prev_free_block = prev
-            prev = block
-        prev.next_free_block = self.tail
-        self.tail.prev_free_block = prev
+        self.head.next_free_block = self.tail
+        self.tail.prev_free_block = self.head
+        self.append_n(blocks)
+
+    @property
+    def fake_free_list_head(self) -> KVCacheBlock:
+        return self.head
+
+    @property
+    def fake_free_list_tail(self) -> KVCacheBlock:
+        return self.tail
 
     def popleft(self) -> KVCacheBlock:
         first = self.head.next_free_block
@@ -100,7 +140,8 @@ class FreeKVCacheBlockQueue:
         return first
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n < 0 or n > self.num_free_blocks:
+        if type(n) is not int or n < 0 or n > self.num_free_blocks:
+            check_int("n", n)
             raise ValueError(f"cannot pop {n} blocks: {self.num_free_blocks} are free")
         if n == 0:
             return []
@@ -117,6 +158,8 @@ class FreeKVCacheBlockQueue:
         return popped
 
     def remove(self, block: KVCacheBlock) -> None:
+        if not isinstance(block, KVCacheBlock):
+            raise TypeError(f"block must be a KVCacheBlock, got {block!r}")
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
@@ -130,30 +173,46 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put `blocks` at the tail, in order (the last one is evicted last)."""
-        last = self.tail.prev_free_block
-        count = 0
-        for block in blocks:
-            last.next_free_block = block  # type: ignore[union-attr]
-            block.prev_free_block = last
-            last = block
-            count += 1
-        last.next_free_block = self.tail  # type: ignore[union-attr]
-        self.tail.prev_free_block = last
-        self.num_free_blocks += count
+        start = self.tail.prev_free_block
+        self.num_free_blocks += self._link_after(start, blocks, self.tail)
 
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put `blocks` at the head, in order (the first one is evicted first)."""
-        first = self.head.next_free_block
-        prev = self.head
+        self.num_free_blocks += self._link_after(self.head, blocks, self.head.next_free_block)
+
+    @staticmethod
+    def _link_after(
+        start: KVCacheBlock, blocks: Iterable[KVCacheBlock], end: KVCacheBlock | None
+    ) -> int:
+        """Link `blocks` in order between adjacent `start` and `end`; their count.
+
+        A block already linked (queued, or given twice) is refused: the links made
+        so far are undone and `start`-`end` adjacency restored before raising.
+        """
+        last = start
         count = 0
-        for block in blocks:
-            prev.next_free_block = block
-            block.prev_free_block = prev
-            prev = block
-            count += 1
-        prev.next_free_block = first
-        first.prev_free_block = prev  # type: ignore[union-attr]
-        self.num_free_blocks += count
+        block: object = None
+        try:
+            for block in blocks:
+                if block.prev_free_block is not None:  # type: ignore[attr-defined]
+                    break
+                last.next_free_block = block  # type: ignore[assignment]
+                block.prev_free_block = last  # type: ignore[attr-defined]
+                last = block  # type: ignore[assignment]
+                count += 1
+            else:
+                last.next_free_block = end
+                end.prev_free_block = last  # type: ignore[union-attr]
+                return count
+        except AttributeError:  # not a block
+            pass
+        refused = block
+        while last is not start:  # undo: unlink what this call linked
+            prev = last.prev_free_block
+            last.prev_free_block = last.next_free_block = None
+            last = prev  # type: ignore[assignment]
+        start.next_free_block = end
+        raise _not_queueable(refused)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         blocks = []

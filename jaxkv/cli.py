@@ -115,13 +115,77 @@ def _load_image(model_dir: str, image_path: str):
         return models.preprocess_image(image.convert("RGB"), json.loads(config_path.read_text()))
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from jaxkv import models
-    from jaxkv.engine.planning import capacity_plan, format_plan
+def read_kv_cache_specs(model_dir: str, block_size: int, dtype: str) -> dict:
+    """`{layer: KVCacheSpec}` of the checkpoint's decoder, from `config.json` alone."""
+    from types import SimpleNamespace
 
+    from jaxkv.models.base import CausalLM
+    from jaxkv.models.checkpoint import read_config
+    from jaxkv.models.config import model_type_of, parse_decoder_config, parse_llava_config
+
+    where = f"{model_dir}/config.json"
+    cfg = read_config(model_dir)
+    if model_type_of(cfg, where) == "llava":
+        decoder = parse_llava_config(cfg, where).text
+    else:
+        decoder = parse_decoder_config(cfg, where)
+    # The specs follow from the decoder config only: no weights are read.
+    return CausalLM.kv_cache_specs(SimpleNamespace(config=decoder), block_size, dtype)
+
+
+def capacity_plan(
+    specs: dict, memory: int, max_model_len: int, max_num_batched_tokens: int, tp: int = 1
+) -> dict:
+    """Blocks, token capacity, concurrency and bytes per device of `memory` bytes per device."""
+    from jaxkv.kv_cache_planning import (
+        get_kv_cache_capacity,
+        get_kv_cache_config,
+        kv_cache_per_device_bytes,
+    )
+
+    config = get_kv_cache_config(specs, memory, max_model_len, max_num_batched_tokens)
+    capacity = get_kv_cache_capacity(config, max_model_len, max_num_batched_tokens)
+    per_device, replicated = kv_cache_per_device_bytes(specs, config.num_blocks, tp)
+    return {
+        "num_blocks": config.num_blocks,
+        "groups": [
+            {
+                "layers": len(g.layer_names),
+                "spec": type(g.kv_cache_spec).__name__,
+                "block_size": g.kv_cache_spec.block_size,
+                "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+            }
+            for g in config.kv_cache_groups
+        ],  # fmt: skip
+        "max_model_len": max_model_len,
+        "token_capacity": capacity.num_tokens,
+        "max_concurrency": capacity.max_concurrency,
+        "bytes_per_device": per_device,
+        "replicated_bytes": replicated,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    lines = [f"KV cache blocks: {plan['num_blocks']}"]
+    for i, g in enumerate(plan["groups"]):
+        window = f", window {g['sliding_window']}" if g["sliding_window"] else ""
+        lines.append(
+            f"  group {i}: {g['layers']} layers, {g['spec']}, block size {g['block_size']}{window}"
+        )
+    lines.append(f"token capacity: {plan['token_capacity']}")
+    lines.append(
+        f"max concurrency at {plan['max_model_len']} tokens: {plan['max_concurrency']:.2f}x"
+    )
+    lines.append(f"bytes per device: {plan['bytes_per_device']:,}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
     memory = parse_memory(args.memory)
-    specs = models.read_kv_cache_specs(args.model, block_size=args.block_size, dtype=args.dtype)
-    plan = capacity_plan(specs, memory, args.max_model_len, args.max_num_batched_tokens)
+    specs = read_kv_cache_specs(args.model, args.block_size, args.dtype)
+    plan = capacity_plan(
+        specs, memory, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size
+    )
     print(json.dumps(plan) if args.json else format_plan(plan))
     return 0
 
@@ -161,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
     return parser

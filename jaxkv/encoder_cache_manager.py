@@ -21,10 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jaxkv._checks import check_int
+
 __all__ = [
     "EncoderBudget",
     "EncoderCacheManager",
     "EncoderDecoderCacheManager",
+    "check_encoder_admission",
     "compute_encoder_budget",
 ]
 
@@ -43,12 +46,14 @@ class EncoderRequest(Protocol):
 def _bad_input_id(request: EncoderRequest, input_id: int) -> ValueError:
     return ValueError(
         f"request {request.request_id!r} has {len(request.mm_features)} multimodal inputs; "
-        f"input id {input_id!r} is out of range (allowed: 0..{len(request.mm_features) - 1})"
+        f"input_id {input_id!r} is out of range (allowed: 0..{len(request.mm_features) - 1})"
     )
 
 
 def _mm_hash(request: EncoderRequest, input_id: int) -> str:
     """The mm_hash of the request's input `input_id`; ValueError naming it when out of range."""
+    if type(input_id) is not int:
+        check_int("input_id", input_id)
     if input_id < 0:
         raise _bad_input_id(request, input_id)
     try:
@@ -58,15 +63,13 @@ def _mm_hash(request: EncoderRequest, input_id: int) -> str:
 
 
 def _check_size(name: str, value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    check_int(name, value, min_value=0)
 
 
 def _check_can_allocate_args(
     request: EncoderRequest, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int
 ) -> None:
-    if not 0 <= input_id < len(request.mm_features):
-        raise _bad_input_id(request, input_id)
+    _mm_hash(request, input_id)  # checks input_id
     _check_size("encoder_compute_budget", encoder_compute_budget)
     _check_size("num_embeds_to_schedule", num_embeds_to_schedule)
 
@@ -105,6 +108,16 @@ class EncoderCacheManager:
         # (request, input id, num embeds) of the last input `can_allocate` accepted,
         # so the `allocate` that follows it does not ask the request again.
         self._sized: tuple[object, int, int] = (None, -1, 0)
+
+    @classmethod
+    def create_manager(cls, *, cache_size: int, vllm_config: object = None) -> EncoderCacheManager:
+        """vLLM's factory; `vllm_config` is accepted and unused."""
+        return cls(cache_size)
+
+    @property
+    def request_cached_ids(self) -> dict[str, set[int]]:
+        """request id -> the input ids it holds (vLLM's attribute; a fresh copy, read only)."""
+        return {request_id: set(held) for request_id, held in self._held.items()}
 
     def reset(self) -> None:
         """Drop every entry and reference (e.g. after the model weights change)."""
@@ -158,8 +171,11 @@ class EncoderCacheManager:
         step exceed free + reclaimable slots (nothing is evicted then).
         Evicted hashes are appended to `freed`; device memory is not touched.
         """
-        # One test for three ints: a bitwise OR is negative iff one of them is.
-        if (input_id | encoder_compute_budget | num_embeds_to_schedule) < 0:
+        # Three ints in one test: a bitwise OR is negative iff one of them is.
+        if not (
+            type(input_id) is type(encoder_compute_budget) is type(num_embeds_to_schedule) is int
+            and (input_id | encoder_compute_budget | num_embeds_to_schedule) >= 0
+        ):
             _check_can_allocate_args(
                 request, input_id, encoder_compute_budget, num_embeds_to_schedule
             )
@@ -232,15 +248,16 @@ class EncoderCacheManager:
         The request's reference to the entry is dropped only when no other
         input of the same request that is still held has the same mm_hash; an
         entry left without references becomes freeable (newest last). Its data
-        stays until evicted. Raises KeyError when the input is not held.
+        stays until evicted. An input the request does not hold (never allocated,
+        or already freed) is a no-op, as in vLLM: schedulers free inputs they may
+        have freed before.
         """
+        if type(input_id) is not int:
+            check_int("input_id", input_id)
         request_id = request.request_id
         held = self._held.get(request_id)
         if held is None or input_id not in held:
-            raise KeyError(
-                f"request {request_id!r} holds no encoder-cache entry for input {input_id!r} "
-                f"(held inputs: {sorted(held) if held else []})"
-            )
+            return
         mm_hash = held.pop(input_id)
         if not held:
             del self._held[request_id]
@@ -284,6 +301,13 @@ class EncoderCacheManager:
                 freeable.move_to_end(mm_hash)
         self.num_freeable_slots += released
 
+    def check_admission(self, request: EncoderRequest, encoder_compute_budget: int) -> None:
+        """At admission: ValueError when one of the request's items needs more embeddings
+        than `encoder_compute_budget` or this cache holds (it would stall the scheduler:
+        `can_allocate` could never accept it)."""
+        check_int("encoder_compute_budget", encoder_compute_budget, min_value=0)
+        check_encoder_admission(request, encoder_compute_budget, self.cache_size)
+
     def get_freed_mm_hashes(self) -> list[str]:
         """Return and clear the hashes evicted since the last call.
 
@@ -326,14 +350,12 @@ class EncoderDecoderCacheManager:
 
     def check_and_update_cache(self, request: EncoderRequest, input_id: int) -> bool:
         """Always False: encoder-decoder outputs are not shared."""
-        if not 0 <= input_id < len(request.mm_features):
-            raise _bad_input_id(request, input_id)
+        _mm_hash(request, input_id)  # checks input_id
         return False
 
     def get_cached_num_encoder_embeds(self, request: EncoderRequest, input_id: int) -> int | None:
         """Always None: nothing is cached across requests."""
-        if not 0 <= input_id < len(request.mm_features):
-            raise _bad_input_id(request, input_id)
+        _mm_hash(request, input_id)  # checks input_id
         return None
 
     def can_allocate(
@@ -354,8 +376,7 @@ class EncoderDecoderCacheManager:
     def allocate(self, request: EncoderRequest, input_id: int) -> None:
         """Take the input's slots and record its hash; ValueError (no change) if it does not fit
         or is already held."""
-        if not 0 <= input_id < len(request.mm_features):
-            raise _bad_input_id(request, input_id)
+        _mm_hash(request, input_id)  # checks input_id
         num_embeds = request.get_num_encoder_embeds(input_id)
         request_id = request.request_id
         held = self._held.get(request_id, {})
@@ -377,14 +398,13 @@ class EncoderDecoderCacheManager:
         return _NO_INPUTS if held is None else frozenset(held)
 
     def free_encoder_input(self, request: EncoderRequest, input_id: int) -> None:
-        """Return the input's slots; KeyError if the input is not held."""
+        """Return the input's slots; a no-op for an input the request does not hold."""
+        if type(input_id) is not int:
+            check_int("input_id", input_id)
         request_id = request.request_id
         held = self._held.get(request_id)
         if held is None or input_id not in held:
-            raise KeyError(
-                f"request {request_id!r} holds no encoder-cache slots for input {input_id!r} "
-                f"(held inputs: {sorted(held) if held else []})"
-            )
+            return
         self.num_free_slots += held.pop(input_id)
         if not held:
             del self._held[request_id]
@@ -394,6 +414,13 @@ class EncoderDecoderCacheManager:
         held = self._held.pop(request.request_id, None)
         if held is not None:
             self.num_free_slots += sum(held.values())
+
+    def check_admission(self, request: EncoderRequest, encoder_compute_budget: int) -> None:
+        """At admission: ValueError when one of the request's items needs more embeddings
+        than `encoder_compute_budget` or this cache holds (it would stall the scheduler:
+        `can_allocate` could never accept it)."""
+        check_int("encoder_compute_budget", encoder_compute_budget, min_value=0)
+        check_encoder_admission(request, encoder_compute_budget, self.cache_size)
 
     def get_freed_mm_hashes(self) -> list[str]:
         """The hashes allocated before the previous call (their model step has run)."""
@@ -424,18 +451,26 @@ class EncoderBudget:
         Such an item could never be scheduled; admitting it would stall the
         scheduler forever.
         """
-        limit = min(self.compute_budget, self.cache_size)
-        for input_id in range(len(request.mm_features)):
-            num_embeds = request.get_num_encoder_embeds(input_id)
-            if num_embeds > limit:
-                which = "compute budget" if num_embeds > self.compute_budget else "cache size"
-                raise ValueError(
-                    f"request {request.request_id!r}: multimodal input {input_id} "
-                    f"({request.mm_features[input_id].identifier!r}) needs {num_embeds} encoder "
-                    f"embeddings, more than the encoder {which} (compute budget "
-                    f"{self.compute_budget}, cache size {self.cache_size}); raise the limit or "
-                    "shrink the item"
-                )
+        check_encoder_admission(request, self.compute_budget, self.cache_size)
+
+
+def check_encoder_admission(
+    request: EncoderRequest, encoder_compute_budget: int, cache_size: int
+) -> None:
+    """ValueError naming the item when one of `request`'s multimodal items needs more
+    embeddings than `encoder_compute_budget` or `cache_size`: it could never be scheduled."""
+    limit = min(encoder_compute_budget, cache_size)
+    for input_id in range(len(request.mm_features)):
+        num_embeds = request.get_num_encoder_embeds(input_id)
+        if num_embeds > limit:
+            which = "compute budget" if num_embeds > encoder_compute_budget else "cache size"
+            raise ValueError(
+                f"request {request.request_id!r}: multimodal input {input_id} "
+                f"({request.mm_features[input_id].identifier!r}) needs {num_embeds} encoder "
+                f"embeddings, more than the encoder {which} (compute budget "
+                f"{encoder_compute_budget}, cache size {cache_size}); raise the limit or "
+                "shrink the item"
+            )
 
 
 def compute_encoder_budget(

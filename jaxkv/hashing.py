@@ -10,8 +10,9 @@ Hash functions, by name:
   canonical CBOR array ``[parent_digest, [token ids], extra_keys or null]``,
   hashed with SHA-256 (32-byte digests) or XXH3-128 (16-byte digests). The
   digests are bit-identical to vLLM's, so KV-aware routers agree with us.
-  Token ids are CBOR-encoded for a whole run of blocks at once with numpy,
-  which is what makes this path faster than calling ``cbor2.dumps`` per block.
+  Token ids are CBOR-encoded for a whole run of blocks at once with numpy
+  (`jaxkv.cbor_fast`), which is what makes this path faster than calling
+  ``cbor2.dumps`` per block.
 - ``sha256`` (the default) / ``xxhash``: jaxkv's own encoding,
   ``parent_digest || uint32_le(n) || n tokens as int64_le || tag`` where
   ``tag`` is ``0x00`` for no extra keys or ``0x01`` followed by the canonical
@@ -39,6 +40,9 @@ import cbor2
 import numpy as np
 import xxhash
 
+from jaxkv._checks import check_int
+from jaxkv.cbor_fast import CBOR_NULL, cbor_head, cbor_uint_arrays
+
 BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 ExtraKeys = tuple[tuple[Any, ...], ...] | None
@@ -60,134 +64,29 @@ def _canonical_cbor(obj: Any) -> bytes:
     return cbor2.dumps(obj, canonical=True)
 
 
-_CBOR_NULL = b"\xf6"
-
-
-@functools.lru_cache(maxsize=256)
-def _cbor_head(major: int, value: int) -> bytes:
-    """The canonical (shortest) CBOR head for `major` type with argument `value`."""
-    mt = major << 5
-    if value < 24:
-        return bytes((mt | value,))
-    if value < 1 << 8:
-        return bytes((mt | 24, value))
-    if value < 1 << 16:
-        return bytes((mt | 25,)) + value.to_bytes(2, "big")
-    if value < 1 << 32:
-        return bytes((mt | 26,)) + value.to_bytes(4, "big")
-    return bytes((mt | 27,)) + value.to_bytes(8, "big")
-
-
 def tokens_to_array(token_ids: Sequence[int]) -> np.ndarray:
-    """Token ids as a numpy array: uint32 when they fit (the fast path), else int64."""
+    """Token ids as a numpy array: uint32 when they fit (the fast path), else int64.
+
+    TypeError for anything but integers (a float would be truncated and share
+    cache entries with its integer part); ValueError for ids outside [0, 2**63).
+    """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype in (np.uint32, np.int64):
+        return token_ids
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token ids must be a sequence of integers, got {token_ids!r}")
     try:
         return np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
-    except (OverflowError, TypeError):
+    except OverflowError:
+        pass
+    except TypeError:
+        if not isinstance(token_ids, np.ndarray) or token_ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got {list(token_ids)[:8]!r}...") from None
+    try:
+        return np.frombuffer(array.array("q", token_ids), dtype=np.int64)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**63), got one out of that range") from None
+    except TypeError:  # an int64/uint64 array whose values array("q") would not take
         return np.asarray(token_ids, dtype=np.int64)
-
-
-# Rows are read back byte by byte, so they are little-endian on any host.
-_ROW_DTYPE = np.dtype("<u8")
-
-
-def _cbor_uint_rows(tokens: np.ndarray) -> np.ndarray:
-    """Canonical CBOR of each uint32 token as a little-endian uint64 "row".
-
-    A row holds the encoding in its first bytes (head byte, then the big-endian
-    argument), zeros after it.
-    """
-    ge256 = (tokens >= 256).view(np.uint8)
-    ge64k = (tokens >= 65536).view(np.uint8)
-    width = (tokens >= 24).view(np.uint8) + ge256  # argument bytes: 0, 1, 2 or 4
-    width += ge64k
-    width += ge64k
-    shift = np.uint8(32) - np.uint8(8) * width
-    rows = tokens.byteswap().astype(_ROW_DTYPE)
-    np.right_shift(rows, shift, out=rows)  # drop the argument's leading zero bytes
-    np.left_shift(rows, np.uint64(8), out=rows)  # room for the head byte
-    head = np.where(width == 0, tokens.astype(np.uint8), np.uint8(24) + ge256 + ge64k)
-    np.bitwise_or(rows, head, out=rows)
-    return rows
-
-
-# Token ids below this (2**18 covers today's vocabularies) encode through a lookup table.
-_CBOR_TABLE_SIZE = 1 << 18
-
-
-@functools.cache
-def _cbor_table_rows() -> np.ndarray:
-    """`_cbor_uint_rows` of every id below `_CBOR_TABLE_SIZE` (built on first use)."""
-    return _cbor_uint_rows(np.arange(_CBOR_TABLE_SIZE, dtype=np.uint32))
-
-
-def _cbor_rows(tokens: np.ndarray) -> np.ndarray:
-    """`_cbor_uint_rows(tokens)`, by table lookup where the ids allow."""
-    try:  # `take` checks the bounds anyway: cheaper than a max() up front
-        return _cbor_table_rows().take(tokens)
-    except IndexError:
-        return _cbor_uint_rows(tokens)
-
-
-# Separates the blocks of an encoded run, so that one C-level `bytes.split` cuts the
-# run into per-block payloads. It cannot occur inside a block's encoding: every token
-# starts with a head byte <= 0x1a and has at most 4 argument bytes after it, so at most
-# 5 bytes in a row (argument bytes then the 0xf6 trailer, or the array head) are above
-# 0x1a, and its 8 bytes all are. Being border-free (no proper prefix equal to a
-# suffix), it cannot overlap a real separator either.
-_BLOCK_SEPARATOR = b"\xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8"
-
-
-def _row_length(first_byte: int) -> int:
-    """Real bytes in a row starting with `first_byte`.
-
-    Rows hold a CBOR uint or array head (1 + 0, 1, 2 or 4 argument bytes), the
-    null trailer (1 byte) or the block separator.
-    """
-    if first_byte == _BLOCK_SEPARATOR[0]:
-        return len(_BLOCK_SEPARATOR)
-    return 1 + {24: 1, 25: 2, 26: 4}.get(first_byte & 0x1F, 0)
-
-
-# By a row's first byte: its mask, a 0x01 byte at each real byte.
-_ROW_MASK_BY_FIRST_BYTE = np.array(
-    [int.from_bytes(b"\x01" * _row_length(first), "little") for first in range(256)],
-    dtype=_ROW_DTYPE,
-)
-
-
-@functools.lru_cache(maxsize=16)
-def _run_rows_template(block_size: int, null_trailers: bool, capacity: int) -> np.ndarray:
-    """Rows of `capacity` blocks: array head, `block_size` token slots (zero), the null
-    trailer if `null_trailers`, the separator."""
-    extras = [_CBOR_NULL, _BLOCK_SEPARATOR] if null_trailers else [_BLOCK_SEPARATOR]
-    template = np.zeros((capacity, block_size + 1 + len(extras)), dtype=_ROW_DTYPE)
-    template[:, 0] = int.from_bytes(_cbor_head(4, block_size), "little")
-    for column, encoding in enumerate(extras, start=block_size + 1):
-        template[:, column] = int.from_bytes(encoding, "little")
-    template.flags.writeable = False
-    return template
-
-
-def _cbor_uint_arrays(tokens: np.ndarray, block_size: int, trailers: list[bytes]) -> list[bytes]:
-    """Per block of `block_size` uint32 tokens: their canonical CBOR array, then its trailer.
-
-    Each block's rows ([array head, tokens..., null trailer when every block has
-    one, separator]) are compacted to their real bytes in one numpy pass, then
-    split at the separators.
-    """
-    num_blocks = len(trailers)
-    null_trailers = trailers.count(_CBOR_NULL) == num_blocks
-    capacity = 1 << (num_blocks - 1).bit_length()
-    rows = _run_rows_template(block_size, null_trailers, capacity)[:num_blocks].copy()
-    rows[:, 1 : block_size + 1] = _cbor_rows(tokens).reshape(num_blocks, block_size)
-    row_bytes = rows.view(np.uint8)
-    masks = _ROW_MASK_BY_FIRST_BYTE.take(row_bytes[:, ::8])
-    stream = row_bytes.ravel().compress(masks.view(np.bool_).ravel()).tobytes()
-    arrays = stream.split(_BLOCK_SEPARATOR)
-    arrays.pop()  # the empty remainder after the last separator
-    if null_trailers:
-        return arrays
-    return [array + trailer for array, trailer in zip(arrays, trailers, strict=True)]
 
 
 def extra_keys_identity(extra_keys: ExtraKeys) -> object:
@@ -254,15 +153,15 @@ class BlockHashFunction:
         self.cryptographic = cryptographic
         self.per_block_run_limit = 3 if cbor else 1
         # What precedes a parent digest of the usual length in a payload.
-        self._payload_head = b"\x83" + _cbor_head(2, self.digest_size) if cbor else b""
+        self._payload_head = b"\x83" + cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[object, bytes] = {}
         self._chain: Callable[[bytes, list[bytes]], list[BlockHash]]
         if oneshot_digest is not None:
             self._chain = functools.partial(_chain_by_oneshot, oneshot_digest, self._payload_head)
         else:
             # hashlib's constructors pay OpenSSL 3's algorithm fetch on every call;
-            # copying a hasher that already holds the head skips it (measured: SHA-256
-            # chains 10% faster, and no head + parent concatenation per block).
+            # copying a hasher that already holds the head skips it, and the head +
+            # parent concatenation per block (benchmarks/RESULTS.md, design figures).
             seeded_copy = new_hasher(self._payload_head).copy
             self._chain = functools.partial(_chain_by_seeded_copies, seeded_copy)
 
@@ -298,7 +197,7 @@ class BlockHashFunction:
 
     def _encode_extra_uncached(self, extra_keys: ExtraKeys) -> bytes:
         if self.cbor:
-            return _CBOR_NULL if extra_keys is None else _canonical_cbor(extra_keys)
+            return CBOR_NULL if extra_keys is None else _canonical_cbor(extra_keys)
         return b"\x00" if extra_keys is None else b"\x01" + _canonical_cbor(extra_keys)
 
     def hash_blocks(
@@ -310,8 +209,30 @@ class BlockHashFunction:
     ) -> list[BlockHash]:
         """Chain-hash `len(extra_keys)` consecutive full blocks of `token_ids`.
 
-        `token_ids` holds exactly `len(extra_keys) * block_size` non-negative ids.
+        `token_ids` holds exactly `len(extra_keys) * block_size` ids, integers in
+        [0, 2**63) (TypeError/ValueError otherwise, before anything is hashed).
         """
+        if not isinstance(parent, bytes):
+            raise TypeError(f"parent must be a bytes digest, got {parent!r}")
+        if not isinstance(extra_keys, Sequence) or isinstance(extra_keys, (str, bytes)):
+            raise TypeError(
+                f"extra_keys must be a sequence (one entry per block), got {extra_keys!r}"
+            )
+        check_int("block_size", block_size, min_value=1)
+        tokens = tokens_to_array(token_ids)
+        if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+            raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
+        return self.hash_checked_blocks(parent, tokens, block_size, extra_keys)
+
+    def hash_checked_blocks(
+        self,
+        parent: bytes,
+        token_ids: Sequence[int] | np.ndarray,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys],
+    ) -> list[BlockHash]:
+        """`hash_blocks` for ids known to be integers in [0, 2**63): a `Request`'s, checked
+        when they entered it (the request hasher's path)."""
         num_blocks = len(extra_keys)
         if block_size <= 0 or len(token_ids) != num_blocks * block_size:
             raise ValueError(
@@ -326,7 +247,7 @@ class BlockHashFunction:
             return self._chain(parent, tails)
         # A first parent of another length (e.g. a NONE_HASH made by another function)
         # takes another CBOR head.
-        parent = self.digest(b"\x83" + _cbor_head(2, len(parent)) + parent + tails[0])
+        parent = self.digest(b"\x83" + cbor_head(2, len(parent)) + parent + tails[0])
         return [parent, *self._chain(parent, tails[1:])]
 
     def _encode_block(self, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys) -> bytes:
@@ -354,8 +275,8 @@ class BlockHashFunction:
 
         Runs of up to `per_block_run_limit` blocks are encoded block by block,
         longer ones in numpy passes, whose fixed cost per call only pays off
-        beyond that (measured: from 2 blocks for the fixed-width raw encoding,
-        from about 4 for CBOR).
+        beyond that (the break-even points are in benchmarks/RESULTS.md, design
+        figures).
         """
         num_blocks = len(extra_keys)
         if num_blocks <= self.per_block_run_limit:
@@ -387,7 +308,7 @@ class BlockHashFunction:
                     for i, e in enumerate(extra_keys)
                 ]
             tokens = tokens.astype(np.uint32)
-        return _cbor_uint_arrays(tokens, block_size, trailers)
+        return cbor_uint_arrays(tokens, block_size, trailers)
 
 
 _HASH_FUNCTIONS: dict[str, BlockHashFunction] = {
@@ -428,6 +349,10 @@ def init_none_hash(
 ) -> BlockHash:
     """Set (and return) `NONE_HASH = hash_fn(seed)`, resolving the seed by the module rules."""
     global NONE_HASH, _none_hash_seed
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+    if seed is not None and not isinstance(seed, str):
+        raise TypeError(f"seed must be a str or None, got {seed!r}")
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
@@ -451,18 +376,25 @@ def get_none_hash_seed() -> str:
 
 
 def hash_block_tokens(
-    hash_fn: BlockHashFunction | Callable[[Any], bytes],
+    hash_fn: BlockHashFunction | Callable[[Any], Any],
     parent_block_hash: bytes | None,
     curr_block_token_ids: Sequence[int],
     extra_keys: ExtraKeys = None,
 ) -> BlockHash:
-    """Hash one block given its parent's hash (`None` → `NONE_HASH`), as in vLLM."""
+    """Hash one block given its parent's hash (`None` → `NONE_HASH`), as in vLLM.
+
+    `hash_fn` is a `BlockHashFunction` or any callable on `(parent, token tuple,
+    extra keys)`, e.g. the builtin `hash`.
+    """
     parent = get_none_hash() if parent_block_hash is None else parent_block_hash
+    tokens = tokens_to_array(curr_block_token_ids)  # TypeError/ValueError for bad ids
+    if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, got {int(tokens.min())}")
     if isinstance(hash_fn, BlockHashFunction):
-        return hash_fn.hash_blocks(
-            parent, curr_block_token_ids, len(curr_block_token_ids), [extra_keys]
-        )[0]
-    return BlockHash(hash_fn((parent, tuple(curr_block_token_ids), extra_keys)))
+        return hash_fn.hash_blocks(parent, tokens, len(tokens), [extra_keys])[0]
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+    return BlockHash(hash_fn((parent, tuple(tokens.tolist()), extra_keys)))
 
 
 # ---------------------------------------------------------------------------
@@ -471,6 +403,10 @@ def hash_block_tokens(
 
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
     """vLLM's cache key: the block hash, then the group id (4 bytes, big-endian)."""
+    if type(group_id) is not int or not 0 <= group_id < 1 << 32:
+        check_int("group_id", group_id, min_value=0, max_value=(1 << 32) - 1)
+    if not isinstance(block_hash, bytes):
+        raise TypeError(f"block_hash must be bytes, got {block_hash!r}")
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big"))
 
 
@@ -492,7 +428,9 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
     def __init__(
         self, block_hashes: Sequence[BlockHash], hash_block_size: int, target_block_size: int
     ) -> None:
-        if hash_block_size <= 0 or target_block_size <= 0 or target_block_size % hash_block_size:
+        check_int("hash_block_size", hash_block_size, min_value=1)
+        check_int("target_block_size", target_block_size, min_value=1)
+        if target_block_size % hash_block_size:
             raise ValueError(
                 f"target block size {target_block_size} must be a positive integer multiple "
                 f"of the hash block size {hash_block_size}"

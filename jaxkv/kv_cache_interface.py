@@ -1,33 +1,107 @@
 """KV-cache specs: what one layer's (or one group's) cache looks like, in pages.
 
 A spec is pure description; it never owns memory. The device allocator sizes
-arrays from it, the block pool counts pages of it, capacity planning adds it up.
+arrays from it, the block pool counts pages of it, capacity planning adds it up
+(SPEC §6). Every spec validates itself on construction: a bad value is a
+`ValueError` naming the field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
+import enum
 import math
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 
+from jaxkv._checks import check_int
 
-def dtype_num_bytes(dtype: str | np.dtype) -> int:
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def numpy_dtype(dtype: str | np.dtype | type) -> np.dtype:
+    """`dtype` ("bfloat16", "float16", np.float32, ...) as a numpy dtype.
+
+    bfloat16 comes from `ml_dtypes` (installed with JAX); importing it does not
+    import JAX.
+    """
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def dtype_num_bytes(dtype: str | np.dtype | type) -> int:
     """Bytes per element of `dtype` ("bfloat16", "float32", np.float16, ...)."""
     if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
         return 2
     return int(np.dtype(dtype).itemsize)
 
 
+class KVCacheSpecKind(enum.StrEnum):
+    """What kind of layer a KV-cache group serves; routers read it off `BlockStored`."""
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class TensorParallelBytes:
+    """One spec's page under a tensor-parallel degree (SPEC §6).
+
+    `page_size_bytes` is what one device holds per page; `num_replicas` is how
+    many devices hold each distinct shard (1: no replication) and
+    `replicated_bytes` the bytes per page across all devices beyond one copy of
+    the whole page: the memory replication costs, reported, never hidden.
+    """
+
+    tensor_parallel_size: int
+    page_size_bytes: int
+    num_replicas: int
+    replicated_bytes: int
+
+
+def _check_positive(name: str, value: object, what: str) -> None:
+    """TypeError unless an integer (as `check_int`), ValueError unless positive."""
+    if check_int(name, value) <= 0:
+        raise ValueError(f"{what}: {name} must be a positive integer, got {value!r}")
+
+
+def _check_tensor_parallel_size(tensor_parallel_size: int) -> None:
+    _check_positive("tensor_parallel_size", tensor_parallel_size, "tensor parallelism")
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Base of all specs: one page holds `block_size` tokens of one layer."""
+    """Base of all specs: one page holds `block_size` tokens of one layer.
+
+    `dcp_sharded`: decode context parallelism shards this cache's token
+    positions across ranks (one block then spans `block_size * dcp` tokens).
+    """
 
     block_size: int
+    dcp_sharded: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size}")
+        _check_positive("block_size", self.block_size, type(self).__name__)
+
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.UNKNOWN
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether this spec's group takes part in prefix caching."""
+        return True
 
     @property
     def page_size_bytes(self) -> int:
@@ -37,34 +111,125 @@ class KVCacheSpec:
         """Peak bytes one request can hold at `max_model_len` (SPEC §6)."""
         raise NotImplementedError
 
+    def max_num_blocks_per_req(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Pages one request holds at most: its peak bytes over the page size."""
+        return _cdiv(
+            self.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
+            self.page_size_bytes,
+        )
+
+    def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
+        """Per-device page bytes under `tensor_parallel_size` (default: replicated)."""
+        _check_tensor_parallel_size(tensor_parallel_size)
+        page = self.page_size_bytes
+        return TensorParallelBytes(
+            tensor_parallel_size, page, tensor_parallel_size, page * (tensor_parallel_size - 1)
+        )
+
+    def copy_with_new_block_size(self, block_size: int) -> KVCacheSpec:
+        return replace(self, block_size=block_size)
+
 
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
+    """Attention KV: a page holds K and V of `block_size` tokens for every KV head.
+
+    `head_size_v` defaults to `head_size` (0 for MLA: one latent vector per token).
+    """
+
     num_kv_heads: int = 1
     head_size: int = 128
     dtype: str = "bfloat16"
+    head_size_v: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_kv_heads <= 0 or self.head_size <= 0:
-            raise ValueError(
-                f"num_kv_heads and head_size must be positive, got "
-                f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}"
-            )
+        what = type(self).__name__
+        _check_positive("num_kv_heads", self.num_kv_heads, what)
+        _check_positive("head_size", self.head_size, what)
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        elif not isinstance(self.head_size_v, int) or self.head_size_v < 0:
+            raise ValueError(f"{what}: head_size_v must be >= 0, got {self.head_size_v!r}")
+        try:
+            dtype_num_bytes(self.dtype)
+        except TypeError as e:
+            raise ValueError(f"{what}: dtype {self.dtype!r} is not a known dtype") from e
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:
         return (
-            2 * self.block_size * self.num_kv_heads * self.head_size * dtype_num_bytes(self.dtype)
+            self.block_size
+            * self.num_kv_heads
+            * (self.head_size + self.head_size_v)  # type: ignore[operator]
+            * dtype_num_bytes(self.dtype)
         )
+
+    def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
+        """KV heads split evenly; with fewer heads than devices each head is replicated.
+
+        With `num_kv_heads >= tp`, `tp` must divide the heads (`ValueError`
+        otherwise); with fewer, `tp` must be a multiple of the heads and each
+        device holds one head, every head on `tp // num_kv_heads` devices.
+        """
+        _check_tensor_parallel_size(tensor_parallel_size)
+        tp, heads = tensor_parallel_size, self.num_kv_heads
+        per_head = self.page_size_bytes // heads
+        if heads >= tp:
+            if heads % tp:
+                raise ValueError(
+                    f"{type(self).__name__}: num_kv_heads={heads} cannot be split evenly "
+                    f"over tensor_parallel_size={tp}; tp must divide the KV heads"
+                )
+            return TensorParallelBytes(tp, per_head * (heads // tp), 1, 0)
+        if tp % heads:
+            raise ValueError(
+                f"{type(self).__name__}: num_kv_heads={heads} is smaller than "
+                f"tensor_parallel_size={tp}, which must then be a multiple of the KV heads"
+            )
+        replicas = tp // heads
+        return TensorParallelBytes(tp, per_head, replicas, per_head * heads * (replicas - 1))
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
     """Causal attention over the whole context: one page per `block_size` tokens."""
 
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.FULL_ATTENTION
+
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return math.ceil(max_model_len / self.block_size) * self.page_size_bytes
+        return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """DeepSeek-style multi-head latent attention: one latent KV head per token.
+
+    The latent vector (`head_size` elements: compressed KV plus rope part) is
+    not split by tensor parallelism: every device holds the whole page.
+    """
+
+    head_size_v: int | None = field(default=0, kw_only=True)
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.MLA_ATTENTION
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"MLAAttentionSpec stores one latent KV head, got num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_size_v not in (0, None):
+            raise ValueError(
+                f"MLAAttentionSpec has no separate V, head_size_v must be 0, got {self.head_size_v}"
+            )
+        object.__setattr__(self, "head_size_v", 0)
+        super().__post_init__()
+
+    def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
+        return KVCacheSpec.tensor_parallel_bytes(self, tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -72,10 +237,16 @@ class SlidingWindowSpec(AttentionSpec):
     """Attention over the last `sliding_window` tokens only."""
 
     sliding_window: int = field(default=4096)
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.SLIDING_WINDOW
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive("sliding_window", self.sliding_window, "SlidingWindowSpec")
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # The window can start mid-block: one page more than its tokens fill.
         tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
-        return (math.ceil(tokens / self.block_size) + 1) * self.page_size_bytes
+        return (_cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -83,18 +254,269 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     """Attention within fixed chunks of `attention_chunk_size` tokens."""
 
     attention_chunk_size: int = field(default=8192)
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(
+            "attention_chunk_size", self.attention_chunk_size, "ChunkedLocalAttentionSpec"
+        )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
-        return math.ceil(tokens / self.block_size) * self.page_size_bytes
+        return _cdiv(tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Decoder layers attending to encoder output: a fixed allocation per request.
+
+    `max_num_encoder_input_tokens` sizes the peak (e.g. 1500 for Whisper); the
+    blocks are never prefix-cached (encoder states are unique per request).
+    """
+
+    max_num_encoder_input_tokens: int = field(default=1500, kw_only=True)
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.CROSS_ATTENTION
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(
+            "max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, "CrossAttentionSpec"
+        )
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return _cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+MAMBA_CACHE_MODES = ("none", "all", "align")
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """State-space layers: one page holds a layer's whole recurrent state.
+
+    `shapes`/`dtypes`: one entry per state tensor (e.g. conv and SSM state).
+    `mamba_cache_mode`: "none" (not prefix-cached; only the running state is
+    held), "all" (the state at every block boundary is kept and cached),
+    "align" (only the latest state is kept; states landing on block boundaries
+    are cached). `tp_replicated`: every tensor-parallel rank holds the whole
+    state (otherwise the state is split evenly).
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+    tp_replicated: bool = False
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.MAMBA
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        if not shapes:
+            raise ValueError("MambaSpec: shapes must name at least one state tensor, got ()")
+        if len(self.dtypes) != len(shapes):
+            raise ValueError(
+                f"MambaSpec: one dtype per state shape, got {len(shapes)} shapes and "
+                f"{len(self.dtypes)} dtypes"
+            )
+        for shape in shapes:
+            if math.prod(shape) <= 0:
+                raise ValueError(
+                    f"MambaSpec: every state shape must have positive size, got {shape}"
+                )
+        for dtype in self.dtypes:
+            try:
+                dtype_num_bytes(dtype)
+            except TypeError as e:
+                raise ValueError(f"MambaSpec: dtype {dtype!r} is not a known dtype") from e
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"MambaSpec: mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
+        if self.num_speculative_blocks < 0:
+            raise ValueError(
+                f"MambaSpec: num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}"
+            )
+
+    @property
+    def numpy_dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(numpy_dtype(d) for d in self.dtypes)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return self.mamba_cache_mode != "none"
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(
+            math.prod(shape) * dtype_num_bytes(dtype)
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        if self.mamba_cache_mode == "all":
+            pages = _cdiv(max_model_len, self.block_size)
+        elif self.mamba_cache_mode == "align":
+            pages = 2  # the running state and the one it continues from
+        else:
+            pages = 1
+        return (pages + self.num_speculative_blocks) * self.page_size_bytes
+
+    def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
+        if self.tp_replicated:
+            return KVCacheSpec.tensor_parallel_bytes(self, tensor_parallel_size)
+        _check_tensor_parallel_size(tensor_parallel_size)
+        page = self.page_size_bytes
+        if page % tensor_parallel_size:
+            raise ValueError(
+                f"MambaSpec: a state page of {page} bytes cannot be split evenly over "
+                f"tensor_parallel_size={tensor_parallel_size}"
+            )
+        return TensorParallelBytes(tensor_parallel_size, page // tensor_parallel_size, 1, 0)
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Layers of one attention type with different shapes sharing one group.
+
+    "One type" means every layer needs the same number of token slots: the
+    same spec class, block size and window (or chunk, or Mamba page). A page
+    of the group is the sum of its layers' pages.
+    """
+
+    kv_cache_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.kv_cache_specs:
+            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
+        if not self.is_uniform_type(self.kv_cache_specs):
+            raise ValueError(
+                "UniformTypeKVCacheSpecs: layers must share spec type, block size and window; "
+                f"got {sorted({repr(s) for s in self.kv_cache_specs.values()})}"
+            )
+        if self.first_spec.block_size != self.block_size:
+            raise ValueError(
+                f"UniformTypeKVCacheSpecs: block_size {self.block_size} differs from its "
+                f"layers' {self.first_spec.block_size}"
+            )
+        object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
+
+    def __hash__(self) -> int:
+        return hash((self.block_size, tuple(self.kv_cache_specs.items())))
+
+    @property
+    def kind(self) -> KVCacheSpecKind:  # type: ignore[override]
+        return self.first_spec.kind
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return all(spec.prefix_cacheable for spec in self.kv_cache_specs.values())
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        pages = max(
+            spec.max_num_blocks_per_req(max_model_len, max_num_batched_tokens)
+            for spec in self.kv_cache_specs.values()
+        )
+        return pages * self.page_size_bytes
+
+    def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
+        parts = [
+            s.tensor_parallel_bytes(tensor_parallel_size) for s in self.kv_cache_specs.values()
+        ]
+        return TensorParallelBytes(
+            tensor_parallel_size,
+            sum(p.page_size_bytes for p in parts),
+            max(p.num_replicas for p in parts),
+            sum(p.replicated_bytes for p in parts),
+        )
+
+    def get_max_layers_per_page_size(self) -> int:
+        return Counter(s.page_size_bytes for s in self.kv_cache_specs.values()).most_common(1)[0][1]
+
+    @staticmethod
+    def is_uniform_type(kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Whether every layer needs the same number of token slots."""
+        specs = list(kv_cache_specs.values())
+        if not specs:
+            return False
+        first = specs[0]
+
+        def type_key(spec: KVCacheSpec) -> tuple:
+            key: tuple = (type(spec), spec.block_size, spec.dcp_sharded)
+            if isinstance(spec, SlidingWindowSpec):
+                key += (spec.sliding_window,)
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                key += (spec.attention_chunk_size,)
+            elif isinstance(spec, CrossAttentionSpec):
+                key += (spec.max_num_encoder_input_tokens,)
+            elif isinstance(spec, MambaSpec):
+                key += (
+                    spec.mamba_cache_mode,
+                    spec.num_speculative_blocks,
+                    spec.page_size_bytes,
+                    spec.tp_replicated,
+                )
+            return key
+
+        return all(type_key(s) == type_key(first) for s in specs[1:])
+
+    @classmethod
+    def from_specs(
+        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
+        """The group spec when every layer is of one type, else None."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        first = next(iter(kv_cache_specs.values()))
+        return cls(block_size=first.block_size, kv_cache_specs=dict(kv_cache_specs))
+
+
+def iter_layer_specs(kv_cache_spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
+    """The per-layer specs a group spec covers (itself unless it is a uniform-type group)."""
+    if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
+        return tuple(kv_cache_spec.kv_cache_specs.values())
+    return (kv_cache_spec,)
+
+
+def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
+    """The sliding window a group's events report (None unless sliding-window)."""
+    spec = iter_layer_specs(kv_cache_spec)[0]
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
 
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """Layers that share one block table because they share one spec."""
+    """Layers that share one block table because they share one spec.
+
+    `is_eagle_group`: the group belongs to an EAGLE/MTP drafter and gets the
+    last-block drop. `host_resident`: the group's pages come from a separate
+    host pool (`KVCacheConfig.host_num_blocks`).
+    """
 
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
+    is_eagle_group: bool = False
+    host_resident: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
 
 
 @dataclass(frozen=True)
@@ -104,14 +526,45 @@ class KVCacheTensor:
     size: int
     shared_by: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shared_by", tuple(self.shared_by))
+
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """How many blocks the pool has and how layers are grouped onto them."""
+    """How many blocks the pool has and how layers are grouped onto them.
+
+    `prefix_cache_retention_interval`: sparse prefix-cache retention for
+    sliding-window and Mamba groups (None: cache densely; 0: only the replay
+    boundary; k > 0: one reachable tail per k tokens).
+    """
 
     num_blocks: int
     kv_cache_tensors: tuple[KVCacheTensor, ...]
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    prefix_cache_retention_interval: int | None = None
+    host_num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
+        object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
+        seen: dict[str, int] = {}
+        for i, group in enumerate(self.kv_cache_groups):
+            for name in group.layer_names:
+                if name in seen:
+                    raise ValueError(
+                        f"layer {name!r} is in KV cache groups {seen[name]} and {i}; "
+                        "a layer has exactly one spec"
+                    )
+                seen[name] = i
+
+    @property
+    def has_mamba_layers(self) -> bool:
+        return any(
+            isinstance(s, MambaSpec)
+            for g in self.kv_cache_groups
+            for s in iter_layer_specs(g.kv_cache_spec)
+        )
 
     @classmethod
     def single_group(
@@ -122,3 +575,20 @@ class KVCacheConfig:
             KVCacheTensor(spec.page_size_bytes * num_blocks, (name,)) for name in layer_names
         )
         return cls(num_blocks, tensors, (KVCacheGroupSpec(tuple(layer_names), spec),))
+
+    @classmethod
+    def from_groups(
+        cls,
+        groups: Mapping[KVCacheSpec, tuple[str, ...]] | list[tuple[KVCacheSpec, tuple[str, ...]]],
+        num_blocks: int,
+        prefix_cache_retention_interval: int | None = None,
+    ) -> KVCacheConfig:
+        """Hand-built groups (spec, layer names), one tensor per layer: for tests and benchmarks."""
+        items = list(groups.items()) if isinstance(groups, Mapping) else list(groups)
+        group_specs = tuple(KVCacheGroupSpec(tuple(names), spec) for spec, names in items)
+        tensors = tuple(
+            KVCacheTensor(spec.page_size_bytes * num_blocks, (name,))
+            for spec, names in items
+            for name in names
+        )
+        return cls(num_blocks, tensors, group_specs, prefix_cache_retention_interval)

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from jaxkv._checks import check_bool, check_int, check_str
 from jaxkv.blocks import KVCacheBlock
-from jaxkv.kv_cache_coordinator import KVCacheCoordinator
-from jaxkv.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
+from jaxkv.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    get_kv_cache_spec_sliding_window,
+)
+from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
+from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
+
+# `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
+# False and numpy zeros are other objects). Where it is False for a zero, the general
+# path answers instead: only slower, never different.
+_ZERO = 0
 
 
 @dataclass
@@ -80,40 +91,117 @@ class KVCacheManager:
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
+        scheduler_block_size: int | None = None,
         hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: object = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+        *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        """vLLM 0.33's arguments, in its order (docs/vllm-differences.md lists what differs).
+
+        `scheduler_block_size` defaults to the LCM of the group block sizes and,
+        when given, must equal it; `hash_block_size` defaults to vLLM's choice
+        (`resolve_kv_cache_block_sizes`: the group block size, or the GCD of a
+        hybrid's). `use_eagle` drops the last matched block of EAGLE groups;
+        `num_prefill_lookahead` (multi-token MTP) keeps its re-prefilled tokens
+        out of the cache. Features jaxkv does not have (hash lookahead, context
+        parallelism, a watermark) must be left at their defaults.
+        """
+        check_int("max_model_len", max_model_len, min_value=1)
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+        if not kv_cache_config.kv_cache_groups:
+            raise ValueError("kv_cache_config needs at least one KV cache group")
+        lcm_block_size, default_hash_block_size = resolve_kv_cache_block_sizes(
+            kv_cache_config, enable_caching
+        )
         if hash_block_size is None:
-            hash_block_size = min(
-                g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-            )
+            hash_block_size = default_hash_block_size
+        check_int("hash_block_size", hash_block_size, min_value=1)
+        if max_in_flight_tokens is not None:
+            check_int("max_in_flight_tokens", max_in_flight_tokens, min_value=1)
+        for name, value in (
+            ("enable_caching", enable_caching),
+            ("log_stats", log_stats),
+            ("enable_kv_cache_events", enable_kv_cache_events),
+            ("track_freed_block_ids", track_freed_block_ids),
+        ):
+            check_bool(name, value)
+        check_bool("use_eagle", use_eagle)
+        check_int("num_prefill_lookahead", num_prefill_lookahead, min_value=0)
+        unsupported = {
+            "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
+            "dcp_world_size": (dcp_world_size, 1),
+            "pcp_world_size": (pcp_world_size, 1),
+            "watermark": (watermark, 0.0),
+            "enable_mamba_shared_prefix_checkpoint": (enable_mamba_shared_prefix_checkpoint, False),
+        }
+        for name, (value, default) in unsupported.items():
+            if value != default or isinstance(value, bool) != isinstance(default, bool):
+                raise ValueError(
+                    f"{name}={value!r} is not supported by jaxkv; only {default!r} is allowed "
+                    "(docs/vllm-differences.md)"
+                )
         self.max_model_len = max_model_len
+        self.max_in_flight_tokens = max_in_flight_tokens or max_model_len
         self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
         self.hash_block_size = hash_block_size
         self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.coordinator = KVCacheCoordinator(
+        self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
             enable_caching,
+            lcm_block_size,
             hash_block_size,
-            enable_kv_cache_events,
-            track_freed_block_ids,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            track_freed_block_ids=track_freed_block_ids,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
+        if scheduler_block_size is not None and (
+            check_int("scheduler_block_size", scheduler_block_size, min_value=1)
+            != self.coordinator.scheduler_block_size
+        ):
+            raise ValueError(
+                f"scheduler_block_size={scheduler_block_size} does not match the KV cache "
+                f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
+            )
         self.block_pool = self.coordinator.block_pool
+        # (spec kind, sliding window) per group, for the BlockStored events.
+        self._event_metadata = tuple(
+            (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
         self.num_kv_cache_groups = self.coordinator.num_groups
         self.kv_cache_config = kv_cache_config
-        # request id -> coordinator.get_slot_state(request id), refreshed after every change
-        # to the request's blocks: a step that needs no new block and fills no block (most
-        # decode steps) is answered from it without visiting the per-group managers. Off
-        # for attention types that release blocks as a request advances.
-        self._slot_state: dict[str, tuple[int, int]] = {}
-        self._use_slot_state = not self.coordinator.skipping_managers
+        self.watermark_blocks = 0
+        # The last hit `get_computed_blocks` returned: (blocks, tokens, the pool's
+        # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
+        # hash was removed, its blocks are known to be this pool's cached blocks.
+        self._last_lookup: tuple[KVCacheBlocks, int, int] | None = None
+        # Request -> `_get_slot_state(request)` for every request holding blocks (keyed by
+        # the object, so a second Request with a running request's id never matches),
+        # refreshed after every change to its blocks: a step that needs no new block and
+        # fills no block (most decode steps) nor releases one that left an attention
+        # window is answered from it without visiting the per-group managers.
+        self._slot_state: dict[Request, tuple[int, int, int]] = {}
+        # request id -> the Request object holding blocks under that id.
+        self._running: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
@@ -141,26 +229,56 @@ class KVCacheManager:
 
     # -- scheduling ----------------------------------------------------------
 
-    def _check_prompt_length(self, request: Request) -> None:
+    def _check_request(self, request: Request) -> None:
+        """Admission checks: a Request, hashed at this manager's block size, that fits."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}")
+        if request.hash_block_size is not None and request.hash_block_size != self.hash_block_size:
+            raise ValueError(
+                f"request {request.request_id!r} is hashed at block size "
+                f"{request.hash_block_size} but this manager hashes at hash_block_size="
+                f"{self.hash_block_size}; its cache keys would name other tokens' KV. Give it "
+                f"block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
+            )
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, "
                 f"more than max_model_len={self.max_model_len}"
             )
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest cached prefix (block aligned, at most num_tokens - 1 tokens)."""
-        self._check_prompt_length(request)
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """(hit blocks, hit tokens, shared_prefix_boundary), as vLLM 0.33 returns them.
+
+        The hit is the longest cached prefix, block aligned, of at most
+        `max_cache_hit_length` tokens (default `num_tokens - 1`: the last token
+        is always recomputed for its logits).
+
+        `shared_prefix_boundary` (0 unless hybrid): where some group's cached
+        prefix runs past the hit every group agrees on, i.e. a shared prefix a
+        sliding-window or Mamba group has not cached yet. As vLLM's scheduler
+        does, store it in `request.shared_prefix_boundary`: sparse retention
+        then keeps the blocks ending there, so the junction stays reusable.
+        """
+        self._check_request(request)
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        else:
+            check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return self.empty_kv_cache_blocks, 0
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
             )
-        return KVCacheBlocks(blocks), num_hit_tokens
+        hits = self.create_kv_cache_blocks(blocks)
+        if num_hit_tokens:
+            self._last_lookup = (hits, num_hit_tokens, self.block_pool.num_hash_removals)
+        return hits, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
 
     def allocate_slots(
         self,
@@ -169,59 +287,121 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Slots for `num_new_tokens` more tokens (plus hits and lookahead); None if out of blocks.
 
-        On None nothing changed. Blocks that became full are cached, but never
-        past `request.num_tokens` (unverified speculative tokens are not cached)
-        and not at all with `delay_cache_blocks`.
+        vLLM 0.33's arguments in its order. On None nothing changed; bad input
+        raises (ValueError/TypeError) before anything changes. Blocks that
+        became full are cached, but never past `request.num_tokens` (unverified
+        speculative tokens are not cached) and not at all with
+        `delay_cache_blocks`. `full_sequence_must_fit` admits only when the
+        whole request fits; `reserved_blocks` stay free for others.
+        `num_encoder_tokens` sizes cross-attention groups (encoder-decoder
+        models). `num_external_computed_tokens` (KV connector) must be 0.
+
+        Hybrid models: blocks a sliding-window, chunked-local or Mamba group no
+        longer reads are released first (as vLLM does), even when the
+        allocation then returns None; they are never read again.
         """
-        slot_state = self._slot_state.get(request.request_id)
+        try:
+            state = self._slot_state.get(request)
+        except TypeError:  # unhashable: not a Request
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
         if (
-            slot_state is not None
+            state is not None
             and new_computed_blocks is None
-            and num_new_computed_tokens == 0
+            and type(num_new_tokens) is int
             and num_new_tokens > 0
-            and num_lookahead_tokens >= 0
-        ):
-            # Most decode steps: the request's blocks hold the new tokens and no block
-            # fills up, so nothing changes; answered without visiting the groups.
-            num_tokens = request.num_computed_tokens + num_new_tokens
-            if (
-                num_tokens + num_lookahead_tokens <= slot_state[0]
-                and num_tokens <= self.max_model_len
-                and (
-                    delay_cache_blocks
-                    or not self.enable_caching
-                    or num_tokens < slot_state[1]  # i.e. min(num_tokens, request.num_tokens)
-                    or request.num_tokens < slot_state[1]
-                )
-            ):
-                return self.empty_kv_cache_blocks
-        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError(
-                f"request {request.request_id!r}: num_new_tokens must be > 0 (something to "
-                f"allocate) and the other counts >= 0, got num_new_tokens={num_new_tokens}, "
-                f"num_new_computed_tokens={num_new_computed_tokens}, "
-                f"num_lookahead_tokens={num_lookahead_tokens}"
+            and num_new_computed_tokens
+            is num_external_computed_tokens
+            is reserved_blocks
+            is num_encoder_tokens
+            is _ZERO
+            and (
+                num_lookahead_tokens is _ZERO
+                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
             )
-        request_id = request.request_id
+            and not full_sequence_must_fit
+        ):
+            # Most decode steps: the request's blocks hold the new tokens, no block
+            # fills up and none leaves an attention window, so the general path below
+            # would change nothing. `state` holds the three limits it derived for this
+            # request (see `_get_slot_state`).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens + num_lookahead_tokens <= state[0] and (
+                delay_cache_blocks
+                # i.e. min(num_tokens, request.num_tokens) < state[1]
+                or num_tokens < state[1]
+                or request.num_tokens < state[1]
+            ):
+                if request.num_computed_tokens >= state[2]:
+                    # All the general path would do: release the blocks that left an
+                    # attention window.
+                    self.coordinator.remove_skipped_blocks(
+                        request.request_id, request.num_computed_tokens
+                    )
+                    self._slot_state[request] = self._get_slot_state(request)
+                return self.empty_kv_cache_blocks
+        # Every other step. Checked before any change: the request at its first
+        # allocation (a running request was checked then), the counts in one
+        # expression for the common, valid case and in detail otherwise.
+        try:
+            request_id = request.request_id
+        except AttributeError:
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+        holder = self._running.get(request_id)
+        if holder is not request:
+            if holder is not None:
+                raise ValueError(
+                    f"request id {request_id!r} belongs to a running request; a second "
+                    "Request object with that id cannot share its blocks (free the first one)"
+                )
+            self._check_request(request)
+        if not (
+            type(num_new_tokens) is type(num_new_computed_tokens) is int
+            and type(num_lookahead_tokens) is type(reserved_blocks) is int
+            and type(num_external_computed_tokens) is type(num_encoder_tokens) is int
+            and num_new_tokens > 0
+            and num_new_computed_tokens >= 0
+            and num_lookahead_tokens >= 0
+            and reserved_blocks >= 0
+            and num_encoder_tokens >= 0
+            and not num_external_computed_tokens
+        ):
+            self._check_counts(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
+            )
+        coordinator = self.coordinator
+        hit_blocks = (
+            None
+            if new_computed_blocks is None and not num_new_computed_tokens
+            else self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
+        )
         max_model_len = self.max_model_len
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed_tokens + num_new_tokens
-        if num_tokens > max_model_len or request.num_prompt_tokens > max_model_len:
-            self._check_prompt_length(request)
+        if num_tokens > max_model_len:
             raise ValueError(
                 f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
                 f"tokens exceed max_model_len={max_model_len}"
             )
-        # Tokens whose full blocks get cached: never unverified (speculative) ones.
         num_tokens_to_cache = request.num_tokens
-        if num_tokens < num_tokens_to_cache:
+        if num_tokens < num_tokens_to_cache:  # never unverified (speculative) tokens
             num_tokens_to_cache = num_tokens
         cache = self.enable_caching and not delay_cache_blocks
-        has_hits = new_computed_blocks is not None and any(new_computed_blocks.blocks)
         if cache:
             # Checked before any change: caching below would fail half-way otherwise.
             num_to_cache = num_tokens_to_cache // self.hash_block_size
@@ -231,43 +411,178 @@ class KVCacheManager:
                     f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
                     f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
                 )
-        coordinator = self.coordinator
-        hit_blocks: tuple[Sequence[KVCacheBlock], ...] | None = None
-        if has_hits:
-            hit_blocks = new_computed_blocks.blocks  # type: ignore[union-attr]
-            if not self.enable_caching:
-                raise ValueError("new_computed_blocks given but prefix caching is disabled")
-            if coordinator.holds_blocks(request_id):
-                raise ValueError(
-                    f"request {request_id!r} already holds blocks; cache hits can only be "
-                    "added when a request is first scheduled"
-                )
+        hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
+        free_block_queue = self.block_pool.free_block_queue
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, max_model_len)
+            num_blocks_full = coordinator.get_num_blocks_to_allocate(
+                request_id, num_full, hits_or_none, num_encoder_tokens, num_computed_tokens
+            )
+            if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
+                return None
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hit_blocks or self.empty_kv_cache_blocks.blocks
-        )
-        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
-            return None
         if coordinator.skipping_managers:
-            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+            # As vLLM, before counting: blocks that left the attention window are
+            # released even when the allocation then fails (they are never read again).
+            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits_or_none, num_encoder_tokens, num_computed_tokens
+        )
+        if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
+            return None
         if hit_blocks is not None:
-            self.block_pool.touch(hit_blocks)
-            coordinator.save_new_computed_blocks(request_id, hit_blocks)
+            # Two-phase: every group takes its hits before any group takes new blocks.
+            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
         new_blocks = (
-            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_encoder_tokens)
             if num_blocks_to_allocate
             else None
         )
         if cache:
-            coordinator.cache_blocks(request, num_tokens_to_cache)
-        if self._use_slot_state:
-            self._slot_state[request_id] = coordinator.get_slot_state(request_id)
+            coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
+        self._slot_state[request] = self._get_slot_state(request)
+        if holder is None:
+            self._running[request_id] = request
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_counts(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+    ) -> None:
+        rid = request.request_id
+        check_int("num_new_tokens", num_new_tokens)
+        check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
+        check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
+        check_int("reserved_blocks", reserved_blocks, min_value=0)
+        check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
+        if num_new_tokens <= 0:
+            raise ValueError(
+                f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), "
+                f"got {num_new_tokens}"
+            )
+        if check_int("num_external_computed_tokens", num_external_computed_tokens, min_value=0):
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
+                "by jaxkv (no KV connector); it must be 0"
+            )
+
+    def _check_hits(
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+    ) -> tuple[Sequence[KVCacheBlock], ...] | None:
+        """The hit blocks per group, checked to be this pool's cached blocks for exactly
+        `num_new_computed_tokens` tokens; None when there are none."""
+        rid = request.request_id
+        if new_computed_blocks is None:
+            hits = None
+        elif isinstance(new_computed_blocks, KVCacheBlocks):
+            hits = new_computed_blocks.blocks if any(new_computed_blocks.blocks) else None
+        else:
+            raise TypeError(
+                f"new_computed_blocks must be KVCacheBlocks or None, got {new_computed_blocks!r}"
+            )
+        if hits is None:
+            if num_new_computed_tokens:
+                raise ValueError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} but "
+                    "new_computed_blocks holds no blocks; pass what get_computed_blocks returned"
+                )
+            return None
+        if not self.enable_caching:
+            raise ValueError("new_computed_blocks given but prefix caching is disabled")
+        if self.coordinator.holds_blocks(rid):
+            raise ValueError(
+                f"request {rid!r} already holds blocks; cache hits (new_computed_blocks) can "
+                "only be added when a request is first scheduled"
+            )
+        if len(hits) != self.num_kv_cache_groups:
+            raise ValueError(
+                f"new_computed_blocks has {len(hits)} groups, this manager "
+                f"{self.num_kv_cache_groups}"
+            )
+        last, self._last_lookup = self._last_lookup, None
+        if last is not None and (
+            last[0] is new_computed_blocks
+            and last[1] == num_new_computed_tokens
+            and last[2] == self.block_pool.num_hash_removals
+        ):
+            return hits  # the lookup's own result, and no hash was removed since
+        pool_blocks = self.block_pool.blocks
+        for group_id, (manager, group_hits) in enumerate(
+            zip(self.coordinator.single_type_managers, hits, strict=True)
+        ):
+            if not manager.kv_cache_spec.prefix_cacheable:
+                expected = 0  # cross-attention never hits
+            else:
+                expected = num_new_computed_tokens // manager.block_size
+            if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
+                raise ValueError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
+                    f"not match new_computed_blocks' {len(group_hits)} hit blocks of group "
+                    f"{group_id} (block size {manager.block_size}); pass what "
+                    "get_computed_blocks returned"
+                )
+            # Only attention types that skip blocks may hold the null block in a hit.
+            null_allowed = manager in self.coordinator.skipping_managers
+            seen: set[int] = set()
+            for block in group_hits:
+                block_id = getattr(block, "block_id", None)
+                if block_id is None or not (
+                    type(block_id) is int
+                    and 0 <= block_id < len(pool_blocks)
+                    and pool_blocks[block_id] is block
+                ):
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
+                        "a block of this pool"
+                    )
+                if block.is_null:
+                    if null_allowed:
+                        continue
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds the null block, which "
+                        "cannot be a cache hit"
+                    )
+                if block._block_hash is None or block._group_id != group_id:
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
+                        f"is not a cached block of group {group_id}"
+                    )
+                if block_id in seen:
+                    raise ValueError(
+                        f"request {rid!r}: new_computed_blocks holds block {block_id} twice"
+                    )
+                seen.add(block_id)
+        return hits
+
+    def _get_slot_state(self, request: Request) -> tuple[int, int, int]:
+        """The `_slot_state` entry of a request holding blocks.
+
+        (the most tokens plus lookahead a step may reach without `allocate_slots`
+        allocating a block, the number of tokens to cache at which it would cache
+        one, the computed-token count at which it would release a block that left
+        an attention window): the first is the tokens the request's blocks hold,
+        capped at `max_model_len`; the second the token count that fills the next
+        block, or never when caching is off; the third never without sliding-window,
+        chunked-local or Mamba groups.
+        """
+        capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
+        return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
@@ -278,29 +593,40 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
+        self._check_request(request)
+        check_int("num_computed_tokens", num_computed_tokens, min_value=0)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
-            if request.request_id in self._slot_state:
-                self._slot_state[request.request_id] = self.coordinator.get_slot_state(
-                    request.request_id
-                )
+            if request in self._slot_state:
+                self._slot_state[request] = self._get_slot_state(request)
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
-        self._slot_state.pop(request.request_id, None)
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}")
+        holder = self._running.pop(request.request_id, None)
+        if holder is not None:
+            del self._slot_state[holder]
         self.coordinator.free(request.request_id)
 
     # -- queries -------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
 
     def get_num_common_prefix_blocks(
-        self, running_request_id: str, num_running_requests: int
+        self, running_request_id: str, num_running_requests: int | None = None
     ) -> list[int]:
+        """Per group, the leading blocks of `running_request_id` that every running request
+        holds; `num_running_requests` defaults to the number of requests holding blocks."""
+        if num_running_requests is None:
+            num_running_requests = len(self._running)
+        check_int("num_running_requests", num_running_requests, min_value=0)
         return self.coordinator.get_num_common_prefix_blocks(
             running_request_id, num_running_requests
         )
@@ -325,7 +651,16 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The step's events; `BlockStored` carries its group's spec kind and window."""
+        events = self.block_pool.take_events()
+        metadata = self._event_metadata
+        for i, event in enumerate(events):
+            if type(event) is BlockStored:
+                kind, window = metadata[event.group_idx]
+                events[i] = replace(
+                    event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     def take_freed_block_ids(self) -> np.ndarray:
         return self.block_pool.take_freed_block_ids()

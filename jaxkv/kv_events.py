@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 # vLLM's name for the accelerator memory tier; routers key on it.
 MEDIUM_GPU = "GPU"
@@ -13,9 +15,35 @@ class KVCacheEvent:
     """Base of the events drained per step by `take_events()`."""
 
 
+def to_event_extra_keys(
+    extra_keys: Iterable[tuple[Any, ...] | None] | None,
+) -> list[tuple[Any, ...] | None] | None:
+    """Per-block hash extra keys as events publish them: untagged.
+
+    Routers parse the untagged shapes: bare LoRA names and cache salts,
+    `(mm_identifier, offset)` pairs, bare prompt-embeds digests (the block hash
+    itself uses the tagged keys, e.g. `("lora", name, path)`). None when no
+    block has extra keys.
+    """
+    if not extra_keys:
+        return None
+    event_keys = [
+        None if keys is None else tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
+        for keys in extra_keys
+    ]
+    return event_keys if any(k is not None for k in event_keys) else None
+
+
 @dataclass(frozen=True)
 class BlockStored(KVCacheEvent):
-    """Blocks that became full and findable; hashes are bare block hashes (no group id)."""
+    """Blocks that became full and findable; hashes are bare block hashes (no group id).
+
+    vLLM 0.33's fields: `lora_name` and `extra_keys` (untagged, one entry per
+    stored block) let a router recompute the keys; `group_idx` names the KV
+    cache group, `kv_cache_spec_kind` ("full_attention", "sliding_window", ...)
+    and `kv_cache_spec_sliding_window` describe it (filled in by the KV cache
+    manager's `take_events`).
+    """
 
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
@@ -23,7 +51,11 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,18 @@ full. Hashes already computed are never recomputed.
 
 from __future__ import annotations
 
+import array
 import enum
 import itertools
-import operator
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from jaxkv._checks import check_bool, check_int, check_str, check_token_ids
+from jaxkv.hashing import BlockHash
+from jaxkv.request_hashing import RequestBlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -33,6 +38,19 @@ class LoRARequest:
 
 
 @dataclass
+class PlaceholderRange:
+    """Where a multimodal item sits in the prompt: `[offset, offset + length)` (vLLM's).
+
+    `is_embed`, when given, marks which of those positions receive an encoder
+    embedding (the rest are text or break tokens).
+    """
+
+    offset: int
+    length: int
+    is_embed: np.ndarray | None = None
+
+
+@dataclass
 class MultiModalFeatureSpec:
     """One multimodal item of a request.
 
@@ -40,33 +58,65 @@ class MultiModalFeatureSpec:
     prompt positions `[offset, offset + length)`. `is_embed`, when given, marks
     which of those positions receive an encoder embedding (the rest are text or
     break tokens); the item's encoder-cache cost is the number of such positions.
+    vLLM's form, `MultiModalFeatureSpec(data=..., modality=..., identifier=...,
+    mm_position=PlaceholderRange(...))`, is accepted by keyword; `mm_position`
+    is always available.
     """
 
     identifier: str
-    offset: int
-    length: int
+    offset: int | None = None
+    length: int | None = None
     is_embed: np.ndarray | None = None
     modality: str = "image"
+    mm_position: PlaceholderRange | None = None
+    data: Any = None
+    mm_hash: str | None = None
 
     def __post_init__(self) -> None:
+        check_str("identifier", self.identifier)
+        position = self.mm_position
+        if position is not None:
+            if self.offset is not None or self.length is not None or self.is_embed is not None:
+                raise ValueError(
+                    f"multimodal item {self.identifier!r}: give mm_position or "
+                    "offset/length/is_embed, not both"
+                )
+            self.offset, self.length, self.is_embed = (
+                position.offset,
+                position.length,
+                position.is_embed,
+            )
+        if self.offset is None or self.length is None:
+            raise TypeError(
+                f"multimodal item {self.identifier!r}: offset and length (or mm_position) "
+                "are required"
+            )
+        check_int("offset", self.offset)
+        check_int("length", self.length)
         if self.offset < 0 or self.length <= 0:
             raise ValueError(
                 f"multimodal item {self.identifier!r}: offset must be >= 0 and length > 0, "
                 f"got offset={self.offset}, length={self.length}"
             )
         if self.is_embed is not None:
-            self.is_embed = np.asarray(self.is_embed, dtype=bool)
-            if self.is_embed.shape != (self.length,):
+            is_embed = np.asarray(self.is_embed)
+            if is_embed.dtype != np.bool_ or is_embed.shape != (self.length,):
                 raise ValueError(
-                    f"multimodal item {self.identifier!r}: is_embed must have shape "
-                    f"({self.length},), got {self.is_embed.shape}"
+                    f"multimodal item {self.identifier!r}: is_embed must be a bool mask of "
+                    f"shape ({self.length},), got {is_embed.dtype} {is_embed.shape}"
                 )
+            self.is_embed = is_embed
+        self.mm_position = PlaceholderRange(self.offset, self.length, self.is_embed)
 
     @property
     def num_embeds(self) -> int:
         if self.is_embed is None:
-            return self.length
+            return self.length  # type: ignore[return-value]
         return int(self.is_embed.sum())
+
+
+def _offset(feature: MultiModalFeatureSpec) -> int:
+    return feature.offset  # type: ignore[return-value]
 
 
 class AllTokenIds(Sequence[int]):
@@ -120,71 +170,164 @@ class AllTokenIds(Sequence[int]):
         return f"AllTokenIds({list(self)!r})"
 
 
-BlockHasher = Callable[["Request"], list[bytes]]
+@dataclass(frozen=True)
+class SamplingParams:
+    """The part of vLLM's `SamplingParams` the cache managers read.
+
+    Any object with these attributes may be passed as `Request(sampling_params=...)`.
+    """
+
+    max_tokens: int = 16
+    skip_reading_prefix_cache: bool | None = None
 
 
-@dataclass
 class Request:
     """A request as the cache managers see it.
 
     Invariants: `all_token_ids` is the prompt then the output tokens;
     `num_tokens == len(all_token_ids)`, a counter kept by
-    `append_output_token_ids` (the only way outputs grow);
-    `block_hashes[i]` is the hash of full block `i` (when a block hasher is set);
-    `0 <= num_computed_tokens <= num_tokens`.
+    `append_output_token_ids` (the only way outputs grow); every token id is an
+    int in [0, 2**63); `block_hashes[i]` is the hash of full block `i` of
+    `hash_block_size` tokens (when a block hasher is set), chained from the
+    hasher's `none_hash`; `0 <= num_computed_tokens <= num_tokens`.
+
+    The positional order is vLLM 0.33's (`request_id, prompt_token_ids,
+    sampling_params, pooling_params, client_index, arrival_time, prompt_embeds,
+    ...`); vLLM arguments jaxkv has no use for are accepted and ignored.
+    `max_tokens` and `skip_reading_prefix_cache` come from `sampling_params`
+    (or `pooling_params`) unless given as keywords.
     """
 
-    request_id: str
-    prompt_token_ids: Sequence[int] | np.ndarray
-    max_tokens: int = 16
-    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
-    lora_request: LoRARequest | None = None
-    cache_salt: str | None = None
-    prompt_embeds: np.ndarray | None = None
-    block_hasher: BlockHasher | None = None
-    skip_reading_prefix_cache: bool = False
-    arrival_time: float = 0.0
-
-    def __post_init__(self) -> None:
-        prompt = self.prompt_token_ids
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        # A list is kept, not copied (as vLLM does): the request never mutates it.
-        self.prompt_token_ids = prompt if type(prompt) is list else list(prompt)
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling_params: Any = None,
+        pooling_params: Any = None,
+        client_index: int = 0,
+        arrival_time: float | None = None,
+        prompt_embeds: np.ndarray | None = None,
+        prompt_is_token_ids: Sequence[bool] | None = None,
+        mm_features: Sequence[MultiModalFeatureSpec] | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        trace_headers: Any = None,
+        block_hasher: RequestBlockHasher | None = None,
+        resumable: bool = False,
+        session_id: str | None = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
+        abort_immediately: bool = False,
+        kv_hints: Any = None,
+        *,
+        max_tokens: int | None = None,
+        skip_reading_prefix_cache: bool | None = None,
+    ) -> None:
+        if type(request_id) is not str:
+            check_str("request_id", request_id)
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.client_index = client_index
+        self.priority = priority
+        self.arrival_time = 0.0 if arrival_time is None else arrival_time
+        if max_tokens is None:
+            if pooling_params is not None:
+                max_tokens = 1
+            elif sampling_params is not None:
+                max_tokens = sampling_params.max_tokens
+            else:
+                max_tokens = 16
+        if type(max_tokens) is not int or max_tokens < 0:
+            check_int("max_tokens", max_tokens, min_value=0)
+        self.max_tokens = max_tokens
+        if skip_reading_prefix_cache is None:
+            for params in (sampling_params, pooling_params):
+                if params is not None and skip_reading_prefix_cache is None:
+                    skip_reading_prefix_cache = getattr(params, "skip_reading_prefix_cache", None)
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache is not None and check_bool(
+            "skip_reading_prefix_cache", skip_reading_prefix_cache
+        )
+        # A list is kept, not copied (as vLLM does): the request never mutates it. Its
+        # ids are checked by packing them into the array the block hasher reads:
+        # uint32 when they fit, else int64 (rejecting floats, strings, nested lists, and
+        # ids outside [0, 2**63)).
+        if type(prompt_token_ids) is not list:
+            prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
+        try:
+            self._prompt_packed = array.array("I", prompt_token_ids)
+        except TypeError:
+            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises, naming the id
+            raise
+        except OverflowError:
+            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises if out of range
+            self._prompt_packed = array.array("q", prompt_token_ids)
+        self.prompt_token_ids: list[int] = prompt_token_ids
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.num_prompt_tokens == 0:
-            raise ValueError(f"request {self.request_id!r}: the prompt must not be empty")
-        if self.prompt_embeds is not None:
-            self.prompt_embeds = np.asarray(self.prompt_embeds)
-            if self.prompt_embeds.ndim != 2 or len(self.prompt_embeds) != self.num_prompt_tokens:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        if prompt_embeds is not None:
+            prompt_embeds = np.asarray(prompt_embeds)
+            if prompt_embeds.ndim != 2 or len(prompt_embeds) != self.num_prompt_tokens:
                 raise ValueError(
-                    f"request {self.request_id!r}: prompt_embeds must have shape "
-                    f"({self.num_prompt_tokens}, hidden), got {self.prompt_embeds.shape}"
+                    f"request {request_id!r}: prompt_embeds must have shape "
+                    f"({self.num_prompt_tokens}, hidden), got {prompt_embeds.shape}"
                 )
-        for feature in self.mm_features:
+        self.prompt_embeds = prompt_embeds
+        features = [] if not mm_features else list(mm_features)
+        for feature in features:
+            if not isinstance(feature, MultiModalFeatureSpec):
+                raise TypeError(
+                    f"request {request_id!r}: mm_features must hold MultiModalFeatureSpec "
+                    f"items, got {feature!r}"
+                )
             if feature.offset + feature.length > self.num_prompt_tokens:
                 raise ValueError(
-                    f"request {self.request_id!r}: multimodal item {feature.identifier!r} "
+                    f"request {request_id!r}: multimodal item {feature.identifier!r} "
                     f"spans [{feature.offset}, {feature.offset + feature.length}) but the "
                     f"prompt has {self.num_prompt_tokens} tokens"
                 )
-        self.mm_features = sorted(self.mm_features, key=lambda f: f.offset)
+        self.mm_features = sorted(features, key=_offset) if features else features
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
+        self.lora_request = lora_request
+        if cache_salt is not None and type(cache_salt) is not str:
+            check_str("cache_salt", cache_salt, allow_none=True)
+        self.cache_salt = cache_salt or None  # "" means no salt, as in vLLM
+        if block_hasher is not None and not isinstance(block_hasher, RequestBlockHasher):
+            raise TypeError(
+                "block_hasher must come from get_request_block_hasher (it declares the block "
+                f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"
+            )
+        self.block_hasher = block_hasher
         self.output_token_ids: list[int] = []
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[BlockHash] = []
         # Prompt-embedding digests per (start, end) block range, computed once.
         self.prompt_embeds_digests: dict[tuple[int, int], bytes] = {}
         self.num_tokens = self.num_prompt_tokens
-        # Tokens per hashed block ("never" without a hasher), and the token count at
-        # which the next block is full.
-        self._hash_block_size = (
-            getattr(self.block_hasher, "block_size", 1) if self.block_hasher else 1 << 62
-        )
-        self._next_hash_at = self._hash_block_size
+        # Tokens per hashed block (None without a hasher), and the token count at which
+        # the next block is full.
+        self.hash_block_size: int | None = block_hasher.block_size if block_hasher else None
+        self._next_hash_at = self.hash_block_size or 1 << 62
         self._update_block_hashes()
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(request_id={self.request_id!r}, num_prompt_tokens={self.num_prompt_tokens}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens}, "
+            f"status={self.status.name})"
+        )
+
+    @property
+    def prompt_token_array(self) -> np.ndarray:
+        """The prompt's ids as a read-only numpy array (uint32 when they fit, else int64)."""
+        packed = self._prompt_packed
+        return np.frombuffer(packed, dtype=np.uint32 if packed.typecode == "I" else np.int64)
 
     @property
     def num_output_tokens(self) -> int:
@@ -199,34 +342,42 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        if type(token_ids) is not int and isinstance(token_ids, (int, np.integer)):
-            token_ids = int(token_ids)  # numpy integers stored as plain ints
-        if type(token_ids) is int:
+        """Append one token id or a sequence of them; a bad id raises before anything changes."""
+        if type(token_ids) is int and 0 <= token_ids <= 0x7FFFFFFFFFFFFFFF:  # < 2**63
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
         else:
-            try:
-                token_ids = [operator.index(t) for t in token_ids]
-            except TypeError:
-                raise ValueError(
-                    f"request {self.request_id!r}: output token ids must be integers (one, "
-                    f"or a sequence of them), got {token_ids!r}"
-                ) from None
+            token_ids = self._check_appended(token_ids)
             self.output_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
         if self.num_tokens >= self._next_hash_at:
             self._update_block_hashes()
 
+    def _check_appended(self, token_ids: object) -> list[int]:
+        """`append_output_token_ids`'s argument as a checked list of ids (numpy ints become
+        ints); TypeError/ValueError naming the request otherwise."""
+        if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
+            token_ids = [int(token_ids)]
+        elif isinstance(token_ids, (bool, np.bool_)):
+            raise TypeError(
+                f"request {self.request_id!r}: token_ids must be integers, got {token_ids!r}"
+            )
+        try:
+            return check_token_ids("token_ids", token_ids)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"request {self.request_id!r}: {error}") from None
+
     def get_num_encoder_embeds(self, input_id: int) -> int:
-        if not 0 <= input_id < len(self.mm_features):
+        if type(input_id) is not int or not 0 <= input_id < len(self.mm_features):
+            check_int("input_id", input_id)
             raise ValueError(
                 f"request {self.request_id!r} has {len(self.mm_features)} multimodal "
-                f"inputs; input id {input_id} is out of range"
+                f"inputs; input_id {input_id} is out of range"
             )
         return self.mm_features[input_id].num_embeds
 
     def _update_block_hashes(self) -> None:
-        # A hasher that states its block size is only called once a block has filled.
+        # The hasher is only called once a block has filled.
         if self.num_tokens >= self._next_hash_at:
             self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
-            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
+            self._next_hash_at = (len(self.block_hashes) + 1) * self.hash_block_size  # type: ignore[operator]

@@ -1,12 +1,13 @@
 """Per-request block hashing: extra keys, the shared-prefix memo, the request hasher.
 
 A request's hashes cover its full blocks only and grow as tokens are appended
-(SPEC §2); `get_request_block_hasher` returns the callable a `Request` calls.
+(SPEC §2); `get_request_block_hasher` returns the `RequestBlockHasher` a `Request` calls.
 The hash functions themselves live in `jaxkv.hashing`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -14,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxkv._checks import check_int
 from jaxkv.hashing import (
     BlockHash,
     BlockHashFunction,
     ExtraKeys,
     extra_keys_identity,
     get_none_hash,
+    hash_block_tokens,
     tokens_to_array,
 )
 
@@ -65,7 +68,7 @@ def generate_block_hash_extra_keys(
     if request.mm_features:
         mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
         keys.extend(mm_keys)
-    if request.cache_salt is not None and start_token_idx == 0:
+    if request.cache_salt and start_token_idx == 0:  # "" is no salt, as in vLLM
         keys.append(("cache_salt", request.cache_salt))
     if request.prompt_embeds is not None and start_token_idx < request.num_prompt_tokens:
         end = min(end_token_idx, request.num_prompt_tokens)
@@ -77,7 +80,7 @@ def _needs_extra_keys(request: Request) -> bool:
     return bool(
         request.lora_request is not None
         or request.mm_features
-        or request.cache_salt is not None
+        or request.cache_salt
         or request.prompt_embeds is not None
     )
 
@@ -152,8 +155,9 @@ class BlockHashMemo:
     """
 
     def __init__(self, hash_fn: BlockHashFunction, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"memo capacity must be positive, got {capacity}")
+        check_int("capacity", capacity, min_value=1)
+        if not isinstance(hash_fn, BlockHashFunction):
+            raise TypeError(f"hash_fn must come from get_hash_fn_by_name, got {hash_fn!r}")
         self.hash_fn = hash_fn
         self.capacity = capacity
         self._runs: OrderedDict[tuple[bytes, bytes, object], _HashedRun] = OrderedDict()
@@ -172,7 +176,7 @@ class BlockHashMemo:
         """Same result as `hash_fn.hash_blocks`, reusing a memoized shared prefix."""
         num_blocks = len(extra_keys)
         if num_blocks <= MEMO_BYPASS_BLOCKS:
-            return self.hash_fn.hash_blocks(parent, token_ids, block_size, extra_keys)
+            return self.hash_fn.hash_checked_blocks(parent, token_ids, block_size, extra_keys)
         tokens = tokens_to_array(token_ids)
         data = tokens.tobytes()
         stride = len(data) // num_blocks
@@ -191,7 +195,7 @@ class BlockHashMemo:
             self._runs.move_to_end(key)
             return run.hashes[:num_blocks]  # type: ignore[union-attr]
         hashes = run.hashes[:num_shared] if num_shared else []  # type: ignore[union-attr]
-        hashes += self.hash_fn.hash_blocks(
+        hashes += self.hash_fn.hash_checked_blocks(
             hashes[-1] if hashes else parent,
             tokens[num_shared * block_size :],
             block_size,
@@ -207,25 +211,47 @@ class BlockHashMemo:
 DEFAULT_MEMO_CAPACITY = 256
 
 
-def get_request_block_hasher(
-    block_size: int, hash_fn: BlockHashFunction, memo_capacity: int = DEFAULT_MEMO_CAPACITY
-) -> Callable[[Request], list[BlockHash]]:
-    """A hasher returning the hashes of the request's newly full blocks, in order.
+class RequestBlockHasher:
+    """Hashes a request's newly full blocks of `block_size` tokens, chained from `none_hash`.
 
-    With `memo_capacity > 0` recent block digests are remembered (`BlockHashMemo`),
-    so prefixes shared between requests are hashed once; 0 turns that off.
+    A `Request` calls it whenever a block fills up. Both facts the hashes depend
+    on are declared here and fixed at construction: `block_size` (a manager
+    refuses a request hashed at another size) and `none_hash`, the NONE_HASH
+    current when the hasher was made (a later `init_none_hash` does not change
+    the chain of requests already hashed, so two chains cannot mix in one
+    request). `hash_fn` is a `BlockHashFunction` (fast run hashing, optional
+    memo) or any callable on `(parent, token tuple, extra keys)` such as the
+    builtin `hash`, as vLLM accepts.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size}")
-    if not isinstance(hash_fn, BlockHashFunction):
-        raise ValueError(f"hash_fn must come from get_hash_fn_by_name, got {hash_fn!r}")
-    if memo_capacity < 0:
-        raise ValueError(f"memo_capacity must be >= 0, got {memo_capacity}")
-    hash_blocks = (
-        BlockHashMemo(hash_fn, memo_capacity).hash_blocks if memo_capacity else hash_fn.hash_blocks
-    )
 
-    def request_block_hasher(request: Request) -> list[BlockHash]:
+    __slots__ = ("_hash_blocks", "block_size", "hash_fn", "memo", "none_hash")
+
+    def __init__(
+        self,
+        block_size: int,
+        hash_fn: BlockHashFunction | Callable[[Any], Any],
+        memo_capacity: int = DEFAULT_MEMO_CAPACITY,
+    ) -> None:
+        self.block_size = check_int("block_size", block_size, min_value=1)
+        if not callable(hash_fn):
+            raise TypeError(f"hash_fn must be callable, got {hash_fn!r}")
+        memo_capacity = check_int("memo_capacity", memo_capacity, min_value=0)
+        self.hash_fn = hash_fn
+        self.none_hash = get_none_hash()
+        self.memo: BlockHashMemo | None = None
+        if not isinstance(hash_fn, BlockHashFunction):
+            self._hash_blocks = functools.partial(_hash_blocks_one_by_one, hash_fn)
+        elif memo_capacity:
+            self.memo = BlockHashMemo(hash_fn, memo_capacity)
+            self._hash_blocks = self.memo.hash_blocks
+        else:
+            self._hash_blocks = hash_fn.hash_checked_blocks
+
+    def __repr__(self) -> str:
+        return f"RequestBlockHasher(block_size={self.block_size}, hash_fn={self.hash_fn!r})"
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        block_size = self.block_size
         num_hashed = len(request.block_hashes)
         num_full = request.num_tokens // block_size
         if num_full <= num_hashed:
@@ -239,9 +265,48 @@ def get_request_block_hasher(
                 extra.append(keys)
         else:
             extra = [None] * (num_full - num_hashed)
-        parent = request.block_hashes[-1] if num_hashed else get_none_hash()
-        return hash_blocks(parent, request.all_token_ids[start:end], block_size, extra)
+        parent = request.block_hashes[-1] if num_hashed else self.none_hash
+        if end <= request.num_prompt_tokens and num_full - num_hashed > MEMO_BYPASS_BLOCKS:
+            # A long run of the prompt: its ids are already packed in an array.
+            tokens = request.prompt_token_array[start:end]
+        else:
+            tokens = request.all_token_ids[start:end]
+        return self._hash_blocks(parent, tokens, block_size, extra)
 
-    # Lets a request skip the call until a block has filled up.
-    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]
-    return request_block_hasher
+
+def _hash_blocks_one_by_one(
+    hash_fn: Callable[[Any], Any],
+    parent: BlockHash,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: list[ExtraKeys],
+) -> list[BlockHash]:
+    """`hash_block_tokens` block by block, for a hash function that is a plain callable."""
+    hashes: list[BlockHash] = []
+    for i, extra in enumerate(extra_keys):
+        parent = hash_block_tokens(
+            hash_fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra
+        )
+        hashes.append(parent)
+    return hashes
+
+
+def get_request_block_hasher(
+    hash_block_size: int,
+    caching_hash_fn: BlockHashFunction | Callable[[Any], Any],
+    num_hash_lookahead_tokens: int = 0,
+    *,
+    memo_capacity: int = DEFAULT_MEMO_CAPACITY,
+) -> RequestBlockHasher:
+    """The hasher a `Request` calls for its newly full blocks (vLLM's signature).
+
+    With `memo_capacity > 0` recent block digests are remembered (`BlockHashMemo`),
+    so prefixes shared between requests are hashed once; 0 turns that off.
+    `num_hash_lookahead_tokens` (vLLM's hashing of speculative tokens) must be 0.
+    """
+    if check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, min_value=0):
+        raise ValueError(
+            f"num_hash_lookahead_tokens={num_hash_lookahead_tokens} is not supported; jaxkv "
+            "hashes verified tokens only (0)"
+        )
+    return RequestBlockHasher(hash_block_size, caching_hash_fn, memo_capacity)

@@ -1,95 +1,185 @@
 """Per-attention-type managers: the blocks each request holds in one KV-cache group.
 
 A manager owns `req_to_blocks` for its group and decides, for its attention
-type, how many blocks a request needs and how long a cached prefix it can use.
-All pages come from the shared `BlockPool`.
+type, how long a cached prefix it can use (its hit rule), which blocks a
+request no longer reads (its release rule) and how many blocks an allocation
+takes. All pages come from the shared `BlockPool`. The rules are vLLM 0.33's.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from jaxkv.block_pool import BlockPool
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
-from jaxkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from jaxkv.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from jaxkv.kv_cache_utils import resolve_block_hashes
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+HitBlocks = tuple[list[KVCacheBlock], ...]
+_NEVER = sys.maxsize
 
 
 class SingleTypeKVCacheManager:
     """Blocks held per request in one group.
 
     Invariants: `req_to_blocks[r]` is request r's block table for this group,
-    append-only while r runs (entries may turn into the null block when an
-    attention type no longer needs them); `num_cached_block[r]` blocks of it are
-    stamped with hashes; every non-null block listed holds one reference.
+    append-only while r runs except that entries turn into the null block when
+    the attention type no longer reads them (those blocks go back to the pool);
+    `num_cached_block[r]` leading entries have been offered to the prefix cache;
+    every non-null block listed holds one reference for r.
     """
 
     spec_types: ClassVar[tuple[type[KVCacheSpec], ...]] = ()
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    # Whether remove_skipped_blocks can release anything (chosen per class).
+    releases_blocks: ClassVar[bool] = False
+    # Whether only some blocks can end a hit (reachable_block_mask thins the caching).
+    sparse_hits: ClassVar[bool] = False
+    # Whether cache_blocks must be given the step's exact end (a recurrent state
+    # describes one position), not the count aligned to the hit grid.
+    caches_at_step_end: ClassVar[bool] = False
 
     def __init__(
-        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int | None = None,
+        enable_caching: bool = True,
+        dcp_world_size: int = 1,
     ) -> None:
         self.kv_cache_spec = kv_cache_spec
-        self.block_size = kv_cache_spec.block_size
+        self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
+        self.block_size = kv_cache_spec.block_size * self.dcp_world_size
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size or self.block_size
+        # The coordinator lowers this to the hash unit for fine-grained hybrids.
+        self.cache_hit_alignment_tokens = self.scheduler_block_size
+        # Set by the coordinator: this group drops the last matched block for EAGLE.
+        self.use_eagle = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        self._null_block = block_pool.null_block
+
+    # -- allocation ----------------------------------------------------------
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int = 0,
     ) -> int:
-        """Free blocks needed to hold `num_tokens`, counting hits that sit in the free queue."""
+        """Free blocks needed to give the request `num_tokens` slots.
+
+        Hits that sit in the free queue count (touching them takes them out of
+        it); hits wholly outside the attention window do not (they become the
+        null block).
+        """
+        num_required = _cdiv(num_tokens, self.block_size)
         held = self.req_to_blocks.get(request_id)
-        num_new = (
-            -(-num_tokens // self.block_size)
-            - len(new_computed_blocks)
-            - (len(held) if held is not None else 0)
-        )
-        if num_new < 0:
-            num_new = 0
-        if new_computed_blocks:
-            for block in new_computed_blocks:
-                if block.ref_cnt == 0 and not block.is_null:
-                    num_new += 1
+        num_held = len(held) if held is not None else 0
+        if request_id in self.num_cached_block:  # running: no new hits
+            return max(num_required - num_held, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local = len(new_computed_blocks) + num_held
+        num_new = max(num_required - max(num_skipped_blocks, num_local), 0)
+        start = max(0, num_skipped_blocks - num_held)
+        for block in new_computed_blocks[start:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_new += 1
         return num_new
 
-    def save_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
     ) -> None:
-        """Start the request's block list with its cache hits (first scheduling only)."""
-        if request_id in self.req_to_blocks:
-            if new_computed_blocks:
-                raise ValueError(
-                    f"request {request_id!r} already holds blocks; cache hits can only be "
-                    "added when a request is first scheduled"
-                )
-            return
-        self.req_to_blocks[request_id] = list(new_computed_blocks)
-        self.num_cached_block[request_id] = len(new_computed_blocks)
+        """Start the request's table with its hits (first scheduling only).
+
+        Hits wholly outside the window are not touched: their slots are null.
+        """
+        if self.req_to_blocks.get(request_id):
+            raise ValueError(
+                f"request {request_id!r} already holds blocks; cache hits can only be "
+                "added when a request is first scheduled"
+            )
+        num_skipped = self.get_num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        kept = list(new_computed_blocks[num_skipped:])
+        if kept:
+            self.block_pool.touch_checked((kept,))
+        req_blocks = [self._null_block] * num_skipped + kept
+        self.req_to_blocks[request_id] = req_blocks
+        self.num_cached_block[request_id] = len(req_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """New blocks so the request has slots for `num_tokens` tokens."""
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
-            self.num_cached_block[request_id] = 0
-        num_new = -(-num_tokens // self.block_size) - len(req_blocks)
+        self.num_cached_block.setdefault(request_id, 0)
+        num_new = _cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    # -- caching -------------------------------------------------------------
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
+        """Offer the blocks the first `num_tokens` tokens fill to the prefix cache.
+
+        Groups with sparse hits cache only the blocks `reachable_block_mask`
+        keeps: those that can end a hit at some aligned length, thinned out by
+        `retention_interval`, plus the tails ending at `replay_boundaries` and
+        at the request's `shared_prefix_boundary`.
+        """
+        if not self.kv_cache_spec.prefix_cacheable:
+            return
         request_id = request.request_id
         num_cached = self.num_cached_block[request_id]
-        num_full = num_tokens // self.block_size
+        hash_block_size = self.block_pool.hash_block_size or self.block_size
+        num_full = min(num_tokens, len(request.block_hashes) * hash_block_size) // self.block_size
         if num_full <= num_cached:
             return
+        mask = None
+        if self.sparse_hits and (retention_interval is not None or not self.dense_hit_grid()):
+            boundaries = list(replay_boundaries)
+            shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
+            if shared_prefix_boundary:
+                boundaries.append(shared_prefix_boundary)
+                if self.use_eagle:  # a sibling diverging there hits one block lower
+                    boundaries.append(shared_prefix_boundary - self.block_size)
+            mask = self.reachable_block_mask(num_cached, num_full, retention_interval, boundaries)
         self.block_pool.cache_full_blocks(
             request,
             self.req_to_blocks[request_id],
@@ -97,25 +187,87 @@ class SingleTypeKVCacheManager:
             num_full,
             self.block_size,
             self.kv_cache_group_id,
+            mask,
         )
         self.num_cached_block[request_id] = num_full
 
-    def get_slot_state(self, request_id: str) -> tuple[int, int]:
-        """(tokens the request's blocks can hold, token count at which its next block is full)."""
+    def dense_hit_grid(self) -> bool:
+        """Whether every block can end a hit on the alignment grid (then all are cached)."""
+        return True
+
+    def reachable_block_mask(
+        self,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        reachable_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Which of blocks [start, end) to cache; None: all (dense hit rule)."""
+        return None
+
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        """(tokens the request's blocks can hold, token count at which its next block is
+        full, computed-token count at which `remove_skipped_blocks` would release a block).
+
+        Below all three a step changes nothing in this group.
+        """
         block_size = self.block_size
+        blocks = self.req_to_blocks[request_id]
         return (
-            len(self.req_to_blocks[request_id]) * block_size,
+            len(blocks) * block_size,
             (self.num_cached_block[request_id] + 1) * block_size,
+            self._release_threshold(request_id, blocks) if self.releases_blocks else _NEVER,
         )
 
+    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
+        """Smallest computed-token count at which the first held block leaves the window."""
+        lo, hi = 0, len(blocks)  # the nulls are a prefix: binary search its end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if blocks[mid].is_null:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self.release_threshold_for_block(lo)
+
+    def release_threshold_for_block(self, block_index: int) -> int:
+        """Smallest computed-token count whose skipped tokens cover block `block_index`."""
+        return _NEVER
+
+    # -- release -------------------------------------------------------------
+
     def free(self, request_id: str) -> None:
+        """Return the request's blocks, tail first (the tail is evicted first)."""
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         if req_blocks:
             self.block_pool.free_blocks(reversed(req_blocks))
 
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens this attention type no longer reads (none for full attention)."""
+        return 0
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release blocks this attention type no longer reads (none for full attention)."""
+        """Turn blocks wholly outside the attention window into the null block, freeing them."""
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        blocks = self.req_to_blocks.get(request_id)
+        if num_skipped_tokens <= 0 or not blocks:
+            return
+        self._release_blocks(
+            request_id, blocks, min(num_skipped_tokens // self.block_size, len(blocks))
+        )
+
+    def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
+        """Null and free `blocks[:last]`, backward, up to the already-nulled run."""
+        freed: list[KVCacheBlock] = []
+        null = self._null_block
+        for i in range(last - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            freed.append(blocks[i])
+            blocks[i] = null
+        if freed:
+            self.block_pool.free_blocks(freed)
 
     def get_num_common_prefix_blocks(
         self, running_request_id: str, num_running_requests: int
@@ -128,6 +280,8 @@ class SingleTypeKVCacheManager:
             num_common += 1
         return num_common
 
+    # -- hits ----------------------------------------------------------------
+
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -136,16 +290,28 @@ class SingleTypeKVCacheManager:
         kv_cache_group_ids: Sequence[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        hash_block_size: int,
-    ) -> tuple[list[KVCacheBlock], ...]:
-        """The longest cached prefix of at most `max_length` tokens, one block list per group."""
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[HitBlocks, int]:
+        """(hit blocks per group, hit length in tokens) of at most `max_length` tokens.
+
+        The length is a multiple of `alignment_tokens`; blocks the type does not
+        read are the null block. `drop_eagle_block`: drop the last matched
+        block (EAGLE recomputes it for its hidden states).
+        """
         raise NotImplementedError
+
+
+def _spec_block_size(kv_cache_spec: KVCacheSpec, dcp_world_size: int) -> int:
+    return kv_cache_spec.block_size * (dcp_world_size if kv_cache_spec.dcp_sharded else 1)
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Causal attention over the whole context: a hit is any cached prefix."""
 
     spec_types = (FullAttentionSpec,)
+    supports_fine_grained_hash_lookup = True
 
     @classmethod
     def find_longest_cache_hit(
@@ -155,39 +321,517 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         kv_cache_group_ids: Sequence[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        hash_block_size: int,
-    ) -> tuple[list[KVCacheBlock], ...]:
-        block_size = kv_cache_spec.block_size
-        if block_size != hash_block_size:
-            block_hashes = BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
-        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[HitBlocks, int]:
+        block_size = _spec_block_size(kv_cache_spec, dcp_world_size)
+        hash_block_size = block_pool.hash_block_size or block_size
+        fine_grained = alignment_tokens < block_size and block_size % alignment_tokens == 0
+        raw = block_hashes
+        block_hashes = resolve_block_hashes(
+            block_hashes,
+            hash_block_size,
+            block_size,
+            supports_fine_grained_hash_lookup=True,
+            alignment_tokens=alignment_tokens,
+        )
+        full_hashes = (
+            BlockHashListWithBlockSize(block_hashes, alignment_tokens, block_size)
+            if fine_grained
+            else block_hashes
+        )
+        max_num_blocks = min(max_length // block_size, len(full_hashes))
         if len(kv_cache_group_ids) == 1:
-            return (
+            computed: HitBlocks = (
                 block_pool.cached_block_hash_to_block.get_leading_blocks(
-                    block_hashes, kv_cache_group_ids[0], max_num_blocks
+                    full_hashes, kv_cache_group_ids[0], max_num_blocks
                 ),
             )
-        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        for i in range(max_num_blocks):
-            blocks = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if blocks is None:
+        else:
+            computed = tuple([] for _ in kv_cache_group_ids)
+            for i in range(max_num_blocks):
+                blocks = block_pool.get_cached_block(full_hashes[i], kv_cache_group_ids)
+                if blocks is None:
+                    break
+                for group_blocks, block in zip(computed, blocks, strict=True):
+                    group_blocks.append(block)
+        hit_length = len(computed[0]) * block_size
+        if fine_grained:
+            # Extend into the first partial block, probing its hash units high to low.
+            scale = block_size // alignment_tokens
+            first = len(computed[0]) * scale
+            last = min(first + scale - 1, max_length // alignment_tokens, len(raw))
+            for fine_idx in range(last - 1, first - 1, -1):
+                tail = block_pool.get_cached_block(raw[fine_idx], kv_cache_group_ids)
+                if tail is None:
+                    continue
+                for group_blocks, block in zip(computed, tail, strict=True):
+                    group_blocks.append(block)
+                hit_length = (fine_idx + 1) * alignment_tokens
                 break
-            for group_blocks, block in zip(computed, blocks, strict=True):
+        if drop_eagle_block and hit_length > 0:
+            hit_length -= min(alignment_tokens, block_size)
+        hit_length -= hit_length % alignment_tokens
+        num_blocks = _cdiv(hit_length, block_size)
+        for group_blocks in computed:
+            del group_blocks[num_blocks:]
+        return computed, hit_length
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Attention over the last `sliding_window` tokens.
+
+    A hit needs the contiguous cached run covering the window that ends at the
+    hit (`ceil((window - 1) / block_size)` blocks, one more with EAGLE); blocks
+    before it are the null block. Blocks wholly outside the window of the next
+    token are released as the request advances.
+    """
+
+    spec_types = (SlidingWindowSpec,)
+    releases_blocks = True
+    sparse_hits = True
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    @staticmethod
+    def contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
+        return _cdiv(window - 1, block_size) + (1 if use_eagle else 0)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def dense_hit_grid(self) -> bool:
+        alignment, block_size = self.cache_hit_alignment_tokens, self.block_size
+        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        return alignment % block_size != 0 or need >= alignment // block_size
+
+    def release_threshold_for_block(self, block_index: int) -> int:
+        return (block_index + 1) * self.block_size + self.sliding_window - 1
+
+    def reachable_block_mask(
+        self,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        reachable_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """Cache only the `need` blocks ending at each hit boundary a later request can use.
+
+        Dense (`retention_interval` None): every alignment boundary; k > 0: one
+        per k-token segment; 0: none. Plus, under sparse retention, the tails
+        ending at `reachable_boundaries`. With EAGLE the run ends one block past
+        the boundary (the peeked block).
+        """
+        alignment = self.cache_hit_alignment_tokens
+        block_size = self.block_size
+        if alignment % block_size:
+            return None  # a sub-block grid cannot be masked per block: cache all
+        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        shift = 1 if self.use_eagle else 0
+        mask = [False] * (end_block - start_block)
+        segment = alignment if retention_interval is None else retention_interval or None
+        if segment is not None:
+            per_segment = segment // block_size
+            if need >= per_segment:
+                return None  # every block can end a hit
+            for i in range(max(start_block, shift), end_block):
+                if (i - shift) % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+        if retention_interval is not None:
+            for boundary in reachable_boundaries:
+                end = boundary // alignment * alignment // block_size + shift
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[HitBlocks, int]:
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        block_size = kv_cache_spec.block_size
+        block_hashes = resolve_block_hashes(
+            block_hashes, block_pool.hash_block_size or block_size, block_size
+        )
+        need = cls.contiguous_blocks_for_hit(
+            kv_cache_spec.sliding_window, block_size, drop_eagle_block
+        )
+        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        if len(kv_cache_group_ids) == 1:
+            get_one, group_id = (
+                block_pool.cached_block_hash_to_block.get_one_block,
+                kv_cache_group_ids[0],
+            )
+
+            def lookup(block_hash: BlockHash) -> Sequence[KVCacheBlock] | None:
+                block = get_one(block_hash, group_id)
+                return None if block is None else (block,)
+        else:
+
+            def lookup(block_hash: BlockHash) -> Sequence[KVCacheBlock] | None:
+                return block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+
+        # The run of cached blocks, right to left, ending at the candidate hit.
+        run: list[Sequence[KVCacheBlock]] = []
+        start = 0
+        for i in range(max_num_blocks - 1, -1, -1):  # right to left, stop at the first run
+            cached = lookup(block_hashes[i])
+            if cached is None:
+                run.clear()
+                continue
+            if not run and block_size != alignment_tokens:
+                ends_at = i if drop_eagle_block else i + 1
+                if ends_at * block_size % alignment_tokens:
+                    continue  # a run must end on the alignment grid
+            run.append(cached)
+            if len(run) >= need:
+                start = i
+                break
+        # Without a full window, a run reaching the start is a hit all the same.
+        null = block_pool.null_block
+        computed: HitBlocks = tuple(
+            [null] * start + [cached[g] for cached in reversed(run)]
+            for g in range(len(kv_cache_group_ids))
+        )
+        if len(run) < need:
+            cls._align(computed, block_size, alignment_tokens)
+        if drop_eagle_block and computed[0]:
+            for group_blocks in computed:
+                group_blocks.pop()
+            cls._align(computed, block_size, alignment_tokens)
+        return computed, len(computed[0]) * block_size
+
+    @staticmethod
+    def _align(computed: HitBlocks, block_size: int, alignment_tokens: int) -> None:
+        while block_size != alignment_tokens and len(computed[0]) * block_size % alignment_tokens:
+            for group_blocks in computed:
+                group_blocks.pop()
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Attention within fixed chunks: blocks before the current chunk are null.
+
+    A hit marks every block before the chunk holding `max_length` computed (as
+    null blocks) and looks up the blocks of that chunk left to right.
+    """
+
+    spec_types = (ChunkedLocalAttentionSpec,)
+    releases_blocks = True
+
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def release_threshold_for_block(self, block_index: int) -> int:
+        chunk = self.attention_chunk_size
+        return _cdiv((block_index + 1) * self.block_size, chunk) * chunk
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[HitBlocks, int]:
+        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        block_size = kv_cache_spec.block_size
+        if drop_eagle_block:
+            raise ValueError("EAGLE is not supported with chunked local attention groups")
+        if block_size != alignment_tokens:
+            raise ValueError(
+                f"chunked local attention needs hits on its own block size ({block_size}); "
+                f"the coordinator aligns hits to {alignment_tokens} tokens"
+            )
+        block_hashes = resolve_block_hashes(
+            block_hashes, block_pool.hash_block_size or block_size, block_size
+        )
+        chunk = kv_cache_spec.attention_chunk_size
+        max_num_blocks = min(max_length // block_size, len(block_hashes))
+        start_block = (max_length // chunk * chunk) // block_size if max_length > 0 else 0
+        null = block_pool.null_block
+        computed: HitBlocks = tuple([null] * start_block for _ in kv_cache_group_ids)
+        for i in range(start_block, max_num_blocks):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                break
+            for group_blocks, block in zip(computed, cached, strict=True):
                 group_blocks.append(block)
-        return computed
+        return computed, len(computed[0]) * block_size
 
 
-SPEC_MANAGER_TYPES: tuple[type[SingleTypeKVCacheManager], ...] = (FullAttentionManager,)
+class MambaManager(SingleTypeKVCacheManager):
+    """State-space layers: a block holds the recurrent state after its last token.
+
+    "none"/"align": only the last state is kept (earlier blocks become null and
+    are freed); an allocation pads the table with null blocks and takes only
+    the block the step's state lands in. "align" caches a state when a step ends
+    exactly on a block boundary; a hit is the last cached state at or below the
+    candidate (found right to left), at hash-unit granularity when the
+    coordinator enables fine-grained hits. "all": every block's state is kept
+    and cached.
+    """
+
+    spec_types = (MambaSpec,)
+    supports_fine_grained_hash_lookup = True
+    releases_blocks = True
+    caches_at_step_end = True
+
+    def __init__(self, kv_cache_spec: MambaSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
+        self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
+        if self.enable_caching and self.mamba_cache_mode == "none":
+            raise ValueError(
+                "Mamba prefix caching requires mamba_cache_mode='align' or 'all', got 'none'; "
+                "disable prefix caching or change the mode"
+            )
+        # Leading blocks already released (the table has null gaps between states).
+        self._num_retired_blocks: dict[str, int] = {}
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        if self.mamba_cache_mode == "all":
+            return 0
+        return num_computed_tokens - 1
+
+    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
+        if self.mamba_cache_mode == "all":
+            return _NEVER
+        # Null gaps sit between states: the first held block after the retired ones.
+        for i in range(self._num_retired_blocks.get(request_id, 0), len(blocks)):
+            if not blocks[i].is_null:
+                return (i + 1) * self.block_size + 1
+        return _NEVER
+
+    def _keeps_last_state_only(self) -> bool:
+        return self.mamba_cache_mode != "all"
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int = 0,
+    ) -> int:
+        if not self._keeps_last_state_only():
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens
+            )
+        num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
+        held = self.req_to_blocks.get(request_id)
+        num_local = len(new_computed_blocks) + (len(held) if held is not None else 0)
+        # The table is padded with nulls up to the block before the state's.
+        num_new = max(
+            num_required - max(num_local, num_required - self.num_speculative_blocks - 1), 0
+        )
+        return num_new + sum(
+            1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
+        )
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        if not self._keeps_last_state_only():
+            return super().allocate_new_blocks(request_id, num_tokens)
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        self.num_cached_block.setdefault(request_id, 0)
+        num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
+        if num_required <= len(req_blocks):
+            return []
+        num_nulls = num_required - self.num_speculative_blocks - 1 - len(req_blocks)
+        if num_nulls > 0:
+            req_blocks.extend([self._null_block] * num_nulls)
+        new_blocks = self.block_pool.get_new_blocks(num_required - len(req_blocks))
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
+        if self.mamba_cache_mode != "align":
+            super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
+            return
+        # `num_tokens` is where the step's state stands (the coordinator passes the
+        # step end); only a state exactly on a block boundary can serve a hit.
+        request_id = request.request_id
+        end = num_tokens
+        num_cached = self.num_cached_block[request_id]
+        hash_block_size = self.block_pool.hash_block_size or self.block_size
+        if end % self.block_size or end > len(request.block_hashes) * hash_block_size:
+            return
+        num_full = end // self.block_size
+        if num_full <= num_cached:
+            return
+        blocks = self.req_to_blocks[request_id]
+        if not blocks[num_full - 1].is_null:
+            self.block_pool.cache_full_blocks(
+                request, blocks, num_full - 1, num_full, self.block_size, self.kv_cache_group_id
+            )
+        self.num_cached_block[request_id] = num_full
+
+    def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
+        first = self._num_retired_blocks.get(request_id, 0)
+        freed = [b for b in blocks[first:last] if not b.is_null]
+        for i in range(first, max(first, last)):
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(reversed(freed))
+        self._num_retired_blocks[request_id] = max(first, last)
+
+    def free(self, request_id: str) -> None:
+        self._num_retired_blocks.pop(request_id, None)
+        super().free(request_id)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[HitBlocks, int]:
+        assert isinstance(kv_cache_spec, MambaSpec)
+        block_size = kv_cache_spec.block_size
+        hash_block_size = block_pool.hash_block_size or block_size
+        null = block_pool.null_block
+        computed: HitBlocks = tuple([] for _ in kv_cache_group_ids)
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            # Fine-grained: the state at any hash unit, searched right to left.
+            scale = block_size // alignment_tokens
+            for fine_idx in range(
+                min(max_length // alignment_tokens, len(block_hashes)) - 1, -1, -1
+            ):
+                cached = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
+                if cached is not None:
+                    for group_blocks, block in zip(computed, cached, strict=True):
+                        group_blocks.extend([null] * (fine_idx // scale))
+                        group_blocks.append(block)
+                    return computed, (fine_idx + 1) * alignment_tokens
+            return computed, 0
+        block_hashes = resolve_block_hashes(block_hashes, hash_block_size, block_size)
+        for i in range(min(max_length // block_size, len(block_hashes)) - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
+            for group_blocks, block in zip(computed, cached, strict=True):
+                group_blocks.extend([null] * i)
+                group_blocks.append(block)
+            return computed, (i + 1) * block_size
+        return computed, 0
 
 
-def get_manager_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
-) -> SingleTypeKVCacheManager:
-    """The manager class whose `spec_types` match `kv_cache_spec` (most specific first)."""
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross-attention: a fixed allocation by encoder length, never cached.
+
+    The coordinator passes the request's encoder token count as `num_tokens`.
+    """
+
+    spec_types = (CrossAttentionSpec,)
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+    ) -> None:
+        if new_computed_blocks:
+            raise ValueError("cross-attention blocks are never cached, so never hit")
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
+        return
+
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        return _NEVER, _NEVER, _NEVER  # a fixed allocation: decoding never changes it
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+    ) -> tuple[HitBlocks, int]:
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+
+SPEC_MANAGER_TYPES: tuple[type[SingleTypeKVCacheManager], ...] = (
+    FullAttentionManager,
+    SlidingWindowManager,
+    ChunkedLocalAttentionManager,
+    MambaManager,
+    CrossAttentionManager,
+)
+
+
+def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager class serving `kv_cache_spec` (a uniform-type group: its layers' type)."""
+    if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
+        kv_cache_spec = kv_cache_spec.first_spec
     for manager_type in SPEC_MANAGER_TYPES:
-        if type(kv_cache_spec) in manager_type.spec_types:
-            return manager_type(kv_cache_spec, block_pool, kv_cache_group_id)
+        if isinstance(kv_cache_spec, manager_type.spec_types):
+            return manager_type
     supported = [t.__name__ for m in SPEC_MANAGER_TYPES for t in m.spec_types]
     raise ValueError(
         f"no manager for KV cache spec {type(kv_cache_spec).__name__}; supported: {supported}"
+    )
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    block_pool: BlockPool,
+    kv_cache_group_id: int,
+    scheduler_block_size: int | None = None,
+    enable_caching: bool = True,
+    dcp_world_size: int = 1,
+) -> SingleTypeKVCacheManager:
+    """A manager of the class whose `spec_types` match `kv_cache_spec`.
+
+    A uniform-type group is served by its layers' manager, reading its first
+    layer's spec (the layers share block size and window).
+    """
+    if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
+        kv_cache_spec = kv_cache_spec.first_spec
+    return manager_class_for_spec(kv_cache_spec)(
+        kv_cache_spec,
+        block_pool,
+        kv_cache_group_id,
+        scheduler_block_size,
+        enable_caching,
+        dcp_world_size,
     )

@@ -36,7 +36,12 @@ class Case:
 
 
 def poisoned_cache(cache: PagedKVCache) -> jax.Array:
-    """A cache filled with NaN (as stored bits when the storage dtype is an integer)."""
+    """A cache filled with NaN (as stored bits when the storage dtype is an integer).
+
+    A quantised cache is filled with 0xFF bytes: every scale reads as NaN.
+    """
+    if cache.kv_quant:
+        return jax.device_put(np.full(cache.shape, 0xFF, np.uint8).view(cache.storage_dtype))
     nan = np.full(cache.shape, np.nan, cache.dtype)
     return jax.device_put(nan.view(cache.storage_dtype), cache.sharding)
 
@@ -119,9 +124,20 @@ def query_kv(case: Case) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference_attention(
-    case: Case, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+    case: Case,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    attention_chunk: int | None = None,
+    span_ends: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Dense float64 attention per request; padded rows are 0."""
+    """Dense float64 attention per request; padded rows are 0.
+
+    A query at position `p` sees keys `k <= p`, or `k < span_ends[token]` (a
+    bidirectional span), within the window `k > p - sliding_window` and its own
+    chunk `k >= p // attention_chunk * attention_chunk`.
+    """
     out = np.zeros(case.q.shape, np.float64)
     start = 0
     for r in range(case.num_seqs):
@@ -137,8 +153,12 @@ def reference_attention(
         q_pos = (s - ql + np.arange(ql))[:, None]
         k_pos = np.arange(s)[None, :]
         visible = k_pos <= q_pos
+        if span_ends is not None:
+            visible |= k_pos < span_ends[start : start + ql, None]
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
+        if attention_chunk is not None:
+            visible &= k_pos >= q_pos // attention_chunk * attention_chunk
         logits = np.where(visible[None], logits, -np.inf)
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -147,21 +167,38 @@ def reference_attention(
     return out
 
 
-def run_attention(case: Case, **kw) -> np.ndarray:
-    fn = jax.jit(
-        functools.partial(ragged_paged_attention, kv_dtype=case.cache.dtype, **kw),
-        static_argnames=(),
-    )
+def run_attention(
+    case: Case, span_ends: np.ndarray | None = None, tables: np.ndarray | None = None, **kw
+) -> np.ndarray:
+    fn = jax.jit(functools.partial(ragged_paged_attention, kv_dtype=case.cache.dtype, **kw))
     return np.asarray(
         fn(
             jnp.asarray(case.q),
             case.kv,
-            jnp.asarray(case.block_tables),
+            jnp.asarray(case.block_tables if tables is None else tables),
             jnp.asarray(case.seq_lens),
             jnp.asarray(case.query_start_loc),
             jnp.asarray(case.num_seqs, jnp.int32),
+            span_ends=None if span_ends is None else jnp.asarray(span_ends),
         )
     )
+
+
+def random_spans(rng: np.random.Generator, case: Case) -> np.ndarray:
+    """Per query token, the end of a random bidirectional span it lies in (0: none).
+
+    Each request with at least two queries gets one span inside its queries.
+    """
+    ends = np.zeros(case.q.shape[0], np.int32)
+    start = 0
+    for r in range(case.num_seqs):
+        ql, s = int(case.q_lens[r]), int(case.seq_lens[r])
+        if ql >= 2:
+            a = int(rng.integers(0, ql - 1))
+            b = int(rng.integers(a + 2, ql + 1))
+            ends[start + a : start + b] = s - ql + b
+        start += ql
+    return ends
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -240,5 +277,89 @@ def test_bad_arguments() -> None:
         )  # fmt: skip
     with pytest.raises(ValueError, match="sliding_window must be positive, got 0"):
         run_attention(case, sm_scale=1.0, sliding_window=0)
-    with pytest.raises(ValueError, match="impl='pallas' needs a TPU"):
+    with pytest.raises(ValueError, match="impl='pallas' needs a GPU"):
         run_attention(case, sm_scale=1.0, impl="pallas", platform="cpu")
+
+
+LONG_BATCH = ([40, 7, 33, 1, 26, 19], [40, 1, 12, 1, 3, 19])  # prefill, decode, chunks
+
+
+@pytest.mark.parametrize(
+    ("group", "window", "chunk", "soft_cap", "spans"),
+    [
+        (1, None, None, None, True),
+        (2, 9, None, 3.0, True),
+        (4, None, 8, None, False),
+        (8, 5, 12, 2.0, True),
+        (3, None, None, None, False),
+    ],
+)
+def test_blockwise_masks_match_float64_reference(group, window, chunk, soft_cap, spans) -> None:
+    """Long prefills (request-major tiles) and decodes (token-major) in one batch."""
+    rng = np.random.default_rng()
+    seq_lens, q_lens = LONG_BATCH
+    case = random_case(rng, seq_lens, q_lens, group=group, num_kv_heads=1, width=12)
+    ends = random_spans(rng, case) if spans else None
+    masks = {"sliding_window": window, "attention_chunk": chunk, "soft_cap": soft_cap}
+    want = reference_attention(case, sm_scale=0.3, span_ends=ends, **masks)
+    got = run_attention(
+        case, ends, sm_scale=0.3, query_chunk=16, token_chunk=4, keys_per_chunk=8, **masks
+    )
+    num_q = int(case.q_lens.sum())
+    assert np.isfinite(got).all()
+    assert rel_error(got[:num_q], want[:num_q]) < 1e-5
+    assert not got[num_q:].any()
+
+
+def test_span_and_chunk_masks_change_the_result() -> None:
+    """Guards the test above against masks that are silently ignored."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [20, 9], [20, 9], width=6)
+    ends = random_spans(rng, case)
+    plain = run_attention(case, sm_scale=1.0)
+    assert np.abs(plain - run_attention(case, ends, sm_scale=1.0)).max() > 1e-3
+    assert np.abs(plain - run_attention(case, sm_scale=1.0, attention_chunk=4)).max() > 1e-3
+
+
+def test_tiling_never_changes_the_result() -> None:
+    rng = np.random.default_rng()
+    seq_lens, q_lens = LONG_BATCH
+    case = random_case(rng, seq_lens, q_lens, width=12, pad_tokens=5)
+    ends = random_spans(rng, case)
+    base = run_attention(case, ends, sm_scale=0.5, sliding_window=11)
+    for tiles in (
+        {"query_chunk": 1, "token_chunk": 1, "keys_per_chunk": 1},
+        {"query_chunk": 7, "token_chunk": 3, "keys_per_chunk": 12},
+        {"query_chunk": 256, "token_chunk": 64, "keys_per_chunk": 1024},
+    ):
+        got = run_attention(case, ends, sm_scale=0.5, sliding_window=11, **tiles)
+        np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-6, err_msg=str(tiles))
+
+
+def test_table_width_does_not_change_the_result() -> None:
+    """Width 8 vs 256 at equal contexts; the wide table's unused tail is stale garbage."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [30, 17, 5, 32], [10, 1, 5, 1], block_size=4, width=8)
+    narrow = run_attention(case, sm_scale=0.4, keys_per_chunk=32)  # 8 pages per tile
+    wide = rng.integers(0, case.cache.num_blocks, (case.block_tables.shape[0], 256))
+    wide[:, :8] = case.block_tables
+    got = run_attention(case, tables=wide.astype(np.int32), sm_scale=0.4, keys_per_chunk=32)
+    np.testing.assert_array_equal(got, narrow)
+
+
+def test_freed_pages_before_the_window_may_hold_nan() -> None:
+    """A sliding-window manager frees pages behind the window: their table entries
+    point at the (NaN) null block, and attention must not read them into the output."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [37, 29], [9, 1], block_size=4, width=10)
+    window = 6
+    tables = case.block_tables.copy()
+    for r, (s, ql) in enumerate(zip(case.seq_lens[:2], case.q_lens, strict=True)):
+        first_needed = (int(s) - int(ql) - window + 1) // 4
+        tables[r, :first_needed] = 0  # the null block, NaN-poisoned by random_case
+    want = reference_attention(case, sm_scale=0.4, sliding_window=window)
+    for tiles in ({}, {"query_chunk": 4, "token_chunk": 2, "keys_per_chunk": 8}):
+        got = run_attention(case, tables=tables, sm_scale=0.4, sliding_window=window, **tiles)
+        assert np.isfinite(got).all()
+        num_q = int(case.q_lens.sum())
+        assert rel_error(got[:num_q], want[:num_q]) < 1e-5

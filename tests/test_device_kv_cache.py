@@ -140,6 +140,7 @@ def test_donation_updates_in_place(dtype: str) -> None:
             r"cache has shape \(3, 4, 4, 8\)",
         ),
         (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8.0, 9.0])), r"1-D integer array"),
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8, 8])), r"slot 8 appears more than"),
         (lambda c, kv, k: c.copy_blocks(kv, [1, 2], [3]), r"src has 2 ids but dst has 1"),
         (lambda c, kv, k: c.copy_blocks(kv, [1, 2], [3, 3]), r"dst block id 3 appears more"),
         (lambda c, kv, k: c.copy_blocks(kv, [1], [24]), r"dst block id value 24 .*\[1, 24\)"),
@@ -161,3 +162,19 @@ def test_constructor_validation() -> None:
         _cache(num_blocks=1)
     with pytest.raises(ValueError, match="unknown KV head policy 'spread'"):
         _cache(head_policy="spread")
+
+
+def test_padding_slots_may_repeat_and_allocate_compiles_once() -> None:
+    from jaxkv.device import compilation_count
+
+    cache = _cache()
+    (kv,) = cache.allocate()
+    k = jnp.ones((3, 2, 8), jnp.float32)
+    pad = cache.padding_slot
+    kv = cache.write_kv(kv, k, k, np.array([pad, 9, pad]))  # padding twice: fine
+    assert float(cache.read_kv(kv, np.array([9]))[0].sum()) == 16.0
+    cache.allocate(2)
+    before = compilation_count()
+    for _ in range(3):
+        cache.allocate(2)
+    assert compilation_count() == before, "allocate must reuse its jitted program"

@@ -6,7 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_device_attention import query_kv, random_case, reference_attention, rel_error
+from test_device_attention import (
+    query_kv,
+    random_case,
+    random_spans,
+    reference_attention,
+    rel_error,
+)
 
 from jaxkv.block_table import BlockTable
 from jaxkv.device import (
@@ -21,7 +27,11 @@ from jaxkv.device import (
     pick_bucket,
     unpack_step,
 )
-from jaxkv.kv_cache_interface import FullAttentionSpec
+from jaxkv.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 
 def test_padding_buckets() -> None:
@@ -45,7 +55,8 @@ def _packer(**kw) -> StepMetadataPacker:
 def test_pack_unpack_round_trip() -> None:
     packer = _packer()
     bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
-    step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), np.arange(20, 26))
+    slots = np.array([15, 36, 37, 21, 44, 45])  # positions 3-5 of row 0, 1 of row 1, 8-9 of row 2
+    step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), slots)
     buf, shape = packer.pack(step)
     assert buf.shape == (1, shape.length) and buf.dtype == np.int32
     assert shape == StepShape(num_tokens=8, num_reqs=4, max_blocks_per_req=4)
@@ -54,7 +65,7 @@ def test_pack_unpack_round_trip() -> None:
     np.testing.assert_array_equal(md.block_tables, np.vstack([bt, np.zeros((1, 4))]))
     np.testing.assert_array_equal(md.seq_lens, [6, 2, 10, 0])
     np.testing.assert_array_equal(md.query_start_loc, [0, 3, 4, 6, 6])
-    np.testing.assert_array_equal(md.slot_mapping, [20, 21, 22, 23, 24, 25, 256, 256])
+    np.testing.assert_array_equal(md.slot_mapping, [*slots, 256, 256])
     np.testing.assert_array_equal(md.positions, [3, 4, 5, 1, 8, 9, 0, 0])
 
 
@@ -62,18 +73,45 @@ def test_pack_unpack_round_trip() -> None:
     ("step", "match"),
     [
         (StepInputs(np.zeros((1, 3)), [4], [1], [4]), r"block_tables shape \(1, 3\)"),
-        (StepInputs(np.array([[64, 0, 0, 0]]), [4], [1], [4]), r"block id 64 .*\[0, 64\)"),
-        (StepInputs(np.zeros((1, 4), int), [17], [1], [4]), r"seq_len 17 .*\[1, 17\)"),
+        (StepInputs(np.array([[64, 0, 0, 0]]), [4], [1], [4]), r"block id value 64 .*\[0, 64\)"),
+        (StepInputs(np.zeros((1, 4), int), [17], [1], [4]), r"seq_len value 17 .*\[1, 17\)"),
         (StepInputs(np.zeros((1, 4), int), [2], [3], [4, 5, 6]), r"query_lens\[0\] = 3"),
         (StepInputs(np.zeros((1, 4), int), [4], [2], [4]), r"slot_mapping shape \(1,\)"),
-        (StepInputs(np.zeros((1, 4), int), [4], [1], [2]), r"slot 2 .*\[4, 256\)"),
-        (StepInputs(np.zeros((1, 4), int), [4], [0], []), r"query_len 0 .*\[1, 17\)"),
+        (StepInputs(np.zeros((1, 4), int), [4], [1], [2]), r"slot value 2 .*\[4, 256\)"),
+        (StepInputs(np.zeros((1, 4), int), [4], [0], []), r"query_len value 0 .*\[1, 17\)"),
         (StepInputs(np.zeros((5, 4), int), [4] * 5, [1] * 5, [4] * 5), r"size 5 .*\[0, 4\]"),
+        (  # block 5 belongs to no request of this step: position 1 of row 0 is in block 3
+            StepInputs(np.array([[3, 0, 0, 0]]), [2], [1], [21]),
+            r"slot_mapping\[0\] = 21 is not position 1 of request 0: .* slot 13 \(block 3\)",
+        ),
+        (  # the right block, the wrong offset
+            StepInputs(np.array([[3, 7, 0, 0]]), [6], [2], [28, 28]),
+            r"slot_mapping\[1\] = 28 is not position 5 of request 0: .* slot 29",
+        ),
     ],
 )
 def test_pack_rejects_bad_steps(step: StepInputs, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _packer().pack(step)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: _packer(block_size=4.0), r"block_size must be an int, got 4.0"),
+        (lambda: _packer(max_num_tokens="16"), r"max_num_tokens must be an int, got '16'"),
+        (lambda: _packer(max_num_reqs=True), r"max_num_reqs must be an int, got True"),
+        (lambda: _packer().pack(StepInputs(np.zeros((1, 4)), [4], [1], [4])), r"dtype float64"),
+        (lambda: _packer().pack(StepInputs(np.zeros((1, 4), int), [4.0], [1], [4])), "seq_len"),
+        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8.5), "num_blocks .*8.5"),
+        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), True), "num_blocks .*True"),
+        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8).allocate(2.0), "num_lay"),
+        (lambda: PagedKVCache("spec", 8), "spec must be an AttentionSpec"),
+    ],
+)
+def test_sizes_and_ids_must_be_integers(make, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        make()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -103,6 +141,63 @@ def test_fused_step_writes_and_attends(dtype: str) -> None:
     want = reference_attention(case, sm_scale=0.4)
     assert np.isfinite(out).all() and not out[num_q:].any()
     assert rel_error(out[:num_q], want[:num_q]) < (1e-5 if dtype == "float32" else 2e-2)
+
+
+def _run_step(case, rng, **kw) -> np.ndarray:
+    """`case`'s batch through `PagedKVCache.step` (same K/V rewritten); output rows."""
+    cache, n = case.cache, case.num_seqs
+    packer = StepMetadataPacker(
+        max_num_tokens=32, max_num_reqs=8, max_blocks_per_req=case.block_tables.shape[1],
+        block_size=cache.block_size, num_blocks=cache.num_blocks,
+    )  # fmt: skip
+    buf, shape = packer.pack(
+        StepInputs(case.block_tables[:n], case.seq_lens[:n], case.q_lens, case.slots)
+    )
+    num_q = int(case.q_lens.sum())
+    pad = shape.num_tokens - num_q
+    q = np.concatenate([case.q[:num_q], np.zeros((pad, *case.q.shape[1:]), cache.dtype)])
+    k, v = (np.concatenate([x, np.zeros((pad, *x.shape[1:]), cache.dtype)]) for x in query_kv(case))
+    if kw.get("span_ends") is not None:
+        kw["span_ends"] = jnp.asarray(np.pad(kw["span_ends"][:num_q], (0, pad)), jnp.int32)
+    case.kv, out = cache.step(
+        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
+        sm_scale=0.4, **kw,
+    )  # fmt: skip
+    return np.asarray(out)[:num_q]
+
+
+@pytest.mark.parametrize(
+    ("spec", "mask"),
+    [
+        (SlidingWindowSpec(4, 2, 8, "float32", sliding_window=5), {"sliding_window": 5}),
+        (ChunkedLocalAttentionSpec(4, 2, 8, "float32", attention_chunk_size=8),
+         {"attention_chunk": 8}),
+    ],
+)  # fmt: skip
+def test_cache_built_from_a_spec_applies_its_mask(spec, mask) -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(spec, 40)
+    case = random_case(rng, [19, 7, 13], [9, 1, 4], cache=cache, pad_tokens=0)
+    num_q = int(case.q_lens.sum())
+    want = reference_attention(case, sm_scale=0.4, **mask)[:num_q]
+    assert rel_error(_run_step(case, rng), want) < 1e-5  # not told again
+    assert rel_error(_run_step(case, rng, **mask), want) < 1e-5  # told the same: fine
+    full = reference_attention(case, sm_scale=0.4)[:num_q]
+    assert np.abs(full - want).max() > 1e-3, "the mask must matter in this case"
+    ((name, value),) = mask.items()
+    with pytest.raises(ValueError, match=f"{name}={value + 1} conflicts with this cache's spec"):
+        _run_step(case, rng, **{name: value + 1})
+
+
+def test_step_bidirectional_spans() -> None:
+    rng = np.random.default_rng()
+    case = random_case(rng, [19, 7, 13], [9, 1, 4], pad_tokens=0)
+    ends = random_spans(rng, case)
+    num_q = int(case.q_lens.sum())
+    want = reference_attention(case, sm_scale=0.4, span_ends=ends)[:num_q]
+    assert rel_error(_run_step(case, rng, span_ends=ends), want) < 1e-5
+    with pytest.raises(ValueError, match="span_ends has shape"):
+        _run_step(case, rng, span_ends=jnp.zeros(3, jnp.int32))
 
 
 def test_step_rejects_mismatched_inputs() -> None:

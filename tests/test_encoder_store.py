@@ -162,7 +162,7 @@ def test_write_and_gather_validate_shapes():
         s.write(np.ones((9, HIDDEN), np.float32), pages)
     with pytest.raises(ValueError, match="embeds"):
         s.write(np.ones((6, 3), np.float32), pages)
-    with pytest.raises(ValueError, match=r"pages must lie in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"pages value 4 is out of range \[0, 4\)"):
         s.write(np.ones((6, HIDDEN), np.float32), [0, 4])
     with pytest.raises(ValueError, match=r"num_embeds must lie in \[0, 8\]"):
         s.gather(pages, 9)
@@ -273,3 +273,31 @@ def test_store_driven_by_manager_holds_exactly_the_cached_entries():
             np.testing.assert_array_equal(np.asarray(s.get(mm_hash)), truth[mm_hash])
         manager.free(request)
     assert evictions > 10
+
+
+def test_pages_of_other_items_out_of_range_pages_and_bare_strings_are_rejected():
+    s = store(num_pages=6, page_size=4)
+    a = s.put("a", np.ones((6, HIDDEN), np.float32))
+    b = s.put("b", np.full((3, HIDDEN), 2.0, np.float32))
+    before = np.asarray(s.cache).copy()
+    with pytest.raises(ValueError, match=r"include pages of stored item\(s\) \['b'\]"):
+        free = next(p for p in range(6) if p not in a and p not in b)
+        s.write(np.zeros((8, HIDDEN), np.float32), [free, int(b[0])])
+    with pytest.raises(ValueError, match=r"\['a', 'b'\]"):
+        s.write(np.zeros((8, HIDDEN), np.float32), [int(a[1]), int(b[0])])
+    s.write(np.full((6, HIDDEN), 5.0, np.float32), a)  # an item's own pages: a rewrite
+    with pytest.raises(ValueError, match=r"pages value 6 is out of range \[0, 6\)"):
+        s.gather([0, 6], 4)
+    with pytest.raises(ValueError, match=r"pages value -1"):
+        s.gather([-1], 1)
+    with pytest.raises(TypeError, match="bare string 'a'"):
+        s.free("a")
+    with pytest.raises(TypeError, match="num_embeds must be an int, got 2.5"):
+        s.allocate("c", 2.5)
+    with pytest.raises(TypeError, match="num_pages must be an int, got True"):
+        store(num_pages=True)
+    assert "a" in s and "b" in s and s.num_free_pages == 3
+    np.testing.assert_array_equal(
+        np.asarray(s.get("b")), before.reshape(-1, HIDDEN)[4 * b[0] :][:3]
+    )
+    np.testing.assert_array_equal(np.asarray(s.get("a")), np.full((6, HIDDEN), 5.0))

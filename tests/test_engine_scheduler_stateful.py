@@ -82,8 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = f"r{self.num_added}"
         self.num_added += 1
         request = jaxkv.Request(
-            request_id, prompt, max_tokens, mm_features=features, block_hasher=self.hasher
-        )
+            request_id, prompt, mm_features=features, block_hasher=self.hasher,
+            max_tokens=max_tokens,
+        )  # fmt: skip
         if len(prompt) >= MAX_LEN:
             with pytest.raises(ValueError, match="max_model_len"):
                 self.scheduler.add_request(request)

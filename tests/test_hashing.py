@@ -485,7 +485,7 @@ def test_negative_token_rejected(fn, num_blocks):
     ("tokens", "block_size", "num_blocks"), [([], 0, 1), ([1, 2], 2, 2), ([1, 2, 3], 2, 1)]
 )
 def test_hash_blocks_rejects_mismatched_counts(tokens, block_size, num_blocks):
-    with pytest.raises(ValueError, match="positive block size and"):
+    with pytest.raises(ValueError, match="block_size must be >= 1|positive block size and"):
         SHA_CBOR.hash_blocks(b"p" * 32, tokens, block_size, [None] * num_blocks)
 
 
@@ -501,10 +501,10 @@ class CountingHasher(hashing.BlockHashFunction):
         self.tokens_hashed = 0
         self.calls = 0
 
-    def hash_blocks(self, parent, tokens, block_size, extra_keys):
+    def hash_checked_blocks(self, parent, tokens, block_size, extra_keys):
         self.calls += 1
         self.tokens_hashed += len(tokens)
-        return super().hash_blocks(parent, tokens, block_size, extra_keys)
+        return super().hash_checked_blocks(parent, tokens, block_size, extra_keys)
 
 
 def test_incremental_hashing_never_recomputes():
@@ -551,11 +551,16 @@ def test_memoized_hasher_matches_plain(fn):
     assert got[6][:5] == got[0][:5] and got[6][5] != got[0][5]
     assert got[4][:7] == got[5][:7] == got[0][:7] and got[4][7] != got[5][7]
     assert got[2][0] != got[1][0] and got[3][0] != got[1][0]
-    # A new NONE_HASH must not reuse memoized chains.
+    # A hasher keeps the NONE_HASH it was made with: a later init_none_hash cannot mix
+    # two chains in its requests; a hasher made after it chains from the new one.
     old = Request("o", system, block_hasher=memo).block_hashes
     init_none_hash(fn, "other-seed")
-    new = Request("n", system, block_hasher=memo).block_hashes
-    assert new == Request("q", system, block_hasher=plain).block_hashes
+    assert Request("n", system, block_hasher=memo).block_hashes == old
+    assert memo.none_hash != get_none_hash()
+    new_memo = get_request_block_hasher(4, fn)
+    new = Request("n", system, block_hasher=new_memo).block_hashes
+    fresh_plain = get_request_block_hasher(4, fn, memo_capacity=0)
+    assert new == Request("q", system, block_hasher=fresh_plain).block_hashes
     assert all(x != y for x, y in zip(old, new, strict=True))
 
 
@@ -578,8 +583,10 @@ def test_numpy_prompt_same_as_list():
 def test_request_hasher_rejects_bad_args():
     with pytest.raises(ValueError, match="block_size"):
         get_request_block_hasher(0, SHA_CBOR)
-    with pytest.raises(ValueError):
-        get_request_block_hasher(4, _sha)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hash_fn"):
+        get_request_block_hasher(4, "sha256")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="block_size"):
+        get_request_block_hasher(4.0, SHA_CBOR)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -771,7 +778,7 @@ def test_block_hash_list_with_block_size():
 
 @pytest.mark.parametrize("hash_bs,target", [(4, 6), (4, 2), (3, 0), (0, 4), (4, -4)])
 def test_block_hash_list_non_multiple_rejected(hash_bs, target):
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match="multiple|block_size must be >= 1"):
         BlockHashListWithBlockSize([], hash_bs, target)
 
 

@@ -47,7 +47,7 @@ def make_request(rid, tokens, block_size=BS, **kwargs) -> Request:
 
 def admit(manager: KVCacheManager, req: Request, num_new_tokens: int | None = None, **kwargs):
     """Schedule a waiting request's prefill (or a chunk of it); returns (hit tokens, new ids)."""
-    blocks, num_hit = manager.get_computed_blocks(req)
+    blocks, num_hit, _ = manager.get_computed_blocks(req)
     if num_new_tokens is None:
         num_new_tokens = req.num_tokens - num_hit
     new = manager.allocate_slots(req, num_new_tokens, num_hit, blocks, **kwargs)
@@ -121,7 +121,7 @@ def test_partial_last_block_not_hit():
     a = make_request("a", range(10))
     admit(m, a)
     b = make_request("b", range(10))
-    blocks, num_hit = m.get_computed_blocks(b)
+    blocks, num_hit, _ = m.get_computed_blocks(b)
     assert num_hit == 8
     assert blocks.get_block_ids() == ([1, 2],)
 
@@ -131,7 +131,7 @@ def test_hit_never_covers_last_token(n, expected_hit):
     m = make_manager()
     admit(m, make_request("a", range(12)))  # blocks 1, 2, 3 all cached
     assert [b.block_hash is not None for b in m.block_pool.blocks[1:4]] == [True] * 3
-    blocks, num_hit = m.get_computed_blocks(make_request("b", range(n)))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("b", range(n)))
     assert num_hit == expected_hit
     assert blocks.get_block_ids() == ([1, 2, 3][: expected_hit // BS],)
 
@@ -142,7 +142,7 @@ def test_get_computed_blocks_changes_no_state():
     admit(m, a)
     m.free(a)
     before = snapshot(m)
-    blocks, num_hit = m.get_computed_blocks(make_request("b", range(13)))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("b", range(13)))
     assert num_hit == 12 and blocks.get_block_ids() == ([1, 2, 3],)
     assert snapshot(m) == before
 
@@ -170,7 +170,7 @@ def test_decode_growth():
     assert pool_blocks[3].block_hash == key(req.block_hashes[2])
     # A decoded block is a prefix hit for a request that continues the output.
     follow = make_request("f", req.all_token_ids)
-    blocks, num_hit = m.get_computed_blocks(follow)
+    blocks, num_hit, _ = m.get_computed_blocks(follow)
     assert (num_hit, blocks.get_block_ids()) == (12, ([1, 2, 3],))
 
 
@@ -201,7 +201,7 @@ def test_eviction_chain_tail_first():
         BlockRemoved([a.block_hashes[1]], "GPU", 0),
     ]
     c = make_request("c", range(12))
-    blocks, num_hit = m.get_computed_blocks(c)
+    blocks, num_hit, _ = m.get_computed_blocks(c)
     assert (num_hit, blocks.get_block_ids()) == (4, ([1],))
 
 
@@ -238,13 +238,13 @@ def test_isolation(kwargs):
     m = make_manager()
     tokens = list(range(12))
     admit(m, make_request("a", tokens))
-    blocks, num_hit = m.get_computed_blocks(make_request("b", tokens, **kwargs))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("b", tokens, **kwargs))
     assert (num_hit, blocks.get_block_ids()) == (0, ([],))
     # A request with the same context hits the context's own blocks.
     assert admit(m, make_request("c", tokens, **kwargs)) == (0, [4, 5, 6])
-    blocks, num_hit = m.get_computed_blocks(make_request("d", [*tokens, 7], **kwargs))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("d", [*tokens, 7], **kwargs))
     assert (num_hit, blocks.get_block_ids()) == (12, ([4, 5, 6],))
-    blocks, num_hit = m.get_computed_blocks(make_request("e", [*tokens, 7]))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("e", [*tokens, 7]))
     assert (num_hit, blocks.get_block_ids()) == (12, ([1, 2, 3],))
 
 
@@ -253,7 +253,7 @@ def test_mm_item_only_breaks_from_its_block():
     tokens = list(range(13))
     admit(m, make_request("a", tokens, mm_features=[MultiModalFeatureSpec("img", 5, 2)]))
     other = make_request("b", tokens, mm_features=[MultiModalFeatureSpec("other", 5, 2)])
-    blocks, num_hit = m.get_computed_blocks(other)
+    blocks, num_hit, _ = m.get_computed_blocks(other)
     assert (num_hit, blocks.get_block_ids()) == (4, ([1],))
 
 
@@ -273,7 +273,7 @@ def test_prompt_embedding_keys():
     assert m.get_computed_blocks(same)[1] == 8
     changed = emb.copy()
     changed[6, 0] = -1.0
-    blocks, num_hit = m.get_computed_blocks(make_request("c", range(9), prompt_embeds=changed))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("c", range(9), prompt_embeds=changed))
     assert (num_hit, blocks.get_block_ids()) == (4, ([1],))
     assert m.get_computed_blocks(make_request("d", range(9)))[1] == 0
 
@@ -361,7 +361,7 @@ def test_out_of_blocks_returns_none_no_change():
     before = snapshot(m)
     # 3 hits sitting in the free queue count as needing blocks: 3 + 2 new > 4.
     b = make_request("b", range(20))
-    blocks, num_hit = m.get_computed_blocks(b)
+    blocks, num_hit, _ = m.get_computed_blocks(b)
     assert (num_hit, blocks.get_block_ids()) == (12, ([1, 2, 3],))
     assert m.allocate_slots(b, 8, 12, blocks) is None
     assert snapshot(m) == before
@@ -412,7 +412,10 @@ def test_events_content():
             block_size=BS,
             lora_id=7,
             medium="GPU",
+            lora_name="ad",
+            extra_keys=[("ad",), ("ad",)],  # untagged, one entry per block
             group_idx=0,
+            kv_cache_spec_kind="full_attention",
         )
     ]
     assert m.take_events() == []
@@ -426,6 +429,9 @@ def test_events_content():
             token_ids=[8, 9, 10, 11],
             block_size=BS,
             lora_id=7,
+            lora_name="ad",
+            extra_keys=[("ad",)],
+            kv_cache_spec_kind="full_attention",
         )
     ]
     m.free(a)
@@ -442,6 +448,7 @@ def test_events_content():
             token_ids=list(range(100, 112)),
             block_size=BS,
             lora_id=None,
+            kv_cache_spec_kind="full_attention",
         ),
     ]
 
@@ -489,7 +496,7 @@ def test_skip_reading_prefix_cache():
     m = make_manager()
     admit(m, make_request("a", range(10)))
     s = make_request("s", range(10), skip_reading_prefix_cache=True)
-    blocks, num_hit = m.get_computed_blocks(s)
+    blocks, num_hit, _ = m.get_computed_blocks(s)
     assert (num_hit, blocks.get_block_ids()) == (0, ([],))
     assert admit(m, s) == (0, [4, 5, 6])
     # Its blocks are still written to the cache (as duplicates, not merged).
@@ -522,12 +529,12 @@ def test_allocate_nothing_or_negative():
     before = snapshot(m)
     with pytest.raises(ValueError, match="num_new_tokens"):
         m.allocate_slots(req, 0)
-    for kwargs in (
-        {"num_new_tokens": -1},
-        {"num_new_tokens": 4, "num_new_computed_tokens": -4},
-        {"num_new_tokens": 4, "num_lookahead_tokens": -1},
+    for kwargs, name in (
+        ({"num_new_tokens": -1}, "num_new_tokens"),
+        ({"num_new_tokens": 4, "num_new_computed_tokens": -4}, "num_new_computed_tokens"),
+        ({"num_new_tokens": 4, "num_lookahead_tokens": -1}, "num_lookahead_tokens"),
     ):
-        with pytest.raises(ValueError, match=">= 0"):
+        with pytest.raises(ValueError, match=name):
             m.allocate_slots(req, **kwargs)
     assert snapshot(m) == before
 
@@ -561,7 +568,7 @@ def test_hits_for_request_already_holding_blocks():
     a = make_request("a", range(9))
     admit(m, a)
     b = make_request("b", range(9))
-    blocks, num_hit = m.get_computed_blocks(b)
+    blocks, num_hit, _ = m.get_computed_blocks(b)
     m.allocate_slots(b, 1, num_hit, blocks)
     b.num_computed_tokens = 9
     before = snapshot(m)
@@ -626,7 +633,7 @@ def test_hash_block_size_smaller_than_block_size():
         ([*range(7), 99, *range(8, 20)], 0, []),
     ]
     for tokens, hit, hit_ids in cases:
-        got_blocks, num_hit = m.get_computed_blocks(make_request("x", tokens, block_size=4))
+        got_blocks, num_hit, _ = m.get_computed_blocks(make_request("x", tokens, block_size=4))
         assert (num_hit, got_blocks.get_block_ids()) == (hit, (hit_ids,))
     b = make_request("b", [*range(16), 1, 2, 3], block_size=4)
     assert admit(m, b) == (16, [4])
@@ -650,7 +657,7 @@ def _two_group_manager(spec0, spec1, num_blocks=13, **kwargs) -> KVCacheManager:
 def test_two_full_attention_groups_share_pool():
     m = _two_group_manager(FullAttentionSpec(BS), FullAttentionSpec(BS))
     a = make_request("a", range(10))
-    blocks, num_hit = m.get_computed_blocks(a)
+    blocks, num_hit, _ = m.get_computed_blocks(a)
     new = m.allocate_slots(a, 10, num_hit, blocks)
     assert new.get_block_ids() == ([1, 2, 3], [4, 5, 6])
     a.num_computed_tokens = 10
@@ -659,7 +666,7 @@ def test_two_full_attention_groups_share_pool():
     assert pool.blocks[4].block_hash == key(a.block_hashes[0], 1)
     assert pool.blocks[5].block_hash == key(a.block_hashes[1], 1)
     b = make_request("b", [*range(8), 40, 41])
-    blocks, num_hit = m.get_computed_blocks(b)
+    blocks, num_hit, _ = m.get_computed_blocks(b)
     assert (num_hit, blocks.get_block_ids()) == (8, ([1, 2], [4, 5]))
     new = m.allocate_slots(b, 2, num_hit, blocks)
     assert new.get_block_ids() == ([7], [8])
@@ -667,7 +674,7 @@ def test_two_full_attention_groups_share_pool():
     assert m.num_free_blocks == 12 - 8
     # One group losing a block shrinks the hit for both.
     m.evict_blocks([5])
-    blocks, num_hit = m.get_computed_blocks(make_request("c", range(10)))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("c", range(10)))
     assert (num_hit, blocks.get_block_ids()) == (4, ([1], [4]))
     m.free(a)
     m.free(b)
@@ -686,18 +693,21 @@ def test_two_groups_different_block_sizes():
     m = _two_group_manager(FullAttentionSpec(4), FullAttentionSpec(8), num_blocks=20)
     assert m.scheduler_block_size == 8
     a = make_request("a", range(20))
-    blocks, num_hit = m.get_computed_blocks(a)
+    blocks, num_hit, _ = m.get_computed_blocks(a)
     assert m.allocate_slots(a, 20).get_block_ids() == ([1, 2, 3, 4, 5], [6, 7, 8])
     a.num_computed_tokens = 20
     pool = m.block_pool
     assert pool.blocks[6].block_hash == key(a.block_hashes[1], 1)
     assert pool.blocks[7].block_hash == key(a.block_hashes[3], 1)
     assert pool.blocks[8].block_hash is None
-    assert pool.blocks[5].block_hash == key(a.block_hashes[4], 0)
-    blocks, num_hit = m.get_computed_blocks(make_request("b", [*range(20), 1, 2, 3, 4]))
+    # As vLLM 0.33's hybrid coordinator: only the scheduler-block-aligned 16 tokens are
+    # cached (a hit can never end at 20), so group 0's fifth block stays unhashed.
+    assert pool.blocks[4].block_hash == key(a.block_hashes[3], 0)
+    assert pool.blocks[5].block_hash is None
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("b", [*range(20), 1, 2, 3, 4]))
     assert (num_hit, blocks.get_block_ids()) == (16, ([1, 2, 3, 4], [6, 7]))
     # 12 shared tokens: group 0 could serve 12, but hits are multiples of 8.
-    blocks, num_hit = m.get_computed_blocks(make_request("c", [*range(12), 9, 9, 9, 9, 9]))
+    blocks, num_hit, _ = m.get_computed_blocks(make_request("c", [*range(12), 9, 9, 9, 9, 9]))
     assert (num_hit, blocks.get_block_ids()) == (8, ([1, 2], [6]))
 
 

@@ -54,7 +54,7 @@ def test_slot_state_changes_no_result(ops):
             if kind == "admit" and request is None:
                 prompt = [7, 7, 7, 7, 1, 2, 3][: 3 + extra] + [index] * 3
                 request = Request(str(index), prompt, block_hasher=hasher)
-                hits, num_hits = manager.get_computed_blocks(request)
+                hits, num_hits, _ = manager.get_computed_blocks(request)
                 blocks = manager.allocate_slots(
                     request,
                     request.num_tokens - num_hits,

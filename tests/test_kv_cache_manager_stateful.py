@@ -162,7 +162,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = self.waiting[idx % len(self.waiting)]
         assert req.num_computed_tokens == 0
         before = _snapshot(self.manager)
-        blocks, num_hit = self.manager.get_computed_blocks(req)
+        blocks, num_hit, _ = self.manager.get_computed_blocks(req)
         assert _snapshot(self.manager) == before  # lookups change nothing
         assert num_hit == self._expected_hit(req)
         if self.enable_caching:  # with caching off there are no lookups to count

@@ -39,11 +39,14 @@ def check_against_dense(model, batch, outputs, logits) -> None:
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("chunk_size", [2, 64])
-def test_paged_matches_dense(model, chunk_size):
-    """Mixed batch, prompts up to 3x the sliding window (8), tiny or whole-prompt chunks."""
+@pytest.mark.parametrize(("chunk_size", "group_by_spec"), [(2, False), (64, True)])
+def test_paged_matches_dense(model, chunk_size, group_by_spec):
+    """Mixed batch, prompts up to 3x the sliding window (8), tiny or whole-prompt chunks;
+    one KV-cache group, or sliding and full layers in groups of their own."""
     batch = prompts(7, [1, 6, 13, 25])
-    gen = PagedGenerator(model, block_size=4, max_num_tokens=64)
+    gen = PagedGenerator(model, block_size=4, max_num_tokens=64, group_by_spec=group_by_spec)
+    expected_groups = len(set(model.config.layer_types)) if group_by_spec else 1
+    assert len(gen.caches) == expected_groups
     outputs = gen.generate(batch, NUM_NEW, chunk_size=chunk_size)
     assert all(len(o) == NUM_NEW for o in outputs)
     check_against_dense(model, batch, outputs, gen.last_logits)
@@ -52,7 +55,7 @@ def test_paged_matches_dense(model, chunk_size):
 def test_prefix_hit_gives_the_same_tokens_as_a_miss(model):
     shared = prompts(11, [17])[0]
     first, second = shared + [5, 6, 7], shared + [9]
-    gen = PagedGenerator(model, block_size=4, max_num_tokens=64)
+    gen = PagedGenerator(model, block_size=4, max_num_tokens=64, group_by_spec=True)
     gen.generate([first], NUM_NEW, chunk_size=5)
     assert gen.num_cached_tokens == 0
     hit = gen.generate([second], NUM_NEW, chunk_size=5)

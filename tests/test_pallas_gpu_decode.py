@@ -168,8 +168,8 @@ def test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit(monkeypatch) ->
     """No GPU here: a spy stands in for the kernel to check what `auto` picks."""
     calls = []
 
-    def spy(q, kv_cache, block_tables, seq_lens, **kw):
-        calls.append((np.asarray(seq_lens), kw))
+    def spy(q, kv_cache, block_tables, lo, hi, **kw):
+        calls.append((np.asarray(hi), kw))
         return jnp.zeros_like(q)
 
     q, kv, tables, lens = _args()  # head_size 16, block_size 4: the kernel applies
@@ -178,10 +178,10 @@ def test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit(monkeypatch) ->
         paged_decode_attention(
             q8, kv8, tables, lens, 2, sm_scale=1.0, impl="pallas", platform="gpu"
         )
-    monkeypatch.setattr(attention, "paged_decode_attention_pallas", spy)
+    monkeypatch.setattr(attention, "paged_attention_rows_pallas", spy)
     paged_decode_attention(q, kv, tables, lens, 1, sm_scale=1.0, platform="gpu")
-    [(seq_lens, kw)] = calls
-    np.testing.assert_array_equal(seq_lens, [1, 0])  # rows past num_seqs get seq_len 0
+    [(hi, kw)] = calls
+    np.testing.assert_array_equal(hi, [1, 0])  # rows past num_seqs see no key
     assert kw["interpret"] is False
     paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="reference", platform="gpu")
     paged_decode_attention(q8, kv8, tables, lens, 2, sm_scale=1.0, platform="gpu")  # reference
@@ -214,3 +214,26 @@ def test_lowers_to_a_triton_call_for_cuda(storage, kv_dtype, window, soft_cap) -
         .lower(lowering_platforms=("cuda",))
     )
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    ("group", "window", "chunk", "soft_cap", "spans"),
+    [(2, None, None, None, True), (1, 5, None, 2.0, False), (4, None, 6, None, True)],
+)
+def test_rows_kernel_serves_mixed_steps(group, window, chunk, soft_cap, spans) -> None:
+    """`step`'s GPU path: prefill, decode and chunks in one batch, every mask, interpret mode."""
+    from test_device_attention import random_spans, run_attention
+
+    rng = np.random.default_rng()
+    case = random_case(
+        rng, [11, 6, 9, 1], [7, 1, 4, 1], group=group, head_size=HEAD_SIZE, block_size=4,
+        width=WIDTH - 2, num_blocks=20, pad_tokens=2,
+    )  # fmt: skip
+    ends = random_spans(rng, case) if spans else None
+    masks = {"sliding_window": window, "attention_chunk": chunk, "soft_cap": soft_cap}
+    want = reference_attention(case, sm_scale=0.3, span_ends=ends, **masks)
+    got = run_attention(case, ends, sm_scale=0.3, impl="pallas", interpret=True, **masks)
+    num_q = int(case.q_lens.sum())
+    assert np.isfinite(got).all()
+    assert rel_error(got[:num_q], want[:num_q]) < 1e-5
+    assert not got[num_q:].any()

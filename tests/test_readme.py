@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_readme_usage_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 1, "the README has one usage example"
+    assert len(blocks) == 2, "the README has a usage example and a hybrid example"
     namespace: dict[str, object] = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -24,3 +24,25 @@ def test_readme_usage_example_runs():
     manager = namespace["manager"]
     # Only req-0 is still held after the example frees req-1: 5 of 1023 blocks.
     assert manager.num_free_blocks == 1023 - 5  # type: ignore[attr-defined]
+
+
+def test_readme_hybrid_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    namespace: dict[str, object] = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[1], str(README), "exec"), namespace)
+    lines = out.getvalue().splitlines()
+    config = namespace["config"]
+    # 12 layers, 2 global: 5 sliding groups and 1 global group of 2 layers, 2 tensor slots;
+    # 8 GiB over 2 slots of 64 KiB pages (bf16, 8 heads x 128, block 16).
+    assert len(config.kv_cache_groups) == 6 and len(config.kv_cache_tensors) == 2
+    assert config.num_blocks == (8 << 30) // (2 * 64 * 1024) == 65536
+    # Per request at 16384 tokens: 5 x (ceil((1023 + 2048) / 16) + 1) sliding pages and
+    # 1024 global pages.
+    concurrency = 65536 / (5 * 193 + 1024)
+    assert lines[0] == (
+        f"KV cache size: {int(concurrency * 16384):,} tokens, maximum concurrency for "
+        f"16,384 tokens per request: {concurrency:.2f}x"
+    )
+    assert lines[1] == "16 16"

@@ -59,6 +59,6 @@ def test_all_token_ids_is_read_only_and_not_a_copy_of_the_prompt():
 @pytest.mark.parametrize("bad", [1.5, [1, 2.5], "ab", None])
 def test_non_integer_output_tokens_rejected_without_change(bad):
     request = Request("r", [1, 2, 3])
-    with pytest.raises(ValueError, match="output token ids must be integers"):
+    with pytest.raises(TypeError, match="token_ids must .*integer"):
         request.append_output_token_ids(bad)
     assert request.num_tokens == 3 and request.output_token_ids == []

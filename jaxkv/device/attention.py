@@ -4,35 +4,53 @@ One call serves a mixed batch: prefill chunks and decode tokens of many
 requests, concatenated along the token axis (`query_start_loc` delimits them,
 vLLM style). Request `r` has `seq_lens[r]` tokens of context after this step, of
 which its last `q_len = query_start_loc[r+1] - query_start_loc[r]` are the
-queries, so query `i` of `r` sits at position `seq_lens[r] - q_len + i` and sees
-keys at positions `<=` its own (causal), and `> pos - sliding_window` when a
-window is set. Logits are scaled, then soft-capped (`cap * tanh(s / cap)`).
+queries, so query `i` of `r` sits at position `pos = seq_lens[r] - q_len + i`.
 
-The pure-JAX reference runs on every backend. Dispatch (`impl="auto"`):
+Masks. Every mask this module knows is one key interval `[lo, hi)` per query
+token (`token_intervals`): causal `hi = pos + 1`; a bidirectional span (image
+tokens of Gemma-3-style models, prefix-LM) raises it to `hi = span_ends[token]`
+so a span's tokens see each other; a sliding window sets
+`lo = pos - sliding_window + 1`; chunked-local attention `lo = pos // chunk * chunk`.
+`hi` never exceeds `seq_lens[r]` nor the table's `W * block_size` keys. Logits are
+scaled, then soft-capped (`cap * tanh(s / cap)`).
 
-| function                 | TPU                         | GPU (cuda/rocm)            | CPU       |
-|--------------------------|-----------------------------|----------------------------|-----------|
-| `ragged_paged_attention` | JAX's Pallas ragged kernel  | reference                  | reference |
-| `paged_decode_attention` | JAX's Pallas ragged kernel  | `pallas_gpu` Triton kernel | reference |
+The portable path (`impl="reference"`, every backend) is blockwise with an
+online softmax (flash style), so time and temporary memory follow the keys each
+query actually attends, never the table width:
 
-Where the kernel does not apply (TPU: a cache stored in another dtype; GPU: block
-shapes outside `pallas_gpu`'s constraints) `"auto"` falls back to the reference.
-`impl="reference"` always runs the reference. `impl="pallas"` forces the table's
-kernel and raises `ValueError` where the table has none, except that
-`paged_decode_attention(..., interpret=True)` runs the GPU kernel in Pallas
-interpret mode on any backend (for tests). The TPU ragged kernel reads this cache
-layout directly; so does the GPU decode kernel (`jaxkv.device.pallas_gpu`), which
-is untested on GPU hardware in this repo (interpret mode and CUDA cross-lowering only).
+* requests with more than `query_chunk // 8` queries (prefill chunks) run
+  request-major: query chunks of `query_chunk` rows against page chunks of
+  about `keys_per_chunk` keys, a loop bounded by the chunk's visible key range;
+* the other tokens (decode, short speculative chunks) run token-major: chunks
+  of `token_chunk` tokens, each gathering its own request's page chunk.
+
+The working set is one `query_chunk x keys_per_chunk` (or `token_chunk x
+keys_per_chunk`) tile per step of the loop.
+
+Dispatch (`impl="auto"`):
+
+| function                 | TPU                        | GPU (cuda/rocm)            | CPU       |
+|--------------------------|----------------------------|----------------------------|-----------|
+| `ragged_paged_attention` | JAX's Pallas ragged kernel | `pallas_gpu` Triton kernel | blockwise |
+| `paged_decode_attention` | JAX's Pallas ragged kernel | `pallas_gpu` Triton kernel | blockwise |
+
+Where a kernel does not apply (a quantised cache; TPU: a cache stored in another
+dtype, chunked-local or span masks, a replicated KV head; GPU: block shapes outside
+`pallas_gpu`'s constraints, a replicated KV head) `"auto"` runs the blockwise path.
+`impl="reference"` always runs it. `impl="pallas"` forces the table's kernel and
+raises `ValueError` where the table has none; `interpret=True` runs the GPU kernel
+in Pallas interpret mode on any backend (for tests). See the README's "Attention
+dispatch" section for what has been verified how.
 
 NaN safety: padded query rows, the null block and free pages may hold anything
 (including NaN). Masked logits are replaced with `jnp.where` and the values of
-masked keys are zeroed with `jnp.where` before `p @ v` (a zero probability times
-a NaN value is still NaN); rows with no visible key return 0.
+keys no query of a tile may see are zeroed with `jnp.where` before `p @ v` (a zero
+probability times a NaN value is still NaN); rows with no visible key return 0.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +60,68 @@ from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
     PAGES_PER_COMPUTE_BLOCK,
     block_shape_error,
-    paged_decode_attention_pallas,
+    paged_attention_rows_pallas,
 )
-from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
+from jaxkv.device.storage import (
+    SCALE_BYTES,
+    DTypeLike,
+    check_kv_quant,
+    dequantize,
+    from_storage,
+    resolve_dtype,
+)
 
 _MASKED = -1e30
 AttentionImpl = Literal["auto", "reference", "pallas"]
+_IMPLS = ("auto", "reference", "pallas")
+
+
+class TokenIntervals(NamedTuple):
+    """Per query token: its request, position and visible key interval `[lo, hi)`.
+
+    Invariant: tokens at or beyond `query_start_loc[num_seqs]` (padding) have
+    `lo == hi == 0`, so they see nothing and return 0.
+    """
+
+    req: jax.Array  # [T] int32
+    pos: jax.Array  # [T] int32
+    lo: jax.Array  # [T] int32
+    hi: jax.Array  # [T] int32
+    valid: jax.Array  # [T] bool
+
+
+def token_intervals(
+    num_tokens: int,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    max_keys: int,
+    *,
+    sliding_window: int | None = None,
+    attention_chunk: int | None = None,
+    span_ends: jax.Array | None = None,
+) -> TokenIntervals:
+    """The key interval each query token sees (module docstring, "Masks")."""
+    num_reqs = seq_lens.shape[0]
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.searchsorted(query_start_loc[1:], tok, side="right").astype(jnp.int32)
+    req = jnp.minimum(req, num_reqs - 1)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq = seq_lens[req]
+    pos = seq - q_lens[req] + (tok - query_start_loc[req])
+    valid = tok < query_start_loc[num_seqs]
+    hi = pos + 1
+    if span_ends is not None:
+        hi = jnp.maximum(hi, span_ends.astype(jnp.int32))
+    hi = jnp.minimum(jnp.minimum(hi, seq), max_keys)
+    lo = jnp.zeros_like(pos)
+    if sliding_window is not None:
+        lo = jnp.maximum(lo, pos - sliding_window + 1)
+    if attention_chunk is not None:
+        lo = jnp.maximum(lo, pos // attention_chunk * attention_chunk)
+    hi = jnp.where(valid, jnp.maximum(hi, 0), 0)
+    lo = jnp.where(valid, jnp.clip(lo, 0, hi), 0)
+    return TokenIntervals(req, pos, lo, hi, valid)
 
 
 def ragged_paged_attention(
@@ -66,6 +140,12 @@ def ragged_paged_attention(
     platform: str | None = None,
     query_chunk: int = 64,
     kv_head: jax.Array | None = None,
+    attention_chunk: int | None = None,
+    span_ends: jax.Array | None = None,
+    token_chunk: int = 8,
+    keys_per_chunk: int = 128,
+    interpret: bool = False,
+    kv_quant: str | None = None,
 ) -> jax.Array:
     """Attention of `q [T, Hq, D]` over the paged cache; returns `[T, Hq, D]` in q's dtype.
 
@@ -74,33 +154,111 @@ def ragged_paged_attention(
     `kv_dtype` is the compute dtype when the cache stores its bits in another
     dtype. `kv_head`, when given, makes every query head attend to that single
     KV head (a query-head slice of a replicated cache); otherwise query heads
-    are grouped over the cache's KV heads (GQA).
+    are grouped over the cache's KV heads (GQA). `attention_chunk` (chunked-local
+    attention) and `span_ends [T]` (bidirectional spans) are the module
+    docstring's masks. `query_chunk`, `token_chunk` and `keys_per_chunk` size the
+    blockwise path's tiles (they never change the result beyond float rounding; the
+    tiles do not depend on the table width, so neither does the result). `kv_quant`
+    ("int8"/"fp8") reads a quantised cache (`jaxkv.device.storage`), dequantised
+    inside the blockwise path; `kv_dtype` is then the dtype it dequantises to.
     """
     num_tokens = q.shape[0]
-    check_attention_args(q.shape, kv_cache.shape, sliding_window, soft_cap, kv_head is None)
+    check_kv_quant(kv_quant)
+    value_shape = kv_cache.shape[:-1] + (kv_cache.shape[-1] - (SCALE_BYTES if kv_quant else 0),)
+    check_attention_args(q.shape, value_shape, sliding_window, soft_cap, kv_head is None)
+    _check_tiling(impl, attention_chunk, query_chunk, token_chunk, keys_per_chunk)
+    if interpret and impl != "pallas":
+        raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
+    if span_ends is not None and span_ends.shape != (num_tokens,):
+        raise ValueError(f"span_ends has shape {span_ends.shape}; expected ({num_tokens},)")
+    if kv_quant and kv_dtype is None:
+        raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
     platform = platform or jax.default_backend()
-    use_pallas = impl == "pallas" or (
-        impl == "auto" and platform == "tpu" and kv_head is None and kv_cache.dtype == compute
-    )
-    if use_pallas:
-        if platform != "tpu" or kv_head is not None or kv_cache.dtype != compute:
-            raise ValueError(
-                f"impl='pallas' needs a TPU and a cache stored in its compute dtype with "
-                f"grouped heads; got platform={platform!r}, storage {kv_cache.dtype}, "
-                f"compute {compute}"
-            )
+    num_blocks, block_size = kv_cache.shape[:2]
+    masks = {
+        "sliding_window": sliding_window,
+        "attention_chunk": attention_chunk,
+        "span_ends": span_ends,
+    }
+    kernel = _pick_kernel(
+        impl, platform, interpret, kv_cache, compute, kv_head, q.shape[-1],
+        tpu_ok=attention_chunk is None and span_ends is None, quantised=kv_quant is not None,
+    )  # fmt: skip
+    if kernel == "tpu":
         out = _pallas_tpu(
             q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip
         valid = jnp.arange(num_tokens) < query_start_loc[num_seqs]
         return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
-    return _reference(
-        q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        compute=compute, query_chunk=min(query_chunk, num_tokens), kv_head=kv_head,
+    iv = token_intervals(
+        num_tokens, seq_lens, query_start_loc, num_seqs,
+        block_tables.shape[1] * block_size, **masks,
     )  # fmt: skip
+    if kernel == "gpu":
+        return paged_attention_rows_pallas(
+            q, kv_cache, block_tables[iv.req], iv.lo, iv.hi,
+            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, interpret=interpret,
+        )  # fmt: skip
+    return _blockwise(
+        q, kv_cache, block_tables, query_start_loc, num_seqs, iv,
+        sm_scale=sm_scale, soft_cap=soft_cap, compute=compute, kv_head=kv_head,
+        query_chunk=min(query_chunk, num_tokens), token_chunk=min(token_chunk, num_tokens),
+        pages_per_chunk=max(1, keys_per_chunk // block_size), kv_quant=kv_quant,
+    )  # fmt: skip
+
+
+def _check_tiling(impl, attention_chunk, *sizes: int) -> None:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if attention_chunk is not None and (
+        not isinstance(attention_chunk, int | np.integer) or attention_chunk <= 0
+    ):
+        raise ValueError(f"attention_chunk must be a positive int, got {attention_chunk!r}")
+    for name, size in zip(("query_chunk", "token_chunk", "keys_per_chunk"), sizes, strict=True):
+        if not isinstance(size, int | np.integer) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
+
+
+def _pick_kernel(
+    impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, tpu_ok, quantised
+):
+    """`"tpu"`, `"gpu"` or `"blockwise"` for this call (module docstring's dispatch table)."""
+    if impl == "reference" or (impl == "auto" and quantised):
+        return "blockwise"
+    if quantised:
+        raise ValueError("impl='pallas' has no kernel for a quantised cache; use 'auto'")
+    block_size = kv_cache.shape[1]
+    gpu_fits = (
+        kv_head is None
+        and block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK) is None
+        and compute.itemsize == kv_cache.dtype.itemsize
+    )
+    tpu_fits = tpu_ok and kv_head is None and kv_cache.dtype == compute
+    if impl == "auto":
+        if platform == "tpu" and tpu_fits:
+            return "tpu"
+        if platform == "gpu" and gpu_fits:
+            return "gpu"
+        return "blockwise"
+    if interpret or platform == "gpu":
+        if not gpu_fits:
+            error = block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK)
+            raise ValueError(
+                f"impl='pallas' on GPU needs grouped heads and a cache the Triton kernel can "
+                f"tile: {error or 'a replicated KV head slice is not supported'}"
+            )
+        return "gpu"
+    if platform == "tpu" and tpu_fits:
+        return "tpu"
+    raise ValueError(
+        f"impl='pallas' needs a GPU (Triton kernel) or a TPU with a cache stored in its "
+        f"compute dtype, grouped heads and no chunked-local/span mask; got "
+        f"platform={platform!r}, storage {kv_cache.dtype}, compute {compute}. Pass "
+        f"interpret=True to run the GPU kernel in Pallas interpret mode, or use "
+        f"impl='auto'/'reference'"
+    )
 
 
 def paged_decode_attention(
@@ -120,36 +278,17 @@ def paged_decode_attention(
 ) -> jax.Array:
     """Decode-only attention: query `r` of `q [R, Hq, D]` is request `r`'s newest token.
 
-    Same semantics as `ragged_paged_attention` with `query_start_loc = arange(R + 1)`:
-    the query sits at position `seq_lens[r] - 1`; rows at or beyond `num_seqs` return
-    0. Returns `[R, Hq, D]` in q's dtype. Dispatch follows the module docstring's
+    `ragged_paged_attention` with `query_start_loc = arange(R + 1)`: the query
+    sits at position `seq_lens[r] - 1`; rows at or beyond `num_seqs` return 0.
+    Returns `[R, Hq, D]` in q's dtype. Dispatch follows the module docstring's
     table; `interpret=True` (only with `impl="pallas"`) runs the GPU kernel in
     Pallas interpret mode on any platform.
     """
-    if impl not in ("auto", "reference", "pallas"):
-        raise ValueError(f"impl must be 'auto', 'reference' or 'pallas', got {impl!r}")
-    if interpret and impl != "pallas":
-        raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
     num_reqs = q.shape[0]
-    platform = platform or jax.default_backend()
-    if impl == "pallas" and platform not in ("gpu", "tpu") and not interpret:
-        raise ValueError(
-            f"impl='pallas' needs a GPU (Triton kernel) or a TPU (ragged kernel); got "
-            f"platform={platform!r}. Pass interpret=True to run the GPU kernel in Pallas "
-            f"interpret mode, or use impl='auto'/'reference'"
-        )
-    fits = block_shape_error(q.shape[-1], kv_cache.shape[1], PAGES_PER_COMPUTE_BLOCK) is None
-    if interpret or (platform == "gpu" and (impl == "pallas" or (impl == "auto" and fits))):
-        live = jnp.arange(num_reqs) < num_seqs
-        return paged_decode_attention_pallas(
-            q, kv_cache, block_tables, jnp.where(live, seq_lens, 0),
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            kv_dtype=kv_dtype, interpret=interpret,
-        )  # fmt: skip
     return ragged_paged_attention(
         q, kv_cache, block_tables, seq_lens, jnp.arange(num_reqs + 1, dtype=jnp.int32),
         num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        kv_dtype=kv_dtype, impl=impl, platform=platform,
+        kv_dtype=kv_dtype, impl=impl, platform=platform, interpret=interpret,
     )  # fmt: skip
 
 
@@ -164,79 +303,169 @@ def _pallas_tpu(q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs, 
     )  # fmt: skip
 
 
-def _reference(
+class _Softmax(NamedTuple):
+    """Online-softmax state of a tile of rows: running max, denominator, output."""
+
+    m: jax.Array  # [N, H, G]
+    denom: jax.Array  # [N, H, G]
+    acc: jax.Array  # [N, H, G, D]
+
+    @classmethod
+    def init(cls, rows: int, heads: int, group: int, head_size: int, dtype) -> _Softmax:
+        return cls(
+            jnp.full((rows, heads, group), _MASKED, dtype),
+            jnp.zeros((rows, heads, group), dtype),
+            jnp.zeros((rows, heads, group, head_size), dtype),
+        )
+
+    def update(self, logits: jax.Array, visible: jax.Array, values: jax.Array, eq: str):
+        """Fold in one key tile: `logits [N, H, G, K]`, `visible [N, 1, 1, K]`."""
+        logits = jnp.where(visible, logits, _MASKED)
+        m_new = jnp.maximum(self.m, logits.max(axis=-1))
+        p = jnp.where(visible, jnp.exp(logits - m_new[..., None]), 0.0)
+        alpha = jnp.exp(self.m - m_new)
+        pv = jnp.einsum(eq, p, values, precision=jax.lax.Precision.HIGHEST)
+        return _Softmax(m_new, alpha * self.denom + p.sum(-1), alpha[..., None] * self.acc + pv)
+
+    def result(self) -> jax.Array:
+        """`[N, H * G, D]`; rows that saw no key are 0."""
+        out = self.acc / jnp.where(self.denom > 0, self.denom, 1.0)[..., None]
+        n, h, g, d = out.shape
+        return out.reshape(n, h * g, d)
+
+
+def _blockwise(
     q: jax.Array,
     kv_cache: jax.Array,
     block_tables: jax.Array,
-    seq_lens: jax.Array,
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
+    iv: TokenIntervals,
     *,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
     compute: np.dtype,
-    query_chunk: int,
     kv_head: jax.Array | None,
+    query_chunk: int,
+    token_chunk: int,
+    pages_per_chunk: int,
+    kv_quant: str | None,
 ) -> jax.Array:
+    """Flash-style attention (module docstring): request-major long, token-major short."""
     num_tokens, num_q_heads, head_size = q.shape
     num_reqs, width = block_tables.shape
     num_blocks, block_size, combined, _ = kv_cache.shape
-    context = width * block_size
-    cache5 = kv_cache.reshape(num_blocks, block_size, combined // 2, 2, head_size)
-    num_valid = query_start_loc[num_seqs]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    key_pos = jnp.arange(context, dtype=jnp.int32)
+    heads = combined // 2 if kv_head is None else 1
+    group = num_q_heads // heads
     acc = jnp.promote_types(compute, jnp.float32)
     hp = jax.lax.Precision.HIGHEST
+    keys_per_chunk = pages_per_chunk * block_size
+    padded_width = -(-width // pages_per_chunk) * pages_per_chunk
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    cache5 = kv_cache.reshape(num_blocks, block_size, combined // 2, 2, kv_cache.shape[-1])
+    key_offsets = jnp.arange(keys_per_chunk, dtype=jnp.int32)
 
-    def chunk(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        qc, tok = args  # [c, Hq, D], [c]
-        c = tok.shape[0]
-        req = jnp.minimum(
-            jnp.searchsorted(query_start_loc[1:], tok, side="right").astype(jnp.int32),
-            num_reqs - 1,
-        )
-        q_pos = seq_lens[req] - q_lens[req] + (tok - query_start_loc[req])
-        tables = block_tables[req]  # [c, W]
-        # Gather K and V directly (no strided slice of a gathered copy), heads before keys.
+    def load(pages: jax.Array, lane: int) -> jax.Array:
+        """K (lane 0) or V (lane 1) of `pages [..., P]` as `[..., keys, heads, D]`."""
         if kv_head is None:
-            keys, values = (cache5[tables, :, :, i, :] for i in (0, 1))  # [c, W, bs, H, D]
+            x = cache5[pages, :, :, lane, :]
         else:
-            keys, values = (cache5[tables, :, kv_head, i, :][:, :, :, None] for i in (0, 1))
-        heads = keys.shape[3]
-        keys, values = (
-            from_storage(x, compute).reshape(c, context, heads, head_size).transpose(0, 2, 1, 3)
-            for x in (keys, values)
-        )  # [c, H, C, D]
-        visible = (
-            (tok < num_valid)[:, None]
-            & (key_pos[None, :] <= q_pos[:, None])
-            & (key_pos[None, :] < seq_lens[req][:, None])
-        )
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > (q_pos - sliding_window)[:, None]
-        qg = qc.reshape(c, heads, num_q_heads // heads, head_size).astype(acc)
-        logits = jnp.einsum("chgd,chkd->chgk", qg, keys.astype(acc), precision=hp) * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        mask = visible[:, None, None, :]
-        logits = jnp.where(mask, logits, _MASKED)
-        probs = jnp.where(mask, jnp.exp(logits - logits.max(axis=-1, keepdims=True)), 0.0)
-        denom = probs.sum(axis=-1, keepdims=True)
-        values = jnp.where(visible[:, None, :, None], values.astype(acc), 0.0)
-        out = jnp.einsum("chgk,chkd->chgd", probs, values, precision=hp)
-        out = out / jnp.where(denom > 0, denom, 1.0)
-        return out.reshape(c, num_q_heads, head_size).astype(q.dtype)
+            x = cache5[pages, :, kv_head, lane, :][..., None, :]
+        x = dequantize(x, kv_quant, acc) if kv_quant else from_storage(x, compute).astype(acc)
+        return x.reshape(*pages.shape[:-1], keys_per_chunk, heads, head_size)
 
-    padded = -(-num_tokens // query_chunk) * query_chunk
-    tok = jnp.arange(padded, dtype=jnp.int32)
-    qp = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    out = jax.lax.map(
-        chunk,
-        (
-            qp.reshape(-1, query_chunk, num_q_heads, head_size),
-            tok.reshape(-1, query_chunk),
-        ),
-    )
-    return out.reshape(padded, num_q_heads, head_size)[:num_tokens]
+    def capped(logits: jax.Array) -> jax.Array:
+        logits = logits * sm_scale
+        return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+
+    def chunk_range(lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Page-chunk indices `[first, last)` covering every row's `[lo, hi)`."""
+        live = hi > lo
+        first = jnp.min(jnp.where(live, lo, jnp.iinfo(jnp.int32).max))
+        last = jnp.max(jnp.where(live, hi, 0))
+        return jnp.where(last > 0, first // keys_per_chunk, 0), -(-last // keys_per_chunk)
+
+    # Padding lets every dynamic slice start anywhere in [0, num_tokens) unclamped.
+    pad = max(query_chunk, token_chunk)
+    total = num_tokens + pad
+
+    def padded(x: jax.Array, fill=0) -> jax.Array:
+        widths = ((0, pad),) + ((0, 0),) * (x.ndim - 1)
+        return jnp.pad(x, widths, constant_values=fill)
+
+    q_p = padded(q).reshape(total, heads, group, head_size)
+    lo_p, hi_p, req_p = padded(iv.lo), padded(iv.hi), padded(iv.req)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    is_long = q_lens > max(1, query_chunk // 8)
+    short_tok = iv.valid & ~is_long[iv.req]
+    short_p = padded(short_tok, False)
+    out0 = jnp.zeros((total, heads, group, head_size), acc)
+
+    def store(out, start, rows_ok, state: _Softmax):
+        n = rows_ok.shape[0]
+        new = state.result().reshape(n, heads, group, head_size)
+        old = jax.lax.dynamic_slice_in_dim(out, start, n)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jnp.where(rows_ok[:, None, None, None], new, old), start, 0
+        )
+
+    # Token-major: decode and short query chunks, each token its own table row.
+    def token_tile(c, out):
+        start = c * token_chunk
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, token_chunk)  # noqa: E731
+        ok = sl(short_p)
+        lo, hi = jnp.where(ok, sl(lo_p), 0), jnp.where(ok, sl(hi_p), 0)
+        qc = sl(q_p).astype(acc)
+        rows = tables[sl(req_p)]  # [n, Wp]
+
+        def page_chunk(j, state: _Softmax) -> _Softmax:
+            pages = jax.lax.dynamic_slice_in_dim(rows, j * pages_per_chunk, pages_per_chunk, 1)
+            pos = j * keys_per_chunk + key_offsets
+            visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+            k, v = load(pages, 0), load(pages, 1)  # [n, K, H, D]
+            logits = capped(jnp.einsum("nhgd,nkhd->nhgk", qc, k, precision=hp))
+            v = jnp.where(visible[:, :, None, None], v, 0.0)
+            return state.update(logits, visible[:, None, None, :], v, "nhgk,nkhd->nhgd")
+
+        first, last = chunk_range(lo, hi)
+        init = _Softmax.init(token_chunk, heads, group, head_size, acc)
+        return store(out, start, ok, jax.lax.fori_loop(first, last, page_chunk, init))
+
+    num_valid = query_start_loc[num_seqs]
+    out = jax.lax.fori_loop(0, -(-num_valid // token_chunk), token_tile, out0)
+
+    # Request-major: prefill chunks share each page chunk across `query_chunk` rows.
+    def request(r, out):
+        begin, length = query_start_loc[r], q_lens[r]
+        num_chunks = jnp.where(is_long[r], -(-length // query_chunk), 0)
+
+        def query_tile(i, out):
+            start = begin + i * query_chunk
+            sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, query_chunk)  # noqa: E731
+            ok = start + jnp.arange(query_chunk) < begin + length
+            lo, hi = jnp.where(ok, sl(lo_p), 0), jnp.where(ok, sl(hi_p), 0)
+            qc = sl(q_p).astype(acc)
+            live = hi > lo
+            seen_lo = jnp.min(jnp.where(live, lo, jnp.iinfo(jnp.int32).max))
+            seen_hi = jnp.max(hi)
+
+            def page_chunk(j, state: _Softmax) -> _Softmax:
+                pages = jax.lax.dynamic_slice(
+                    tables, (r, j * pages_per_chunk), (1, pages_per_chunk)
+                )
+                pos = j * keys_per_chunk + key_offsets
+                visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+                k, v = load(pages[0], 0), load(pages[0], 1)  # [K, H, D]
+                logits = capped(jnp.einsum("nhgd,khd->nhgk", qc, k, precision=hp))
+                # Keys outside every row's interval may be freed pages (NaN).
+                v = jnp.where(((pos >= seen_lo) & (pos < seen_hi))[:, None, None], v, 0.0)
+                return state.update(logits, visible[:, None, None, :], v, "nhgk,khd->nhgd")
+
+            first, last = chunk_range(lo, hi)
+            init = _Softmax.init(query_chunk, heads, group, head_size, acc)
+            return store(out, start, ok, jax.lax.fori_loop(first, last, page_chunk, init))
+
+        return jax.lax.fori_loop(0, num_chunks, query_tile, out)
+
+    out = jax.lax.fori_loop(0, num_seqs, request, out)
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_size).astype(q.dtype)

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket
+
 __all__ = ["EmbedPlacement", "EncoderCacheStore"]
 
 
@@ -97,7 +99,7 @@ class EncoderCacheStore:
             ("page_size", page_size),
             ("hidden_size", hidden_size),
         ):
-            if not isinstance(value, int) or value <= 0:
+            if check_int(name, value) <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if hidden_axis is not None:
             if mesh is None:
@@ -198,8 +200,10 @@ class EncoderCacheStore:
         ValueError, changing nothing, if the hash is already stored or too few
         pages are free.
         """
-        if num_embeds < 0:
+        if check_int("num_embeds", num_embeds) < 0:
             raise ValueError(f"num_embeds must be >= 0, got {num_embeds}")
+        if not isinstance(mm_hash, str):
+            raise TypeError(f"mm_hash must be a str, got {type(mm_hash).__name__}")
         if mm_hash in self._entries:
             raise ValueError(f"mm_hash {mm_hash!r} is already in the encoder store")
         count = -(-num_embeds // self.page_size)
@@ -215,7 +219,16 @@ class EncoderCacheStore:
         return pages
 
     def free(self, mm_hashes: Iterable[str]) -> None:
-        """Return the pages of `mm_hashes` (KeyError, changing nothing, for an unknown hash)."""
+        """Return the pages of `mm_hashes` (KeyError, changing nothing, for an unknown hash).
+
+        `mm_hashes` is a collection of hashes; a bare string is a TypeError (iterating
+        it would free one "hash" per character).
+        """
+        if isinstance(mm_hashes, str | bytes):
+            raise TypeError(
+                f"mm_hashes must be a collection of hashes, got the bare string {mm_hashes!r}; "
+                f"pass [{mm_hashes!r}]"
+            )
         mm_hashes = list(mm_hashes)
         unknown = [h for h in mm_hashes if h not in self._entries]
         if unknown or len(set(mm_hashes)) != len(mm_hashes):
@@ -231,9 +244,12 @@ class EncoderCacheStore:
     def write(self, embeds: jax.Array | np.ndarray, pages: np.ndarray | Sequence[int]) -> None:
         """Write `embeds` `[n, hidden]` into `pages` (`len(pages) == ceil(n / page_size)`).
 
-        Jitted, donating the store's buffer: the update is in place.
+        `pages` must be free or one stored item's own pages (as `allocate` returned
+        them); pages of another item are a ValueError. Jitted, donating the store's
+        buffer: the update is in place.
         """
-        pages = np.asarray(pages, dtype=np.int32)
+        pages = check_ids("pages", pages, 0, self.num_pages)
+        self._check_owner(pages)
         num_rows = embeds.shape[0] if embeds.ndim == 2 else -1
         if (
             embeds.ndim != 2
@@ -245,16 +261,27 @@ class EncoderCacheStore:
                 f"write needs embeds [n, {self.hidden_size}] and ceil(n / {self.page_size}) "
                 f"pages, got embeds {tuple(embeds.shape)} and {pages.shape[0]} pages"
             )
-        if len(pages) and (pages.min() < 0 or pages.max() >= self.num_pages):
-            raise ValueError(f"pages must lie in [0, {self.num_pages}), got {pages.tolist()}")
         bucket = _bucket(len(pages))
-        padded_pages = np.full(bucket, self.num_pages, dtype=np.int32)
-        padded_pages[: len(pages)] = pages
+        padded_pages = pad_to_bucket(pages, bucket, self.num_pages)
         pad_rows = bucket * self.page_size - num_rows
         xp = np if isinstance(embeds, np.ndarray) else jnp
         values = xp.pad(embeds, ((0, pad_rows), (0, 0)))
         values = values.reshape(bucket, self.page_size, self.hidden_size)
         self.cache = self._write(self.cache, padded_pages, values)
+
+    def _check_owner(self, pages: np.ndarray) -> None:
+        """`pages` are all free, or exactly one stored item's pages (a rewrite of it)."""
+        if not len(pages):
+            return
+        owners = sorted(h for h, (own, _) in self._entries.items() if np.isin(own, pages).any())
+        if not owners:
+            return
+        if len(owners) == 1 and set(self._entries[owners[0]][0].tolist()) == set(pages.tolist()):
+            return
+        raise ValueError(
+            f"pages {pages.tolist()} include pages of stored item(s) {owners!r}; write only "
+            f"free pages or exactly one item's own pages"
+        )
 
     def put(self, mm_hash: str, embeds: jax.Array | np.ndarray) -> np.ndarray:
         """`allocate` pages for `mm_hash` and `write` its embeddings there; return the pages."""
@@ -268,14 +295,13 @@ class EncoderCacheStore:
 
     def gather(self, pages: np.ndarray | Sequence[int], num_embeds: int) -> jax.Array:
         """The first `num_embeds` embeddings in `pages`, contiguous: `[num_embeds, hidden]`."""
-        pages = np.asarray(pages, dtype=np.int32)
-        if num_embeds < 0 or num_embeds > len(pages) * self.page_size:
+        pages = check_ids("pages", pages, 0, self.num_pages)
+        if check_int("num_embeds", num_embeds) < 0 or num_embeds > len(pages) * self.page_size:
             raise ValueError(
                 f"num_embeds must lie in [0, {len(pages) * self.page_size}] for {len(pages)} "
                 f"pages, got {num_embeds}"
             )
-        padded = np.full(_bucket(len(pages)), self.num_pages, dtype=np.int32)
-        padded[: len(pages)] = pages
+        padded = pad_to_bucket(pages, _bucket(len(pages)), self.num_pages)
         return self._gather(self.cache, padded)[:num_embeds]
 
     def get(self, mm_hash: str) -> jax.Array:

@@ -30,24 +30,36 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
+from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import StepShape, padding_buckets, pick_bucket, unpack_step
 from jaxkv.device.storage import (
+    KV_QUANT,
+    SCALE_BYTES,
     DTypeLike,
+    check_kv_quant,
+    dequantize,
     from_storage,
+    quantize,
     resolve_dtype,
     resolve_storage_dtype,
     to_storage,
 )
-from jaxkv.kv_cache_interface import AttentionSpec
+from jaxkv.kv_cache_interface import AttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec
 
 
-def _write_local(kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage):
+def _write_local(
+    kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage, kv_quant=None
+):
     nb, bs, combined, d = kv.shape
+
+    def stored(x):
+        return quantize(x, kv_quant) if kv_quant else to_storage(x, compute, storage)
+
     # Two scatters straight into the K and V lanes: no interleaved temporary.
     flat = kv.reshape(nb * bs, combined // 2, 2, d)
-    flat = flat.at[slots, :, 0].set(to_storage(k, compute, storage), mode="drop")
-    flat = flat.at[slots, :, 1].set(to_storage(v, compute, storage), mode="drop")
+    flat = flat.at[slots, :, 0].set(stored(k), mode="drop")
+    flat = flat.at[slots, :, 1].set(stored(v), mode="drop")
     return flat.reshape(kv.shape)
 
 
@@ -59,9 +71,12 @@ def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
     return kv.at[ids].set(jnp.zeros((), kv.dtype), mode="drop")
 
 
-def _read_local(kv: jax.Array, slots: jax.Array, compute) -> tuple[jax.Array, jax.Array]:
+def _read_local(
+    kv: jax.Array, slots: jax.Array, compute, kv_quant=None
+) -> tuple[jax.Array, jax.Array]:
     nb, bs, combined, d = kv.shape
-    rows = from_storage(kv.reshape(nb * bs, combined, d)[slots], compute)
+    rows = kv.reshape(nb * bs, combined, d)[slots]
+    rows = dequantize(rows, kv_quant, compute) if kv_quant else from_storage(rows, compute)
     return rows[:, 0::2], rows[:, 1::2]
 
 
@@ -82,7 +97,11 @@ class PagedKVCache:
         mesh: Mesh | None = None,
         head_policy: str = "auto",
         storage_dtype: DTypeLike | None = "auto",
+        kv_quant: str | None = None,
     ) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}"
@@ -103,16 +122,30 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.dp_size = self.layout.dp_size
         self.dtype = resolve_dtype(spec.dtype)
-        self.storage_dtype = resolve_storage_dtype(self.dtype, storage_dtype, self.platform)
+        self.kv_quant = check_kv_quant(kv_quant)
+        if kv_quant is not None:
+            if storage_dtype not in (None, "auto"):
+                raise ValueError(
+                    f"storage_dtype={storage_dtype!r} conflicts with kv_quant={kv_quant!r}, "
+                    f"which stores {KV_QUANT[kv_quant][0]}; leave storage_dtype at 'auto'"
+                )
+            self.storage_dtype = KV_QUANT[kv_quant][0]
+        else:
+            self.storage_dtype = resolve_storage_dtype(self.dtype, storage_dtype, self.platform)
         self.padding_slot = num_blocks * spec.block_size
         self.shape = (
             self.dp_size * num_blocks,
             spec.block_size,
             2 * spec.num_kv_heads,
-            spec.head_size,
+            spec.head_size + (SCALE_BYTES if kv_quant else 0),
         )
         self.sharding = self.layout.cache_sharding()
         self.id_buckets = padding_buckets(num_blocks)
+        # The spec's own mask: a step applies it without being told again.
+        self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.attention_chunk = (
+            spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        )
         head = self.layout.head_axis
         self._token_spec = P(DATA_AXIS, head, None)
         self._rank_spec = P(DATA_AXIS)
@@ -126,7 +159,7 @@ class PagedKVCache:
         c, s = self.dtype, self.storage_dtype
         self._write = jax.jit(
             sharded(
-                functools.partial(_write_local, compute=c, storage=s),
+                functools.partial(_write_local, compute=c, storage=s, kv_quant=kv_quant),
                 (cache_spec, self._token_spec, self._token_spec, self._rank_spec),
                 cache_spec,
             ),
@@ -141,12 +174,13 @@ class PagedKVCache:
         )
         self._read = jax.jit(
             sharded(
-                functools.partial(_read_local, compute=c),
+                functools.partial(_read_local, compute=c, kv_quant=kv_quant),
                 (cache_spec, self._rank_spec),
                 (self._token_spec, self._token_spec),
             )
         )
         self._step_fns: dict[tuple, object] = {}
+        self._alloc_fns: dict[int, object] = {}
 
     # --------------------------------------------------------------- sizing
     @property
@@ -155,28 +189,35 @@ class PagedKVCache:
         return int(np.prod(self.shape)) * self.storage_dtype.itemsize
 
     @property
-    def bytes_per_device(self) -> int:
-        """Bytes of one layer's cache on each device, replication included."""
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of one layer on each device (quantisation scales included).
+
+        Capacity planning: `device_budget // (num_layers * bytes_per_block)` blocks fit.
+        """
         heads = self.layout.kv_heads_per_device
-        return (
-            self.num_blocks
-            * self.block_size
-            * 2
-            * heads
-            * self.head_size
-            * (self.storage_dtype.itemsize)
-        )
+        return self.block_size * 2 * heads * self.shape[-1] * self.storage_dtype.itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes of one layer's cache on each device, replication and scales included."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def replication(self) -> int:
+        """How many devices of one data rank hold each KV head (1: no head is stored twice)."""
+        return self.layout.replication
 
     # ----------------------------------------------------------- allocation
     def allocate(self, num_layers: int = 1) -> list[jax.Array]:
         """Zeroed caches for `num_layers` layers, created on device by one jitted call."""
-        if num_layers <= 0:
-            raise ValueError(f"num_layers must be positive, got {num_layers}")
-        shape, dtype = self.shape, self.storage_dtype
-        alloc = jax.jit(
-            lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            out_shardings=tuple(self.sharding for _ in range(num_layers)),
-        )
+        num_layers = check_int("num_layers", num_layers, lo=1)
+        alloc = self._alloc_fns.get(num_layers)
+        if alloc is None:
+            shape, dtype = self.shape, self.storage_dtype
+            alloc = self._alloc_fns[num_layers] = jax.jit(
+                lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                out_shardings=tuple(self.sharding for _ in range(num_layers)),
+            )
         return list(alloc())
 
     # ------------------------------------------------------------ validation
@@ -197,19 +238,25 @@ class PagedKVCache:
             raise ValueError(
                 f"{name} has {arr.size} entries, not a multiple of the {self.dp_size} data ranks"
             )
-        bad = (arr < lo) | (arr >= hi)
-        if pad is not None:
-            bad &= arr != pad
-        if bad.any():
-            value = int(arr[np.argmax(bad)])
-            extra = f" or the padding value {pad}" if pad is not None else ""
-            raise ValueError(f"{name} value {value} is out of range [{lo}, {hi}){extra}")
-        return arr.astype(np.int32)
+        return check_ids(name, arr, lo, hi, pad=pad)
+
+    def _check_unique(self, name: str, ids: np.ndarray, skip: int | None = None) -> None:
+        """Each data rank's ids (other than `skip`) distinct: a scatter's order is undefined."""
+        for rank, row in enumerate(ids.reshape(self.dp_size, -1)):
+            uniq, counts = np.unique(
+                row[row != skip] if skip is not None else row, return_counts=True
+            )
+            if (counts > 1).any():
+                raise ValueError(
+                    f"{name} {int(uniq[np.argmax(counts > 1)])} appears more than once "
+                    f"(data rank {rank}); each destination may be written once per call"
+                )
 
     def _check_tokens(self, name: str, x: jax.Array, num_tokens: int) -> None:
         want = (num_tokens, self.num_kv_heads, self.head_size)
-        if tuple(x.shape) != want or x.dtype not in (self.dtype, self.storage_dtype):
-            allowed = sorted({str(self.dtype), str(self.storage_dtype)})
+        accepted = (self.dtype,) if self.kv_quant else (self.dtype, self.storage_dtype)
+        if tuple(x.shape) != want or x.dtype not in accepted:
+            allowed = sorted({str(d) for d in accepted})
             raise ValueError(
                 f"{name} has shape {tuple(x.shape)} dtype {x.dtype}; expected shape {want} "
                 f"dtype {' or '.join(allowed)} (compute dtype, or its bits in the storage dtype)"
@@ -217,18 +264,13 @@ class PagedKVCache:
 
     def put(self, arr: np.ndarray, spec: P | None = None) -> jax.Array:
         """Place a host array (the same on every process) on this cache's mesh."""
-        sharding = NamedSharding(self.mesh, P(DATA_AXIS) if spec is None else spec)
-        if jax.process_count() == 1:
-            return jax.device_put(arr, sharding)
-        return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+        return place(arr, NamedSharding(self.mesh, P(DATA_AXIS) if spec is None else spec))
 
     def _pad_ids(self, arr: np.ndarray, fill: int) -> np.ndarray:
         """Pad each rank's ids to a bucket so few programs are compiled."""
         per_rank = arr.reshape(self.dp_size, -1)
         size = pick_bucket(max(per_rank.shape[1], 1), self.id_buckets)
-        out = np.full((self.dp_size, size), fill, np.int32)
-        out[:, : per_rank.shape[1]] = per_rank
-        return out.reshape(-1)
+        return pad_to_bucket(per_rank, size, fill).reshape(-1)
 
     # --------------------------------------------------------------- updates
     def write_kv(
@@ -246,6 +288,7 @@ class PagedKVCache:
         slots = self._check_ids(
             "slot", slots, self.block_size, self.padding_slot, pad=self.padding_slot
         )
+        self._check_unique("slot", slots, skip=self.padding_slot)
         self._check_tokens("new_k", new_k, slots.size)
         self._check_tokens("new_v", new_v, slots.size)
         return self._write(kv, new_k, new_v, self.put(slots, self._rank_spec))
@@ -259,13 +302,7 @@ class PagedKVCache:
         dst_ids = self._check_ids("dst block id", dst, 1, self.num_blocks)
         if src_ids.shape != dst_ids.shape:
             raise ValueError(f"src has {src_ids.size} ids but dst has {dst_ids.size}")
-        for rank, row in enumerate(dst_ids.reshape(self.dp_size, -1)):
-            uniq, counts = np.unique(row, return_counts=True)
-            if (counts > 1).any():
-                raise ValueError(
-                    f"dst block id {int(uniq[np.argmax(counts > 1)])} appears more than once "
-                    f"(data rank {rank}); each destination may be written once"
-                )
+        self._check_unique("dst block id", dst_ids)
         if src_ids.size == 0:
             return kv
         src_p = self.put(self._pad_ids(src_ids, 0), self._rank_spec)
@@ -326,6 +363,8 @@ class PagedKVCache:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         impl: AttentionImpl = "auto",
+        attention_chunk: int | None = None,
+        span_ends: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """One layer's step: write this step's K/V, then ragged paged attention.
 
@@ -333,6 +372,11 @@ class PagedKVCache:
         (`StepMetadataPacker.pack` + `put`, one transfer); `q [dp*T, Hq, D]`,
         `new_k/new_v [dp*T, kv_heads, D]` with `T = shape.num_tokens`. Donates
         `kv`; returns the updated cache and the attention output `[dp*T, Hq, D]`.
+
+        Masks: a cache built from a `SlidingWindowSpec` / `ChunkedLocalAttentionSpec`
+        applies its window / chunk by itself (passing a different value is a
+        `ValueError`); `span_ends [dp*T]` int32 (rank-major, positions local to
+        each request) makes bidirectional spans (`jaxkv.device.attention`).
         """
         self._check_cache(kv)
         tokens = self.dp_size * shape.num_tokens
@@ -347,22 +391,47 @@ class PagedKVCache:
                 f"metadata has shape {metadata.shape} dtype {metadata.dtype}; expected "
                 f"({self.dp_size}, {shape.length}) int32"
             )
+        window = self._spec_mask("sliding_window", self.sliding_window, sliding_window)
+        chunk = self._spec_mask("attention_chunk", self.attention_chunk, attention_chunk)
+        if span_ends is not None and (span_ends.shape != (tokens,) or span_ends.dtype != jnp.int32):
+            raise ValueError(
+                f"span_ends has shape {span_ends.shape} dtype {span_ends.dtype}; expected "
+                f"({tokens},) int32"
+            )
         scale = float(self.head_size**-0.5 if sm_scale is None else sm_scale)
-        key = (shape, q.shape[1], q.dtype, scale, sliding_window, soft_cap, impl)
+        spans = span_ends is not None
+        key = (shape, q.shape[1], q.dtype, scale, window, soft_cap, impl, chunk, spans)
         fn = self._step_fns.get(key)
         if fn is None:
             fn = self._step_fns[key] = self._build_step(*key)
-        return fn(kv, q, new_k, new_v, metadata)
+        extra = (span_ends,) if spans else ()
+        return fn(kv, q, new_k, new_v, metadata, *extra)
 
-    def _build_step(self, shape, num_q_heads, q_dtype, scale, window, soft_cap, impl):
+    def _spec_mask(self, name: str, from_spec: int | None, given: int | None) -> int | None:
+        if given is None or given == from_spec:
+            return from_spec
+        if from_spec is not None or isinstance(given, bool) or not isinstance(given, int):
+            raise ValueError(
+                f"{name}={given!r} conflicts with this cache's spec {type(self.spec).__name__} "
+                f"({name}={from_spec}); allowed: None or {from_spec}"
+                if from_spec is not None
+                else f"{name} must be a positive int or None, got {given!r}"
+            )
+        if given <= 0:
+            raise ValueError(f"{name} must be a positive int or None, got {given!r}")
+        return given
+
+    def _build_step(self, shape, num_q_heads, q_dtype, scale, window, soft_cap, impl, chunk, spans):
         q_axis = self.layout.q_head_axis(num_q_heads)
         replicated_kv_split_q = q_axis is not None and not self.layout.heads_sharded
         group = num_q_heads // self.num_kv_heads
         per_rank = num_q_heads // self.layout.model_size
 
-        def local(kv, q, k, v, buf):
+        def local(kv, q, k, v, buf, *span_ends):
             md = unpack_step(buf[0], shape)
-            kv = _write_local(kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype)
+            kv = _write_local(
+                kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant
+            )
             kv_head = None
             if replicated_kv_split_q:
                 kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group
@@ -370,6 +439,8 @@ class PagedKVCache:
                 q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
                 sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
                 kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
+                kv_quant=self.kv_quant,
+                attention_chunk=chunk, span_ends=span_ends[0] if spans else None,
             )  # fmt: skip
             return kv, out
 
@@ -378,7 +449,8 @@ class PagedKVCache:
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, P(DATA_AXIS)),
+            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, P(DATA_AXIS))
+            + ((self._rank_spec,) if spans else ()),
             out_specs=(cache_spec, q_spec),
             check_vma=False,
         )

@@ -30,6 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv.device.host_inputs import check_int
+
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
@@ -44,9 +46,15 @@ def make_mesh(
 ) -> Mesh:
     """A `(data, model)` mesh over `devices` (default: all devices, all on the model axis).
 
-    Uses exactly `data * model` devices, the first ones in `devices` order.
+    With explicit `devices`, uses exactly `data * model` of them, the first ones in
+    `devices` order. By default, a mesh over all devices is laid out by
+    `jax.make_mesh`, which orders devices for the physical topology (TPU slices:
+    model-axis neighbours on fast links); a smaller one takes the first devices.
     """
     devs = list(jax.devices() if devices is None else devices)
+    data = check_int("data", data)
+    if model is not None:
+        model = check_int("model", model)
     if data <= 0:
         raise ValueError(f"data axis size must be positive, got {data}")
     if model is None:
@@ -60,6 +68,9 @@ def make_mesh(
             f"mesh data={data} x model={model} needs {data * model} devices; "
             f"allowed: 1 to {len(devs)} available"
         )
+    if devices is None and data * model == len(devs):
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS), axis_types=auto)
     grid = np.array(devs[: data * model], dtype=object).reshape(data, model)
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
 
@@ -87,7 +98,7 @@ class KVLayout:
             raise ValueError(
                 f"mesh axes must be {(DATA_AXIS, MODEL_AXIS)}, got {tuple(mesh.axis_names)}"
             )
-        if num_kv_heads <= 0:
+        if check_int("num_kv_heads", num_kv_heads) <= 0:
             raise ValueError(f"num_kv_heads must be positive, got {num_kv_heads}")
         model = mesh.shape[MODEL_AXIS]
         divisible = num_kv_heads % model == 0

@@ -85,28 +85,25 @@ def block_shape_error(head_size: int, block_size: int, pages_per_compute_block: 
     return None
 
 
-def _decode_kernel(
-    len_ref,  # [] int32: this request's seq_len
-    table_ref,  # [W_pad] int32: this request's page ids, clipped to valid blocks
+def _rows_kernel(
+    lo_ref,  # [] int32: first visible key position of this row
+    hi_ref,  # [] int32: one past the last visible key position
+    table_ref,  # [W_pad] int32: this row's page ids, clipped to valid blocks
     q_ref,  # [G_pad, D]
     k_ref,  # [num_blocks, block_size, D]: K lane of this KV head
     v_ref,  # [num_blocks, block_size, D]: V lane of this KV head
     o_ref,  # [G_pad, D]
     *,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
     pages_per_block: int,
-    max_len: int,
     compute: np.dtype,
 ) -> None:
     _, block_size, head_size = k_ref.shape
     rows = q_ref.shape[0]
     keys_per_block = pages_per_block * block_size
     hp = jax.lax.Precision.HIGHEST
-    seq_len = len_ref[()]
-    kv_len = jnp.minimum(seq_len, max_len)
-    first = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    first, kv_len = lo_ref[()], hi_ref[()]
     q = q_ref[...].astype(jnp.float32)
     offsets = jnp.arange(keys_per_block, dtype=jnp.int32)
 
@@ -167,19 +164,54 @@ def paged_decode_attention_pallas(
     dtype. `interpret=True` runs the kernel in Pallas interpret mode (any backend).
     See the module docstring for the block-shape constraints (checked here).
     """
-    if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2 or seq_lens.ndim != 1:
+    if seq_lens.ndim != 1 or block_tables.ndim != 2:
         raise ValueError(
-            f"need q [R, Hq, D], kv_cache [blocks, block_size, 2 * H, D], block_tables "
-            f"[R, W], seq_lens [R]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
-            f"{seq_lens.shape}"
+            f"need block_tables [R, W] and seq_lens [R]; got {block_tables.shape}, {seq_lens.shape}"
         )
-    num_kv_heads = check_attention_args(q.shape, kv_cache.shape, sliding_window, soft_cap)
-    num_reqs, num_q_heads, head_size = q.shape
-    num_blocks, block_size = kv_cache.shape[:2]
-    if block_tables.shape[0] != num_reqs or seq_lens.shape[0] != num_reqs:
+    check_attention_args(q.shape, kv_cache.shape, sliding_window, soft_cap)
+    seq = seq_lens.astype(jnp.int32)
+    hi = jnp.clip(seq, 0, block_tables.shape[1] * kv_cache.shape[1])
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.clip(seq - sliding_window, 0, hi)
+    return paged_attention_rows_pallas(
+        q, kv_cache, block_tables, lo, hi, sm_scale=sm_scale, soft_cap=soft_cap,
+        kv_dtype=kv_dtype, pages_per_compute_block=pages_per_compute_block, interpret=interpret,
+    )  # fmt: skip
+
+
+def paged_attention_rows_pallas(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    lo: jax.Array,
+    hi: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    kv_dtype: DTypeLike | None = None,
+    pages_per_compute_block: int = PAGES_PER_COMPUTE_BLOCK,
+    interpret: bool = False,
+) -> jax.Array:
+    """Row `n` of `q [N, Hq, D]` attends to key positions `[lo[n], hi[n])` of its own table row.
+
+    `block_tables [N, W]` holds each row's page ids (a query token's request row:
+    ragged prefill and decode alike). Rows with `lo >= hi` return 0. Every mask
+    of `jaxkv.device.attention` (causal, window, chunked-local, spans) is such an
+    interval, so this one kernel serves decode and mixed steps. Precondition:
+    `hi[n] <= W * block_size` and the pages covering `[lo[n], hi[n])` are valid.
+    """
+    if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2 or lo.ndim != 1:
         raise ValueError(
-            f"block_tables {block_tables.shape} and seq_lens {seq_lens.shape} must have "
-            f"one row per query ({num_reqs})"
+            f"need q [N, Hq, D], kv_cache [blocks, block_size, 2 * H, D], block_tables "
+            f"[N, W], lo/hi [N]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
+            f"{lo.shape}"
+        )
+    num_kv_heads = check_attention_args(q.shape, kv_cache.shape, None, soft_cap)
+    num_rows, num_q_heads, head_size = q.shape
+    num_blocks, block_size = kv_cache.shape[:2]
+    if block_tables.shape[0] != num_rows or lo.shape != (num_rows,) or hi.shape != (num_rows,):
+        raise ValueError(
+            f"block_tables {block_tables.shape} and lo/hi {lo.shape}/{hi.shape} must have "
+            f"one row per query ({num_rows})"
         )
     error = block_shape_error(head_size, block_size, pages_per_compute_block)
     if error is not None:
@@ -195,27 +227,26 @@ def paged_decode_attention_pallas(
     rows = max(_MIN_DOT, 1 << (group - 1).bit_length())
     width = block_tables.shape[1]
     padded_width = pl.cdiv(width, pages_per_compute_block) * pages_per_compute_block
-    seq_lens = seq_lens.astype(jnp.int32)
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
     tables = jnp.clip(tables, 0, num_blocks - 1)  # Triton loads are unchecked
-    qg = q.reshape(num_reqs, num_kv_heads, group, head_size)
+    qg = q.reshape(num_rows, num_kv_heads, group, head_size)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
     kernel = functools.partial(
-        _decode_kernel,
+        _rows_kernel,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
         soft_cap=soft_cap,
         pages_per_block=pages_per_compute_block,
-        max_len=width * block_size,
         compute=compute,
     )
     lane = (num_blocks, block_size, None, head_size)
+    scalar = pl.BlockSpec((None,), lambda r, h: (r,))
     out = pl.pallas_call(
         kernel,
-        grid=(num_reqs, num_kv_heads),
+        grid=(num_rows, num_kv_heads),
         in_specs=[
-            pl.BlockSpec((None,), lambda r, h: (r,)),
+            scalar,
+            scalar,
             pl.BlockSpec((None, padded_width), lambda r, h: (r, 0)),
             pl.BlockSpec((None, None, rows, head_size), lambda r, h: (r, h, 0, 0)),
             pl.BlockSpec(lane, lambda r, h: (0, 0, 2 * h, 0)),  # K of head h
@@ -225,6 +256,6 @@ def paged_decode_attention_pallas(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(),  # Triton; without it CUDA picks Mosaic GPU
-        name="jaxkv_paged_decode_attention",
-    )(seq_lens, tables, qg, kv_cache, kv_cache)
-    return out[:, :, :group].reshape(num_reqs, num_q_heads, head_size)
+        name="jaxkv_paged_attention_rows",
+    )(lo.astype(jnp.int32), hi.astype(jnp.int32), tables, qg, kv_cache, kv_cache)
+    return out[:, :, :group].reshape(num_rows, num_q_heads, head_size)

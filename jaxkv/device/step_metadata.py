@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from jaxkv.device.host_inputs import check_ids, check_int, place
+
 
 def padding_buckets(max_size: int, linear_start: int = 256, min_size: int = 1) -> tuple[int, ...]:
     """Sizes `min_size, 2*min_size, ...` doubling up to `linear_start`, then `+linear_start`.
@@ -134,14 +136,12 @@ class StepMetadataPacker:
         num_blocks: int,
         linear_start: int = 256,
     ) -> None:
-        for name, value in (
-            ("max_num_tokens", max_num_tokens),
-            ("max_num_reqs", max_num_reqs),
-            ("max_blocks_per_req", max_blocks_per_req),
-            ("block_size", block_size),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        max_num_tokens = check_int("max_num_tokens", max_num_tokens, lo=1)
+        max_num_reqs = check_int("max_num_reqs", max_num_reqs, lo=1)
+        max_blocks_per_req = check_int("max_blocks_per_req", max_blocks_per_req, lo=1)
+        block_size = check_int("block_size", block_size, lo=1)
+        linear_start = check_int("linear_start", linear_start, lo=1)
+        num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (null block + 1), got {num_blocks}")
         self.max_blocks_per_req = max_blocks_per_req
@@ -182,12 +182,11 @@ class StepMetadataPacker:
         ):
             if np.shape(arr) != (size,):
                 raise ValueError(f"{name} shape {np.shape(arr)} must be ({size},){where}")
-        _check_range("block id", bt, 0, self.num_blocks, where)
+        bt = check_ids("block id", bt, 0, self.num_blocks, ndim=2, where=where)
         max_len = self.max_blocks_per_req * self.block_size
-        _check_range("seq_len", np.asarray(s.seq_lens), 1, max_len + 1, where)
-        ql = np.asarray(s.query_lens)
-        _check_range("query_len", ql, 1, max_len + 1, where)
-        too_long = ql > np.asarray(s.seq_lens)
+        seq = check_ids("seq_len", s.seq_lens, 1, max_len + 1, where=where)
+        ql = check_ids("query_len", s.query_lens, 1, max_len + 1, where=where)
+        too_long = ql > seq
         if too_long.any():
             i = int(np.argmax(too_long))
             raise ValueError(
@@ -201,9 +200,21 @@ class StepMetadataPacker:
                 f"slot_mapping shape {slots.shape} must be ({n_tokens},), the sum of "
                 f"query_lens{where}"
             )
-        _check_range("slot", slots, self.block_size, self.padding_slot, where)
+        slots = check_ids("slot", slots, self.block_size, self.padding_slot, where=where)
         pick_bucket(n_tokens, self.token_buckets)
         pick_bucket(n_reqs, self.req_buckets)
+        # Each token's slot must be its own position in a block its request holds.
+        req = np.repeat(np.arange(n_reqs), ql)
+        pos = np.repeat(seq - ql, ql) + (np.arange(n_tokens) - np.repeat(np.cumsum(ql) - ql, ql))
+        held = bt[req, pos // self.block_size] * self.block_size + pos % self.block_size
+        wrong = slots != held
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise ValueError(
+                f"slot_mapping[{i}] = {int(slots[i])} is not position {int(pos[i])} of request "
+                f"{int(req[i])}: its block table puts that position at slot {int(held[i])} "
+                f"(block {int(bt[req[i], pos[i] // self.block_size])}){where}"
+            )
         return n_tokens, n_reqs
 
     def pack(self, steps: StepInputs | Sequence[StepInputs]) -> tuple[np.ndarray, StepShape]:
@@ -240,17 +251,4 @@ class StepMetadataPacker:
     @staticmethod
     def put(buffer: np.ndarray, sharding: Sharding | None = None) -> jax.Array:
         """The step's single host-to-device transfer."""
-        if sharding is None:
-            return jax.device_put(buffer)  # jnp.asarray would compile a copy per new shape
-        if jax.process_count() == 1:
-            return jax.device_put(buffer, sharding)
-        return jax.make_array_from_callback(buffer.shape, sharding, lambda idx: buffer[idx])
-
-
-def _check_range(name: str, arr: np.ndarray, lo: int, hi: int, where: str) -> None:
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name}s must be integers, got dtype {arr.dtype}{where}")
-    bad = (arr < lo) | (arr >= hi)
-    if bad.any():
-        value = int(arr.reshape(-1)[np.argmax(bad.reshape(-1))])
-        raise ValueError(f"{name} {value} is out of range [{lo}, {hi}){where}")
+        return place(buffer, sharding)

@@ -112,7 +112,9 @@ class LLMEngine:
         )
         hash_fn = get_hash_fn_by_name(c.hash_fn)
         init_none_hash(hash_fn)
-        self._block_hasher = get_request_block_hasher(c.block_size, hash_fn)
+        self._block_hasher = get_request_block_hasher(
+            self.kv_cache_manager.hash_block_size, hash_fn
+        )
         self._sampling: dict[str, tuple[SamplingParams, RowSampling]] = {}
         self._images: dict[str, np.ndarray] = {}
         self._image_refs: dict[str, int] = {}
@@ -201,9 +203,8 @@ class LLMEngine:
         if images:
             ids, features, pixels = self._image_features(request_id, ids, images)
         request = Request(
-            request_id, ids, sampling.max_tokens, mm_features=features,
-            block_hasher=self._block_hasher,
-        )  # fmt: skip
+            request_id, ids, sampling, mm_features=features, block_hasher=self._block_hasher
+        )
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.eos_token_ids)

@@ -41,14 +41,8 @@ from jaxkv.device import (
 )
 from jaxkv.engine.sampling import sample_tokens
 from jaxkv.engine.scheduler import SchedulerOutput
-from jaxkv.kv_cache_interface import (
-    AttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    KVCacheTensor,
-)
+from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
+from jaxkv.kv_cache_planning import get_kv_cache_groups
 from jaxkv.models.base import PagedContext
 
 __all__ = ["ImageInputs", "ModelRunner", "RowSampling", "group_kv_cache_specs", "image_inputs"]
@@ -75,47 +69,31 @@ def image_inputs(model) -> ImageInputs | None:
     return ImageInputs(int(token_id), int(model.num_image_tokens), tuple(shape))
 
 
-def _served_spec(spec: KVCacheSpec) -> KVCacheSpec:
-    """`spec`, or a full-attention spec of the same page shape when the host managers have
-    no manager for its type yet (e.g. sliding windows before hybrid groups land): the model
-    still applies its window in attention; only the out-of-window blocks are kept."""
-    from jaxkv.single_type_kv_cache_manager import SPEC_MANAGER_TYPES
-
-    if any(type(spec) in m.spec_types for m in SPEC_MANAGER_TYPES):
-        return spec
-    if isinstance(spec, AttentionSpec):
-        return FullAttentionSpec(
-            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size, dtype=spec.dtype,
-        )  # fmt: skip
-    raise ValueError(f"no KV cache manager serves {type(spec).__name__} layers")
-
-
 def group_kv_cache_specs(
     specs: Mapping[str, KVCacheSpec], num_blocks: int
 ) -> tuple[KVCacheConfig, tuple[int, ...]]:
-    """One KV-cache group per distinct spec (first-seen order), every layer its own tensor.
+    """vLLM's KV-cache groups of the model's layers (`get_kv_cache_groups`: one group when
+    all layers agree; a hybrid model's sliding and full layers in groups of equal size), on
+    one pool of `num_blocks` blocks, every layer its own tensor.
 
     Returns the config and `layer_to_group` (layer `i` is the `i`-th entry of `specs`).
     """
     if not specs:
         raise ValueError("the model declares no KV-cache layers")
-    specs = {name: _served_spec(spec) for name, spec in specs.items()}
-    group_of: dict[KVCacheSpec, int] = {}
-    names: list[list[str]] = []
-    layer_to_group = []
-    for name, spec in specs.items():
-        g = group_of.setdefault(spec, len(group_of))
-        if g == len(names):
-            names.append([])
-        names[g].append(name)
-        layer_to_group.append(g)
-    specs_by_group = list(group_of)
-    tensors = tuple(KVCacheTensor(s.page_size_bytes * num_blocks, (n,)) for n, s in specs.items())
-    groups = tuple(
-        KVCacheGroupSpec(tuple(n), s) for n, s in zip(names, specs_by_group, strict=True)
+    groups = get_kv_cache_groups(specs)
+    for group in groups:
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            raise ValueError(
+                f"layers {group.layer_names} have {type(group.kv_cache_spec).__name__}; the "
+                "engine serves attention layers of one shape per group"
+            )
+    group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    layer_spec = {name: groups[group_of[name]].kv_cache_spec for name in specs}
+    tensors = tuple(
+        KVCacheTensor(layer_spec[name].page_size_bytes * num_blocks, (name,)) for name in specs
     )
-    return KVCacheConfig(num_blocks, tensors, groups), tuple(layer_to_group)
+    config = KVCacheConfig(num_blocks, tensors, tuple(groups))
+    return config, tuple(group_of[name] for name in specs)
 
 
 @dataclass(frozen=True)

@@ -276,8 +276,8 @@ class Scheduler:
                 break  # preempted while its last step was in flight: wait for that token
             if manager.num_free_blocks < -(-min(request.num_tokens, budget) // block_size):
                 break  # cheap pre-check, so hopeless attempts do not count as cache lookups
-            computed = manager.get_computed_blocks(request)
-            hit_blocks, num_hits = computed[0], computed[1]
+            hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
+            request.shared_prefix_boundary = shared_prefix_boundary
             plan = self._plan(tracked, num_hits, budget, encoder_budget)
             if plan is None:
                 break

@@ -75,19 +75,25 @@ class CheckpointReader:
             handle = self._handles[file] = safe_open(file, framework="numpy").__enter__()
         return handle
 
-    def spec_for(self, shape: Sequence[int], spec: P) -> P:
-        """`spec` with each `MODEL_AXIS` entry dropped where it does not divide the axis."""
+    def spec_for(self, shape: Sequence[int], spec: P, units: int | None = None) -> P:
+        """`spec` with its `MODEL_AXIS` entry dropped unless the model axis divides the
+        split axis into whole `units` (e.g. attention heads; default: the axis size)."""
         model_size = self.mesh.shape[MODEL_AXIS]
         entries = tuple(spec) + (None,) * (len(shape) - len(spec))
         return P(
             *(
-                axis if axis != MODEL_AXIS or size % model_size == 0 else None
+                axis if axis != MODEL_AXIS or (units or size) % model_size == 0 else None
                 for axis, size in zip(entries, shape, strict=True)
             )
         )
 
-    def get(self, name: str, shape: Sequence[int], spec: P | None = None) -> jax.Array:
-        """Tensor `name` of shape `shape`, sharded by `spec` over the mesh, in `self.dtype`."""
+    def get(
+        self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
+    ) -> jax.Array:
+        """Tensor `name` of shape `shape`, sharded by `spec` over the mesh, in `self.dtype`.
+
+        The split axis is split only into whole `units` (see `spec_for`).
+        """
         if name not in self.files:
             raise ValueError(f"checkpoint {self.path}: tensor {name!r} is missing")
         tensor = self._open(self.files[name]).get_slice(name)
@@ -98,7 +104,7 @@ class CheckpointReader:
                 f"expected {tuple(shape)}"
             )
         self.taken.add(name)
-        sharding = NamedSharding(self.mesh, self.spec_for(shape, spec or P()))
+        sharding = NamedSharding(self.mesh, self.spec_for(shape, spec or P(), units))
         dtype = self.dtype
 
         def block(index: tuple[slice, ...]) -> np.ndarray:

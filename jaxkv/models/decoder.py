@@ -48,10 +48,12 @@ class DecoderLayer(nnx.Module):
         self.inv_freq = tuple(cfg.rope_for(index).inverse_frequencies(hd))
         self.input_layernorm = RMSNorm(reader, f"{prefix}input_layernorm", hid, eps, off)
         bias = cfg.attention_bias
-        self.q_proj = Linear(reader, f"{attn}q_proj", hq * hd, hid, bias=bias, split="column")
-        self.k_proj = Linear(reader, f"{attn}k_proj", hkv * hd, hid, bias=bias, split="column")
-        self.v_proj = Linear(reader, f"{attn}v_proj", hkv * hd, hid, bias=bias, split="column")
-        self.o_proj = Linear(reader, f"{attn}o_proj", hid, hq * hd, bias=bias, split="row")
+        q = dict(bias=bias, units=hq)
+        kv = dict(bias=bias, units=hkv)
+        self.q_proj = Linear(reader, f"{attn}q_proj", hq * hd, hid, split="column", **q)
+        self.k_proj = Linear(reader, f"{attn}k_proj", hkv * hd, hid, split="column", **kv)
+        self.v_proj = Linear(reader, f"{attn}v_proj", hkv * hd, hid, split="column", **kv)
+        self.o_proj = Linear(reader, f"{attn}o_proj", hid, hq * hd, split="row", **q)
         self.q_norm = RMSNorm(reader, f"{attn}q_norm", hd, eps, off) if cfg.qk_norm else None
         self.k_norm = RMSNorm(reader, f"{attn}k_norm", hd, eps, off) if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(

@@ -41,14 +41,18 @@ class Linear(nnx.Module):
 
     def __init__(
         self, reader: CheckpointReader, name: str, out_features: int, in_features: int,
-        *, bias: bool, split: str,
+        *, bias: bool, split: str, units: int | None = None,
     ) -> None:  # fmt: skip
+        """`split` ("column"/"row") shards the weight over the model axis in whole `units`
+        (heads; default: single features) where they divide evenly, else replicates it."""
         weight_spec, bias_spec = SPLITS[split]
         self.weight = nnx.Param(
-            reader.get(f"{name}.weight", (out_features, in_features), weight_spec)
+            reader.get(f"{name}.weight", (out_features, in_features), weight_spec, units=units)
         )
         self.bias = (
-            nnx.Param(reader.get(f"{name}.bias", (out_features,), bias_spec)) if bias else None
+            nnx.Param(reader.get(f"{name}.bias", (out_features,), bias_spec, units=units))
+            if bias
+            else None
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -27,19 +27,20 @@ from jaxkv.models.layers import LayerNorm, Linear, activation, dense_attention
 class VisionLayer(nnx.Module):
     def __init__(self, cfg: VisionConfig, reader, prefix: str) -> None:
         hid, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.layer_norm_eps
+        heads = cfg.num_attention_heads
         self.cfg = cfg
         self.layer_norm1 = LayerNorm(reader, f"{prefix}layer_norm1", hid, eps)
         self.q_proj = Linear(
-            reader, f"{prefix}self_attn.q_proj", hid, hid, bias=True, split="column"
+            reader, f"{prefix}self_attn.q_proj", hid, hid, bias=True, split="column", units=heads
         )
         self.k_proj = Linear(
-            reader, f"{prefix}self_attn.k_proj", hid, hid, bias=True, split="column"
+            reader, f"{prefix}self_attn.k_proj", hid, hid, bias=True, split="column", units=heads
         )
         self.v_proj = Linear(
-            reader, f"{prefix}self_attn.v_proj", hid, hid, bias=True, split="column"
+            reader, f"{prefix}self_attn.v_proj", hid, hid, bias=True, split="column", units=heads
         )
         self.out_proj = Linear(
-            reader, f"{prefix}self_attn.out_proj", hid, hid, bias=True, split="row"
+            reader, f"{prefix}self_attn.out_proj", hid, hid, bias=True, split="row", units=heads
         )
         self.layer_norm2 = LayerNorm(reader, f"{prefix}layer_norm2", hid, eps)
         self.fc1 = Linear(reader, f"{prefix}mlp.fc1", inter, hid, bias=True, split="column")

@@ -5,9 +5,12 @@ prefilled in chunks of at most `chunk_size` tokens, then decoded one token per s
 request owns fresh blocks (the pool is never recycled: size it for the run); full
 blocks are remembered by their token prefix, so a later request whose prompt starts
 with the same tokens reuses those blocks instead of computing them (a prefix hit).
-All layers form one KV-cache group with full-attention block tables; sliding layers
-pass their window to the attention (correct, just no block release). It exists for
-the examples and the model tests; serving belongs to `jaxkv.engine`.
+By default all layers form one KV-cache group with full-attention block tables and
+sliding layers pass their window to the attention (correct, just no block release);
+`group_by_spec=True` gives each distinct `kv_cache_specs` entry its own group, cache
+and block ids (the hybrid layout: sliding vs full layers), packed per group into one
+`PagedContext`. It exists for the examples and the model tests; serving belongs to
+`jaxkv.engine`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from jaxkv.models.base import CausalLM, PagedContext
 class _Sequence:
     tokens: list[int]
     num_prompt: int
-    blocks: list[int]
+    blocks: list[list[int]]  # per KV-cache group
     num_computed: int = 0
     embeds: np.ndarray | None = None  # [num_prompt, hidden] input embeddings (LLaVA)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # per output token
@@ -52,6 +55,7 @@ class PagedGenerator:
         max_num_reqs: int = 8,
         mesh: Mesh | None = None,
         dtype: str = "float32",
+        group_by_spec: bool = False,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -59,14 +63,19 @@ class PagedGenerator:
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
-        spec = FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_size=cfg.head_dim,
-            dtype=dtype,
-        )
-        self.cache = PagedKVCache(spec, num_blocks, mesh=mesh)
-        self.kv_caches = self.cache.allocate(cfg.num_hidden_layers)
+        layer_specs = list(model.kv_cache_specs(block_size, dtype).values())
+        if not group_by_spec:
+            full = FullAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_size=cfg.head_dim,
+                dtype=dtype,
+            )
+            layer_specs = [full] * len(layer_specs)
+        group_specs = list(dict.fromkeys(layer_specs))  # distinct, in layer order
+        self.layer_to_group = tuple(group_specs.index(spec) for spec in layer_specs)
+        self.caches = tuple(PagedKVCache(spec, num_blocks, mesh=mesh) for spec in group_specs)
+        self.kv_caches = [self.caches[g].allocate(1)[0] for g in self.layer_to_group]
         self.packer = StepMetadataPacker(
             max_num_tokens=max_num_tokens,
             max_num_reqs=max_num_reqs,
@@ -76,27 +85,32 @@ class PagedGenerator:
         )
         self.step_fn = model.paged_step_fn()
         self.num_blocks = num_blocks
-        self.next_block = 1  # block 0 is the null block
-        self.prefix_blocks: dict[tuple[int, ...], int] = {}  # token prefix -> its last block
+        # Free block ids per group (block 0 is the null block); odd groups hand theirs out
+        # from the top, so each group's tables differ and a mix-up cannot go unnoticed.
+        ids = list(range(1, num_blocks))
+        self.free_blocks = [ids[::-1] if g % 2 == 0 else ids[:] for g in range(len(self.caches))]
+        # token prefix -> the block holding its last `block_size` tokens, per group
+        self.prefix_blocks: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.num_cached_tokens = 0  # prompt tokens served by prefix hits, over all calls
 
-    def _new_block(self) -> int:
-        if self.next_block >= self.num_blocks:
+    def _new_block(self, group: int) -> int:
+        if not self.free_blocks[group]:
             raise ValueError(f"PagedGenerator ran out of its {self.num_blocks} blocks")
-        self.next_block += 1
-        return self.next_block - 1
+        return self.free_blocks[group].pop()
 
     def _start(self, prompt: list[int], embeds: np.ndarray | None) -> _Sequence:
-        seq = _Sequence(list(prompt), len(prompt), [], embeds=embeds)
-        bs = self.block_size
+        seq = _Sequence(list(prompt), len(prompt), [[] for _ in self.caches], embeds=embeds)
+        bs, hits = self.block_size, 0
         # Reuse cached full blocks, always leaving the last prompt token to compute. Keys
         # are token ids only: prompts with their own embeddings never hit.
-        while embeds is None and (len(seq.blocks) + 1) * bs < len(prompt):
-            block = self.prefix_blocks.get(tuple(prompt[: (len(seq.blocks) + 1) * bs]))
-            if block is None:
+        while embeds is None and (hits + 1) * bs < len(prompt):
+            blocks = self.prefix_blocks.get(tuple(prompt[: (hits + 1) * bs]))
+            if blocks is None:
                 break
-            seq.blocks.append(block)
-        seq.num_computed = len(seq.blocks) * bs
+            for group, block in enumerate(blocks):
+                seq.blocks[group].append(block)
+            hits += 1
+        seq.num_computed = hits * bs
         self.num_cached_tokens += seq.num_computed
         return seq
 
@@ -136,27 +150,35 @@ class PagedGenerator:
             self._step(scheduled)
         return [s.output for s in seqs]
 
-    def _step(self, scheduled: list[tuple[_Sequence, int]]) -> None:
-        bs, width = self.block_size, self.packer.max_blocks_per_req
-        tables = np.zeros((len(scheduled), width), np.int32)
-        slots, token_ids, rows_embeds, uses_embeds = [], [], [], False
+    def _pack_group(self, group: int, scheduled: list[tuple[_Sequence, int]]):
+        """Group `group`'s block tables and slots of this step, packed (new blocks as needed)."""
+        bs = self.block_size
+        tables = np.zeros((len(scheduled), self.packer.max_blocks_per_req), np.int32)
+        slots = []
         for row, (s, n) in enumerate(scheduled):
-            end = s.num_computed + n
-            while len(s.blocks) * bs < end:
-                s.blocks.append(self._new_block())
-            tables[row, : len(s.blocks)] = s.blocks
+            end, blocks = s.num_computed + n, s.blocks[group]
+            while len(blocks) * bs < end:
+                blocks.append(self._new_block(group))
+            tables[row, : len(blocks)] = blocks
             positions = np.arange(s.num_computed, end)
-            slots.append(np.asarray(s.blocks)[positions // bs] * bs + positions % bs)
-            token_ids += s.tokens[s.num_computed : end]
-            uses_embeds |= s.embeds is not None
-            rows_embeds.append((s, s.num_computed, end))
+            slots.append(np.asarray(blocks)[positions // bs] * bs + positions % bs)
         step = StepInputs(
             block_tables=tables,
             seq_lens=np.array([s.num_computed + n for s, n in scheduled]),
             query_lens=np.array([n for _, n in scheduled]),
             slot_mapping=np.concatenate(slots),
         )
-        metadata, shape = self.packer.pack(step)
+        return self.packer.pack(step)
+
+    def _step(self, scheduled: list[tuple[_Sequence, int]]) -> None:
+        bs = self.block_size
+        packed = [self._pack_group(g, scheduled) for g in range(len(self.caches))]
+        shape = packed[0][1]
+        token_ids, rows_embeds, uses_embeds = [], [], False
+        for s, n in scheduled:
+            token_ids += s.tokens[s.num_computed : s.num_computed + n]
+            uses_embeds |= s.embeds is not None
+            rows_embeds.append((s, s.num_computed, s.num_computed + n))
         ids = np.zeros(shape.num_tokens, np.int32)
         ids[: len(token_ids)] = token_ids
         ends = np.cumsum([n for _, n in scheduled])
@@ -164,10 +186,10 @@ class PagedGenerator:
         logits_indices[: len(scheduled)] = ends - 1
         inputs_embeds = self._embeds(rows_embeds, ids) if uses_embeds else None
         ctx = PagedContext(
-            caches=(self.cache,),
-            shapes=(shape,),
-            layer_to_group=(0,) * self.model.config.num_hidden_layers,
-            metadata=(self.cache.put(metadata),),
+            caches=self.caches,
+            shapes=tuple(group_shape for _, group_shape in packed),
+            layer_to_group=self.layer_to_group,
+            metadata=tuple(c.put(m) for c, (m, _) in zip(self.caches, packed, strict=True)),
             logits_indices=jnp.asarray(logits_indices),
         )
         logits, self.kv_caches = self.step_fn(jnp.asarray(ids), self.kv_caches, ctx, inputs_embeds)
@@ -177,7 +199,8 @@ class PagedGenerator:
             s.num_computed += n
             for b in range(s.num_computed // bs):  # remember full prompt blocks
                 if s.embeds is None and (b + 1) * bs <= s.num_prompt:
-                    self.prefix_blocks.setdefault(tuple(s.tokens[: (b + 1) * bs]), s.blocks[b])
+                    key = tuple(s.tokens[: (b + 1) * bs])
+                    self.prefix_blocks.setdefault(key, tuple(blocks[b] for blocks in s.blocks))
             if s.num_computed == len(s.tokens):
                 s.tokens.append(int(next_tokens[row]))
                 s.logits.append(logits[row])

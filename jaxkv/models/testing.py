@@ -46,7 +46,9 @@ class RandomTensors:
     def __contains__(self, name: str) -> bool:
         return name.startswith("model.language_model.")  # build the 5.x layout
 
-    def get(self, name: str, shape: Sequence[int], spec: P | None = None):
+    def get(
+        self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
+    ):
         shape = tuple(shape)
         if name in self.tensors:
             return jnp.asarray(self.tensors[name])

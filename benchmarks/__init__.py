@@ -1,0 +1,1 @@
+"""Benchmarks: run `python -m benchmarks.<name>` from the repository root."""

@@ -1,0 +1,97 @@
+"""Argument checks shared by the host-side public entry points.
+
+Every check raises before its caller changes any state, and its message names
+the argument, the value given and what is allowed. Hot paths call these only
+where a value enters (constructors, admission), never per inner step.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# Token ids are stored as int64 by the device side and encoded as uint64 by CBOR.
+TOKEN_ID_LIMIT = 1 << 63
+
+
+def check_int(
+    name: str, value: Any, *, min_value: int | None = None, max_value: int | None = None
+) -> int:
+    """`value` as a Python int; TypeError unless it is an integer (bool is not), ValueError
+    unless `min_value <= value <= max_value`."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        value = int(value)
+    if (min_value is not None and value < min_value) or (
+        max_value is not None and value > max_value
+    ):
+        if max_value is None:
+            allowed = f">= {min_value}"
+        elif min_value is None:
+            allowed = f"<= {max_value}"
+        else:
+            allowed = f"in [{min_value}, {max_value}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if type(value) is not bool and not isinstance(value, np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_str(name: str, value: Any, *, allow_none: bool = False) -> str | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str):
+        allowed = "a str or None" if allow_none else "a str"
+        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_token_ids(name: str, token_ids: Any) -> list[int]:
+    """Token ids as a list of ints in [0, 2**63); a list passed in is returned as is.
+
+    Floats, strings and nested sequences are TypeErrors (a float id would be
+    truncated and share cache entries with its integer part); negative or
+    too-large ids are ValueErrors.
+    """
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise TypeError(
+                f"{name} must be a 1-D array of integers, got shape {token_ids.shape} "
+                f"dtype {token_ids.dtype}"
+            )
+        if token_ids.size:
+            low, high = int(token_ids.min()), int(token_ids.max())
+            if low < 0 or high >= TOKEN_ID_LIMIT:
+                raise ValueError(
+                    f"{name} must hold token ids in [0, 2**63), got {low if low < 0 else high}"
+                )
+        return token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise TypeError(
+            f"{name} must be a sequence of integer token ids, got {token_ids!r} "
+            f"({type(token_ids).__name__})"
+        )
+    try:
+        packed = array.array("q", token_ids)
+    except TypeError:
+        raise TypeError(
+            f"{name} must hold integer token ids only (no floats, strings or nested "
+            f"sequences), got {token_ids!r}"
+        ) from None
+    except OverflowError:
+        raise ValueError(
+            f"{name} must hold token ids in [0, 2**63), got one out of that range"
+        ) from None
+    if packed:
+        low = np.frombuffer(packed, dtype=np.int64).min()
+        if low < 0:
+            raise ValueError(f"{name} must hold token ids in [0, 2**63), got {int(low)}")
+    return token_ids if type(token_ids) is list else packed.tolist()

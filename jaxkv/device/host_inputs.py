@@ -1,0 +1,86 @@
+"""Where host values enter the device side: validation, bucket padding, placement.
+
+Every public device entry point (`PagedKVCache`, `StepMetadataPacker`,
+`EncoderCacheStore`) checks its host arguments here before anything is sent, so a
+bad value raises `ValueError`/`TypeError` naming the argument, the value and
+what is allowed, and changes nothing. Sizes must be real integers: `8.5`,
+`"4"` and `True` are errors, never coerced.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+
+def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as an int in `[lo, hi]` (either bound optional); bools and floats rejected."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        allowed = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise ValueError(f"{name} must lie in {allowed}, got {value}")
+    return value
+
+
+def check_ids(
+    name: str,
+    ids: np.ndarray | Sequence[int],
+    lo: int,
+    hi: int,
+    *,
+    pad: int | None = None,
+    ndim: int | None = 1,
+    where: str = "",
+) -> np.ndarray:
+    """`ids` as int32 with every entry in `[lo, hi)` (or equal to `pad`).
+
+    `ndim=None` accepts any shape. Booleans and floats are rejected even when
+    their values would be in range.
+    """
+    arr = np.asarray(ids)
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}{where}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}{where}")
+    bad = (arr < lo) | (arr >= hi)
+    if pad is not None:
+        bad &= arr != pad
+    if bad.any():
+        flat = bad.reshape(-1)
+        value = int(arr.reshape(-1)[np.argmax(flat)])
+        extra = f" or the padding value {pad}" if pad is not None else ""
+        raise ValueError(f"{name} value {value} is out of range [{lo}, {hi}){extra}{where}")
+    return arr.astype(np.int32)
+
+
+def pad_to_bucket(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    """`values` (1-D, or `[rows, n]` padded per row) filled with `fill` up to `size` columns.
+
+    Padding to a few fixed sizes bounds the number of compiled programs; `fill`
+    must be a positive out-of-range index where the consumer scatters with
+    `mode="drop"` (a negative index wraps around in JAX, even then).
+    """
+    rows = np.atleast_2d(values)
+    if rows.shape[1] > size:
+        raise ValueError(f"{rows.shape[1]} entries do not fit a bucket of {size}")
+    out = np.full((rows.shape[0], size), fill, np.int32)
+    out[:, : rows.shape[1]] = rows
+    return out.reshape(-1) if np.ndim(values) == 1 else out
+
+
+def place(arr: np.ndarray, sharding: Sharding | None = None) -> jax.Array:
+    """The one host-to-device transfer of `arr` (the same on every process).
+
+    Multi-process: each process supplies its addressable shards from its own copy.
+    """
+    if sharding is None:
+        return jax.device_put(arr)  # jnp.asarray would compile a copy per new shape
+    if jax.process_count() == 1:
+        return jax.device_put(arr, sharding)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])

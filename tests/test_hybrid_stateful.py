@@ -1,0 +1,199 @@
+"""Hypothesis state machine over hybrid KV-cache configs.
+
+Random mixes of full-attention, sliding-window, chunked-local and Mamba groups
+over one small pool; random admit / chunked prefill / decode / preempt /
+finish / evict sequences with prompts from a tiny vocabulary (prefixes collide,
+blocks are shared, released, cached, evicted and re-hit). After every step:
+per-group ref counts and free queue, no block id held by two groups, every hit
+block carries the hash of the position it serves, and nothing is leaked when
+all requests end.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_hybrid_managers import check_invariants
+
+from jaxkv import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheManager,
+    MambaSpec,
+    Request,
+    SlidingWindowSpec,
+    get_hash_fn_by_name,
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+from jaxkv.hashing import BlockHashListWithBlockSize
+from jaxkv.single_type_kv_cache_manager import SlidingWindowManager
+
+MAX_MODEL_LEN = 40
+PREFIXES = ([0, 1, 2, 3] * 10, [1, 1, 0, 0] * 10, [2, 3, 2, 3, 0] * 8)
+
+
+@st.composite
+def hybrid_specs(draw):
+    kinds = draw(
+        st.lists(st.sampled_from(["full", "sw", "chunked", "mamba"]), min_size=2, max_size=4)
+    )
+    uniform = "chunked" in kinds  # chunked local needs hits on its own block size
+    specs = []
+    for kind in kinds:
+        bs = 4 if uniform else draw(st.sampled_from([4, 8]))
+        if kind == "full":
+            specs.append(FullAttentionSpec(bs, 1, 4, "float32"))
+        elif kind == "sw":
+            window = draw(st.sampled_from([3, 5, 8, 13]))
+            specs.append(SlidingWindowSpec(bs, 1, 4, "float32", sliding_window=window))
+        elif kind == "chunked":
+            chunk = draw(st.sampled_from([8, 12]))
+            specs.append(ChunkedLocalAttentionSpec(bs, 1, 4, "float32", attention_chunk_size=chunk))
+        else:
+            specs.append(
+                MambaSpec(bs, shapes=((2,),), dtypes=("float32",), mamba_cache_mode="align")
+            )
+    return specs
+
+
+class HybridMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.counter = 0
+
+    @initialize(specs=hybrid_specs(), num_blocks=st.integers(8, 24))
+    def setup(self, specs, num_blocks):
+        init_none_hash(get_hash_fn_by_name("sha256_cbor"), "hybrid-machine")
+        config = KVCacheConfig.from_groups(
+            [(s, (f"l{i}",)) for i, s in enumerate(specs)], num_blocks
+        )
+        self.manager = KVCacheManager(config, MAX_MODEL_LEN)
+        self.hasher = get_request_block_hasher(
+            self.manager.hash_block_size, get_hash_fn_by_name("sha256_cbor")
+        )
+
+    def _check_hits(self, req: Request, blocks, num_hit: int) -> None:
+        m = self.manager
+        assert num_hit % m.coordinator.cache_hit_alignment_tokens == 0
+        for manager, group_blocks in zip(
+            m.coordinator.single_type_managers, blocks.blocks, strict=True
+        ):
+            bs = manager.block_size
+            hashes = req.block_hashes
+            if bs != m.hash_block_size:
+                hashes = BlockHashListWithBlockSize(hashes, m.hash_block_size, bs)
+            for i, block in enumerate(group_blocks):
+                if not block.is_null:
+                    assert block.block_hash == make_block_hash_with_group_id(
+                        hashes[i], manager.kv_cache_group_id
+                    )
+            if isinstance(manager, SlidingWindowManager) and num_hit:
+                need = SlidingWindowManager.contiguous_blocks_for_hit(
+                    manager.sliding_window, bs, False
+                )
+                tail = group_blocks[-need:] if len(group_blocks) >= need else group_blocks
+                assert len(group_blocks) == num_hit // bs
+                assert all(not b.is_null for b in tail)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        shared=st.integers(0, 30),
+        extra=st.lists(st.integers(0, 3), max_size=8),
+    )
+    def add_request(self, prefix, shared, extra):
+        tokens = prefix[:shared] + extra
+        if not tokens or len(tokens) > MAX_MODEL_LEN - 4:
+            return
+        self.counter += 1
+        self.waiting.append(Request(f"r{self.counter}", tokens, block_hasher=self.hasher))
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def schedule_waiting(self, data):
+        req = self.waiting[0]
+        m = self.manager
+        blocks, num_hit = m.get_computed_blocks(req)[:2]
+        self._check_hits(req, blocks, num_hit)
+        event("hit" if num_hit else "miss")
+        remaining = req.num_tokens - num_hit
+        chunk = data.draw(st.integers(1, remaining))
+        if m.allocate_slots(req, chunk, num_hit, blocks) is None:
+            return
+        req.num_computed_tokens = num_hit + chunk
+        self.waiting.pop(0)
+        self.running.append(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def step_running(self, data):
+        req = data.draw(st.sampled_from(self.running))
+        m = self.manager
+        if req.num_computed_tokens < req.num_tokens:  # chunked prefill
+            n = data.draw(st.integers(1, req.num_tokens - req.num_computed_tokens))
+        else:  # decode one token
+            if req.num_tokens >= MAX_MODEL_LEN - 1:
+                return
+            req.append_output_token_ids(data.draw(st.integers(0, 3)))
+            n = 1
+        if m.allocate_slots(req, n) is None:
+            if req.num_tokens > req.num_computed_tokens + n:
+                return
+            event("preempted: out of blocks")
+            self._preempt(req)
+            return
+        req.num_computed_tokens += n
+
+    def _preempt(self, req: Request) -> None:
+        self.manager.free(req)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        self.waiting.append(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        self._preempt(data.draw(st.sampled_from(self.running)))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data):
+        req = data.draw(st.sampled_from(self.running))
+        self.manager.free(req)
+        self.running.remove(req)
+
+    @rule(data=st.data())
+    def evict(self, data):
+        ids = data.draw(
+            st.lists(st.integers(1, self.manager.block_pool.num_gpu_blocks - 1), max_size=3)
+        )
+        self.manager.evict_blocks(ids)
+
+    @invariant()
+    def pool_is_consistent(self):
+        if hasattr(self, "manager"):
+            check_invariants(self.manager)
+
+    def teardown(self):
+        if not hasattr(self, "manager"):
+            return
+        for req in self.running:
+            self.manager.free(req)
+        check_invariants(self.manager)
+        pool = self.manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        assert all(not m.req_to_blocks for m in self.manager.coordinator.single_type_managers)
+
+
+TestHybridMachine = HybridMachine.TestCase
+TestHybridMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
