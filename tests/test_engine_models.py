@@ -4,6 +4,8 @@ window, chunked and preempted; LLaVA images through the encoder cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -26,12 +28,15 @@ def load(tmp_path_factory, name: str):
 
 def test_gemma3_sliding_window_chunked_and_preempted(tmp_path_factory) -> None:
     model = load(tmp_path_factory, "gemma3-tiny")
+    with pytest.raises(ValueError, match="cannot hold one request of max_model_len=96"):
+        LLMEngine(model, CONFIG)  # 24 blocks over 4 KV-cache groups (3 sliding, 1 full)
     window = model.config.sliding_window
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 256, 12).tolist()
     prompts = [shared + rng.integers(3, 256, int(rng.integers(2, 24))).tolist() for _ in range(6)]
     assert max(len(p) for p in prompts) > 3 * window
-    engine = LLMEngine(model, CONFIG)
+    engine = LLMEngine(model, dataclasses.replace(CONFIG, num_blocks=64))
+    assert len(engine.runner.kv_cache_config.kv_cache_groups) > 1, "hybrid groups"
     sampling = SamplingParams(max_tokens=20, ignore_eos=True)
     outputs = engine.generate(prompts, sampling)
     assert engine.scheduler.num_preemptions > 0, "the pool is sized to preempt"

@@ -11,6 +11,7 @@ the same tokens.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from jaxkv.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, Sc
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_cache_planning import get_max_concurrency_for_kv_cache_config
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
 from jaxkv.request_hashing import get_request_block_hasher
@@ -90,6 +92,7 @@ class LLMEngine:
             dtype=c.dtype, zero_freed_blocks=c.zero_freed_blocks,
             encoder_cache_size=encoder_budget.cache_size if encoder_budget else 0,
         )  # fmt: skip
+        self._check_pool_holds_one_request()
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config=self.runner.kv_cache_config,
             max_model_len=c.max_model_len,
@@ -122,6 +125,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.num_steps = 0
+
+    def _check_pool_holds_one_request(self) -> None:
+        """ValueError unless one request of `max_model_len` tokens fits in the pool."""
+        c = self.config
+        concurrency = get_max_concurrency_for_kv_cache_config(
+            self.runner.kv_cache_config, c.max_model_len, c.max_num_batched_tokens
+        )
+        if concurrency < 1:
+            needed = math.ceil((c.num_blocks - 1) / max(concurrency, 1e-9)) + 1
+            raise ValueError(
+                f"num_blocks={c.num_blocks} cannot hold one request of max_model_len="
+                f"{c.max_model_len} tokens over the model's "
+                f"{len(self.runner.kv_cache_config.kv_cache_groups)} KV-cache groups; give "
+                f"num_blocks >= {needed} or a smaller max_model_len"
+            )
 
     # -- requests ---------------------------------------------------------------------
 
@@ -244,6 +262,14 @@ class LLMEngine:
         compiled = compilation_count()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        if out.is_empty and self._in_flight is None and self.scheduler.waiting:
+            request = self.scheduler.waiting[0]
+            raise RuntimeError(
+                f"nothing can be scheduled: request {request.request_id!r} "
+                f"({request.num_tokens} tokens) does not fit the "
+                f"{self.kv_cache_manager.num_free_blocks} free KV blocks; a bug, since the "
+                "pool was checked to hold one request of max_model_len"
+            )
         sampling = [self._sampling[s.request.request_id][1] for s in out.scheduled]
         sampled = self.runner.execute(out, sampling, self._images)
         current = _InFlight(out, sampled) if not out.is_empty else None
