@@ -18,6 +18,7 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
+from jaxkv.single_type_kv_cache_manager import FullAttentionManager
 
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
@@ -182,6 +183,18 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
+        # A single full-attention group with nothing hybrid about it (no retention
+        # thinning, no re-prefilled tokens): its manager, which the steps of a running
+        # request call directly, skipping the coordinator's per-group loops (same result).
+        managers = self.coordinator.single_type_managers
+        self._sole_manager: FullAttentionManager | None = (
+            managers[0]
+            if len(managers) == 1
+            and type(managers[0]) is FullAttentionManager
+            and self.coordinator.retention_interval is None
+            and not self.coordinator.num_reprefillable_tokens
+            else None
+        )
         # (spec kind, sliding window) per group, for the BlockStored events.
         self._event_metadata = tuple(
             (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
@@ -419,8 +432,13 @@ class KVCacheManager:
             # As vLLM, before counting: blocks that left the attention window are
             # released even when the allocation then fails (they are never read again).
             coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        sole = self._sole_manager
         if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
             num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+        elif sole is not None:
+            num_blocks_to_allocate = sole.get_num_blocks_to_allocate(
+                request_id, num_tokens_need_slot, hits_or_none[0], num_computed_tokens
+            )
         else:
             num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
                 request_id,
@@ -435,15 +453,21 @@ class KVCacheManager:
             # Two-phase: every group takes its hits before any group takes new blocks.
             coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
-        new_blocks = (
-            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_encoder_tokens)
-            if num_blocks_to_allocate
-            else None
-        )
+        if not num_blocks_to_allocate:
+            new_blocks = None
+        elif sole is not None:
+            new_blocks = (sole.allocate_new_blocks(request_id, num_tokens_need_slot),)
+        else:
+            new_blocks = coordinator.allocate_new_blocks(
+                request_id, num_tokens_need_slot, num_encoder_tokens
+            )
         # A running request's `state` says when its next block fills: below that, caching
         # would stamp nothing (half the steps that allocate a block).
         if cache and (state is None or num_tokens_to_cache >= state[1]):
-            coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
+            if sole is not None:
+                sole.cache_blocks(request, num_tokens_to_cache)
+            else:
+                coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
         if state is None:
             self._running[request_id] = request
         self._slot_state[request] = self._get_slot_state(request)
@@ -602,7 +626,9 @@ class KVCacheManager:
         """
         if not self._use_slot_state:
             return (0, 0, 0)  # nothing is answered from it
-        capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
+        capacity, next_full, release_at = (
+            self._sole_manager or self.coordinator
+        ).get_slot_state(request.request_id)
         if capacity > self.max_model_len:
             capacity = self.max_model_len
         return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
@@ -630,7 +656,7 @@ class KVCacheManager:
         holder = self._running.pop(request.request_id, None)
         if holder is not None:
             del self._slot_state[holder]
-        self.coordinator.free(request.request_id)
+        (self._sole_manager or self.coordinator).free(request.request_id)
 
     # -- queries -------------------------------------------------------------
 
