@@ -626,9 +626,8 @@ class KVCacheManager:
         """
         if not self._use_slot_state:
             return (0, 0, 0)  # nothing is answered from it
-        capacity, next_full, release_at = (
-            self._sole_manager or self.coordinator
-        ).get_slot_state(request.request_id)
+        groups = self._sole_manager or self.coordinator
+        capacity, next_full, release_at = groups.get_slot_state(request.request_id)
         if capacity > self.max_model_len:
             capacity = self.max_model_len
         return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
