@@ -195,6 +195,9 @@ class KVCacheManager:
             and not self.coordinator.num_reprefillable_tokens
             else None
         )
+        self._sole_hashes_per_block = self._sole_manager is not None and (
+            self.block_pool.hash_block_size in (None, self._sole_manager.block_size)
+        )
         # (spec kind, sliding window) per group, for the BlockStored events.
         self._event_metadata = tuple(
             (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
@@ -283,9 +286,24 @@ class KVCacheManager:
             check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
-        )
+        sole = self._sole_manager
+        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
+            # The unitary coordinator's answer when one request hash covers one block
+            # and no block is dropped for EAGLE: the leading cached blocks.
+            block_hashes = request.block_hashes
+            num_blocks = max_cache_hit_length // sole.block_size
+            if num_blocks > len(block_hashes):
+                num_blocks = len(block_hashes)
+            blocks = (
+                self.block_pool.cached_block_hash_to_block.get_leading_blocks(
+                    block_hashes, 0, num_blocks
+                ),
+            )
+            num_hit_tokens, num_uncached = len(blocks[0]) * sole.block_size, 0
+        else:
+            blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
+                request.block_hashes, max_cache_hit_length
+            )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
