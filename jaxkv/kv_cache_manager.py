@@ -184,8 +184,9 @@ class KVCacheManager:
             )
         self.block_pool = self.coordinator.block_pool
         # A single full-attention group with nothing hybrid about it (no retention
-        # thinning, no re-prefilled tokens): its manager, which the steps of a running
-        # request call directly, skipping the coordinator's per-group loops (same result).
+        # thinning, no re-prefilled tokens): its manager, which lookups, allocations,
+        # the slot state and `free` call directly, skipping the coordinator's per-group
+        # loops (same results: tests/test_kv_cache_manager_slot_state.py). None otherwise.
         managers = self.coordinator.single_type_managers
         self._sole_manager: FullAttentionManager | None = (
             managers[0]
