@@ -30,8 +30,11 @@ if TYPE_CHECKING:
     from jaxkv.request import Request
 
 
-# A group's map: block hash -> its cached block, or {block_id: block} for duplicates.
-_GroupMap = dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]]
+# A group's map: block hash -> the earliest cached block with that hash.
+_GroupMap = dict[BlockHash, KVCacheBlock]
+# A group's duplicates: block hash -> {block_id: block}, every block with that hash in
+# insertion order, only for hashes held by two or more blocks.
+_GroupDuplicates = dict[BlockHash, dict[int, KVCacheBlock]]
 _NO_BLOCKS: _GroupMap = {}  # read only: the map of a group nothing was cached for
 
 
@@ -40,16 +43,21 @@ class BlockHashToBlockMap:
 
     Identical blocks computed by different requests are not merged (block tables
     stay append-only), so a key may map to several blocks; lookups return the
-    earliest inserted. A key with one block maps to the block itself (the common
-    case, no inner dict). Each group has its own dict keyed by the bare block
-    hash, so lookups use the request's hash objects (their hash is cached) and
-    build no key.
+    earliest inserted. Each group has its own dict keyed by the bare block hash,
+    whose value is that earliest block (lookups use the request's hash objects,
+    whose hash is cached, build no key, and need no per-entry unpacking); the
+    rare keys with several blocks are also listed, all their blocks in insertion
+    order, in the group's duplicates dict.
+
+    Invariant: `_maps[g][h]` is the first value of `_duplicates[g][h]` when that
+    exists (which then holds at least two blocks).
     """
 
-    __slots__ = ("_maps",)
+    __slots__ = ("_duplicates", "_maps")
 
     def __init__(self) -> None:
         self._maps: dict[int, _GroupMap] = {}
+        self._duplicates: dict[int, _GroupDuplicates] = {}
 
     def __len__(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values())
@@ -63,83 +71,78 @@ class BlockHashToBlockMap:
             block_hash, group_id = get_block_hash(key), get_group_id(key)  # type: ignore[arg-type]
         else:
             block_hash = key  # type: ignore[assignment]
-        blocks = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
-        if blocks is None or type(blocks) is KVCacheBlock:
-            return blocks  # type: ignore[return-value]
-        return next(iter(blocks.values()))  # type: ignore[union-attr]
+        return self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
 
     def get_leading_blocks(
         self, block_hashes: Sequence[BlockHash], group_id: int, max_blocks: int
     ) -> list[KVCacheBlock]:
         """For `block_hashes[i]`, i = 0, 1, ...: one block each until the first miss."""
-        get = self._maps.get(group_id, _NO_BLOCKS).get
-        hits: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            blocks = get(block_hashes[i])
-            if blocks is None:
-                break
-            hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
-        return hits
+        hits = self.get_entries(block_hashes, group_id, max_blocks)
+        if None in hits:
+            del hits[hits.index(None) :]
+        return hits  # type: ignore[return-value]
 
     def get_entries(
         self, block_hashes: Sequence[BlockHash], group_id: int, stop: int
-    ) -> list[KVCacheBlock | dict[int, KVCacheBlock] | None]:
-        """The map entries of `block_hashes[:stop]` in one pass: None for a miss, the block,
-        or (duplicates) a `{block_id: block}` dict whose first value is the earliest block;
-        `first_block` picks it."""
+    ) -> list[KVCacheBlock | None]:
+        """The earliest cached block (None for a miss) of each of `block_hashes[:stop]`."""
         get = self._maps.get(group_id, _NO_BLOCKS).get
         if isinstance(block_hashes, list):
             return list(map(get, block_hashes[:stop]))
         return [get(block_hashes[i]) for i in range(stop)]
 
-    @staticmethod
-    def first_block(entry: KVCacheBlock | dict[int, KVCacheBlock]) -> KVCacheBlock:
-        """The block a (non-None) `get_entries` entry stands for."""
-        return entry if type(entry) is KVCacheBlock else next(iter(entry.values()))  # type: ignore[union-attr]
-
     def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
         group_map = self._maps.get(group_id)
         if group_map is None:
             group_map = self._maps[group_id] = {}
-        blocks = group_map.get(block_hash)
+        earliest = group_map.setdefault(block_hash, block)
+        if earliest is block:
+            return
+        duplicates = self._duplicates.setdefault(group_id, {})
+        blocks = duplicates.get(block_hash)
         if blocks is None:
-            group_map[block_hash] = block
-        elif type(blocks) is KVCacheBlock:
-            group_map[block_hash] = {blocks.block_id: blocks, block.block_id: block}
+            duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}
         else:
-            blocks[block.block_id] = block  # type: ignore[index]
+            blocks[block.block_id] = block
 
     def pop(self, block_hash: BlockHash, group_id: int, block_id: int) -> KVCacheBlock | None:
         group_map = self._maps.get(group_id, _NO_BLOCKS)
-        blocks = group_map.get(block_hash)
-        if blocks is None:
+        earliest = group_map.get(block_hash)
+        if earliest is None:
             return None
-        if type(blocks) is KVCacheBlock:
-            if blocks.block_id != block_id:
+        duplicates = self._duplicates.get(group_id) if self._duplicates else None
+        blocks = duplicates.get(block_hash) if duplicates else None
+        if blocks is None:
+            if earliest.block_id != block_id:
                 return None
             del group_map[block_hash]
-            return blocks
-        block = blocks.pop(block_id, None)  # type: ignore[union-attr]
-        if len(blocks) == 1:  # type: ignore[arg-type]
-            group_map[block_hash] = next(iter(blocks.values()))  # type: ignore[union-attr]
+            return earliest
+        block = blocks.pop(block_id, None)
+        if block is not None:
+            group_map[block_hash] = next(iter(blocks.values()))
+            if len(blocks) == 1:
+                del duplicates[block_hash]  # type: ignore[index]
         return block
 
     def num_blocks(self) -> int:
-        return sum(
-            1 if type(v) is KVCacheBlock else len(v)  # type: ignore[arg-type]
-            for group_map in self._maps.values()
-            for v in group_map.values()
+        return sum(len(group_map) for group_map in self._maps.values()) + sum(
+            len(blocks) - 1
+            for duplicates in self._duplicates.values()
+            for blocks in duplicates.values()
         )
 
     def items(self) -> Iterable[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
         """(vLLM's key: block hash + group id, blocks) for every cached key."""
         for group_id, group_map in self._maps.items():
-            for block_hash, blocks in group_map.items():
+            duplicates = self._duplicates.get(group_id, {})
+            for block_hash, earliest in group_map.items():
                 key = make_block_hash_with_group_id(block_hash, group_id)
-                yield key, [blocks] if type(blocks) is KVCacheBlock else list(blocks.values())
+                blocks = duplicates.get(block_hash)
+                yield key, [earliest] if blocks is None else list(blocks.values())
 
     def clear(self) -> None:
         self._maps.clear()
+        self._duplicates.clear()
 
 
 class BlockPool:

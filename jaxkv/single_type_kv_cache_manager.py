@@ -379,6 +379,53 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return computed, hit_length
 
 
+def _rightmost_run(cached: list[KVCacheBlock | None], need: int) -> tuple[int, int]:
+    """[start, end) of the rightmost `need` consecutive cached (non-None) entries, or,
+    when no run is that long, of the cached run starting at entry 0 (maybe empty).
+
+    `_rightmost_aligned_run` with every block on the alignment grid and `need >= 1`,
+    searched gap by gap (`list.index`) instead of entry by entry.
+    """
+    num = len(cached)
+    reversed_cached = cached[::-1]
+    reversed_cached.append(None)  # a sentinel gap left of entry 0
+    pos = 0  # entries [num - pos, num) lie right of the run being looked at
+    while True:
+        gap = reversed_cached.index(None, pos)
+        if gap - pos >= need:
+            return num - pos - need, num - pos
+        if gap == num:
+            return 0, num - pos
+        pos = gap + 1
+
+
+def _rightmost_aligned_run(
+    cached: list[KVCacheBlock | None],
+    need: int,
+    block_size: int,
+    alignment_tokens: int,
+    drop_eagle_block: bool,
+) -> tuple[int, int]:
+    """[start, end) of the cached (non-None) run that ends a sliding-window hit: scanning
+    right to left, the first run of `need` entries whose end (one block earlier with
+    `drop_eagle_block`) lies on the `alignment_tokens` grid; when none is that long, the
+    cached run starting at entry 0 (maybe empty)."""
+    run_end = run_start = len(cached)
+    for i in range(len(cached) - 1, -1, -1):  # right to left, stop at the first run
+        if cached[i] is None:
+            run_end = run_start = i
+            continue
+        if run_start == run_end and block_size != alignment_tokens:
+            ends_at = i if drop_eagle_block else i + 1
+            if ends_at * block_size % alignment_tokens:
+                run_end = run_start = i
+                continue  # a run must end on the alignment grid
+        run_start = i
+        if run_end - run_start >= need:
+            break
+    return run_start, run_end
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Attention over the last `sliding_window` tokens.
 
@@ -468,7 +515,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
         max_num_blocks = min(max_length // block_size, len(block_hashes))
-        # Each group's map entries for the candidate blocks, one pass each; a block is
+        # Each group's cached blocks for the candidate blocks, one pass each; a block is
         # cached for this lookup when every group has it.
         cache_map = block_pool.cached_block_hash_to_block
         entries = [
@@ -478,24 +525,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if len(entries) > 1:
             cached = [e if all(other[i] is not None for other in entries[1:]) else None
                       for i, e in enumerate(cached)]  # fmt: skip
-        # The run of cached blocks, right to left, ending at the candidate hit.
-        run_end = run_start = max_num_blocks  # run = [run_start, run_end)
-        for i in range(max_num_blocks - 1, -1, -1):  # right to left, stop at the first run
-            if cached[i] is None:
-                run_end = run_start = i
-                continue
-            if run_start == run_end and block_size != alignment_tokens:
-                ends_at = i if drop_eagle_block else i + 1
-                if ends_at * block_size % alignment_tokens:
-                    run_end = run_start = i
-                    continue  # a run must end on the alignment grid
-            run_start = i
-            if run_end - run_start >= need:
-                break
-        # Without a full window, the run reaching the start (from i = 0) is a hit all the same.
-        null, first = block_pool.null_block, cache_map.first_block
+        if block_size == alignment_tokens and need > 0:
+            run_start, run_end = _rightmost_run(cached, need)
+        else:
+            run_start, run_end = _rightmost_aligned_run(
+                cached, need, block_size, alignment_tokens, drop_eagle_block
+            )
+        null = block_pool.null_block
         computed: HitBlocks = tuple(
-            [null] * run_start + [first(e) for e in group_entries[run_start:run_end]]
+            [null] * run_start + group_entries[run_start:run_end]  # type: ignore[operator]
             for group_entries in entries
         )
         if run_end - run_start < need:
