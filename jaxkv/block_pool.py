@@ -96,8 +96,23 @@ class BlockHashToBlockMap:
         if group_map is None:
             group_map = self._maps[group_id] = {}
         earliest = group_map.setdefault(block_hash, block)
-        if earliest is block:
-            return
+        if earliest is not block:
+            self._add_duplicate(block_hash, group_id, earliest, block)
+
+    def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
+        """`insert` each block under the hash it is stamped with (`_block_hash`)."""
+        group_map = self._maps.get(group_id)
+        if group_map is None:
+            group_map = self._maps[group_id] = {}
+        setdefault = group_map.setdefault
+        for block in blocks:
+            earliest = setdefault(block._block_hash, block)
+            if earliest is not block:
+                self._add_duplicate(block._block_hash, group_id, earliest, block)  # type: ignore[arg-type]
+
+    def _add_duplicate(
+        self, block_hash: BlockHash, group_id: int, earliest: KVCacheBlock, block: KVCacheBlock
+    ) -> None:
         duplicates = self._duplicates.setdefault(group_id, {})
         blocks = duplicates.get(block_hash)
         if blocks is None:
@@ -303,6 +318,23 @@ class BlockPool:
             if isinstance(error, AttributeError):
                 raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}") from None
             raise
+        self._queue_freed(unhashed, hashed)
+
+    def free_held_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """`free_blocks` for blocks the caller holds a reference on (a manager freeing its
+        own table, null blocks skipped), without the checks that guard outside callers."""
+        unhashed: list[KVCacheBlock] = []
+        hashed: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (unhashed if block._block_hash is None else hashed).append(block)
+        self._queue_freed(unhashed, hashed)
+
+    def _queue_freed(self, unhashed: list[KVCacheBlock], hashed: list[KVCacheBlock]) -> None:
+        """Queue blocks that reached `ref_cnt` 0: unhashed at the head, hashed at the tail."""
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
             if self.track_freed_block_ids:
@@ -349,8 +381,6 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
-        stamped_index: list[int] = []
-        cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
@@ -359,20 +389,23 @@ class BlockPool:
             if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
-                        cache_map.pop(done._block_hash, kv_cache_group_id, done.block_id)
                         done.reset_hash()
                     raise ValueError(
                         f"block {block.block_id} is already cached under another hash; "
                         "cannot re-stamp it"
                     )
                 continue
-            cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
-            stamped_index.append(i)
-        if self.enable_kv_cache_events and stamped:
+        if not stamped:
+            return
+        self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)
+        if self.enable_kv_cache_events:
             stored = [block._block_hash for block in stamped]
+            stamped_ids = set(map(id, stamped))
             extra_keys, mm_idx = [], 0
-            for i in stamped_index:
+            for i in range(num_cached_blocks, num_full_blocks):
+                if id(blocks[i]) not in stamped_ids:
+                    continue
                 keys, mm_idx = generate_block_hash_extra_keys(
                     request, i * block_size, (i + 1) * block_size, mm_idx
                 )

@@ -80,6 +80,9 @@ class SingleTypeKVCacheManager:
         self.use_eagle = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Attention types that release blocks: request id -> how many leading entries of
+        # its table are the null block (absent: none); every later entry is held.
+        self._num_null_prefix: dict[str, int] = {}
         self._null_block = block_pool.null_block
 
     # -- allocation ----------------------------------------------------------
@@ -133,6 +136,12 @@ class SingleTypeKVCacheManager:
         req_blocks = [self._null_block] * num_skipped + kept
         self.req_to_blocks[request_id] = req_blocks
         self.num_cached_block[request_id] = len(req_blocks)
+        if self.releases_blocks:
+            num_nulls = num_skipped
+            while num_nulls < len(req_blocks) and req_blocks[num_nulls].is_null:
+                num_nulls += 1  # a hit's own leading nulls (the blocks before its run)
+            if num_nulls:
+                self._num_null_prefix[request_id] = num_nulls
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """New blocks so the request has slots for `num_tokens` tokens."""
@@ -221,14 +230,7 @@ class SingleTypeKVCacheManager:
 
     def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
         """Smallest computed-token count at which the first held block leaves the window."""
-        lo, hi = 0, len(blocks)  # the nulls are a prefix: binary search its end
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if blocks[mid].is_null:
-                lo = mid + 1
-            else:
-                hi = mid
-        return self.release_threshold_for_block(lo)
+        return self.release_threshold_for_block(self._num_null_prefix.get(request_id, 0))
 
     def release_threshold_for_block(self, block_index: int) -> int:
         """Smallest computed-token count whose skipped tokens cover block `block_index`."""
@@ -240,8 +242,9 @@ class SingleTypeKVCacheManager:
         """Return the request's blocks, tail first (the tail is evicted first)."""
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        self._num_null_prefix.pop(request_id, None)
         if req_blocks:
-            self.block_pool.free_blocks(reversed(req_blocks))
+            self.block_pool.free_held_blocks(reversed(req_blocks))
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens this attention type no longer reads (none for full attention)."""
@@ -258,16 +261,15 @@ class SingleTypeKVCacheManager:
         )
 
     def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
-        """Null and free `blocks[:last]`, backward, up to the already-nulled run."""
-        freed: list[KVCacheBlock] = []
-        null = self._null_block
-        for i in range(last - 1, -1, -1):
-            if blocks[i] is null:
-                break
-            freed.append(blocks[i])
-            blocks[i] = null
-        if freed:
-            self.block_pool.free_blocks(freed)
+        """Null and free `blocks[:last]` past the null prefix, tail first."""
+        first = self._num_null_prefix.get(request_id, 0)
+        if last <= first:
+            return
+        freed = blocks[first:last]
+        blocks[first:last] = [self._null_block] * (last - first)
+        self._num_null_prefix[request_id] = last
+        freed.reverse()
+        self.block_pool.free_held_blocks(freed)
 
     def get_num_common_prefix_blocks(
         self, running_request_id: str, num_running_requests: int
@@ -442,6 +444,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, kv_cache_spec: SlidingWindowSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
+        # contiguous_blocks_for_hit without and with EAGLE, indexed by `use_eagle`.
+        self._blocks_for_hit = tuple(
+            self.contiguous_blocks_for_hit(self.sliding_window, self.block_size, eagle)
+            for eagle in (False, True)
+        )
 
     @staticmethod
     def contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
@@ -452,7 +459,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def dense_hit_grid(self) -> bool:
         alignment, block_size = self.cache_hit_alignment_tokens, self.block_size
-        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        need = self._blocks_for_hit[self.use_eagle]
         return alignment % block_size != 0 or need >= alignment // block_size
 
     def release_threshold_for_block(self, block_index: int) -> int:
@@ -727,7 +734,7 @@ class MambaManager(SingleTypeKVCacheManager):
         for i in range(first, max(first, last)):
             blocks[i] = self._null_block
         if freed:
-            self.block_pool.free_blocks(reversed(freed))
+            self.block_pool.free_held_blocks(reversed(freed))
         self._num_retired_blocks[request_id] = max(first, last)
 
     def free(self, request_id: str) -> None:
