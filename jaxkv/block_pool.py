@@ -139,6 +139,19 @@ class BlockHashToBlockMap:
                 del duplicates[block_hash]  # type: ignore[index]
         return block
 
+    def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """`pop` each block under the hash it is stamped with (`_block_hash`, `_group_id`)."""
+        maps, all_duplicates = self._maps, self._duplicates
+        for block in blocks:
+            block_hash, group_id = block._block_hash, block._group_id
+            group_map = maps.get(group_id, _NO_BLOCKS)
+            if group_map.get(block_hash) is block and not (  # type: ignore[arg-type]
+                all_duplicates and block_hash in all_duplicates.get(group_id, _NO_BLOCKS)
+            ):
+                del group_map[block_hash]  # type: ignore[arg-type]
+            else:
+                self.pop(block_hash, group_id, block.block_id)  # type: ignore[arg-type]
+
     def num_blocks(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values()) + sum(
             len(blocks) - 1
@@ -252,13 +265,11 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
-            for block in blocks:
-                if block._block_hash is not None:
-                    self._evict_cached_block(block)
-                block.ref_cnt = 1
-        else:
-            for block in blocks:
-                block.ref_cnt = 1
+            cached = [block for block in blocks if block._block_hash is not None]
+            if cached:
+                self._evict_cached_blocks(cached)
+        for block in blocks:
+            block.ref_cnt = 1
         return blocks
 
     def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
@@ -428,20 +439,21 @@ class BlockPool:
                 )
             )
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
-        block_hash = block._block_hash
-        assert block_hash is not None
-        self.cached_block_hash_to_block.pop(block_hash, block._group_id, block.block_id)
-        block.reset_hash()
-        self.num_hash_removals += 1
+    def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop cached blocks from the prefix cache (their hashes are reset)."""
+        self.cached_block_hash_to_block.pop_stamped(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
-        if self.track_freed_block_ids and block.ref_cnt == 0:
-            self._freed_block_ids.add(block.block_id)
+        if self.track_freed_block_ids:
+            self._freed_block_ids.update(b.block_id for b in blocks if b.ref_cnt == 0)
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[block_hash], group_idx=block._group_id)
+            self.kv_event_queue.extend(
+                BlockRemoved(block_hashes=[b._block_hash], group_idx=b._group_id)  # type: ignore[list-item]
+                for b in blocks
             )
+        for block in blocks:
+            block.reset_hash()
+        self.num_hash_removals += len(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix cache only (their KV turned out to be bad)."""
@@ -459,7 +471,7 @@ class BlockPool:
         for block_id in ids:
             block = self.blocks[block_id]
             if block._block_hash is not None:
-                self._evict_cached_block(block)
+                self._evict_cached_blocks((block,))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed (True) when all blocks are free."""
