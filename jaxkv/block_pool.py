@@ -92,65 +92,63 @@ class BlockHashToBlockMap:
         return [get(block_hashes[i]) for i in range(stop)]
 
     def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
-        group_map = self._maps.get(group_id)
-        if group_map is None:
-            group_map = self._maps[group_id] = {}
-        earliest = group_map.setdefault(block_hash, block)
-        if earliest is not block:
-            self._add_duplicate(block_hash, group_id, earliest, block)
+        self._insert_all(((block_hash, block),), group_id)
 
     def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
         """`insert` each block under the hash it is stamped with (`_block_hash`)."""
+        self._insert_all(((block._block_hash, block) for block in blocks), group_id)  # type: ignore[misc]
+
+    def _insert_all(self, entries: Iterable[tuple[BlockHash, KVCacheBlock]], group_id: int) -> None:
         group_map = self._maps.get(group_id)
         if group_map is None:
             group_map = self._maps[group_id] = {}
         setdefault = group_map.setdefault
-        for block in blocks:
-            earliest = setdefault(block._block_hash, block)
-            if earliest is not block:
-                self._add_duplicate(block._block_hash, group_id, earliest, block)  # type: ignore[arg-type]
-
-    def _add_duplicate(
-        self, block_hash: BlockHash, group_id: int, earliest: KVCacheBlock, block: KVCacheBlock
-    ) -> None:
-        duplicates = self._duplicates.setdefault(group_id, {})
-        blocks = duplicates.get(block_hash)
-        if blocks is None:
-            duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}
-        else:
-            blocks[block.block_id] = block
+        duplicates = None
+        for block_hash, block in entries:
+            earliest = setdefault(block_hash, block)
+            if earliest is block:
+                continue
+            if duplicates is None:
+                duplicates = self._duplicates.setdefault(group_id, {})
+            same = duplicates.get(block_hash)
+            if same is None:
+                duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}
+            else:
+                same[block.block_id] = block
 
     def pop(self, block_hash: BlockHash, group_id: int, block_id: int) -> KVCacheBlock | None:
-        group_map = self._maps.get(group_id, _NO_BLOCKS)
-        earliest = group_map.get(block_hash)
-        if earliest is None:
-            return None
-        duplicates = self._duplicates.get(group_id) if self._duplicates else None
-        blocks = duplicates.get(block_hash) if duplicates else None
-        if blocks is None:
-            if earliest.block_id != block_id:
-                return None
-            del group_map[block_hash]
-            return earliest
-        block = blocks.pop(block_id, None)
+        """Remove block `block_id` from key (`block_hash`, `group_id`); it, or None if absent."""
+        block = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
+        if block is not None and block.block_id != block_id:
+            same = self._duplicates.get(group_id, {}).get(block_hash)
+            block = same.get(block_id) if same is not None else None
         if block is not None:
-            group_map[block_hash] = next(iter(blocks.values()))
-            if len(blocks) == 1:
-                del duplicates[block_hash]  # type: ignore[index]
+            self._pop_all(((block_hash, group_id, block),))
         return block
 
     def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
         """`pop` each block under the hash it is stamped with (`_block_hash`, `_group_id`)."""
+        self._pop_all((block._block_hash, block._group_id, block) for block in blocks)  # type: ignore[misc]
+
+    def _pop_all(self, entries: Iterable[tuple[BlockHash, int, KVCacheBlock]]) -> None:
         maps, all_duplicates = self._maps, self._duplicates
-        for block in blocks:
-            block_hash, group_id = block._block_hash, block._group_id
+        for block_hash, group_id, block in entries:
             group_map = maps.get(group_id, _NO_BLOCKS)
-            if group_map.get(block_hash) is block and not (  # type: ignore[arg-type]
-                all_duplicates and block_hash in all_duplicates.get(group_id, _NO_BLOCKS)
-            ):
-                del group_map[block_hash]  # type: ignore[arg-type]
-            else:
-                self.pop(block_hash, group_id, block.block_id)  # type: ignore[arg-type]
+            earliest = group_map.get(block_hash)  # type: ignore[arg-type]
+            if earliest is None:
+                continue
+            duplicates = all_duplicates.get(group_id) if all_duplicates else None
+            same = duplicates.get(block_hash) if duplicates else None  # type: ignore[arg-type]
+            if same is None:
+                if earliest is block:
+                    del group_map[block_hash]  # type: ignore[arg-type]
+                continue
+            if same.pop(block.block_id, None) is None:
+                continue
+            if earliest is block:
+                group_map[block_hash] = next(iter(same.values()))  # type: ignore[index]
+            if len(same) == 1:
+                del duplicates[block_hash]  # type: ignore[union-attr, arg-type]
 
     def num_blocks(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values()) + sum(
