@@ -430,7 +430,7 @@ def main() -> None:
     print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s))")
     payload: dict = {"backend": jax.default_backend(), "tokens_written": TOKENS}
     targets = {}
-    with tqdm(total=11, desc="bench_device", file=sys.stderr) as bar:
+    with tqdm(total=20, desc="bench_device", file=sys.stderr) as bar:
         if "updates" in sections:
             updates = payload["updates"] = bench_updates(base_blocks, repeats, bar)
         if "scaling" in sections:

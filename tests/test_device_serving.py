@@ -99,3 +99,19 @@ def test_zero_blocks_all_matches_per_layer_zeroing() -> None:
     except ValueError as exc:
         assert "block id value 24" in str(exc)
     assert not any(kv.is_deleted() for kv in kvs), "a rejected call must not donate"
+
+
+def test_step_inside_a_users_jit_matches_step_outside() -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    packer = _packer()
+    buf, shape = packer.pack(_random_step(rng, packer))
+    t = shape.num_tokens
+    q = jax.device_put(rng.standard_normal((t, 4, 8)).astype(np.float32))
+    k = jax.device_put(rng.standard_normal((t, 2, 8)).astype(np.float32))
+    base = rng.standard_normal(cache.shape).astype(np.float32)
+    want_kv, want = cache.step(jnp.asarray(base), q, k, k, packer.put(buf), shape)
+    inside = jax.jit(lambda kv, q, k, buf: cache.step(kv, q, k, k, buf, shape))
+    got_kv, got = inside(jnp.asarray(base), q, k, packer.put(buf))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_kv), np.asarray(want_kv))

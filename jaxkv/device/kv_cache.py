@@ -13,6 +13,14 @@ place: the cost follows the tokens (or blocks) touched, not the cache size.
 Every host input is validated before anything is sent: a bad slot, block id,
 shape or dtype raises `ValueError` naming the value and the allowed range.
 
+A quantised cache (`kv_quant="int8"` / `"fp8"`) stores 1-byte values plus a
+float32 scale per token and head inline (`jaxkv.device.storage`), about half of
+bf16's bytes; `bytes_per_block` counts the scales.
+
+Serving: `warmup` compiles every program a serving loop runs, `layer_step` puts
+all layers' updates and attention in the caller's one jitted forward, and
+`zero_blocks_all` zeroes freed blocks in every layer with one call.
+
 Token-indexed inputs of a data-parallel cache are rank-major: with `dp` ranks
 and `T` tokens per rank, rows `[d*T, (d+1)*T)` belong to rank `d` and their
 slots are local to that rank.
@@ -477,6 +485,8 @@ class PagedKVCache:
         return fn(kv, q, new_k, new_v, metadata, *extra)
 
     def _on_mesh(self, x: jax.Array, spec: P) -> jax.Array:
+        if isinstance(x, jax.core.Tracer):  # `step` called inside the caller's jit
+            return x
         want = NamedSharding(self.mesh, spec)
         if isinstance(x, jax.Array) and x.committed and x.sharding == want:
             return x

@@ -56,7 +56,7 @@ class PagedGenerator:
         max_num_tokens: int = 64,
         max_num_reqs: int = 8,
         mesh: Mesh | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
         group_by_spec: bool = False,
     ) -> None:
         cfg = model.config
@@ -65,6 +65,7 @@ class PagedGenerator:
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
+        dtype = dtype or str(model.decoder.dtype)  # default: the model's dtype
         layer_specs = list(model.kv_cache_specs(block_size, dtype).values())
         if not group_by_spec:
             full = FullAttentionSpec(
