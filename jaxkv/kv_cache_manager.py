@@ -18,6 +18,7 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
+from jaxkv.single_type_kv_cache_manager import FullAttentionManager
 
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
@@ -182,6 +183,22 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
+        # A single full-attention group with nothing hybrid about it (no retention
+        # thinning, no re-prefilled tokens): its manager, which lookups, allocations,
+        # the slot state and `free` call directly, skipping the coordinator's per-group
+        # loops (same results: tests/test_kv_cache_manager_slot_state.py). None otherwise.
+        managers = self.coordinator.single_type_managers
+        self._sole_manager: FullAttentionManager | None = (
+            managers[0]
+            if len(managers) == 1
+            and type(managers[0]) is FullAttentionManager
+            and self.coordinator.retention_interval is None
+            and not self.coordinator.num_reprefillable_tokens
+            else None
+        )
+        self._sole_hashes_per_block = self._sole_manager is not None and (
+            self.block_pool.hash_block_size in (None, self._sole_manager.block_size)
+        )
         # (spec kind, sliding window) per group, for the BlockStored events.
         self._event_metadata = tuple(
             (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
@@ -270,9 +287,24 @@ class KVCacheManager:
             check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
-        )
+        sole = self._sole_manager
+        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
+            # The unitary coordinator's answer when one request hash covers one block
+            # and no block is dropped for EAGLE: the leading cached blocks.
+            block_hashes = request.block_hashes
+            num_blocks = max_cache_hit_length // sole.block_size
+            if num_blocks > len(block_hashes):
+                num_blocks = len(block_hashes)
+            blocks = (
+                self.block_pool.cached_block_hash_to_block.get_leading_blocks(
+                    block_hashes, 0, num_blocks
+                ),
+            )
+            num_hit_tokens, num_uncached = len(blocks[0]) * sole.block_size, 0
+        else:
+            blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
+                request.block_hashes, max_cache_hit_length
+            )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
@@ -420,8 +452,13 @@ class KVCacheManager:
             # released even when the allocation then fails (they are never read again).
             # Below `state[2]` no group would release one.
             coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        sole = self._sole_manager
         if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
             num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+        elif sole is not None:
+            num_blocks_to_allocate = sole.get_num_blocks_to_allocate(
+                request_id, num_tokens_need_slot, hits_or_none[0], num_computed_tokens
+            )
         else:
             num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
                 request_id,
@@ -436,15 +473,21 @@ class KVCacheManager:
             # Two-phase: every group takes its hits before any group takes new blocks.
             coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
-        new_blocks = (
-            coordinator.allocate_new_blocks(request_id, num_tokens_need_slot, num_encoder_tokens)
-            if num_blocks_to_allocate
-            else None
-        )
+        if not num_blocks_to_allocate:
+            new_blocks = None
+        elif sole is not None:
+            new_blocks = (sole.allocate_new_blocks(request_id, num_tokens_need_slot),)
+        else:
+            new_blocks = coordinator.allocate_new_blocks(
+                request_id, num_tokens_need_slot, num_encoder_tokens
+            )
         # A running request's `state` says when its next block fills: below that, caching
         # would stamp nothing (half the steps that allocate a block).
         if cache and (state is None or num_tokens_to_cache >= state[1]):
-            coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
+            if sole is not None:
+                sole.cache_blocks(request, num_tokens_to_cache)
+            else:
+                coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
         if state is None:
             self._running[request_id] = request
         self._slot_state[request] = self._get_slot_state(request)
@@ -603,7 +646,8 @@ class KVCacheManager:
         """
         if not self._use_slot_state:
             return (0, 0, 0)  # nothing is answered from it
-        capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
+        groups = self._sole_manager or self.coordinator
+        capacity, next_full, release_at = groups.get_slot_state(request.request_id)
         if capacity > self.max_model_len:
             capacity = self.max_model_len
         return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
@@ -631,7 +675,7 @@ class KVCacheManager:
         holder = self._running.pop(request.request_id, None)
         if holder is not None:
             del self._slot_state[holder]
-        self.coordinator.free(request.request_id)
+        (self._sole_manager or self.coordinator).free(request.request_id)
 
     # -- queries -------------------------------------------------------------
 

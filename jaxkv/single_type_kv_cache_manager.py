@@ -68,6 +68,7 @@ class SingleTypeKVCacheManager:
         dcp_world_size: int = 1,
     ) -> None:
         self.kv_cache_spec = kv_cache_spec
+        self._prefix_cacheable = kv_cache_spec.prefix_cacheable
         self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
         self.block_size = kv_cache_spec.block_size * self.dcp_world_size
         self.block_pool = block_pool
@@ -100,11 +101,11 @@ class SingleTypeKVCacheManager:
         it); hits wholly outside the attention window do not (they become the
         null block).
         """
-        num_required = _cdiv(num_tokens, self.block_size)
+        num_required = -(-num_tokens // self.block_size)
         held = self.req_to_blocks.get(request_id)
         num_held = len(held) if held is not None else 0
         if request_id in self.num_cached_block:  # running: no new hits
-            return max(num_required - num_held, 0)
+            return num_required - num_held if num_required > num_held else 0
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_local = len(new_computed_blocks) + num_held
         num_new = max(num_required - max(num_skipped_blocks, num_local), 0)
@@ -148,8 +149,8 @@ class SingleTypeKVCacheManager:
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
-        self.num_cached_block.setdefault(request_id, 0)
-        num_new = _cdiv(num_tokens, self.block_size) - len(req_blocks)
+            self.num_cached_block.setdefault(request_id, 0)
+        num_new = -(-num_tokens // self.block_size) - len(req_blocks)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -172,12 +173,15 @@ class SingleTypeKVCacheManager:
         `retention_interval`, plus the tails ending at `replay_boundaries` and
         at the request's `shared_prefix_boundary`.
         """
-        if not self.kv_cache_spec.prefix_cacheable:
+        if not self._prefix_cacheable:
             return
         request_id = request.request_id
         num_cached = self.num_cached_block[request_id]
         hash_block_size = self.block_pool.hash_block_size or self.block_size
-        num_full = min(num_tokens, len(request.block_hashes) * hash_block_size) // self.block_size
+        num_hashed_tokens = len(request.block_hashes) * hash_block_size
+        if num_tokens > num_hashed_tokens:
+            num_tokens = num_hashed_tokens
+        num_full = num_tokens // self.block_size
         if num_full <= num_cached:
             return
         mask = None

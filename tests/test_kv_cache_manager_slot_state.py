@@ -1,4 +1,6 @@
-"""The per-request slot state is a pure shortcut: with it on or off, every call agrees."""
+"""The per-request slot state and the single-group path (the sole manager called
+directly, not through the coordinator) are pure shortcuts: with them on or off, every
+call agrees."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ BLOCK = 4
 FN = get_hash_fn_by_name("sha256")
 
 
-def _manager(use_slot_state: bool) -> KVCacheManager:
+def _manager(use_slot_state: bool, single_group_path: bool = True) -> KVCacheManager:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype="float32")
     manager = KVCacheManager.from_spec(spec, 24, 64, enable_kv_cache_events=True)
+    assert manager._sole_manager is not None  # a plain single group takes that path
     manager._use_slot_state = use_slot_state
+    if not single_group_path:
+        manager._sole_manager = None  # every step goes through the coordinator
     return manager
 
 
@@ -45,8 +50,8 @@ operations = st.lists(
 def test_slot_state_changes_no_result(ops):
     init_none_hash(FN, "slot-state")
     hasher = get_request_block_hasher(BLOCK, FN)
-    managers = [_manager(True), _manager(False)]
-    requests: list[dict[int, Request]] = [{}, {}]
+    managers = [_manager(True), _manager(False), _manager(True, single_group_path=False)]
+    requests: list[dict[int, Request]] = [{}, {}, {}]
     for kind, index, extra, delay in ops:
         results = []
         for manager, live in zip(managers, requests, strict=True):
@@ -82,7 +87,9 @@ def test_slot_state_changes_no_result(ops):
                 manager.free(request)
                 del live[index]
         assert results == results[:1] * len(results)
-        assert _pool_state(managers[0]) == _pool_state(managers[1])
-        assert managers[0].take_events() == managers[1].take_events()
-        for request_id in map(str, range(4)):
-            assert managers[0].get_block_ids(request_id) == managers[1].get_block_ids(request_id)
+        events = managers[0].take_events()
+        for other in managers[1:]:
+            assert _pool_state(managers[0]) == _pool_state(other)
+            assert other.take_events() == events
+            for request_id in map(str, range(4)):
+                assert managers[0].get_block_ids(request_id) == other.get_block_ids(request_id)
