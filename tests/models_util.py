@@ -6,7 +6,6 @@ import copy
 import subprocess
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.models import tiny_configs
@@ -41,26 +40,6 @@ def family_configs() -> dict[str, dict]:
         "gemma3": copy.deepcopy(gemma3),
         "llama": copy.deepcopy(tiny["llama-tiny"]),
     }
-
-
-def dense_greedy(dense_fn, prompt: list[int], num_new: int, embeds=None, pad_to: int = 64):
-    """Greedy continuation by the dense reference, recomputing the whole sequence each token.
-
-    Returns the tokens and the logits that chose each of them. `embeds(ids)` (optional)
-    gives the input embeddings. The sequence is padded at the end to `pad_to` tokens
-    (causal attention: the padding changes no earlier row), so one program serves all.
-    """
-    tokens, logits = list(prompt), []
-    for _ in range(num_new):
-        n = len(tokens)
-        ids = jnp.asarray(tokens + [0] * (max(pad_to, n) - n), jnp.int32)
-        if embeds is None:
-            row = np.asarray(dense_fn(ids)[n - 1])
-        else:
-            row = np.asarray(dense_fn(ids, embeds(ids))[n - 1])
-        logits.append(row)
-        tokens.append(int(row.argmax()))
-    return tokens[len(prompt) :], logits
 
 
 def run_hf(ckpt: Path, input_ids, num_new: int, pixel_values=None) -> dict | None:

@@ -12,9 +12,17 @@ import pytest
 from models_util import family_configs
 from safetensors.numpy import load_file, save_file
 
-from jaxkv.models import load_model, parse_decoder_config, save_random_checkpoint, tiny_configs
+from jaxkv.models import (
+    PagedContext,
+    load_model,
+    load_tokenizer,
+    parse_decoder_config,
+    save_random_checkpoint,
+    tiny_configs,
+)
 from jaxkv.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
 from jaxkv.models.config import FULL_ATTENTION, SLIDING_ATTENTION, RopeConfig
+from jaxkv.models.testing import save_word_tokenizer
 
 
 def gemma3_v4_config() -> dict:
@@ -163,3 +171,22 @@ def test_decoder_config_is_frozen():
     cfg = parse_decoder_config(tiny_configs()["gemma3-tiny"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.vocab_size = 1
+
+
+def test_tokenizer_beside_the_checkpoint(checkpoint):
+    assert load_tokenizer(checkpoint) is None
+    save_word_tokenizer(checkpoint, 256, {0: "<pad>", 1: "<eos>", 2: "<bos>"})
+    tokenizer = load_tokenizer(checkpoint)
+    assert tokenizer.encode("<bos> w7 w200").ids == [2, 7, 200]
+    assert tokenizer.decode([2, 7, 200, 1], skip_special_tokens=True) == "w7 w200"
+
+
+def test_forward_paged_rejects_mismatched_caches(checkpoint):
+    model = load_model(checkpoint)
+    ids = jnp.zeros(4, jnp.int32)
+    ctx = PagedContext((), (), (0,) * 4, (), jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match="kv_caches has 3 entries; the model has 4 layers"):
+        model.forward_paged(ids, [None] * 3, ctx)
+    ctx = PagedContext((), (), (0,) * 3, (), jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match="ctx.layer_to_group has 3 entries; expected 4"):
+        model.forward_paged(ids, [None] * 4, ctx)

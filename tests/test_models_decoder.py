@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models_util import dense_greedy, family_configs
+from models_util import family_configs
 
 from jaxkv.models import load_model, save_random_checkpoint
-from jaxkv.models.paged_generate import PagedGenerator
+from jaxkv.models.paged_generate import PagedGenerator, dense_greedy
 
 NUM_NEW = 5
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models_util import HF_PYTHON, dense_greedy, family_configs, run_hf
+from models_util import HF_PYTHON, family_configs, run_hf
 from test_models_checkpoint import gemma3_v4_config
 
 from jaxkv.models import load_model, save_random_checkpoint, tiny_configs
+from jaxkv.models.paged_generate import dense_greedy
 
 pytestmark = pytest.mark.skipif(not HF_PYTHON.exists(), reason="no .venv-vllm with transformers")
 
@@ -23,14 +24,27 @@ NUM_NEW = 6
 
 
 def hf_configs() -> dict[str, dict]:
-    return {**family_configs(), "gemma3-4.x-config": gemma3_v4_config()}
+    llama3_rope = {
+        **family_configs()["llama"],
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    return {
+        **family_configs(),
+        "gemma3-4.x-config": gemma3_v4_config(),
+        "llama-llama3-rope-tied": llama3_rope,
+    }
 
 
-def check_equivalent(prompt, hf, ours_dense) -> None:
+def check_equivalent(prompt, hf, dense, prompt_embeds=None) -> None:
     assert list(hf["missing"]) == [] and list(hf["unexpected"]) == []
-    logits = np.asarray(ours_dense(jnp.asarray(prompt, jnp.int32)))
+    logits = np.asarray(dense(jnp.asarray(prompt, jnp.int32), prompt_embeds))
     np.testing.assert_allclose(logits, hf["logits"], rtol=1e-4, atol=1e-4)
-    tokens, _ = dense_greedy(ours_dense, prompt, NUM_NEW)
+    tokens, _ = dense_greedy(dense, prompt, NUM_NEW, prompt_embeds)
     assert tokens == hf["generated"].tolist()
 
 
@@ -76,14 +90,4 @@ def test_llava_matches_transformers(tmp_path, name):
     px = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
     hf = run_hf(tmp_path, prompt, NUM_NEW, px)
     embeds = model.multimodal_embeddings(jnp.asarray(prompt, jnp.int32), jnp.asarray(px))
-    dense = model.dense_fn()
-
-    def inputs(ids):  # the prompt's rows merged, generated rows token embeddings
-        rows = np.array(model.embed_tokens(ids))
-        rows[: len(prompt)] = np.asarray(embeds)
-        return jnp.asarray(rows)
-
-    def with_image(ids):
-        return dense(ids, inputs(ids))
-
-    check_equivalent(prompt, hf, with_image)
+    check_equivalent(prompt, hf, model.dense_fn(), embeds)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models_util import dense_greedy
 
 from jaxkv.models import load_model, merge_image_features, save_random_checkpoint, tiny_configs
-from jaxkv.models.paged_generate import PagedGenerator
+from jaxkv.models.paged_generate import PagedGenerator, dense_greedy
 
 NUM_NEW = 4
 IMAGE = 255  # tiny_configs()["llava-tiny"]["image_token_index"]
@@ -67,13 +66,7 @@ def test_paged_with_images_matches_dense(model, chunk_size):
     outputs = gen.generate(prompts, NUM_NEW, chunk_size=chunk_size, prompt_embeds=embeds)
     dense = model.dense_fn()
     for prompt, emb, out, logits in zip(prompts, embeds, outputs, gen.last_logits, strict=True):
-
-        def inputs(ids, prompt=prompt, emb=emb):  # prompt rows merged, the rest token embeddings
-            rows = np.array(model.embed_tokens(ids))
-            rows[: len(prompt)] = emb
-            return jnp.asarray(rows)
-
-        expected, expected_logits = dense_greedy(dense, prompt, NUM_NEW, embeds=inputs)
+        expected, expected_logits = dense_greedy(dense, prompt, NUM_NEW, prompt_embeds=emb)
         assert out == expected
         np.testing.assert_allclose(
             np.stack(logits), np.stack(expected_logits), rtol=1e-4, atol=1e-4

@@ -1,35 +1,53 @@
 """The model interface the engine codes to: `CausalLM`, `PagedContext`.
 
-Contract (final form; `docs`-level description of `/work/notes/model_contract.md`):
+Final form of the models/engine contract (/work/notes/model_contract.md, refined):
 
 - `jaxkv.models.load_model(path, *, dtype="float32", mesh=None) -> CausalLM` reads a
   local Hugging Face checkpoint (`config.json` + `*.safetensors`, sharded through
   `model.safetensors.index.json`), dispatching on `architectures[0]` (else `model_type`):
-  Gemma, Gemma 2, Gemma 3 text (`Gemma3ForCausalLM`), Llama, LLaVA. Unknown architecture,
-  missing or misshapen tensor: `ValueError` naming it. Weights are placed on `mesh`
-  (`jaxkv.device.make_mesh`; heads and MLP units split over the model axis where they
-  divide, replicated over the data axis).
-- `CausalLM.config` is the text decoder's `DecoderConfig` (vocab_size, num_hidden_layers,
-  num_key_value_heads, head_dim, eos_token_ids, layer_types, sliding_window,
-  image_token_id (LLaVA, else None), ...).
+  `GemmaForCausalLM`, `Gemma2ForCausalLM`, `Gemma3ForCausalLM`, `LlamaForCausalLM`,
+  `LlavaForConditionalGeneration`; transformers 4.x and 5.x config fields and LLaVA
+  tensor layouts. Unknown architecture, missing or misshapen tensor, unsupported field
+  value: `ValueError` naming it. Weights go onto `mesh` (`jaxkv.device.make_mesh`):
+  attention projections split over the model axis in whole heads, MLP/vocab rows in
+  whole units, where the axis size divides them, else replicated; replicated over data.
+- `CausalLM.config` is the text decoder's `DecoderConfig` (family, vocab_size,
+  hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+  layer_types, sliding_window, window_of(i), sm_scale, attn/final soft-caps,
+  eos_token_ids, bos_token_id, max_position_embeddings, image_token_id (LLaVA, else None)).
 - `kv_cache_specs(block_size, dtype="float32") -> {"layers.{i}": FullAttentionSpec |
-  SlidingWindowSpec}` one per decoder layer. Layers with equal specs can share a KV-cache
-  group; `PagedContext.layer_to_group` says which group (and `PagedKVCache`) serves a layer.
+  SlidingWindowSpec}`, one per decoder layer, in layer order. Layers with equal specs
+  may share a KV-cache group; `PagedContext.layer_to_group[i]` names layer i's group.
+  A group's `PagedKVCache` may be built from a `SlidingWindowSpec` (it then applies the
+  window itself) or, for a single-group layout, a `FullAttentionSpec` for every layer
+  (the sliding layers pass their window to the step).
 - `forward_paged(token_ids [N] int32, kv_caches (one per layer), ctx, inputs_embeds=None)
-  -> (logits [R, vocab] float32, new kv_caches)`, traceable; call it inside a jit that
-  donates `kv_caches`, or use `paged_step_fn()`, which is that jit. `N = dp *
-  shape.num_tokens` token rows, rank-major as `StepMetadataPacker.pack` lays them out
-  (padding rows carry any id). Each layer calls `ctx.caches[g].step(...)` with its sliding
-  window and the attention soft-cap. Token positions come from the packed metadata
-  (or `ctx.positions` when given). Logits are those of rows `ctx.logits_indices [R]`.
+  -> (logits [R, vocab] float32, new kv_caches list)`, traceable: call it inside a jit
+  that donates `kv_caches`, or use `paged_step_fn()`, which is that jit (parameters are
+  arguments, not constants). `N = dp * shape.num_tokens`: each data rank's token rows
+  in the order `StepMetadataPacker.pack` lays them out, rank-major (padding rows carry
+  any id). Every layer calls `ctx.caches[g].step(...)` with `sm_scale`, its sliding
+  window and the attention soft-cap. Token positions come from group 0's packed metadata
+  (or `ctx.positions` when given). `ctx.logits_indices [R]` picks the row (into the N
+  rows) whose logits each request needs; padding entries may point anywhere.
 - `forward_dense(token_ids [S], inputs_embeds=None) -> logits [S, vocab]` float32: the
-  reference, whole sequence at positions `0..S-1`, plain JAX, no cache. `dense_fn()` jits it.
-- `embed_tokens(token_ids) -> [T, hidden]` (scaled as the model scales them); for LLaVA
-  `encode_images(pixel_values [N, C, H, W]) -> [N, num_image_tokens, hidden]` and
-  `merge_image_features(token_ids, embeds, features, image_token_id)` put image features
-  into the placeholder rows of `inputs_embeds`, which `forward_paged`/`forward_dense` take.
+  reference, positions `0..S-1`, plain JAX, whole sequence, no cache; `dense_fn()` jits
+  it. Trailing padding changes no earlier row (causal).
+- `embed_tokens(token_ids) -> [T, hidden]`, scaled as the model scales embeddings; row
+  `i` of `inputs_embeds` replaces that embedding of token `i`.
+- LLaVA (`LlavaForConditionalGeneration`, `llava_config`): `num_image_tokens` features
+  per image; `expand_image_tokens(ids)` repeats each `image_token_id` that many times
+  (as HF's processor does); `encode_images(pixel_values [N, C, H, W]) -> [N,
+  num_image_tokens, hidden]` (vision tower + projector; the encoder output to cache);
+  `merge_image_features(token_ids, embeds, features [M, hidden], image_token_id)` puts
+  features into the placeholder rows in order; `multimodal_embeddings(ids, pixels)` does
+  both for one prompt.
 - `jaxkv.models.preprocess_image(pil_image, preprocessor_config) -> [C, H, W]` float32.
-- `jaxkv.models.load_tokenizer(path)`: the `tokenizers.Tokenizer` of `tokenizer.json`, or None.
+- `jaxkv.models.load_tokenizer(path)`: `tokenizers.Tokenizer` of `tokenizer.json` or None.
+- Tests and examples: `jaxkv.models.tiny_configs()` ("gemma3-tiny", "llama-tiny",
+  "llava-tiny": HF config dicts), `save_random_checkpoint(path, config, seed,
+  num_shards=1, legacy_names=False)`, `jaxkv.models.paged_generate.PagedGenerator` (a
+  minimal paged greedy loop, one or per-spec KV-cache groups) and `dense_greedy`.
 """
 
 from __future__ import annotations
@@ -192,11 +210,16 @@ class CausalLM(nnx.Module):
         return call
 
     def dense_fn(self):
-        """`fn(token_ids, inputs_embeds=None) -> logits`: `forward_dense`, jitted."""
+        """`fn(token_ids, inputs_embeds=None) -> logits`: `forward_dense`, jitted
+        (`fn.model` is this model)."""
         graphdef, state = nnx.split(self)
 
         @jax.jit
         def dense(state, token_ids, inputs_embeds):
             return nnx.merge(graphdef, state).forward_dense(token_ids, inputs_embeds)
 
-        return lambda token_ids, inputs_embeds=None: dense(state, token_ids, inputs_embeds)
+        def call(token_ids, inputs_embeds=None):
+            return dense(state, token_ids, inputs_embeds)
+
+        call.model = self
+        return call

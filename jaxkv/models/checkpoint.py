@@ -106,10 +106,14 @@ class CheckpointReader:
         self.taken.add(name)
         sharding = NamedSharding(self.mesh, self.spec_for(shape, spec or P(), units))
         dtype = self.dtype
+        blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             # Each device's block, read from the file on its own.
-            return np.asarray(tensor[index] if index else tensor[:]).astype(dtype)
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in blocks:
+                blocks[key] = np.asarray(tensor[index] if index else tensor[:]).astype(dtype)
+            return blocks[key]
 
         return jax.make_array_from_callback(tuple(shape), sharding, block)
 

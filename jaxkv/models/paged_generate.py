@@ -9,8 +9,9 @@ By default all layers form one KV-cache group with full-attention block tables a
 sliding layers pass their window to the attention (correct, just no block release);
 `group_by_spec=True` gives each distinct `kv_cache_specs` entry its own group, cache
 and block ids (the hybrid layout: sliding vs full layers), packed per group into one
-`PagedContext`. It exists for the examples and the model tests; serving belongs to
-`jaxkv.engine`.
+`PagedContext`. On a mesh with several data ranks the requests are spread over them
+(request i on rank i mod dp, blocks local to its rank). It exists for the examples and
+the model tests; serving belongs to `jaxkv.engine`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from jaxkv.models.base import CausalLM, PagedContext
 class _Sequence:
     tokens: list[int]
     num_prompt: int
-    blocks: list[list[int]]  # per KV-cache group
+    blocks: list[list[int]]  # per KV-cache group, ids local to the data rank
+    rank: int = 0  # the data rank serving the request
     num_computed: int = 0
     embeds: np.ndarray | None = None  # [num_prompt, hidden] input embeddings (LLaVA)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # per output token
@@ -54,7 +56,7 @@ class PagedGenerator:
         max_num_tokens: int = 64,
         max_num_reqs: int = 8,
         mesh: Mesh | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
         group_by_spec: bool = False,
     ) -> None:
         cfg = model.config
@@ -63,6 +65,7 @@ class PagedGenerator:
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
+        dtype = dtype or str(model.decoder.dtype)  # default: the model's dtype
         layer_specs = list(model.kv_cache_specs(block_size, dtype).values())
         if not group_by_spec:
             full = FullAttentionSpec(
@@ -85,26 +88,35 @@ class PagedGenerator:
         )
         self.step_fn = model.paged_step_fn()
         self.num_blocks = num_blocks
-        # Free block ids per group (block 0 is the null block); odd groups hand theirs out
-        # from the top, so each group's tables differ and a mix-up cannot go unnoticed.
+        self.dp = self.caches[0].dp_size
+        self.num_started = 0
+        # Free block ids per (group, data rank); block 0 is the null block. Odd groups
+        # hand theirs out from the top, so group tables differ and a mix-up shows.
         ids = list(range(1, num_blocks))
-        self.free_blocks = [ids[::-1] if g % 2 == 0 else ids[:] for g in range(len(self.caches))]
-        # token prefix -> the block holding its last `block_size` tokens, per group
-        self.prefix_blocks: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.free_blocks = {
+            (g, r): ids[::-1] if g % 2 == 0 else ids[:]
+            for g in range(len(self.caches))
+            for r in range(self.dp)
+        }
+        # (rank, token prefix) -> the blocks holding its last `block_size` tokens, per group
+        self.prefix_blocks: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
         self.num_cached_tokens = 0  # prompt tokens served by prefix hits, over all calls
 
-    def _new_block(self, group: int) -> int:
-        if not self.free_blocks[group]:
+    def _new_block(self, group: int, rank: int) -> int:
+        free = self.free_blocks[group, rank]
+        if not free:
             raise ValueError(f"PagedGenerator ran out of its {self.num_blocks} blocks")
-        return self.free_blocks[group].pop()
+        return free.pop()
 
     def _start(self, prompt: list[int], embeds: np.ndarray | None) -> _Sequence:
-        seq = _Sequence(list(prompt), len(prompt), [[] for _ in self.caches], embeds=embeds)
+        rank = self.num_started % self.dp  # requests spread over the data ranks
+        self.num_started += 1
+        seq = _Sequence(list(prompt), len(prompt), [[] for _ in self.caches], rank, embeds=embeds)
         bs, hits = self.block_size, 0
         # Reuse cached full blocks, always leaving the last prompt token to compute. Keys
         # are token ids only: prompts with their own embeddings never hit.
         while embeds is None and (hits + 1) * bs < len(prompt):
-            blocks = self.prefix_blocks.get(tuple(prompt[: (hits + 1) * bs]))
+            blocks = self.prefix_blocks.get((rank, tuple(prompt[: (hits + 1) * bs])))
             if blocks is None:
                 break
             for group, block in enumerate(blocks):
@@ -130,8 +142,10 @@ class PagedGenerator:
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if len(prompts) > self.max_num_reqs:
-            raise ValueError(f"{len(prompts)} prompts exceed max_num_reqs={self.max_num_reqs}")
+        if len(prompts) > self.max_num_reqs * self.dp:
+            raise ValueError(
+                f"{len(prompts)} prompts exceed max_num_reqs={self.max_num_reqs} per data rank"
+            )
         longest = max(len(p) for p in prompts) + max_new_tokens
         if longest > self.max_model_len:
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds max_model_len")
@@ -140,51 +154,61 @@ class PagedGenerator:
         seqs = [self._start(list(p), e) for p, e in zip(prompts, embeds, strict=True)]
         self.last_logits = [s.logits for s in seqs]
         while any(len(s.output) < max_new_tokens for s in seqs):
-            active = [s for s in seqs if len(s.output) < max_new_tokens]
-            budget, scheduled = self.max_num_tokens, []
-            for s in active:
-                n = min(len(s.tokens) - s.num_computed, chunk, budget)
-                if n > 0:
+            budgets, scheduled = [self.max_num_tokens] * self.dp, []
+            for s in seqs:
+                n = min(len(s.tokens) - s.num_computed, chunk, budgets[s.rank])
+                if len(s.output) < max_new_tokens and n > 0:
                     scheduled.append((s, n))
-                    budget -= n
+                    budgets[s.rank] -= n
             self._step(scheduled)
         return [s.output for s in seqs]
 
-    def _pack_group(self, group: int, scheduled: list[tuple[_Sequence, int]]):
-        """Group `group`'s block tables and slots of this step, packed (new blocks as needed)."""
+    def _pack_group(self, group: int, by_rank: list[list[tuple[_Sequence, int]]]):
+        """Group `group`'s block tables and slots of this step, one `StepInputs` per data
+        rank, packed (new blocks allocated as needed)."""
         bs = self.block_size
-        tables = np.zeros((len(scheduled), self.packer.max_blocks_per_req), np.int32)
-        slots = []
-        for row, (s, n) in enumerate(scheduled):
-            end, blocks = s.num_computed + n, s.blocks[group]
-            while len(blocks) * bs < end:
-                blocks.append(self._new_block(group))
-            tables[row, : len(blocks)] = blocks
-            positions = np.arange(s.num_computed, end)
-            slots.append(np.asarray(blocks)[positions // bs] * bs + positions % bs)
-        step = StepInputs(
-            block_tables=tables,
-            seq_lens=np.array([s.num_computed + n for s, n in scheduled]),
-            query_lens=np.array([n for _, n in scheduled]),
-            slot_mapping=np.concatenate(slots),
-        )
-        return self.packer.pack(step)
+        steps = []
+        for rank, scheduled in enumerate(by_rank):
+            tables = np.zeros((len(scheduled), self.packer.max_blocks_per_req), np.int32)
+            slots = [np.zeros(0, np.int64)]
+            for row, (s, n) in enumerate(scheduled):
+                end, blocks = s.num_computed + n, s.blocks[group]
+                while len(blocks) * bs < end:
+                    blocks.append(self._new_block(group, rank))
+                tables[row, : len(blocks)] = blocks
+                positions = np.arange(s.num_computed, end)
+                slots.append(np.asarray(blocks)[positions // bs] * bs + positions % bs)
+            steps.append(
+                StepInputs(
+                    block_tables=tables,
+                    seq_lens=np.array([s.num_computed + n for s, n in scheduled], np.int64),
+                    query_lens=np.array([n for _, n in scheduled], np.int64),
+                    slot_mapping=np.concatenate(slots),
+                )
+            )
+        return self.packer.pack(steps)
 
     def _step(self, scheduled: list[tuple[_Sequence, int]]) -> None:
         bs = self.block_size
-        packed = [self._pack_group(g, scheduled) for g in range(len(self.caches))]
+        by_rank = [[(s, n) for s, n in scheduled if s.rank == r] for r in range(self.dp)]
+        packed = [self._pack_group(g, by_rank) for g in range(len(self.caches))]
         shape = packed[0][1]
-        token_ids, rows_embeds, uses_embeds = [], [], False
-        for s, n in scheduled:
-            token_ids += s.tokens[s.num_computed : s.num_computed + n]
-            uses_embeds |= s.embeds is not None
-            rows_embeds.append((s, s.num_computed, s.num_computed + n))
-        ids = np.zeros(shape.num_tokens, np.int32)
-        ids[: len(token_ids)] = token_ids
-        ends = np.cumsum([n for _, n in scheduled])
-        logits_indices = np.zeros(shape.num_reqs, np.int32)
-        logits_indices[: len(scheduled)] = ends - 1
-        inputs_embeds = self._embeds(rows_embeds, ids) if uses_embeds else None
+        t = shape.num_tokens
+        # Token rows rank-major, each rank's requests in order; a request's logits row is
+        # its last token's.
+        ids = np.zeros(self.dp * t, np.int32)
+        logits_indices = np.zeros(self.dp * shape.num_reqs, np.int32)
+        rows, logit_row = [], {}
+        for rank, ranked in enumerate(by_rank):
+            offset = rank * t
+            for s, n in ranked:
+                ids[offset : offset + n] = s.tokens[s.num_computed : s.num_computed + n]
+                rows.append((s, offset, s.num_computed, s.num_computed + n))
+                offset += n
+                logit_row[id(s)] = len(logit_row)
+                logits_indices[logit_row[id(s)]] = offset - 1
+        uses_embeds = any(s.embeds is not None for s, _ in scheduled)
+        inputs_embeds = self._embeds(rows, ids) if uses_embeds else None
         ctx = PagedContext(
             caches=self.caches,
             shapes=tuple(group_shape for _, group_shape in packed),
@@ -194,25 +218,49 @@ class PagedGenerator:
         )
         logits, self.kv_caches = self.step_fn(jnp.asarray(ids), self.kv_caches, ctx, inputs_embeds)
         logits = np.asarray(logits)
-        next_tokens = logits.argmax(axis=-1)
-        for row, (s, n) in enumerate(scheduled):
+        for s, n in scheduled:
             s.num_computed += n
             for b in range(s.num_computed // bs):  # remember full prompt blocks
                 if s.embeds is None and (b + 1) * bs <= s.num_prompt:
-                    key = tuple(s.tokens[: (b + 1) * bs])
+                    key = (s.rank, tuple(s.tokens[: (b + 1) * bs]))
                     self.prefix_blocks.setdefault(key, tuple(blocks[b] for blocks in s.blocks))
             if s.num_computed == len(s.tokens):
-                s.tokens.append(int(next_tokens[row]))
-                s.logits.append(logits[row])
+                row = logits[logit_row[id(s)]]
+                s.tokens.append(int(row.argmax()))
+                s.logits.append(row)
 
     def _embeds(self, rows, ids: np.ndarray) -> jax.Array:
         """Input embeddings of this step's token rows: prompt rows from `embeds` when given."""
         out = np.array(self.model.embed_tokens(jnp.asarray(ids)))
-        row = 0
-        for s, start, end in rows:
-            if s.embeds is not None:
-                prompt_end = min(end, s.num_prompt)
-                if start < prompt_end:
-                    out[row : row + prompt_end - start] = s.embeds[start:prompt_end]
-            row += end - start
+        for s, row, start, end in rows:
+            prompt_end = min(end, s.num_prompt)
+            if s.embeds is not None and start < prompt_end:
+                out[row : row + prompt_end - start] = s.embeds[start:prompt_end]
         return jnp.asarray(out)
+
+
+def dense_greedy(
+    dense_fn, prompt: list[int], num_new: int, prompt_embeds=None, pad_to: int = 64
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy continuation by the dense reference, the whole sequence recomputed per token.
+
+    `dense_fn` is `CausalLM.dense_fn()`. Returns the tokens and the logits that chose
+    each. `prompt_embeds [len(prompt), hidden]` (optional) replaces the prompt rows'
+    input embeddings; generated rows use token embeddings (`embed_fn` of the model is
+    reached through `dense_fn.model`). The sequence is padded at the end to a multiple
+    of `pad_to` tokens (causal: padding changes no earlier row), so few programs compile.
+    """
+    model = dense_fn.model
+    tokens, logits = list(prompt), []
+    for _ in range(num_new):
+        n = len(tokens)
+        ids = jnp.asarray(tokens + [0] * (-n % pad_to), jnp.int32)
+        embeds = None
+        if prompt_embeds is not None:
+            rows = np.array(model.embed_tokens(ids))
+            rows[: len(prompt)] = prompt_embeds
+            embeds = jnp.asarray(rows)
+        row = np.asarray(dense_fn(ids, embeds)[n - 1])
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+    return tokens[len(prompt) :], logits

@@ -111,6 +111,20 @@ def save_random_checkpoint(
     return tensors
 
 
+def save_word_tokenizer(path: str | Path, vocab_size: int, specials: dict[int, str]) -> None:
+    """Write a `tokenizer.json` (a `tokenizers` WordLevel model) of `vocab_size` ids:
+    `specials` (id -> text, e.g. "<bos>", "<image>"), every other id `i` the word "w{i}";
+    words split at whitespace, decoded joined by spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {specials.get(i, f"w{i}"): i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=specials.get(0, "w0")))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(list(specials.values()))
+    tokenizer.save(str(Path(path) / "tokenizer.json"))
+
+
 def _record_unread_tensors(config: dict[str, Any], recorder: RandomTensors) -> None:
     """Tensors a real checkpoint holds that the model never reads: the LLaVA vision
     layers after the selected feature layer and the tower's post-layernorm."""
