@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_readme_usage_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 2, "the README has a usage example and a hybrid example"
+    assert len(blocks) == 3, "the README has a usage, a hybrid and an engine example"
     namespace: dict[str, object] = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -46,3 +46,17 @@ def test_readme_hybrid_example_runs():
         f"16,384 tokens per request: {concurrency:.2f}x"
     )
     assert lines[1] == "16 16"
+
+
+def test_readme_engine_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    namespace: dict[str, object] = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[2], str(README), "exec"), namespace)
+    outputs, engine = namespace["outputs"], namespace["engine"]
+    assert all(1 <= len(o.output_token_ids) <= 8 for o in outputs)  # type: ignore[attr-defined]
+    assert engine.stats.prefix_hit_rate > 0  # type: ignore[attr-defined]
+    lines = out.getvalue().splitlines()
+    assert lines[-2].endswith(("'length'", "'stop'", "length", "stop"))
+    assert "prefix_hit_rate" in lines[-1]
