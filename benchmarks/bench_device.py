@@ -21,6 +21,7 @@ Runs on whatever backend JAX picks (CPU here; unchanged on GPU/TPU):
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -36,7 +37,7 @@ from benchmarks._common import (
     results_name,
     write_json,
 )
-from jaxkv.device import PagedKVCache, ragged_paged_attention
+from jaxkv.device import PagedKVCache, StepInputs, StepMetadataPacker, ragged_paged_attention
 from jaxkv.device.storage import to_storage
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
@@ -143,13 +144,13 @@ class PagedBatch:
     request needs are a random permutation of the pool; the rest of each row is 0.
     """
 
-    def __init__(self, reqs, width, kv_heads, group, dtype="float32", seed=2):
+    def __init__(self, reqs, width, kv_heads, group, dtype="float32", seed=2, kv_quant=None):
         rng = np.random.default_rng(seed)
         self.reqs, self.width, self.group = reqs, width, group
         self.kv_heads, self.hq = kv_heads, kv_heads * group
         pages = [-(-ctx // BLOCK_SIZE) for ctx, _ in reqs]
         spec = FullAttentionSpec(BLOCK_SIZE, kv_heads, HEAD_SIZE, dtype)
-        self.cache = PagedKVCache(spec, sum(pages) + 1)
+        self.cache = PagedKVCache(spec, sum(pages) + 1, kv_quant=kv_quant)
         ids = 1 + rng.permutation(sum(pages)).astype(np.int32)
         self.tables = np.zeros((len(reqs), width), np.int32)
         self.keys, self.values, slots = [], [], []
@@ -176,9 +177,10 @@ class PagedBatch:
         n = jnp.int32(len(self.reqs))
         fn = jax.jit(
             lambda q, kv, bt: ragged_paged_attention(
-                q, kv, bt, self.seq_lens, self.qsl, n, sm_scale=self.scale, **kw
+                q, kv, bt, self.seq_lens, self.qsl, n, sm_scale=self.scale,
+                kv_dtype=self.cache.dtype, kv_quant=self.cache.kv_quant, **kw,
             )
-        )
+        )  # fmt: skip
         return lambda: _ready(fn(self.q, self.kv, bt))
 
     def lower_paged(self, **kw):
@@ -295,11 +297,130 @@ def bench_scaling(rounds: int, quick: bool, bar: tqdm, impl: str = "auto") -> di
     return {"attention_vs_dense": rows, "width": width_row, "memory": memory_row}
 
 
+def bench_quant(rounds: int, bar: tqdm) -> list[dict]:
+    """int8 / fp8 caches vs bf16: bytes per block (scales included), time and error.
+
+    Error: max |out - ref| / max |ref| against float32 attention on the unquantised
+    K/V (the same random data for every storage), 16 decodes of 512 tokens.
+    """
+    reqs = [(512, 1)] * 16
+    ref = PagedBatch(reqs, 32, KV_HEADS, 4, "float32").paged_fn()()
+    rows = []
+    for label, dtype, quant in (
+        ("bf16", "bfloat16", None),
+        ("int8", "bfloat16", "int8"),
+        ("fp8 e4m3", "bfloat16", "fp8"),
+    ):
+        batch = PagedBatch(reqs, 32, KV_HEADS, 4, dtype, kv_quant=quant)
+        fn = batch.paged_fn()
+        out = fn().astype(jnp.float32)
+        times = interleaved({label: fn}, rounds)[label]
+        rows.append(
+            {
+                "storage": label,
+                "bytes_per_block": batch.cache.bytes_per_block,
+                "error_vs_f32": float(jnp.abs(out - ref).max() / jnp.abs(ref).max()),
+                "median_ms": _summary(times)["median_ms"],
+            }
+        )
+        bar.update()
+    for row in rows:
+        row["bytes_vs_bf16"] = row["bytes_per_block"] / rows[0]["bytes_per_block"]
+    return rows
+
+
+def bench_host(rounds: int, bar: tqdm) -> list[dict]:
+    """Host time per decode step of a 26-layer model: per-layer calls vs one program.
+
+    Host time is the wall time until the step's calls return (dispatch, validation,
+    transfers), the device work is waited for outside it. Zeroing frees 4 blocks.
+    """
+    layers, bs, heads, hd = 26, 16, 4, 128
+    spec = FullAttentionSpec(bs, heads, hd, "bfloat16")
+    cache = PagedKVCache(spec, 256)
+    packer = StepMetadataPacker(
+        max_num_tokens=8, max_num_reqs=8, max_blocks_per_req=16, block_size=bs, num_blocks=256
+    )
+    tables = np.zeros((8, 16), np.int32)
+    tables[:, :2] = 1 + np.arange(16).reshape(8, 2)
+    seq = np.full(8, 20)
+    slots = tables[:, 1] * bs + 3
+    buf, shape = packer.pack(StepInputs(tables, seq, np.ones(8, int), slots))
+    kvs = cache.warmup(cache.allocate(layers), packer, num_q_heads=8)
+    rng = np.random.default_rng(0)
+    q = jax.device_put(rng.standard_normal((8, 8, hd)).astype(jnp.bfloat16))
+    k = jax.device_put(rng.standard_normal((8, heads, hd)).astype(jnp.bfloat16))
+    freed = np.array([200, 201, 202, 203])
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def forward(kvs, put):
+        kvs, x = list(kvs), q
+        for layer in range(layers):
+            kvs[layer], x = cache.layer_step(kvs[layer], x, k, k, put, shape)
+        return tuple(kvs), x
+
+    state = {"kvs": kvs}
+
+    def per_layer(zero: bool):
+        def run():
+            start = time.perf_counter()
+            kvs = state["kvs"]
+            if zero:
+                kvs = [cache.zero_blocks(kv, freed) for kv in kvs]
+            put = packer.put(buf)
+            x = q
+            for layer in range(layers):
+                kvs[layer], x = cache.step(kvs[layer], x, k, k, put, shape)
+            host = time.perf_counter() - start
+            state["kvs"] = _ready(kvs)
+            return host
+
+        return run
+
+    def one_program(zero: bool):
+        def run():
+            start = time.perf_counter()
+            kvs = state["kvs"]
+            if zero:
+                kvs = cache.zero_blocks_all(kvs, freed)
+            new, _ = forward(tuple(kvs), packer.put(buf))
+            host = time.perf_counter() - start
+            state["kvs"] = _ready(list(new))
+            return host
+
+        return run
+
+    variants = {
+        "26 x step": per_layer(False),
+        "26 x step + 26 x zero_blocks": per_layer(True),
+        "1 program (layer_step)": one_program(False),
+        "1 program + zero_blocks_all": one_program(True),
+    }
+    for fn in variants.values():  # compile and warm
+        fn()
+        fn()
+    host: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            host[name].append(fn())
+    bar.update()
+    return [
+        {
+            "variant": name,
+            "host_us_median": float(np.median(t)) * 1e6,
+            "host_us_range": f"{min(t) * 1e6:.0f}-{max(t) * 1e6:.0f}",
+        }
+        for name, t in host.items()
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller caches, fewer repeats")
     parser.add_argument(
-        "--sections", default="updates,scaling", help="comma list of: updates, scaling"
+        "--sections",
+        default="updates,scaling,quant,host",
+        help="comma list of: updates, scaling, quant, host",
     )
     add_record_option(parser)
     args = parser.parse_args()
@@ -309,11 +430,22 @@ def main() -> None:
     print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s))")
     payload: dict = {"backend": jax.default_backend(), "tokens_written": TOKENS}
     targets = {}
-    with tqdm(total=11, desc="bench_device", file=sys.stderr) as bar:
+    with tqdm(total=20, desc="bench_device", file=sys.stderr) as bar:
         if "updates" in sections:
             updates = payload["updates"] = bench_updates(base_blocks, repeats, bar)
         if "scaling" in sections:
             scaling = payload["scaling"] = bench_scaling(3 if args.quick else 7, args.quick, bar)
+        if "quant" in sections:
+            payload["quant"] = bench_quant(3 if args.quick else 7, bar)
+        if "host" in sections:
+            payload["host"] = bench_host(10 if args.quick else 30, bar)
+    for key, title in (
+        ("quant", "Quantised KV vs bf16"),
+        ("host", "Host time per step, 26 layers"),
+    ):
+        if key in payload:
+            cols = list(payload[key][0])
+            print_table(title, cols, [[r[c] for c in cols] for r in payload[key]])
     if "updates" in sections:
         cols = list(updates[0])
         print_table(
@@ -343,6 +475,14 @@ def main() -> None:
         targets["paged/dense decode 32x1024 <= 1.3"] = round(max(decode), 3)
         targets["width 256/8 <= 1.2"] = round(scaling["width"]["w256_vs_w8"], 3)
         targets["prefill 512 temp MiB <= 64"] = round(scaling["memory"]["temp_MiB"], 2)
+    if "quant" in payload:
+        for row in payload["quant"][1:]:
+            targets[f"{row['storage']} bytes vs bf16 (~0.5)"] = round(row["bytes_vs_bf16"], 3)
+    if "host" in payload:
+        by = {r["variant"]: r["host_us_median"] for r in payload["host"]}
+        targets["host us/step, 1 program + zero_blocks_all vs 26 calls"] = (
+            f"{by['1 program + zero_blocks_all']:.0f} vs {by['26 x step + 26 x zero_blocks']:.0f}"
+        )
     for name, value in targets.items():
         print(f"  {name}: {value}")
     payload["targets"] = targets

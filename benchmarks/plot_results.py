@@ -173,7 +173,41 @@ def plot_hybrid(result: dict, fig) -> None:
     ax.legend()
 
 
+def plot_engine(result: dict, fig) -> None:
+    """Prefill tokens with prefix caching on/off, and decode step time with/without overlap."""
+    prefix, overlap = result["prefix_caching"], result["overlap"]
+    ax_prefix, ax_step = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})
+    names = list(prefix["prefill_tokens"])
+    bars = ax_prefix.bar(
+        names, [prefix["prefill_tokens"][n] for n in names], color=[JAXKV_COLOR, VLLM_COLOR]
+    )
+    _label_bars(ax_prefix, bars, [f"{prefix['wall_s'][n]['median']:.2f} s" for n in names])
+    ax_prefix.set(
+        ylabel="prefill tokens computed",
+        title=f"prefix caching: {prefix['prefill_ratio']:.1f}x fewer tokens, "
+        f"{prefix['wall_ratio']['median']:.2f}x faster",
+    )
+    x = range(len(overlap))
+    host = [r["host_ms"] for r in overlap]
+    device = [r["device_ms"] for r in overlap]
+    ax_step.bar([i - 0.3 for i in x], host, 0.2, label="host", color="#ff7f0e")
+    ax_step.bar([i - 0.1 for i in x], device, 0.2, label="device (wait, sync)", color="#2ca02c")
+    ax_step.bar([i + 0.1 for i in x], [r["step_ms_sync"]["median"] for r in overlap], 0.2,
+                label="step, sync", color=VLLM_COLOR)  # fmt: skip
+    bars = ax_step.bar([i + 0.3 for i in x], [r["step_ms_overlap"]["median"] for r in overlap],
+                       0.2, label="step, overlap", color=JAXKV_COLOR)  # fmt: skip
+    _label_bars(ax_step, bars, [f"{r['host_hidden_fraction']:.0%} hidden" for r in overlap])
+    ax_step.set(
+        xticks=list(x), xticklabels=[str(r["running"]) for r in overlap],
+        xlabel="running requests (all decoding)", ylabel="ms per step (median)",
+        title=f"{result['compilations']['compilations_after_warm_up']} compilations in "
+        f"{result['compilations']['steps']} steps after warm-up",
+    )  # fmt: skip
+    ax_step.legend(fontsize=8)
+
+
 PLOTS: dict[str, Callable[[dict, object], None]] = {
+    "bench_engine": plot_engine,
     "bench_host": plot_host,
     "bench_encoder": plot_encoder,
     "bench_device": plot_device,

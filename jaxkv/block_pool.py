@@ -81,6 +81,22 @@ class BlockHashToBlockMap:
             hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
         return hits
 
+    def get_entries(
+        self, block_hashes: Sequence[BlockHash], group_id: int, stop: int
+    ) -> list[KVCacheBlock | dict[int, KVCacheBlock] | None]:
+        """The map entries of `block_hashes[:stop]` in one pass: None for a miss, the block,
+        or (duplicates) a `{block_id: block}` dict whose first value is the earliest block;
+        `first_block` picks it."""
+        get = self._maps.get(group_id, _NO_BLOCKS).get
+        if isinstance(block_hashes, list):
+            return list(map(get, block_hashes[:stop]))
+        return [get(block_hashes[i]) for i in range(stop)]
+
+    @staticmethod
+    def first_block(entry: KVCacheBlock | dict[int, KVCacheBlock]) -> KVCacheBlock:
+        """The block a (non-None) `get_entries` entry stands for."""
+        return entry if type(entry) is KVCacheBlock else next(iter(entry.values()))  # type: ignore[union-attr]
+
     def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
         group_map = self._maps.get(group_id)
         if group_map is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -446,9 +445,6 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             max(p.num_replicas for p in parts),
             sum(p.replicated_bytes for p in parts),
         )
-
-    def get_max_layers_per_page_size(self) -> int:
-        return Counter(s.page_size_bytes for s in self.kv_cache_specs.values()).most_common(1)[0][1]
 
     @staticmethod
     def is_uniform_type(kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:

@@ -200,6 +200,8 @@ class KVCacheManager:
         # fills no block (most decode steps) nor releases one that left an attention
         # window is answered from it without visiting the per-group managers.
         self._slot_state: dict[Request, tuple[int, int, int]] = {}
+        # Off (tests only), every step takes the general path: the state is a shortcut.
+        self._use_slot_state = True
         # request id -> the Request object holding blocks under that id.
         self._running: dict[str, Request] = {}
         self.empty_kv_cache_blocks = KVCacheBlocks(
@@ -314,66 +316,40 @@ class KVCacheManager:
             state = self._slot_state.get(request)
         except TypeError:  # unhashable: not a Request
             raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
-        if (
-            state is not None
-            and new_computed_blocks is None
-            and type(num_new_tokens) is int
+        # The counts of most steps: no KV-connector, encoder or reservation arguments, and
+        # integers in range. Anything else is checked in detail below, before any change.
+        plain_counts = (
+            type(num_new_tokens) is int
             and num_new_tokens > 0
-            and num_new_computed_tokens
-            is num_external_computed_tokens
-            is reserved_blocks
-            is num_encoder_tokens
-            is _ZERO
+            and num_external_computed_tokens is reserved_blocks is num_encoder_tokens is _ZERO
             and (
                 num_lookahead_tokens is _ZERO
                 or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
             )
-            and not full_sequence_must_fit
-        ):
-            # Most decode steps: the request's blocks hold the new tokens, no block
-            # fills up and none leaves an attention window, so the general path below
-            # would change nothing. `state` holds the three limits it derived for this
-            # request (see `_get_slot_state`).
-            num_tokens = request.num_computed_tokens + num_new_tokens
-            if num_tokens + num_lookahead_tokens <= state[0] and (
-                delay_cache_blocks
-                # i.e. min(num_tokens, request.num_tokens) < state[1]
-                or num_tokens < state[1]
-                or request.num_tokens < state[1]
-            ):
-                if request.num_computed_tokens >= state[2]:
-                    # All the general path would do: release the blocks that left an
-                    # attention window.
-                    self.coordinator.remove_skipped_blocks(
-                        request.request_id, request.num_computed_tokens
-                    )
-                    self._slot_state[request] = self._get_slot_state(request)
-                return self.empty_kv_cache_blocks
-        # Every other step. Checked before any change: the request at its first
-        # allocation (a running request was checked then), the counts in one
-        # expression for the common, valid case and in detail otherwise.
-        try:
-            request_id = request.request_id
-        except AttributeError:
-            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
-        holder = self._running.get(request_id)
-        if holder is not request:
-            if holder is not None:
-                raise ValueError(
-                    f"request id {request_id!r} belongs to a running request; a second "
-                    "Request object with that id cannot share its blocks (free the first one)"
-                )
-            self._check_request(request)
-        if not (
-            type(num_new_tokens) is type(num_new_computed_tokens) is int
-            and type(num_lookahead_tokens) is type(reserved_blocks) is int
-            and type(num_external_computed_tokens) is type(num_encoder_tokens) is int
-            and num_new_tokens > 0
-            and num_new_computed_tokens >= 0
-            and num_lookahead_tokens >= 0
-            and reserved_blocks >= 0
-            and num_encoder_tokens >= 0
-            and not num_external_computed_tokens
+        )
+        if plain_counts and num_new_computed_tokens is _ZERO:
+            if state is not None and new_computed_blocks is None and not full_sequence_must_fit:
+                # Most decode steps: the request's blocks hold the new tokens, no block
+                # fills up and none leaves an attention window, so the general path below
+                # would change nothing. `state` holds the three limits it derived for this
+                # request (see `_get_slot_state`).
+                num_tokens = request.num_computed_tokens + num_new_tokens
+                if num_tokens + num_lookahead_tokens <= state[0] and (
+                    delay_cache_blocks
+                    # i.e. min(num_tokens, request.num_tokens) < state[1]
+                    or num_tokens < state[1]
+                    or request.num_tokens < state[1]
+                ):
+                    if request.num_computed_tokens >= state[2]:
+                        # All the general path would do: release the blocks that left an
+                        # attention window.
+                        self.coordinator.remove_skipped_blocks(
+                            request.request_id, request.num_computed_tokens
+                        )
+                        self._slot_state[request] = self._get_slot_state(request)
+                    return self.empty_kv_cache_blocks
+        elif not (
+            plain_counts and type(num_new_computed_tokens) is int and num_new_computed_tokens > 0
         ):
             self._check_counts(
                 request,
@@ -384,6 +360,22 @@ class KVCacheManager:
                 num_encoder_tokens,
                 reserved_blocks,
             )
+        # Every other step. A request is checked at its first allocation (one with a
+        # `state` holds blocks under exactly this object, and was checked then).
+        if state is None:
+            try:
+                request_id = request.request_id
+            except AttributeError:
+                raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+            holder = self._running.get(request_id)
+            if holder is not None:
+                raise ValueError(
+                    f"request id {request_id!r} belongs to a running request; a second "
+                    "Request object with that id cannot share its blocks (free the first one)"
+                )
+            self._check_request(request)
+        else:
+            request_id = request.request_id
         coordinator = self.coordinator
         hit_blocks = (
             None
@@ -427,9 +419,16 @@ class KVCacheManager:
             # As vLLM, before counting: blocks that left the attention window are
             # released even when the allocation then fails (they are never read again).
             coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits_or_none, num_encoder_tokens, num_computed_tokens
-        )
+        if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
+            num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+        else:
+            num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens_need_slot,
+                hits_or_none,
+                num_encoder_tokens,
+                num_computed_tokens,
+            )
         if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
             return None
         if hit_blocks is not None:
@@ -441,11 +440,13 @@ class KVCacheManager:
             if num_blocks_to_allocate
             else None
         )
-        if cache:
+        # A running request's `state` says when its next block fills: below that, caching
+        # would stamp nothing (half the steps that allocate a block).
+        if cache and (state is None or num_tokens_to_cache >= state[1]):
             coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
-        self._slot_state[request] = self._get_slot_state(request)
-        if holder is None:
+        if state is None:
             self._running[request_id] = request
+        self._slot_state[request] = self._get_slot_state(request)
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
@@ -537,36 +538,56 @@ class KVCacheManager:
                 )
             # Only attention types that skip blocks may hold the null block in a hit.
             null_allowed = manager in self.coordinator.skipping_managers
-            seen: set[int] = set()
-            for block in group_hits:
-                block_id = getattr(block, "block_id", None)
-                if block_id is None or not (
-                    type(block_id) is int
-                    and 0 <= block_id < len(pool_blocks)
-                    and pool_blocks[block_id] is block
-                ):
-                    raise ValueError(
-                        f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
-                        "a block of this pool"
-                    )
-                if block.is_null:
-                    if null_allowed:
+            try:
+                for block in group_hits:  # the common case in one pass; errors below
+                    if pool_blocks[block.block_id] is not block or (
+                        block._group_id != group_id or block._block_hash is None
+                    ):
+                        break
+                else:
+                    if len(set(map(id, group_hits))) == len(group_hits):
                         continue
-                    raise ValueError(
-                        f"request {rid!r}: new_computed_blocks holds the null block, which "
-                        "cannot be a cache hit"
-                    )
-                if block._block_hash is None or block._group_id != group_id:
-                    raise ValueError(
-                        f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
-                        f"is not a cached block of group {group_id}"
-                    )
-                if block_id in seen:
-                    raise ValueError(
-                        f"request {rid!r}: new_computed_blocks holds block {block_id} twice"
-                    )
-                seen.add(block_id)
+            except (AttributeError, IndexError, TypeError):
+                pass
+            self._refuse_hits(rid, group_id, group_hits, null_allowed)
         return hits
+
+    def _refuse_hits(
+        self, rid: str, group_id: int, group_hits: Sequence[object], null_allowed: bool
+    ) -> None:
+        """Raise the ValueError naming what is wrong with group `group_id`'s hit blocks
+        (not this pool's, the null block, not cached in the group, given twice); return
+        if nothing is (null blocks where the attention type allows them)."""
+        pool_blocks = self.block_pool.blocks
+        seen: set[int] = set()
+        for block in group_hits:
+            block_id = getattr(block, "block_id", None)
+            if not (
+                type(block_id) is int
+                and 0 <= block_id < len(pool_blocks)
+                and pool_blocks[block_id] is block
+            ):
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
+                    "a block of this pool"
+                )
+            if block.is_null:  # type: ignore[attr-defined]
+                if null_allowed:
+                    continue
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds the null block, which "
+                    "cannot be a cache hit"
+                )
+            if block._block_hash is None or block._group_id != group_id:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
+                    f"is not a cached block of group {group_id}"
+                )
+            if block_id in seen:
+                raise ValueError(
+                    f"request {rid!r}: new_computed_blocks holds block {block_id} twice"
+                )
+            seen.add(block_id)
 
     def _get_slot_state(self, request: Request) -> tuple[int, int, int]:
         """The `_slot_state` entry of a request holding blocks.
@@ -579,6 +600,8 @@ class KVCacheManager:
         block, or never when caching is off; the third never without sliding-window,
         chunked-local or Mamba groups.
         """
+        if not self._use_slot_state:
+            return (0, 0, 0)  # nothing is answered from it
         capacity, next_full, release_at = self.coordinator.get_slot_state(request.request_id)
         if capacity > self.max_model_len:
             capacity = self.max_model_len

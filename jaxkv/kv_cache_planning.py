@@ -139,7 +139,7 @@ def unify_kv_cache_spec_page_size(
                 f"common page size {max_page} bytes: the page must divide it and be an "
                 f"attention page; page sizes are {sorted(page_sizes)}"
             )
-        unified[name] = replace(spec, block_size=spec.block_size * (max_page // page))
+        unified[name] = spec.copy_with_new_block_size(spec.block_size * (max_page // page))
     return unified
 
 

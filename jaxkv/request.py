@@ -301,6 +301,8 @@ class Request:
                 f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"
             )
         self.block_hasher = block_hasher
+        # The hasher's bound __call__: calling it directly skips the instance-call lookup.
+        self._hash_new_blocks = None if block_hasher is None else block_hasher.__call__
         self.output_token_ids: list[int] = []
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
@@ -379,5 +381,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         # The hasher is only called once a block has filled.
         if self.num_tokens >= self._next_hash_at:
-            self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
+            self.block_hashes.extend(self._hash_new_blocks(self))  # type: ignore[misc]
             self._next_hash_at = (len(self.block_hashes) + 1) * self.hash_block_size  # type: ignore[operator]

@@ -266,7 +266,7 @@ class RequestBlockHasher:
         else:
             extra = [None] * (num_full - num_hashed)
         parent = request.block_hashes[-1] if num_hashed else self.none_hash
-        if end <= request.num_prompt_tokens and num_full - num_hashed > MEMO_BYPASS_BLOCKS:
+        if num_full - num_hashed > MEMO_BYPASS_BLOCKS and end <= request.num_prompt_tokens:
             # A long run of the prompt: its ids are already packed in an array.
             tokens = request.prompt_token_array[start:end]
         else:

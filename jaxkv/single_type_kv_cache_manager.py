@@ -468,43 +468,37 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
         max_num_blocks = min(max_length // block_size, len(block_hashes))
-        if len(kv_cache_group_ids) == 1:
-            get_one, group_id = (
-                block_pool.cached_block_hash_to_block.get_one_block,
-                kv_cache_group_ids[0],
-            )
-
-            def lookup(block_hash: BlockHash) -> Sequence[KVCacheBlock] | None:
-                block = get_one(block_hash, group_id)
-                return None if block is None else (block,)
-        else:
-
-            def lookup(block_hash: BlockHash) -> Sequence[KVCacheBlock] | None:
-                return block_pool.get_cached_block(block_hash, kv_cache_group_ids)
-
+        # Each group's map entries for the candidate blocks, one pass each; a block is
+        # cached for this lookup when every group has it.
+        cache_map = block_pool.cached_block_hash_to_block
+        entries = [
+            cache_map.get_entries(block_hashes, g, max_num_blocks) for g in kv_cache_group_ids
+        ]
+        cached = entries[0]
+        if len(entries) > 1:
+            cached = [e if all(other[i] is not None for other in entries[1:]) else None
+                      for i, e in enumerate(cached)]  # fmt: skip
         # The run of cached blocks, right to left, ending at the candidate hit.
-        run: list[Sequence[KVCacheBlock]] = []
-        start = 0
+        run_end = run_start = max_num_blocks  # run = [run_start, run_end)
         for i in range(max_num_blocks - 1, -1, -1):  # right to left, stop at the first run
-            cached = lookup(block_hashes[i])
-            if cached is None:
-                run.clear()
+            if cached[i] is None:
+                run_end = run_start = i
                 continue
-            if not run and block_size != alignment_tokens:
+            if run_start == run_end and block_size != alignment_tokens:
                 ends_at = i if drop_eagle_block else i + 1
                 if ends_at * block_size % alignment_tokens:
+                    run_end = run_start = i
                     continue  # a run must end on the alignment grid
-            run.append(cached)
-            if len(run) >= need:
-                start = i
+            run_start = i
+            if run_end - run_start >= need:
                 break
-        # Without a full window, a run reaching the start is a hit all the same.
-        null = block_pool.null_block
+        # Without a full window, the run reaching the start (from i = 0) is a hit all the same.
+        null, first = block_pool.null_block, cache_map.first_block
         computed: HitBlocks = tuple(
-            [null] * start + [cached[g] for cached in reversed(run)]
-            for g in range(len(kv_cache_group_ids))
+            [null] * run_start + [first(e) for e in group_entries[run_start:run_end]]
+            for group_entries in entries
         )
-        if len(run) < need:
+        if run_end - run_start < need:
             cls._align(computed, block_size, alignment_tokens)
         if drop_eagle_block and computed[0]:
             for group_blocks in computed:

@@ -301,3 +301,49 @@ def test_pages_of_other_items_out_of_range_pages_and_bare_strings_are_rejected()
         np.asarray(s.get("b")), before.reshape(-1, HIDDEN)[4 * b[0] :][:3]
     )
     np.testing.assert_array_equal(np.asarray(s.get("a")), np.full((6, HIDDEN), 5.0))
+
+
+def test_bf16_stored_as_uint16_round_trips_in_place_with_bounded_programs():
+    from jaxkv.device import compilation_count
+
+    s = EncoderCacheStore(64, 4, HIDDEN, dtype=jnp.bfloat16, storage_dtype="auto")
+    assert s.storage_dtype == np.uint16 and s.cache.dtype == np.uint16
+    rng = np.random.default_rng()
+    want = {}
+    s.put("warm", rng.standard_normal((3, HIDDEN)).astype(np.float32))
+    s.free(["warm"])
+    before = compilation_count()
+    for i in range(40):  # random sizes, NumPy input: programs per page bucket only
+        n = int(rng.integers(1, 17))
+        x = rng.standard_normal((n, HIDDEN)).astype(jnp.bfloat16)
+        s.put(f"h{i}", x)
+        want[f"h{i}"] = x
+        s.gather_padded(s.pages_of(f"h{i}"))
+        if len(s) > 6:
+            gone = sorted(want)[0]
+            s.free([gone])
+            del want[gone]
+    assert compilation_count() - before <= 6, "one write and one gather program per bucket"
+    for h, x in want.items():
+        got = np.asarray(s.get(h))
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
+    pages = np.arange(4, dtype=np.int32)
+    lowered = s._write.lower(s.cache, pages, np.zeros((4, 4, HIDDEN), np.float32))
+    stats = lowered.compile().memory_analysis()
+    assert stats.temp_size_in_bytes < 0.1 * s.nbytes, "the uint16 store is written in place"
+
+
+def test_scatter_returns_a_new_store_array_and_composes_in_a_users_jit():
+    s = store(num_pages=8, page_size=4)
+    pages = s.allocate("a", 6)
+    x = np.arange(6 * HIDDEN, dtype=np.float32).reshape(6, HIDDEN)
+
+    @jax.jit
+    def user_step(cache, embeds):
+        return s.scatter(cache, embeds, pages)
+
+    cache = user_step(s.cache, x)
+    np.testing.assert_array_equal(np.asarray(cache).reshape(-1, HIDDEN)[4 * pages[0] :][:4], x[:4])
+    with pytest.raises(ValueError, match=r"store array has shape \(3, 4, 8\)"):
+        s.scatter(cache[:3], x, pages)

@@ -178,3 +178,19 @@ def test_two_group_step_matches_dense_reference():
     model.step([(c, 13), (b, 1)])  # c reuses freed pages; stale KV must never be read
     c_ids = set(m.get_block_ids("c")[0]) | set(m.get_block_ids("c")[1])
     assert c_ids <= free_before and c_ids & set(sliding_a)
+
+
+def test_device_caches_allocate_from_the_planned_tensors():
+    from jaxkv import get_kv_cache_config
+
+    full = FullAttentionSpec(BS, HEADS, D, "bfloat16")
+    sliding = SlidingWindowSpec(BS, HEADS, D, "bfloat16", sliding_window=WINDOW)
+    specs = {"l0": sliding, "l1": full, "l2": sliding, "l3": full}
+    config = get_kv_cache_config(specs, 40 * 2 * full.page_size_bytes, MAX_LEN, 8)
+    assert config.num_blocks == 40 and len(config.kv_cache_tensors) == 2
+    for tensor in config.kv_cache_tensors:
+        for layer in tensor.shared_by:
+            cache = PagedKVCache(specs[layer], tensor.size // specs[layer].page_size_bytes)
+            assert cache.num_blocks == config.num_blocks and cache.cache_bytes == tensor.size
+            (kv,) = cache.allocate()
+            assert kv.shape == cache.shape and kv.nbytes == tensor.size

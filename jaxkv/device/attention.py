@@ -27,20 +27,23 @@ query actually attends, never the table width:
 The working set is one `query_chunk x keys_per_chunk` (or `token_chunk x
 keys_per_chunk`) tile per step of the loop.
 
-Dispatch (`impl="auto"`):
+Dispatch:
 
-| function                 | TPU                        | GPU (cuda/rocm)            | CPU       |
-|--------------------------|----------------------------|----------------------------|-----------|
-| `ragged_paged_attention` | JAX's Pallas ragged kernel | `pallas_gpu` Triton kernel | blockwise |
-| `paged_decode_attention` | JAX's Pallas ragged kernel | `pallas_gpu` Triton kernel | blockwise |
+| backend | `impl="auto"` (what `PagedKVCache.step` runs) | `impl="pallas"`                  |
+|---------|-----------------------------------------------|----------------------------------|
+| CPU     | blockwise                                     | ValueError (or `interpret=True`) |
+| GPU     | `pallas_gpu` Triton kernel (decode and mixed) | the same Triton kernel           |
+| TPU     | blockwise                                     | JAX's bundled ragged kernel      |
 
-Where a kernel does not apply (a quantised cache; TPU: a cache stored in another
-dtype, chunked-local or span masks, a replicated KV head; GPU: block shapes outside
-`pallas_gpu`'s constraints, a replicated KV head) `"auto"` runs the blockwise path.
-`impl="reference"` always runs it. `impl="pallas"` forces the table's kernel and
-raises `ValueError` where the table has none; `interpret=True` runs the GPU kernel
-in Pallas interpret mode on any backend (for tests). See the README's "Attention
-dispatch" section for what has been verified how.
+Where the GPU kernel does not apply (a quantised cache, block shapes outside
+`pallas_gpu`'s constraints, a replicated KV head slice) `"auto"` runs the blockwise
+path; `impl="reference"` always runs it. On TPU `"auto"` stays on the blockwise
+path because JAX's bundled kernel could not be verified here: Pallas TPU interpret
+mode fails inside JAX 0.10.2 on it, and lowering it for TPU on a CPU host is
+impossible (it queries the TPU generation). `impl="pallas"` runs it on a real TPU
+for a cache in its compute dtype without chunked-local/span masks. `interpret=True`
+runs the GPU kernel in Pallas interpret mode on any backend (tests). The README's
+"Attention dispatch" section says what has been verified how.
 
 NaN safety: padded query rows, the null block and free pages may hold anything
 (including NaN). Masked logits are replaced with `jnp.where` and the values of
@@ -237,11 +240,7 @@ def _pick_kernel(
     )
     tpu_fits = tpu_ok and kv_head is None and kv_cache.dtype == compute
     if impl == "auto":
-        if platform == "tpu" and tpu_fits:
-            return "tpu"
-        if platform == "gpu" and gpu_fits:
-            return "gpu"
-        return "blockwise"
+        return "gpu" if platform == "gpu" and gpu_fits else "blockwise"
     if interpret or platform == "gpu":
         if not gpu_fits:
             error = block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK)

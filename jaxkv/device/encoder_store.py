@@ -17,6 +17,7 @@ negative index would wrap around in JAX even with `mode="drop"`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket
+from jaxkv.device.storage import from_storage, resolve_storage_dtype, to_storage
 
 __all__ = ["EmbedPlacement", "EncoderCacheStore"]
 
@@ -36,20 +38,22 @@ def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _write_pages(cache: jax.Array, pages: jax.Array, values: jax.Array) -> jax.Array:
-    return cache.at[pages].set(values.astype(cache.dtype), mode="drop")
+def _write_pages(
+    cache: jax.Array, pages: jax.Array, values: jax.Array, compute: np.dtype
+) -> jax.Array:
+    return cache.at[pages].set(to_storage(values, compute, cache.dtype), mode="drop")
 
 
-def _gather_pages(cache: jax.Array, pages: jax.Array) -> jax.Array:
+def _gather_pages(cache: jax.Array, pages: jax.Array, compute: np.dtype) -> jax.Array:
     rows = cache.at[pages].get(mode="fill", fill_value=0)
-    return rows.reshape(-1, cache.shape[-1])
+    return from_storage(rows.reshape(-1, cache.shape[-1]), compute)
 
 
 def _merge_rows(
-    inputs_embeds: jax.Array, cache: jax.Array, src: jax.Array, dst: jax.Array
+    inputs_embeds: jax.Array, cache: jax.Array, src: jax.Array, dst: jax.Array, compute: np.dtype
 ) -> jax.Array:
     flat = cache.reshape(-1, cache.shape[-1])
-    rows = flat.at[src].get(mode="fill", fill_value=0)
+    rows = from_storage(flat.at[src].get(mode="fill", fill_value=0), compute)
     return inputs_embeds.at[dst].set(rows.astype(inputs_embeds.dtype), mode="drop")
 
 
@@ -93,6 +97,7 @@ class EncoderCacheStore:
         dtype: Any = jnp.bfloat16,
         mesh: Mesh | None = None,
         hidden_axis: str | None = None,
+        storage_dtype: Any = None,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -116,7 +121,15 @@ class EncoderCacheStore:
         self.num_pages = num_pages
         self.page_size = page_size
         self.hidden_size = hidden_size
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = np.dtype(jnp.dtype(dtype))
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        # None: the store holds `dtype` itself (`cache` is then directly usable);
+        # "auto": bf16 bits as uint16 on CPU, where a bf16 scatter copies the whole buffer.
+        self.storage_dtype = (
+            self.dtype
+            if storage_dtype is None
+            else resolve_storage_dtype(self.dtype, storage_dtype, platform)
+        )
         shape = (num_pages, page_size, hidden_size)
         if mesh is None:
             self.sharding: NamedSharding | None = None
@@ -124,10 +137,14 @@ class EncoderCacheStore:
         else:
             self.sharding = NamedSharding(mesh, PartitionSpec(None, None, hidden_axis))
             placed = {"out_shardings": self.sharding}
-        self.cache: jax.Array = jax.jit(lambda: jnp.zeros(shape, self.dtype), **placed)()
-        self._write = jax.jit(_write_pages, donate_argnums=0, **placed)
-        self._gather = jax.jit(_gather_pages)
-        self._merge = jax.jit(_merge_rows, donate_argnums=0)
+        self.shape = shape
+        self.cache: jax.Array = jax.jit(lambda: jnp.zeros(shape, self.storage_dtype), **placed)()
+        compute = {"compute": self.dtype}
+        self._write = jax.jit(
+            functools.partial(_write_pages, **compute), donate_argnums=0, **placed
+        )
+        self._gather = jax.jit(functools.partial(_gather_pages, **compute))
+        self._merge = jax.jit(functools.partial(_merge_rows, **compute), donate_argnums=0)
         # Popped from the end: pages are handed out lowest first, freed pages reused first.
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self._entries: dict[str, tuple[np.ndarray, int]] = {}
@@ -248,6 +265,24 @@ class EncoderCacheStore:
         them); pages of another item are a ValueError. Jitted, donating the store's
         buffer: the update is in place.
         """
+        self.cache = self.scatter(self.cache, embeds, pages)
+
+    def scatter(
+        self, cache: jax.Array, embeds: jax.Array | np.ndarray, pages: np.ndarray | Sequence[int]
+    ) -> jax.Array:
+        """`write` as a function: returns the updated store array (donates `cache`).
+
+        For callers that hold the store array themselves, as `PagedKVCache` callers
+        hold their caches; `self.cache` is not touched. Programs are keyed by the page
+        bucket (a power of two): NumPy `embeds` are padded on the host, so any item
+        size reuses its bucket's program; a JAX array is padded on device, one small
+        program per distinct row count (hand over NumPy or bucket-sized arrays).
+        """
+        if cache.shape != self.shape or cache.dtype != self.storage_dtype:
+            raise ValueError(
+                f"store array has shape {cache.shape} dtype {cache.dtype}; expected "
+                f"{self.shape} {self.storage_dtype}"
+            )
         pages = check_ids("pages", pages, 0, self.num_pages)
         self._check_owner(pages)
         num_rows = embeds.shape[0] if embeds.ndim == 2 else -1
@@ -267,7 +302,7 @@ class EncoderCacheStore:
         xp = np if isinstance(embeds, np.ndarray) else jnp
         values = xp.pad(embeds, ((0, pad_rows), (0, 0)))
         values = values.reshape(bucket, self.page_size, self.hidden_size)
-        self.cache = self._write(self.cache, padded_pages, values)
+        return self._write(cache, padded_pages, values)
 
     def _check_owner(self, pages: np.ndarray) -> None:
         """`pages` are all free, or exactly one stored item's pages (a rewrite of it)."""
@@ -301,8 +336,14 @@ class EncoderCacheStore:
                 f"num_embeds must lie in [0, {len(pages) * self.page_size}] for {len(pages)} "
                 f"pages, got {num_embeds}"
             )
+        return self.gather_padded(pages)[:num_embeds]
+
+    def gather_padded(self, pages: np.ndarray | Sequence[int]) -> jax.Array:
+        """The rows of `pages`, padded with zero rows to the page bucket: one program per
+        bucket (`gather`'s exact-size slice costs one small program per distinct size)."""
+        pages = check_ids("pages", pages, 0, self.num_pages)
         padded = pad_to_bucket(pages, _bucket(len(pages)), self.num_pages)
-        return self._gather(self.cache, padded)[:num_embeds]
+        return self._gather(self.cache, padded)
 
     def get(self, mm_hash: str) -> jax.Array:
         """The stored embeddings of `mm_hash`, `[num_embeds, hidden]`."""

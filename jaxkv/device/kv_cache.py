@@ -13,6 +13,14 @@ place: the cost follows the tokens (or blocks) touched, not the cache size.
 Every host input is validated before anything is sent: a bad slot, block id,
 shape or dtype raises `ValueError` naming the value and the allowed range.
 
+A quantised cache (`kv_quant="int8"` / `"fp8"`) stores 1-byte values plus a
+float32 scale per token and head inline (`jaxkv.device.storage`), about half of
+bf16's bytes; `bytes_per_block` counts the scales.
+
+Serving: `warmup` compiles every program a serving loop runs, `layer_step` puts
+all layers' updates and attention in the caller's one jitted forward, and
+`zero_blocks_all` zeroes freed blocks in every layer with one call.
+
 Token-indexed inputs of a data-parallel cache are rank-major: with `dp` ranks
 and `T` tokens per rank, rows `[d*T, (d+1)*T)` belong to rank `d` and their
 slots are local to that rank.
@@ -32,7 +40,13 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
 from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
-from jaxkv.device.step_metadata import StepShape, padding_buckets, pick_bucket, unpack_step
+from jaxkv.device.step_metadata import (
+    StepMetadataPacker,
+    StepShape,
+    padding_buckets,
+    pick_bucket,
+    unpack_step,
+)
 from jaxkv.device.storage import (
     KV_QUANT,
     SCALE_BYTES,
@@ -164,13 +178,19 @@ class PagedKVCache:
                 cache_spec,
             ),
             donate_argnums=0,
+            out_shardings=self.sharding,
         )
+        # Every program returns caches with this one sharding object: a cache is then
+        # the same jit-cache key whichever update produced it (no recompilation).
         self._copy = jax.jit(
             sharded(_copy_local, (cache_spec, self._rank_spec, self._rank_spec), cache_spec),
             donate_argnums=0,
+            out_shardings=self.sharding,
         )
         self._zero = jax.jit(
-            sharded(_zero_local, (cache_spec, self._rank_spec), cache_spec), donate_argnums=0
+            sharded(_zero_local, (cache_spec, self._rank_spec), cache_spec),
+            donate_argnums=0,
+            out_shardings=self.sharding,
         )
         self._read = jax.jit(
             sharded(
@@ -180,7 +200,9 @@ class PagedKVCache:
             )
         )
         self._step_fns: dict[tuple, object] = {}
+        self._layer_fns: dict[tuple, object] = {}
         self._alloc_fns: dict[int, object] = {}
+        self._zero_all_fns: dict[int, object] = {}
 
     # --------------------------------------------------------------- sizing
     @property
@@ -317,6 +339,69 @@ class PagedKVCache:
             return kv
         return self._zero(kv, self.put(self._pad_ids(arr, self.num_blocks), self._rank_spec))
 
+    def zero_blocks_all(
+        self, kvs: Sequence[jax.Array], ids: np.ndarray | Sequence[int]
+    ) -> list[jax.Array]:
+        """Zero blocks `ids` in every layer's cache with one jitted call (donates all `kvs`).
+
+        Same ids for every layer (the pool's freed blocks); one dispatch and one id
+        transfer per step instead of one per layer.
+        """
+        kvs = list(kvs)
+        for kv in kvs:
+            self._check_cache(kv)
+        arr = self._check_ids("block id", ids, 0, self.num_blocks)
+        if arr.size == 0 or not kvs:
+            return kvs
+        return self._zero_all(kvs, self._pad_ids(arr, self.num_blocks))
+
+    def _zero_all(self, kvs: list[jax.Array], padded_ids: np.ndarray) -> list[jax.Array]:
+        fn = self._zero_all_fns.get(len(kvs))
+        if fn is None:
+            spec = self.layout.cache_spec
+            per_layer = jax.shard_map(
+                _zero_local, mesh=self.mesh, in_specs=(spec, self._rank_spec), out_specs=spec,
+                check_vma=False,
+            )  # fmt: skip
+            fn = self._zero_all_fns[len(kvs)] = jax.jit(
+                lambda kvs, ids: tuple(per_layer(kv, ids) for kv in kvs),
+                donate_argnums=0,
+                out_shardings=(self.sharding,) * len(kvs),
+            )
+        return list(fn(tuple(kvs), self.put(padded_ids, self._rank_spec)))
+
+    def warmup(
+        self,
+        kvs: Sequence[jax.Array],
+        packer: StepMetadataPacker,
+        *,
+        num_q_heads: int,
+        q_dtype: DTypeLike | None = None,
+        **options,
+    ) -> list[jax.Array]:
+        """Compile, before serving, every program a serving loop over `kvs` can run.
+
+        `step` for each of `packer.all_shapes()` (with `options`, as serving will
+        pass them) and `zero_blocks_all` for every id bucket. Each runs once on an
+        all-padding input, which changes no cache entry. Donates and returns `kvs`.
+        """
+        kvs = list(kvs)
+        if not kvs:
+            raise ValueError("warmup needs at least one layer's cache")
+        q_dtype = self.dtype if q_dtype is None else resolve_dtype(q_dtype)
+        num_q_heads = check_int("num_q_heads", num_q_heads, lo=1)
+        for shape in packer.all_shapes():
+            tokens = self.dp_size * shape.num_tokens
+            q = jnp.zeros((tokens, num_q_heads, self.head_size), q_dtype)
+            k = jnp.zeros((tokens, self.num_kv_heads, self.head_size), self.dtype)
+            buf = packer.put(
+                packer.empty(shape, self.dp_size), NamedSharding(self.mesh, P(DATA_AXIS))
+            )
+            kvs[0], _ = self.step(kvs[0], q, k, k, buf, shape, **options)
+        for size in self.id_buckets:
+            kvs = self._zero_all(kvs, np.full(self.dp_size * size, self.num_blocks, np.int32))
+        return kvs
+
     def lower_write_kv(
         self, num_tokens: int, token_dtype: DTypeLike | None = None
     ) -> jax.stages.Lowered:
@@ -366,7 +451,7 @@ class PagedKVCache:
         attention_chunk: int | None = None,
         span_ends: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """One layer's step: write this step's K/V, then ragged paged attention.
+        """One layer's step (one jitted call): write this step's K/V, then ragged paged attention.
 
         `metadata` is the packed `[dp, shape.length]` buffer already on device
         (`StepMetadataPacker.pack` + `put`, one transfer); `q [dp*T, Hq, D]`,
@@ -378,6 +463,75 @@ class PagedKVCache:
         `ValueError`); `span_ends [dp*T]` int32 (rank-major, positions local to
         each request) makes bidirectional spans (`jaxkv.device.attention`).
         """
+        options = {
+            "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap,
+            "impl": impl, "attention_chunk": attention_chunk, "span_ends": span_ends,
+        }  # fmt: skip
+        key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, **options)
+        fn = self._step_fns.get(key)
+        if fn is None:
+            q_sharding = NamedSharding(
+                self.mesh, P(DATA_AXIS, self.layout.q_head_axis(key[1]), None)
+            )
+            fn = self._step_fns[key] = jax.jit(
+                self._layer_fn(key), donate_argnums=0, out_shardings=(self.sharding, q_sharding)
+            )
+        # Inputs committed to the specs the program expects: however the caller placed
+        # them, one program per key (a differently placed input would compile another).
+        q = self._on_mesh(q, P(DATA_AXIS, self.layout.q_head_axis(q.shape[1]), None))
+        new_k, new_v = (self._on_mesh(x, self._token_spec) for x in (new_k, new_v))
+        metadata = self._on_mesh(metadata, P(DATA_AXIS))
+        extra = tuple(self._on_mesh(x, self._rank_spec) for x in extra)
+        return fn(kv, q, new_k, new_v, metadata, *extra)
+
+    def _on_mesh(self, x: jax.Array, spec: P) -> jax.Array:
+        if isinstance(x, jax.core.Tracer):  # `step` called inside the caller's jit
+            return x
+        want = NamedSharding(self.mesh, spec)
+        if isinstance(x, jax.Array) and x.committed and x.sharding == want:
+            return x
+        return jax.device_put(x, want)
+
+    def layer_step(
+        self,
+        kv: jax.Array,
+        q: jax.Array,
+        new_k: jax.Array,
+        new_v: jax.Array,
+        metadata: jax.Array,
+        shape: StepShape,
+        **options,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`step` without its own jit: call it inside your jitted forward, once per layer.
+
+        The whole model (every layer's cache update and attention) then compiles to
+        one program, dispatched once per step; donate the caches to that program
+        (`donate_argnums`) so the updates stay in place. Same arguments, checks
+        and result as `step`.
+        """
+        key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, **options)
+        fn = self._layer_fns.get(key)
+        if fn is None:
+            fn = self._layer_fns[key] = self._layer_fn(key)
+        return fn(kv, q, new_k, new_v, metadata, *extra)
+
+    def _step_key(
+        self,
+        kv: jax.Array,
+        q: jax.Array,
+        new_k: jax.Array,
+        new_v: jax.Array,
+        metadata: jax.Array,
+        shape: StepShape,
+        *,
+        sm_scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        impl: AttentionImpl = "auto",
+        attention_chunk: int | None = None,
+        span_ends: jax.Array | None = None,
+    ) -> tuple[tuple, tuple]:
+        """Validate a step's inputs; the program's cache key and its extra arguments."""
         self._check_cache(kv)
         tokens = self.dp_size * shape.num_tokens
         self._check_tokens("new_k", new_k, tokens)
@@ -401,11 +555,7 @@ class PagedKVCache:
         scale = float(self.head_size**-0.5 if sm_scale is None else sm_scale)
         spans = span_ends is not None
         key = (shape, q.shape[1], q.dtype, scale, window, soft_cap, impl, chunk, spans)
-        fn = self._step_fns.get(key)
-        if fn is None:
-            fn = self._step_fns[key] = self._build_step(*key)
-        extra = (span_ends,) if spans else ()
-        return fn(kv, q, new_k, new_v, metadata, *extra)
+        return key, ((span_ends,) if spans else ())
 
     def _spec_mask(self, name: str, from_spec: int | None, given: int | None) -> int | None:
         if given is None or given == from_spec:
@@ -421,7 +571,9 @@ class PagedKVCache:
             raise ValueError(f"{name} must be a positive int or None, got {given!r}")
         return given
 
-    def _build_step(self, shape, num_q_heads, q_dtype, scale, window, soft_cap, impl, chunk, spans):
+    def _layer_fn(self, key: tuple):
+        """The shard-mapped (not jitted) write-then-attend function for a `_step_key`."""
+        shape, num_q_heads, _q_dtype, scale, window, soft_cap, impl, chunk, spans = key
         q_axis = self.layout.q_head_axis(num_q_heads)
         replicated_kv_split_q = q_axis is not None and not self.layout.heads_sharded
         group = num_q_heads // self.num_kv_heads
@@ -454,4 +606,4 @@ class PagedKVCache:
             out_specs=(cache_spec, q_spec),
             check_vma=False,
         )
-        return jax.jit(fn, donate_argnums=0)
+        return fn

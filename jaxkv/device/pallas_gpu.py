@@ -1,22 +1,27 @@
-"""Pallas (Triton) paged decode attention over the interleaved `[blocks, bs, 2*H, D]` cache.
+"""Pallas (Triton) paged attention over the interleaved `[blocks, bs, 2*H, D]` cache.
 
-One query token per request (a decode step). The kernel reads the cache in place:
-K of KV head `h` is combined head `2h`, V is `2h+1`, so two block specs over the
-same array select the K and V lanes of one head without any copy or relayout.
+`paged_attention_rows_pallas`: each query row (a decode token or any token of a
+prefill chunk) attends to its own key interval `[lo, hi)` through its own table
+row, so one kernel serves decode and mixed steps with every mask of
+`jaxkv.device.attention` (causal, window, chunked-local, bidirectional spans are
+all intervals). `paged_decode_attention_pallas` is the decode special case. The
+kernel reads the cache in place: K of KV head `h` is combined head `2h`, V is
+`2h+1`, so two block specs over the same array select the K and V lanes of one
+head without any copy or relayout.
 
-Grid `(request, kv_head)`. Program `(r, h)` takes the `G = Hq / H` query heads of
-KV head `h` (zero-padded to `G_pad = max(16, next_pow2(G))` rows, the smallest
-`plgpu.dot` operand Triton accepts), then walks request `r`'s pages in compute
-blocks of `pages_per_compute_block` pages with an online softmax. The loop runs
-over compute blocks `[first_visible // keys_per_block, cdiv(kv_len, keys_per_block))`
-only, so pages past `cdiv(seq_len, block_size)` (and, with a window, pages
-entirely before it) are never read. Accumulation is float32 and both dots ask for
-`Precision.HIGHEST` (IEEE fp32 on Triton, not TF32).
+Grid `(row, kv_head)`. Program `(n, h)` takes the `G = Hq / H` query heads of KV
+head `h` (zero-padded to `G_pad = max(16, next_pow2(G))` rows, the smallest
+`plgpu.dot` operand Triton accepts), then walks the row's pages in compute blocks
+of `pages_per_compute_block` pages with an online softmax, over compute blocks
+`[lo // keys_per_block, cdiv(hi, keys_per_block))` only: pages outside the row's
+interval are never read. Accumulation is float32 and both dots ask for
+`Precision.HIGHEST` (IEEE fp32 on Triton, not TF32). Token-major: a prefill chunk
+re-reads its request's pages once per query token (correct, not fast; see the
+README's "Attention dispatch" for measured figures).
 
-Semantics match `jaxkv.device.attention`'s reference: the query sits at position
-`seq_len - 1`; keys at positions `>= seq_len` are masked, and with a window so are
-keys at `<= pos - sliding_window`; logits are scaled, then soft-capped
-(`cap * tanh(s / cap)`). Rows with `seq_len == 0` return 0.
+Semantics match `jaxkv.device.attention`'s blockwise path: keys outside `[lo, hi)`
+are masked; logits are scaled, then soft-capped (`cap * tanh(s / cap)`). Rows with
+`lo >= hi` return 0.
 
 NaN safety: the null block, free pages and the unused tail of a last page may hold
 anything. Masked logits are replaced with `jnp.where`, their probabilities and V
@@ -37,10 +42,10 @@ compute dtype and must have the storage dtype's width.
 Only constructs the Pallas Triton lowering documents are used (vector-indexed
 ref loads, `pl.ds` slices, `plgpu.dot` with dims >= 16, `lax.fori_loop`, grid
 indices i.e. `pl.program_id`), and `plgpu.CompilerParams` selects Triton: without
-it JAX lowers a CUDA `pallas_call` with Mosaic GPU. Untested on GPU hardware in
-this repo: the tests run the kernel in Pallas interpret mode on CPU and
-cross-lower it for CUDA (jaxpr -> Triton IR), but never compile it to PTX or run
-it on a device.
+it JAX lowers a CUDA `pallas_call` with Mosaic GPU. The tests run the kernel in
+Pallas interpret mode on CPU and cross-lower it for CUDA (jaxpr -> Triton IR);
+`benchmarks/gpu_check.py` compiled and ran it on an H200 against the float64
+reference (README, "Attention dispatch"); CI has no GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
 _MASKED = -1e30
 _MIN_DOT = 16  # smallest M, N and K Triton's `tl.dot` accepts
-PAGES_PER_COMPUTE_BLOCK = 8  # default; untuned (no GPU in this repo's tests)
+PAGES_PER_COMPUTE_BLOCK = 8  # default; untuned
 
 
 def _is_pow2(n: int) -> bool:

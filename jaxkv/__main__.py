@@ -1,0 +1,7 @@
+"""`python -m jaxkv` runs the `jaxkv` command."""
+
+import sys
+
+from jaxkv.cli import main
+
+sys.exit(main())

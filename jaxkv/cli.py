@@ -1,0 +1,245 @@
+"""The `jaxkv` command: `demo`, `generate`, `plan` (also `python -m jaxkv`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "parse_memory"]
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_memory(text: str) -> int:
+    """Bytes in `text` such as `16GiB`, `512MiB`, `2e9` or `8GB`; ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"--memory {text!r} is not a size; use a number with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--prompt-token-ids {text!r} must be comma-separated integers, e.g. 1,2,3"
+        ) from None
+    if not ids:
+        raise ValueError("--prompt-token-ids is empty: give at least one token id")
+    return ids
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from jaxkv import demo
+
+    summaries = demo.run(args)
+    return 0 if all(s["dense_check"] == "OK" for s in summaries) else 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+
+    try:
+        from jaxkv import models
+    except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
+        raise SystemExit(f"jaxkv generate needs jaxkv.models: {error}") from None
+    model = models.load_model(args.model, dtype=args.dtype)
+    tokenizer = models.load_tokenizer(args.model)
+    if args.prompt is not None and tokenizer is None:
+        raise ValueError(
+            f"--prompt needs {args.model}/tokenizer.json; give --prompt-token-ids instead"
+        )
+    if args.prompt is not None:
+        prompt = list(tokenizer.encode(args.prompt).ids)
+    else:
+        prompt = _token_ids(args.prompt_token_ids)
+    images = None
+    if args.image:
+        images = [_load_image(args.model, args.image)]
+        image_token_id = getattr(model.config, "image_token_id", None)
+        if image_token_id is not None and image_token_id not in prompt:
+            prompt = [image_token_id] + prompt  # the image goes before the text
+    max_len = args.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            block_size=16,
+            num_blocks=args.num_blocks,
+            max_num_seqs=1,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            dtype=args.dtype,
+        ),  # fmt: skip
+        tokenizer=tokenizer,
+    )
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed,
+    )  # fmt: skip
+    (out,) = engine.generate([prompt], sampling, images=[images])
+    if out.error:
+        raise ValueError(out.error)
+    if args.json:
+        print(json.dumps({
+            "prompt_token_ids": out.prompt_token_ids,
+            "output_token_ids": out.output_token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+        }))  # fmt: skip
+    else:
+        print(out.text if out.text is not None else " ".join(map(str, out.output_token_ids)))
+    return 0
+
+
+def _load_image(model_dir: str, image_path: str):
+    """The image as pixel values `[C, H, W]`, preprocessed as the checkpoint says."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    from jaxkv import models
+
+    config_path = Path(model_dir) / "preprocessor_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"--image needs {config_path} (how to preprocess images)")
+    with Image.open(image_path) as image:
+        return models.preprocess_image(image.convert("RGB"), json.loads(config_path.read_text()))
+
+
+def read_kv_cache_specs(model_dir: str, block_size: int, dtype: str) -> dict:
+    """`{layer: KVCacheSpec}` of the checkpoint's decoder, from `config.json` alone."""
+    from types import SimpleNamespace
+
+    from jaxkv.models.base import CausalLM
+    from jaxkv.models.checkpoint import read_config
+    from jaxkv.models.config import model_type_of, parse_decoder_config, parse_llava_config
+
+    where = f"{model_dir}/config.json"
+    cfg = read_config(model_dir)
+    if model_type_of(cfg, where) == "llava":
+        decoder = parse_llava_config(cfg, where).text
+    else:
+        decoder = parse_decoder_config(cfg, where)
+    # The specs follow from the decoder config only: no weights are read.
+    return CausalLM.kv_cache_specs(SimpleNamespace(config=decoder), block_size, dtype)
+
+
+def capacity_plan(
+    specs: dict, memory: int, max_model_len: int, max_num_batched_tokens: int, tp: int = 1
+) -> dict:
+    """Blocks, token capacity, concurrency and bytes per device of `memory` bytes per device."""
+    from jaxkv.kv_cache_planning import (
+        get_kv_cache_capacity,
+        get_kv_cache_config,
+        kv_cache_per_device_bytes,
+    )
+
+    config = get_kv_cache_config(specs, memory, max_model_len, max_num_batched_tokens)
+    capacity = get_kv_cache_capacity(config, max_model_len, max_num_batched_tokens)
+    per_device, replicated = kv_cache_per_device_bytes(specs, config.num_blocks, tp)
+    return {
+        "num_blocks": config.num_blocks,
+        "groups": [
+            {
+                "layers": len(g.layer_names),
+                "spec": type(g.kv_cache_spec).__name__,
+                "block_size": g.kv_cache_spec.block_size,
+                "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+            }
+            for g in config.kv_cache_groups
+        ],  # fmt: skip
+        "max_model_len": max_model_len,
+        "token_capacity": capacity.num_tokens,
+        "max_concurrency": capacity.max_concurrency,
+        "bytes_per_device": per_device,
+        "replicated_bytes": replicated,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    lines = [f"KV cache blocks: {plan['num_blocks']}"]
+    for i, g in enumerate(plan["groups"]):
+        window = f", window {g['sliding_window']}" if g["sliding_window"] else ""
+        lines.append(
+            f"  group {i}: {g['layers']} layers, {g['spec']}, block size {g['block_size']}{window}"
+        )
+    lines.append(f"token capacity: {plan['token_capacity']}")
+    lines.append(
+        f"max concurrency at {plan['max_model_len']} tokens: {plan['max_concurrency']:.2f}x"
+    )
+    lines.append(f"bytes per device: {plan['bytes_per_device']:,}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    memory = parse_memory(args.memory)
+    specs = read_kv_cache_specs(args.model, args.block_size, args.dtype)
+    plan = capacity_plan(
+        specs, memory, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size
+    )
+    print(json.dumps(plan) if args.json else format_plan(plan))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from jaxkv import demo
+
+    p = sub.add_parser("demo", help="serve a mixed workload on tiny built-in models")
+    demo.add_arguments(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="text (needs tokenizer.json beside the checkpoint)")
+    group.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--image", help="a PNG/JPEG, preprocessed as preprocessor_config.json says")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json", action="store_true", help="print prompt and output token ids")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="KV-cache capacity plan for a checkpoint")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json)")
+    p.add_argument("--memory", required=True, help="KV-cache memory per device, e.g. 16GiB")
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
+        print(f"jaxkv {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""`jaxkv demo`: a realistic mixed workload through the engine, checked token by token.
+
+Two built-in tiny models with random weights: a Gemma-style text decoder serving
+multi-turn chats over shared system prompts (each turn's prompt is the previous turn's
+prompt, its answer and a new user message, so it hits the prefix cache), and a
+LLaVA-style model answering questions about a few images that keep coming back (each
+image is encoded once; repeats are served from the encoder cache). The KV pool is small
+on purpose, so requests get preempted and recomputed. Every generated token is then
+re-derived by a dense forward pass (no paging, no cache, no batching) and must match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxkv.device import compilation_count
+from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine.reference import DenseReference, image_offsets
+from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+
+__all__ = ["main", "run_demo"]
+
+ENGINE = EngineConfig(
+    block_size=16, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=384,
+    encoder_cache_size=64,  # room for the workload's three images (16 embeddings each)
+)  # fmt: skip
+QUICK = dataclasses.replace(ENGINE, num_blocks=28, max_num_seqs=4, max_num_batched_tokens=32)
+
+
+@dataclasses.dataclass
+class Job:
+    """One request of the workload; `follow_up` makes the next turn of its chat."""
+
+    prompt: list[int]
+    images: list[np.ndarray] | None = None
+    turns_left: int = 0
+    sampling: SamplingParams = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def chat_jobs(num_chats: int, rng: np.random.Generator, vocab: int) -> list[Job]:
+    systems = [rng.integers(3, vocab, int(rng.integers(2, 5)) * 16).tolist() for _ in range(3)]
+    return [
+        Job(
+            systems[i % 3] + rng.integers(3, vocab, int(rng.integers(4, 40))).tolist(),
+            turns_left=int(rng.integers(1, 3)),
+            sampling=SamplingParams(max_tokens=int(rng.integers(8, 20)), ignore_eos=True),
+        )
+        for i in range(num_chats)
+    ]
+
+
+def image_jobs(num: int, rng: np.random.Generator, model: TinyCausalLM) -> list[Job]:
+    c = model.config
+    pictures = [
+        rng.standard_normal((c.num_channels, c.image_size, c.image_size)).astype(np.float32)
+        for _ in range(3)
+    ]
+    jobs = []
+    for i in range(num):
+        before = rng.integers(3, c.vocab_size, int(rng.integers(2, 8))).tolist()
+        question = rng.integers(3, c.vocab_size, int(rng.integers(3, 20))).tolist()
+        jobs.append(
+            Job(
+                before + [c.image_token_id] + question,
+                images=[pictures[int(rng.integers(0, 3)) if i >= 3 else i]],
+                sampling=SamplingParams(max_tokens=int(rng.integers(6, 14)), ignore_eos=True),
+            )
+        )
+    return jobs
+
+
+def serve(engine: LLMEngine, jobs: list[Job], bar: tqdm, rng: np.random.Generator) -> dict:
+    """Serve `jobs` (and their follow-up turns) to completion; the finished outputs."""
+    vocab = engine.vocab_size
+    live: dict[str, Job] = {}
+    finished: dict = {}
+    for job in jobs:
+        live[engine.add_request(job.prompt, job.images, job.sampling)] = job
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            job = live.pop(out.request_id)
+            finished[out.request_id] = (out, job)
+            bar.update(1)
+            if job.turns_left:
+                follow = Job(
+                    out.prompt_token_ids + out.output_token_ids
+                    + rng.integers(3, vocab, int(rng.integers(4, 16))).tolist(),
+                    turns_left=job.turns_left - 1, sampling=job.sampling,
+                )  # fmt: skip
+                live[engine.add_request(follow.prompt, None, follow.sampling)] = follow
+                bar.total += 1
+                bar.refresh()
+        bar.set_postfix(
+            running=len(engine.scheduler.running), kv=f"{engine.kv_cache_manager.usage:.0%}"
+        )
+    return finished
+
+
+def dense_check(model: TinyCausalLM, finished: dict, max_len: int) -> list[str]:
+    """Ids of requests whose tokens differ from the dense greedy reference."""
+    reference = DenseReference(model, max_len)
+    c = model.config
+    mismatched = []
+    for request_id, (out, job) in finished.items():
+        images = []
+        if job.images:
+            offsets = image_offsets(out.prompt_token_ids, c.image_token_id, c.num_image_tokens)
+            images = list(zip(offsets, job.images, strict=True))
+        if reference.expected(out.prompt_token_ids, out.output_token_ids, images) != (
+            out.output_token_ids
+        ):
+            mismatched.append(request_id)
+    return mismatched
+
+
+def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wall_s: float):
+    steps = engine.stats.steps
+    steady = [s for s in steps if s.compilations == 0]
+    steady_s = sum(s.host_s + s.wait_s for s in steady)
+    runner = engine.runner
+    bound = len(runner.packers[0].all_shapes()) + (
+        len(runner.paged[0].id_buckets) if engine.config.zero_freed_blocks else 0
+    )
+    return {
+        "model": name,
+        "requests": len(finished),
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o, _ in finished.values()),
+        "generated_tokens": sum(len(o.output_token_ids) for o, _ in finished.values()),
+        "prefix_cache_hit_rate": engine.stats.prefix_hit_rate,
+        "encoder_cache_hit_rate": engine.stats.encoder_hit_rate,
+        "images_encoded": runner.num_encoded,
+        "preemptions": engine.scheduler.num_preemptions,
+        "steps": len(steps),
+        "steps_compiling": len(steps) - len(steady),
+        "compilations": int(engine.stats.total("compilations")),
+        "compile_bound": bound,
+        "tokens_per_s": sum(s.num_scheduled_tokens for s in steady) / max(steady_s, 1e-9),
+        "host_ms_per_step": 1e3 * sum(s.host_s for s in steady) / max(len(steady), 1),
+        "wait_ms_per_step": 1e3 * sum(s.wait_s for s in steady) / max(len(steady), 1),
+        "wall_s": wall_s,
+        "num_free_blocks": engine.kv_cache_manager.num_free_blocks,
+        "num_blocks": engine.config.num_blocks,
+        "dense_mismatched": mismatched,
+        "dense_check": "OK" if finished and not mismatched else "FAILED",
+        "series": {
+            "prefix_hit_rate": [s.prefix_hit_rate for s in steps],
+            "kv_usage": [s.kv_usage for s in steps],
+            "tokens_per_s": [
+                s.num_scheduled_tokens / max(s.host_s + s.wait_s, 1e-9) for s in steps
+            ],
+            "compiling": [s.compilations > 0 for s in steps],
+        },
+    }
+
+
+ROWS = [
+    ("requests finished", lambda s: s["requests"]),
+    ("prompt / generated tokens", lambda s: f"{s['prompt_tokens']} / {s['generated_tokens']}"),
+    ("prefix-cache hit rate", lambda s: f"{s['prefix_cache_hit_rate']:.1%}"),
+    ("encoder-cache hit rate", lambda s: f"{s['encoder_cache_hit_rate']:.1%} "
+                                         f"({s['images_encoded']} encoded)"),
+    ("preemptions", lambda s: s["preemptions"]),
+    ("steps (compiling)", lambda s: f"{s['steps']} ({s['steps_compiling']})"),
+    ("XLA compilations (bound)", lambda s: f"{s['compilations']} ({s['compile_bound']})"),
+    ("tokens/s, steady state", lambda s: f"{s['tokens_per_s']:.0f}"),
+    ("host / wait ms per step", lambda s: f"{s['host_ms_per_step']:.1f} / "
+                                          f"{s['wait_ms_per_step']:.1f}"),
+    ("free blocks at the end", lambda s: f"{s['num_free_blocks']} / {s['num_blocks'] - 1}"),
+    ("dense check", lambda s: s["dense_check"]),
+    ("wall time", lambda s: f"{s['wall_s']:.1f} s"),
+]  # fmt: skip
+
+
+def print_table(summaries: list[dict]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        width = max(len(name) for name, _ in ROWS)
+        print(" " * width + "".join(f"  {s['model']:>18}" for s in summaries))
+        for name, cell in ROWS:
+            print(f"{name:<{width}}" + "".join(f"  {cell(s)!s:>18}" for s in summaries))
+        return
+    table = Table(title="jaxkv demo")
+    table.add_column("")
+    for s in summaries:
+        table.add_column(s["model"], justify="right")
+    for name, cell in ROWS:
+        table.add_row(name, *(str(cell(s)) for s in summaries))
+    Console().print(table)
+
+
+def plot(summaries: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=False)
+    panels = [("prefix_hit_rate", "prefix-cache hit rate"), ("kv_usage", "KV usage"),
+              ("tokens_per_s", "tokens/s")]  # fmt: skip
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for s in summaries:
+            ax.plot(s["series"][key], label=s["model"], lw=1)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_yscale("log")
+    axes[-1].set_xlabel("step")
+    axes[0].legend()
+    fig.suptitle("jaxkv demo: per-step engine stats")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(
+    quick: bool = False, seed: int = 0, progress: bool = True, num_chats: int | None = None
+) -> list[dict]:
+    """Serve the workload on both tiny models; one summary per model."""
+    base = QUICK if quick else ENGINE
+    num_chats = num_chats if num_chats is not None else (6 if quick else 12)
+    rng = np.random.default_rng(seed)
+    summaries = []
+    configs = tiny_configs()
+    workloads = [
+        ("gemma-style-tiny", lambda m: chat_jobs(num_chats, rng, m.config.vocab_size)),
+        ("llava-style-tiny", lambda m: image_jobs(num_chats, rng, m)),
+    ]
+    for name, make_jobs in workloads:
+        start = time.perf_counter()
+        model = TinyCausalLM(configs[name], seed=seed)
+        engine = LLMEngine(model, dataclasses.replace(base, seed=seed))
+        jobs = make_jobs(model)
+        with tqdm(total=len(jobs), unit="req", desc=name, disable=not progress) as bar:
+            finished = serve(engine, jobs, bar, rng)
+        mismatched = dense_check(model, finished, base.max_model_len)
+        summaries.append(summarize(name, engine, finished, mismatched, time.perf_counter() - start))
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="jaxkv demo", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a smaller run (tests use it)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chats", type=int, help="chats (and image questions) per model")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot per-step stats to FILE.png")
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    compiled = compilation_count()
+    summaries = run_demo(args.quick, args.seed, not args.no_progress, args.chats)
+    print_table(summaries)
+    if args.plot:
+        plot(summaries, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps([{k: v for k, v in s.items() if k != "series"} for s in summaries]))
+    print(f"XLA compilations in all: {compilation_count() - compiled}")
+    return summaries
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all(s["dense_check"] == "OK" for s in main()) else 1)

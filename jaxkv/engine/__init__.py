@@ -1,0 +1,37 @@
+"""The serving engine: scheduler, model runner, sampling, `LLMEngine`.
+
+Names load lazily: `jaxkv.engine.scheduler` (and `Scheduler` & co. from here) never
+import JAX, so host-only benchmarks and tests can use the scheduler alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "EngineConfig": "engine",
+    "LLMEngine": "engine",
+    "ModelRunner": "model_runner",
+    "RowSampling": "model_runner",
+    "group_kv_cache_specs": "model_runner",
+    "RequestOutput": "outputs",
+    "SamplingParams": "sampling",
+    "sample_tokens": "sampling",
+    "FinishReason": "scheduler",
+    "RequestUpdate": "scheduler",
+    "ScheduledRequest": "scheduler",
+    "Scheduler": "scheduler",
+    "SchedulerConfig": "scheduler",
+    "SchedulerOutput": "scheduler",
+    "EngineStats": "stats",
+    "StepStats": "stats",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxkv.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxkv.engine.{module}"), name)

@@ -1,0 +1,370 @@
+"""`LLMEngine`: add requests, step, stream outputs; the scheduler and model runner inside.
+
+A step schedules on the host, dispatches the device step and returns the outputs of the
+*previous* step (with `async_scheduling=True`, the default): the host schedules and
+packs step N+1 while the device still runs step N, whose sampled tokens step N+1 reads on
+device. Nothing blocks on the device until a step's tokens are needed to check stop
+conditions. With `async_scheduling=False` each step waits for its own tokens. Both give
+the same tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxkv.device import compilation_count
+from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
+from jaxkv.engine.model_runner import ModelRunner, RowSampling, image_inputs
+from jaxkv.engine.outputs import RequestOutput
+from jaxkv.engine.sampling import SamplingParams
+from jaxkv.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxkv.engine.stats import EngineStats, StepStats
+from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
+from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_cache_planning import get_max_concurrency_for_kv_cache_config
+from jaxkv.mm_hashing import hash_mm_item
+from jaxkv.request import MultiModalFeatureSpec, Request
+from jaxkv.request_hashing import get_request_block_hasher
+
+__all__ = ["EngineConfig", "LLMEngine"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine. `encoder_cache_size` / `encoder_compute_budget` count image
+    embeddings (None: room for `max_num_batched_tokens`, at least one image)."""
+
+    block_size: int = 16
+    num_blocks: int = 128
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 64
+    max_model_len: int = 256
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    zero_freed_blocks: bool = False
+    async_scheduling: bool = True
+    encoder_cache_size: int | None = None
+    encoder_compute_budget: int | None = None
+    hash_fn: str = "sha256"
+    seed: int = 0
+    dtype: str = "float32"
+
+
+@dataclass
+class _InFlight:
+    output: SchedulerOutput
+    sampled: jax.Array
+
+
+class LLMEngine:
+    """Serve a model (the `jaxkv.models` contract) with continuous batching and paged KV.
+
+    Bad input to `add_request` raises ValueError/TypeError naming it before anything
+    changes; the engine keeps serving the other requests.
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None) -> None:
+        self.config = c = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        self.vocab_size = int(mcfg.vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in (getattr(mcfg, "eos_token_ids", ()) or ()))
+        self.images = image_inputs(model)
+        encoder_budget = None
+        if self.images is not None:
+            default = max(c.max_num_batched_tokens, self.images.num_image_tokens)
+            encoder_budget = EncoderBudget(
+                compute_budget=c.encoder_compute_budget or default,
+                cache_size=c.encoder_cache_size or default,
+            )
+        self.runner = ModelRunner(
+            model, num_blocks=c.num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+            dtype=c.dtype, zero_freed_blocks=c.zero_freed_blocks,
+            encoder_cache_size=encoder_budget.cache_size if encoder_budget else 0,
+        )  # fmt: skip
+        self._check_pool_holds_one_request()
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config=self.runner.kv_cache_config,
+            max_model_len=c.max_model_len,
+            enable_caching=c.enable_prefix_caching,
+            log_stats=True,
+            track_freed_block_ids=True,
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            SchedulerConfig(
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=c.max_model_len,
+                long_prefill_token_threshold=c.long_prefill_token_threshold,
+            ),  # fmt: skip
+            encoder_cache_manager=EncoderCacheManager(encoder_budget.cache_size)
+            if encoder_budget
+            else None,
+            encoder_budget=encoder_budget,
+        )
+        hash_fn = get_hash_fn_by_name(c.hash_fn)
+        init_none_hash(hash_fn)
+        self._block_hasher = get_request_block_hasher(
+            self.kv_cache_manager.hash_block_size, hash_fn
+        )
+        self._sampling: dict[str, tuple[SamplingParams, RowSampling]] = {}
+        self._images: dict[str, np.ndarray] = {}
+        self._image_refs: dict[str, int] = {}
+        self._in_flight: _InFlight | None = None
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        self.num_steps = 0
+
+    def _check_pool_holds_one_request(self) -> None:
+        """ValueError unless one request of `max_model_len` tokens fits in the pool."""
+        c = self.config
+        concurrency = get_max_concurrency_for_kv_cache_config(
+            self.runner.kv_cache_config, c.max_model_len, c.max_num_batched_tokens
+        )
+        if concurrency < 1:
+            needed = math.ceil((c.num_blocks - 1) / max(concurrency, 1e-9)) + 1
+            raise ValueError(
+                f"num_blocks={c.num_blocks} cannot hold one request of max_model_len="
+                f"{c.max_model_len} tokens over the model's "
+                f"{len(self.runner.kv_cache_config.kv_cache_groups)} KV-cache groups; give "
+                f"num_blocks >= {needed} or a smaller max_model_len"
+            )
+
+    # -- requests ---------------------------------------------------------------------
+
+    def warm_up(self) -> int:
+        """Compile every step shape now, so serving compiles nothing; returns the count."""
+        return self.runner.warm_up()
+
+    def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError(
+                    "prompt is text but the engine has no tokenizer; pass token ids instead"
+                )
+            return list(self.tokenizer.encode(prompt).ids)
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt must be text or a sequence of token ids, got {prompt!r}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                raise TypeError(f"prompt token ids must be ints, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt token id {t} is out of range [0, {self.vocab_size}) of the model"
+                )
+        return [int(t) for t in ids]
+
+    def _image_features(
+        self, request_id: str, ids: list[int], images: Sequence[np.ndarray]
+    ) -> tuple[list[int], list[MultiModalFeatureSpec], list[np.ndarray]]:
+        """Expand each image token into the image's placeholder tokens."""
+        if self.images is None:
+            raise ValueError(f"request {request_id!r} has images but the model takes text only")
+        image_token_id = self.images.image_token_id
+        positions = [i for i, t in enumerate(ids) if t == image_token_id]
+        if len(positions) != len(images):
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(positions)} image tokens "
+                f"(id {image_token_id}) but {len(images)} images were given"
+            )
+        want, n = self.images.pixel_shape, self.images.num_image_tokens
+        expanded, features, pixels = [], [], []
+        last = 0
+        for pos, image in zip(positions, images, strict=True):
+            image = np.asarray(image, np.float32)
+            if image.shape != want:
+                raise ValueError(
+                    f"request {request_id!r}: image has shape {image.shape}; the model "
+                    f"takes preprocessed pixel values of shape {want}"
+                )
+            expanded += ids[last:pos]
+            mm_hash = hash_mm_item(image)
+            features.append(MultiModalFeatureSpec(mm_hash, len(expanded), n))
+            expanded += [image_token_id] * n
+            pixels.append(image)
+            last = pos + 1
+        return expanded + ids[last:], features, pixels
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        images: Sequence[np.ndarray] | None = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises (changing nothing) on bad input."""
+        if sampling is None:
+            sampling = SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        if request_id in self._sampling:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self._token_ids(prompt)
+        features, pixels = [], []
+        if images:
+            ids, features, pixels = self._image_features(request_id, ids, images)
+        request = Request(
+            request_id, ids, sampling, mm_features=features, block_hasher=self._block_hasher
+        )
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop.update(self.eos_token_ids)
+        self.scheduler.add_request(request, stop)  # validates before changing anything
+        seed = sampling.seed
+        if seed is None:
+            seed = zlib.crc32(f"{self.config.seed}/{request_id}".encode()) & 0x7FFFFFFF
+        row = RowSampling(float(sampling.temperature), sampling.top_k, float(sampling.top_p), seed)
+        self._sampling[request_id] = (sampling, row)
+        for feature, image in zip(features, pixels, strict=True):
+            self._images.setdefault(feature.identifier, image)
+            self._image_refs[feature.identifier] = self._image_refs.get(feature.identifier, 0) + 1
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; KeyError naming it when no unfinished request has that id."""
+        request = self.scheduler.abort_request(request_id)
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        self._sampling.pop(request.request_id, None)
+        for feature in request.mm_features:
+            refs = self._image_refs[feature.identifier] - 1
+            if refs:
+                self._image_refs[feature.identifier] = refs
+            else:
+                del self._image_refs[feature.identifier]
+                del self._images[feature.identifier]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that got a token or finished."""
+        compiled = compilation_count()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty and self._in_flight is None and self.scheduler.waiting:
+            request = self.scheduler.waiting[0]
+            raise RuntimeError(
+                f"nothing can be scheduled: request {request.request_id!r} "
+                f"({request.num_tokens} tokens) does not fit the "
+                f"{self.kv_cache_manager.num_free_blocks} free KV blocks; a bug, since the "
+                "pool was checked to hold one request of max_model_len"
+            )
+        sampling = [self._sampling[s.request.request_id][1] for s in out.scheduled]
+        sampled = self.runner.execute(out, sampling, self._images)
+        current = _InFlight(out, sampled) if not out.is_empty else None
+        done = self._in_flight if self.config.async_scheduling else current
+        self._in_flight = current if self.config.async_scheduling else None
+        wait_s = 0.0
+        updates: list[RequestUpdate] = []
+        if done is not None:
+            t_wait = time.perf_counter()
+            tokens = np.asarray(done.sampled)  # the one place the host waits for the device
+            wait_s = time.perf_counter() - t_wait
+            updates = self.scheduler.update_from_output(done.output, tokens)
+        outputs = [self._output(u) for u in updates]
+        self._record(out, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
+        return outputs
+
+    def _output(self, update: RequestUpdate) -> RequestOutput:
+        request = update.request
+        finished = update.finish_reason is not None
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids)
+        if finished:
+            self._forget(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            new_token_ids=[] if update.new_token_id is None else [update.new_token_id],
+            output_token_ids=list(request.output_token_ids),
+            finished=finished,
+            finish_reason=None if update.finish_reason is None else str(update.finish_reason),
+            text=text,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _record(self, out, updates, host_s, wait_s, compiled) -> None:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        self.stats.record(
+            StepStats(
+                step=self.num_steps,
+                num_scheduled_tokens=out.num_scheduled_tokens,
+                num_scheduled_requests=len(out.scheduled),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                num_generated_tokens=sum(u.new_token_id is not None for u in updates),
+                prefix_queries=prefix.queries + prefix.preempted_queries,
+                prefix_hits=prefix.hits + prefix.preempted_hits,
+                encoder_hits=out.num_encoder_hits,
+                encoder_misses=out.num_encoder_misses,
+                kv_usage=self.kv_cache_manager.usage,
+                num_preemptions=len(out.preempted_request_ids),
+                num_freed_blocks=int(out.freed_block_ids.size),
+                host_s=host_s,
+                wait_s=wait_s,
+                compilations=compilation_count() - compiled,
+            )
+        )
+        self.num_steps += 1
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: Sequence[Sequence[np.ndarray] | None] | None = None,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Serve `prompts` to completion; one final output per prompt, in order.
+
+        A prompt the engine cannot accept gets an output with `error` set; the others
+        are served. `on_step` sees each step's streamed outputs.
+        """
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        if images is None:
+            images = [None] * len(prompts)
+        if not len(sampling) == len(images) == len(prompts):
+            raise ValueError(
+                f"got {len(prompts)} prompts, {len(sampling)} sampling params and "
+                f"{len(images)} image lists; they must match"
+            )
+        results: dict[str, RequestOutput] = {}
+        order: list[str | RequestOutput] = []
+        for prompt, params, imgs in zip(prompts, sampling, images, strict=True):
+            try:
+                order.append(self.add_request(prompt, imgs, params))
+            except (ValueError, TypeError) as error:
+                ids = list(prompt) if not isinstance(prompt, str) else []
+                order.append(RequestOutput("", ids, [], [], True, error=str(error)))
+        pending = {rid for rid in order if isinstance(rid, str)}
+        while pending:
+            outputs = self.step()
+            if on_step is not None:
+                on_step(outputs)
+            for o in outputs:
+                if o.finished and o.request_id in pending:
+                    results[o.request_id] = o
+                    pending.discard(o.request_id)
+        return [results[rid] if isinstance(rid, str) else rid for rid in order]

@@ -1,0 +1,378 @@
+"""Glue between the scheduler's output and a model's `forward_paged` (one device call a step).
+
+The runner owns the device state: one `PagedKVCache` and `BlockTable` per KV-cache group
+(layers with equal specs share a group and the pool's block ids), every layer's donated
+cache array, and for image models an `EncoderCacheStore`. Each step it
+
+1. frees the store pages of evicted encoder entries and zeroes freed KV pages (optional),
+2. encodes the images the scheduler asked for (each once; shared through the store),
+3. packs the step into ONE int32 buffer (per group: `StepMetadataPacker` metadata; then
+   token ids, the previous-step rows that pending tokens come from, the logits rows,
+   the sampling parameters and the encoder-store rows to merge) and sends it in one
+   transfer,
+4. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
+   device array without waiting for them.
+
+A model follows the contract of `jaxkv.models` (see `jaxkv/engine/tiny_model.py` for the
+smallest one): `kv_cache_specs(block_size, dtype)`, `forward_paged(token_ids, kv_caches,
+ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.block_table import BlockTable
+from jaxkv.device import (
+    EmbedPlacement,
+    EncoderCacheStore,
+    PagedKVCache,
+    StepInputs,
+    StepMetadataPacker,
+    StepShape,
+)
+from jaxkv.engine.sampling import sample_tokens
+from jaxkv.engine.scheduler import SchedulerOutput
+from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
+from jaxkv.kv_cache_planning import get_kv_cache_groups
+from jaxkv.models.base import PagedContext
+
+__all__ = ["ImageInputs", "ModelRunner", "RowSampling", "group_kv_cache_specs", "image_inputs"]
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """How a model takes images: placeholder token, embeddings per image, pixel shape."""
+
+    image_token_id: int
+    num_image_tokens: int
+    pixel_shape: tuple[int, int, int]
+
+
+def image_inputs(model) -> ImageInputs | None:
+    """The model's image interface (LLaVA-style models), None for a text-only model."""
+    token_id = getattr(model.config, "image_token_id", None)
+    if token_id is None or not hasattr(model, "encode_images"):
+        return None
+    shape = getattr(model, "image_input_shape", None)
+    if shape is None:  # jaxkv.models' LLaVA: the vision tower's config says it
+        vision = model.llava_config.vision
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+    return ImageInputs(int(token_id), int(model.num_image_tokens), tuple(shape))
+
+
+def group_kv_cache_specs(
+    specs: Mapping[str, KVCacheSpec], num_blocks: int
+) -> tuple[KVCacheConfig, tuple[int, ...]]:
+    """vLLM's KV-cache groups of the model's layers (`get_kv_cache_groups`: one group when
+    all layers agree; a hybrid model's sliding and full layers in groups of equal size), on
+    one pool of `num_blocks` blocks, every layer its own tensor.
+
+    Returns the config and `layer_to_group` (layer `i` is the `i`-th entry of `specs`).
+    """
+    if not specs:
+        raise ValueError("the model declares no KV-cache layers")
+    groups = get_kv_cache_groups(specs)
+    for group in groups:
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            raise ValueError(
+                f"layers {group.layer_names} have {type(group.kv_cache_spec).__name__}; the "
+                "engine serves attention layers of one shape per group"
+            )
+    group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    layer_spec = {name: groups[group_of[name]].kv_cache_spec for name in specs}
+    tensors = tuple(
+        KVCacheTensor(layer_spec[name].page_size_bytes * num_blocks, (name,)) for name in specs
+    )
+    config = KVCacheConfig(num_blocks, tensors, tuple(groups))
+    return config, tuple(group_of[name] for name in specs)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling parameters of one scheduled request row."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@functools.cache
+def _shared_paged_cache(spec: KVCacheSpec, num_blocks: int) -> PagedKVCache:
+    """One `PagedKVCache` per (spec, pool size): engines built alike share compiled programs."""
+    return PagedKVCache(spec, num_blocks)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "paged", "layer_to_group", "max_num_seqs", "shapes"),
+    donate_argnames="kv_caches",
+)
+def _paged_step(
+    state, kv_caches, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group,
+    max_num_seqs, shapes,
+):  # fmt: skip
+    """Forward + sampling of one packed step (see `ModelRunner._pack` for the layout)."""
+    model = nnx.merge(graphdef, state)
+    t, r = shapes[0].num_tokens, shapes[0].num_reqs
+    offset, metadata = 0, []
+    for shape in shapes:
+        metadata.append(buffer[:, offset : offset + shape.length])
+        offset += shape.length
+    row = buffer[0]
+
+    def take(n: int) -> jax.Array:
+        nonlocal offset
+        offset += n
+        return row[offset - n : offset]
+
+    tokens, src, logits_indices = take(t), take(t), take(r)
+    temperature = jax.lax.bitcast_convert_type(take(r), jnp.float32)
+    top_k = take(r)
+    top_p = jax.lax.bitcast_convert_type(take(r), jnp.float32)
+    seeds, counters = take(r), take(r)
+    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], tokens)
+    ctx = PagedContext(
+        caches=paged, shapes=shapes, layer_to_group=layer_to_group,
+        metadata=tuple(metadata), logits_indices=logits_indices,
+    )  # fmt: skip
+    embeds = None
+    if store is not None:
+        merge_src, merge_dst = take(t), take(t)
+        embeds = model.embed_tokens(token_ids)
+        rows = store.reshape(-1, store.shape[-1]).at[merge_src].get(mode="fill", fill_value=0)
+        embeds = embeds.at[merge_dst].set(rows.astype(embeds.dtype), mode="drop")
+    logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
+    sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters)
+    return kv_caches, jnp.zeros(max_num_seqs, jnp.int32).at[:r].set(sampled)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _encode_images(state, pixel_values, *, graphdef):
+    return nnx.merge(graphdef, state).encode_images(pixel_values)
+
+
+class ModelRunner:
+    """Device state and the jitted step of one model (see the module docstring).
+
+    Invariants: `kv_caches[i]` has the shape of its group's `PagedKVCache`; the step
+    compiles once per `(token bucket, request bucket)` pair, nothing else in `execute`
+    compiles after `warm_up()`.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        dtype: str = "float32",
+        zero_freed_blocks: bool = False,
+        encoder_cache_size: int = 0,
+        encoder_page_size: int = 16,
+    ) -> None:
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.zero_freed_blocks = zero_freed_blocks
+        specs = model.kv_cache_specs(block_size, dtype)
+        self.kv_cache_config, self.layer_to_group = group_kv_cache_specs(specs, num_blocks)
+        groups = self.kv_cache_config.kv_cache_groups
+        self.paged = tuple(_shared_paged_cache(g.kv_cache_spec, num_blocks) for g in groups)
+        self.kv_caches: list[jax.Array] = [None] * len(self.layer_to_group)  # type: ignore
+        for g, cache in enumerate(self.paged):
+            layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
+            for i, arr in zip(layers, cache.allocate(len(layers)), strict=True):
+                self.kv_caches[i] = arr
+        self.packers, self.tables = [], []
+        for g in groups:
+            bs = g.kv_cache_spec.block_size
+            width = -(-max_model_len // bs)
+            self.packers.append(
+                StepMetadataPacker(
+                    max_num_tokens=max_num_batched_tokens,
+                    max_num_reqs=max_num_seqs,
+                    max_blocks_per_req=width,
+                    block_size=bs,
+                    num_blocks=num_blocks,
+                )  # fmt: skip
+            )
+            self.tables.append(BlockTable(bs, max_num_seqs, width, num_blocks))
+        self.hidden_size = int(model.config.hidden_size)
+        self.encoder_store: EncoderCacheStore | None = None
+        self.images = image_inputs(model)
+        if encoder_cache_size and self.images is not None:
+            pages = EncoderCacheStore.pages_needed(
+                encoder_cache_size, encoder_page_size, self.images.num_image_tokens
+            )
+            self.encoder_store = EncoderCacheStore(
+                max(pages, 1), encoder_page_size, self.hidden_size, dtype=jnp.float32
+            )
+        self._graphdef, self._state = nnx.split(model)
+        # The last step's tokens, on device, placed as the step places its output (so the
+        # first step compiles the same program as the others).
+        self.sampled = self.paged[0].put(np.zeros(max_num_seqs, np.int32), P())
+        self._rows: dict[str, int] = {}  # request id -> its row in the last step
+        self.num_encoded = 0
+
+    def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
+        store = None if self.encoder_store is None else self.encoder_store.cache
+        return _paged_step(
+            self._state, self.kv_caches, store, self.paged[0].put(buffer), self.sampled,
+            graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
+            max_num_seqs=self.max_num_seqs, shapes=shapes,
+        )  # fmt: skip
+
+    def _encode(self, pixel_values: jax.Array) -> jax.Array:
+        return _encode_images(self._state, pixel_values, graphdef=self._graphdef)
+
+    # -- host side ----------------------------------------------------------------------
+
+    def _pack(
+        self, out: SchedulerOutput, sampling: Sequence[RowSampling]
+    ) -> tuple[np.ndarray, tuple[StepShape, ...]]:
+        scheduled = out.scheduled
+        n = len(scheduled)
+        query_lens = np.array([s.num_new_tokens for s in scheduled], np.int64)
+        starts = np.array([s.num_computed_tokens for s in scheduled], np.int64)
+        total = int(query_lens.sum())
+        rows = np.repeat(np.arange(n), query_lens)
+        cu = np.concatenate([[0], np.cumsum(query_lens)])
+        positions = np.repeat(starts, query_lens) + (
+            np.arange(total) - np.repeat(cu[:-1], query_lens)
+        )
+        parts, shapes = [], []
+        for g, (packer, table) in enumerate(zip(self.packers, self.tables, strict=True)):
+            for i, s in enumerate(scheduled):
+                table.add_row(s.block_ids[g], i)
+            step = StepInputs(
+                block_tables=table.get_numpy_array()[:n],
+                seq_lens=starts + query_lens,
+                query_lens=query_lens,
+                slot_mapping=table.compute_slot_mapping(rows, positions),
+            )
+            metadata, shape = packer.pack(step)
+            parts.append(metadata[0])
+            shapes.append(shape)
+        t, r = shapes[0].num_tokens, shapes[0].num_reqs
+        tokens = np.zeros(t, np.int32)
+        src = np.full(t, -1, np.int32)
+        for i, s in enumerate(scheduled):
+            lo, end = int(cu[i]), s.num_computed_tokens + s.num_new_tokens
+            known_end = min(end, s.num_known_tokens)
+            known = s.request.all_token_ids[s.num_computed_tokens : known_end]
+            tokens[lo : lo + len(known)] = known
+            if end > known_end:  # the token sampled by the previous step, still on device
+                if end - known_end != 1 or s.request.request_id not in self._rows:
+                    raise RuntimeError(
+                        f"request {s.request.request_id!r} needs {end - known_end} tokens from "
+                        "a previous step that did not sample them"
+                    )
+                src[lo + len(known)] = self._rows[s.request.request_id]
+        logits_indices = np.zeros(r, np.int32)
+        logits_indices[:n] = cu[1:] - 1
+        temperature = np.zeros(r, np.float32)
+        top_k, seeds, counters = (np.zeros(r, np.int32) for _ in range(3))
+        top_p = np.ones(r, np.float32)
+        for i, (s, p) in enumerate(zip(scheduled, sampling, strict=True)):
+            temperature[i], top_k[i], top_p[i], seeds[i] = (
+                p.temperature, p.top_k, p.top_p, p.seed,
+            )  # fmt: skip
+            counters[i] = s.num_computed_tokens + s.num_new_tokens - s.request.num_prompt_tokens
+        parts += [tokens, src, logits_indices, temperature.view(np.int32), top_k,
+                  top_p.view(np.int32), seeds, counters]  # fmt: skip
+        if self.encoder_store is not None:
+            parts += self._merge_rows(out, cu, t)
+        return np.concatenate(parts)[None, :].astype(np.int32), tuple(shapes)
+
+    def _merge_rows(self, out: SchedulerOutput, cu: np.ndarray, t: int) -> list[np.ndarray]:
+        placements = [
+            EmbedPlacement(f.identifier, f, s.num_computed_tokens, s.num_new_tokens, int(cu[i]))
+            for i, s in enumerate(out.scheduled)
+            for f in s.request.mm_features
+            if f.offset < s.num_computed_tokens + s.num_new_tokens
+            and f.offset + f.length > s.num_computed_tokens
+        ]
+        merge_src = np.zeros(t, np.int32)
+        merge_dst = np.full(t, t, np.int32)
+        if placements:
+            src, dst = self.encoder_store.merge_indices(placements, t)
+            count = min(len(src), t)
+            merge_src[:count], merge_dst[:count] = src[:count], dst[:count]
+        return [merge_src, merge_dst]
+
+    def _run_encoder(self, out: SchedulerOutput, images: Mapping[str, np.ndarray]) -> None:
+        store = self.encoder_store
+        stale = [h for h in out.freed_mm_hashes if h in store]
+        if stale:
+            store.free(stale)
+        for s in out.scheduled:
+            for input_id in s.encoder_input_ids:
+                mm_hash = s.request.mm_features[input_id].identifier
+                if mm_hash in store:
+                    continue  # same content already encoded (e.g. twice in one step)
+                pixels = jnp.asarray(images[mm_hash][None])
+                store.put(mm_hash, self._encode(pixels)[0])
+                self.num_encoded += 1
+
+    def execute(
+        self,
+        out: SchedulerOutput,
+        sampling: Sequence[RowSampling],
+        images: Mapping[str, np.ndarray] | None = None,
+    ) -> jax.Array:
+        """Dispatch one step; returns its sampled tokens `[max_num_seqs]` (row `i` for
+        `out.scheduled[i]`) as a device array, not waited for."""
+        if self.zero_freed_blocks and out.freed_block_ids.size:
+            self.kv_caches = [
+                self.paged[g].zero_blocks(kv, out.freed_block_ids)
+                for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
+            ]
+        if self.encoder_store is not None:
+            self._run_encoder(out, images or {})
+        if out.is_empty:
+            return self.sampled
+        buffer, shapes = self._pack(out, sampling)
+        self.kv_caches, self.sampled = self._step(buffer, shapes)
+        self._rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        return self.sampled
+
+    # -- warm-up ------------------------------------------------------------------------
+
+    def warm_up(self) -> int:
+        """Compile every step shape and every zeroing bucket now; returns the shape count."""
+        shapes_per_group = [p.all_shapes() for p in self.packers]
+        for shapes in zip(*shapes_per_group, strict=True):
+            t, r = shapes[0].num_tokens, shapes[0].num_reqs
+            parts = [p.empty(s)[0] for p, s in zip(self.packers, shapes, strict=True)]
+            parts += [np.zeros(t, np.int32), np.full(t, -1, np.int32)]
+            parts += [np.zeros(r, np.int32)] * 2 + [np.zeros(r, np.int32)]
+            parts += [np.ones(r, np.float32).view(np.int32)] + [np.zeros(r, np.int32)] * 2
+            if self.encoder_store is not None:
+                parts += [np.zeros(t, np.int32), np.full(t, t, np.int32)]
+            buffer = np.concatenate(parts)[None, :].astype(np.int32)
+            self.kv_caches, self.sampled = self._step(buffer, tuple(shapes))
+        if self.encoder_store is not None:
+            pixels = jnp.zeros((1, *self.images.pixel_shape), jnp.float32)
+            self.encoder_store.put("warm-up", self._encode(pixels)[0])
+            self.encoder_store.free(["warm-up"])
+        if self.zero_freed_blocks:
+            for size in self.paged[0].id_buckets:
+                ids = np.ones(size, np.int32)
+                self.kv_caches = [
+                    self.paged[g].zero_blocks(kv, ids)
+                    for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
+                ]
+        jax.block_until_ready(self.kv_caches)
+        return len(shapes_per_group[0])

@@ -1,0 +1,26 @@
+"""What the engine streams back: one `RequestOutput` per request that changed in a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress: the tokens new in this step and all of its tokens so far.
+
+    `finished` is True exactly once, on the last output of a request; `finish_reason`
+    is then "length", "stop" or "abort". `error` is set (and nothing else happens) for a
+    request `generate` could not accept.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+    num_cached_tokens: int = field(default=0)

@@ -1,0 +1,462 @@
+"""Continuous-batching scheduler over the KV cache manager and the encoder cache (host only).
+
+One `schedule()` call plans one device step; `update_from_output()` applies the tokens the
+step sampled. Pure Python + numpy: no JAX, so host benchmarks and tests drive it directly.
+
+Rules, in the order `schedule()` applies them:
+
+* Running requests first, oldest first, each getting the tokens it has not computed yet
+  (a prefill chunk, or one decode token) within the step's token budget. When the pool
+  cannot give a request its slots, the newest running request is preempted (its blocks
+  are freed, it is recomputed later, mostly from the prefix cache) until the request
+  fits or is itself preempted.
+* Waiting requests are admitted, oldest first, from their longest cached prefix, while
+  requests, tokens and blocks last; none in a step that had to preempt.
+* Multimodal items: a chunk that reaches an item's placeholders needs the item's encoder
+  output. A cached item (`EncoderCacheManager`) is shared, a new one is encoded once
+  within the per-step encoder compute budget; the chunk is cut before an item that cannot
+  be scheduled now.
+* A step's tokens are counted as computed when it is scheduled. A chunk that reaches the
+  end of a request's tokens samples one token; until `update_from_output` appends it, it
+  is *pending*, and the request's next decode step reads it from the previous step's
+  device output. So the next step can be scheduled while the device still runs the
+  current one (the engine's overlap); stop conditions are checked on appended tokens only.
+
+Invariants (checked by tests/test_engine_scheduler_stateful.py): the blocks held in the
+pool are exactly those of the running requests; a finished, aborted or preempted request
+holds no block and no encoder-cache entry; every request is in exactly one of `waiting`,
+`running`, or neither (finished).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
+from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.request import Request, RequestStatus
+
+__all__ = [
+    "FinishReason",
+    "RequestUpdate",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_tokens reached, or max_model_len
+    STOP = "stop"  # an EOS or stop token id
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step: requests, tokens, and a request's tokens per chunk (0: no cap)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "SchedulerConfig.long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                f"{self.long_prefill_token_threshold!r}"
+            )
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: positions `[num_computed_tokens, +num_new_tokens)`.
+
+    Positions `>= num_known_tokens` hold tokens sampled by the previous step, still on the
+    device. `samples`: the step's last token of this request yields a sampled token.
+    `encoder_input_ids`: inputs whose encoder output must be computed before the step.
+    `block_ids`: the request's blocks per KV-cache group after this step's allocation.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    num_known_tokens: int
+    samples: bool
+    encoder_input_ids: tuple[int, ...] = ()
+    block_ids: tuple[list[int], ...] = ()
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the device step needs from the host, plus what happened while planning."""
+
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str]
+    freed_block_ids: np.ndarray  # pages that became garbage since the last step
+    freed_mm_hashes: list[str]  # encoder-cache entries evicted since the last step
+    num_encoder_hits: int = 0
+    num_encoder_misses: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    """A token appended to a request (None for a request finished without one)."""
+
+    request: Request
+    new_token_id: int | None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    stop_token_ids: frozenset[int]
+    num_pending: int = 0  # sampled tokens in flight, not yet appended
+    finish_reason: FinishReason | None = None
+    arrival: int = 0
+    held_inputs: set[int] = field(default_factory=set)
+
+
+class Scheduler:
+    """Waiting/running queues, token budget, chunked prefill, prefix caching, preemption."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        config: SchedulerConfig,
+        *,
+        encoder_cache_manager: EncoderCacheManager | None = None,
+        encoder_budget: EncoderBudget | None = None,
+    ) -> None:
+        if (encoder_cache_manager is None) != (encoder_budget is None):
+            raise ValueError("give both encoder_cache_manager and encoder_budget, or neither")
+        if config.max_model_len > kv_cache_manager.max_model_len:
+            raise ValueError(
+                f"SchedulerConfig.max_model_len={config.max_model_len} exceeds the KV cache "
+                f"manager's max_model_len={kv_cache_manager.max_model_len}"
+            )
+        self.kv_cache_manager = kv_cache_manager
+        self.config = config
+        self.encoder_cache_manager = encoder_cache_manager
+        self.encoder_budget = encoder_budget
+        self.track_freed_blocks = kv_cache_manager.block_pool.track_freed_block_ids
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._num_arrivals = 0
+        self.num_preemptions = 0
+
+    # -- requests ---------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> None:
+        """ValueError if `request` can never be served here (nothing changes)."""
+        if request.request_id in self._tracked:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        limit = self.config.max_model_len
+        if request.num_tokens >= limit:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_tokens} tokens; it "
+                f"must have fewer than max_model_len={limit} to leave room for an output"
+            )
+        if request.mm_features:
+            if self.encoder_budget is None:
+                raise ValueError(
+                    f"request {request.request_id!r} has multimodal inputs but this scheduler "
+                    "has no encoder cache (the model takes text only)"
+                )
+            self.encoder_budget.check_admission(request)
+
+    def add_request(self, request: Request, stop_token_ids: Iterable[int] = ()) -> None:
+        """Queue a new request; stops after `request.max_tokens` outputs or a stop token."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        self._tracked[request.request_id] = _Tracked(
+            request, frozenset(stop_token_ids), arrival=self._num_arrivals
+        )
+        self._num_arrivals += 1
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request:
+        """Finish a waiting or running request now; KeyError naming it when it is unknown."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        self._finish(tracked, FinishReason.ABORT)
+        return tracked.request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    def get_request(self, request_id: str) -> Request | None:
+        tracked = self._tracked.get(request_id)
+        return None if tracked is None else tracked.request
+
+    def num_pending_tokens(self, request_id: str) -> int:
+        return self._tracked[request_id].num_pending
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; allocates its slots and encoder-cache entries."""
+        budget = self.config.max_num_batched_tokens
+        encoder_budget = self.encoder_budget.compute_budget if self.encoder_budget else 0
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        counts = [0, 0]  # encoder hits, misses
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            tracked = self._tracked[request.request_id]
+            plan = self._plan(tracked, request.num_computed_tokens, budget, encoder_budget)
+            if plan is None:
+                i += 1
+                continue
+            num_new, inputs = plan
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+                scheduled.append(self._advance(tracked, num_new, inputs))
+                budget -= num_new
+                i += 1
+                continue
+            self._release_planned(request, inputs)
+            break
+        if not preempted:
+            self._admit(scheduled, budget, encoder_budget, counts)
+        freed_blocks = (
+            self.kv_cache_manager.take_freed_block_ids()
+            if self.track_freed_blocks
+            else np.zeros(0, np.int32)
+        )
+        freed_mm = (
+            self.encoder_cache_manager.get_freed_mm_hashes() if self.encoder_cache_manager else []
+        )
+        return SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
+
+    def _admit(
+        self, scheduled: list[ScheduledRequest], budget: int, encoder_budget: int, counts: list
+    ) -> None:
+        manager = self.kv_cache_manager
+        block_size = manager.scheduler_block_size
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            tracked = self._tracked[request.request_id]
+            if tracked.num_pending:
+                break  # preempted while its last step was in flight: wait for that token
+            if manager.num_free_blocks < -(-min(request.num_tokens, budget) // block_size):
+                break  # cheap pre-check, so hopeless attempts do not count as cache lookups
+            hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
+            request.shared_prefix_boundary = shared_prefix_boundary
+            plan = self._plan(tracked, num_hits, budget, encoder_budget)
+            if plan is None:
+                break
+            num_new, inputs = plan
+            if manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
+                self._release_planned(request, inputs)
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hits
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+            scheduled.append(self._advance(tracked, num_new, inputs))
+            budget -= num_new
+
+    def _plan(
+        self, tracked: _Tracked, start: int, budget: int, encoder_budget: int
+    ) -> tuple[int, list[int]] | None:
+        """Tokens to compute from `start` and encoder inputs they need; None: nothing now.
+
+        Cached encoder entries the chunk needs are referenced here (so planning the rest
+        cannot evict them); `_release_planned` undoes that when the slots are refused.
+        """
+        request = tracked.request
+        available = request.num_tokens + tracked.num_pending
+        num_new = min(available - start, budget, self.config.max_model_len - start)
+        if self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if num_new <= 0:
+            return None
+        if start + num_new == available and (
+            request.num_output_tokens + tracked.num_pending >= request.max_tokens
+        ):
+            return None  # its last token is in flight; the update will finish it
+        inputs: list[int] = []
+        manager = self.encoder_cache_manager
+        if manager is None or not request.mm_features:
+            return num_new, inputs
+        end = start + num_new
+        held = manager.get_cached_input_ids(request)
+        embeds_to_schedule = 0
+        for input_id, feature in enumerate(request.mm_features):
+            if feature.offset >= end:
+                break
+            if feature.offset + feature.length <= start or input_id in held:
+                continue
+            if manager.check_and_update_cache(request, input_id):
+                inputs.append(input_id)
+                continue
+            if any(request.mm_features[j].identifier == feature.identifier for j in inputs):
+                inputs.append(input_id)  # a repeat within this chunk: encoded once
+                continue
+            num_embeds = request.get_num_encoder_embeds(input_id)
+            if num_embeds <= encoder_budget and manager.can_allocate(
+                request, input_id, encoder_budget, embeds_to_schedule
+            ):
+                inputs.append(input_id)
+                encoder_budget -= num_embeds
+                embeds_to_schedule += num_embeds
+                continue
+            end = feature.offset  # cut the text before an item that cannot run now
+            break
+        if end <= start:
+            self._release_planned(request, inputs)
+            return None
+        return end - start, inputs
+
+    def _release_planned(self, request: Request, inputs: Sequence[int]) -> None:
+        manager = self.encoder_cache_manager
+        if manager is None:
+            return
+        held = manager.get_cached_input_ids(request)
+        for input_id in inputs:
+            if input_id in held:
+                manager.free_encoder_input(request, input_id)
+
+    def _commit_encoder_inputs(self, request: Request, inputs: list[int], counts: list) -> int:
+        """Reference or allocate each planned input; return the embeddings to encode."""
+        manager = self.encoder_cache_manager
+        tracked = self._tracked[request.request_id]
+        encoded = 0
+        to_encode = []
+        for input_id in inputs:
+            tracked.held_inputs.add(input_id)
+            if input_id in manager.get_cached_input_ids(request) or manager.check_and_update_cache(
+                request, input_id
+            ):
+                counts[0] += 1
+                continue
+            manager.allocate(request, input_id)
+            encoded += request.get_num_encoder_embeds(input_id)
+            to_encode.append(input_id)
+            counts[1] += 1
+        inputs[:] = to_encode
+        return encoded
+
+    def _advance(self, tracked: _Tracked, num_new: int, inputs: list[int]) -> ScheduledRequest:
+        request = tracked.request
+        start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens + tracked.num_pending
+        out = ScheduledRequest(
+            request, start, num_new, request.num_tokens, samples, tuple(inputs),
+            self.kv_cache_manager.get_block_ids(request.request_id),
+        )  # fmt: skip
+        request.num_computed_tokens = start + num_new
+        if samples:
+            tracked.num_pending += 1
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self._free_encoder_inputs(self._tracked[request.request_id])
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _free_encoder_inputs(self, tracked: _Tracked) -> None:
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.free(tracked.request)
+        tracked.held_inputs.clear()
+
+    # -- after the step ----------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: Sequence[int] | np.ndarray
+    ) -> list[RequestUpdate]:
+        """Append the tokens sampled for `output` (row `i` for `output.scheduled[i]`).
+
+        Requests finished or aborted since are skipped (their token is dropped); a
+        preempted request keeps its token. Stop conditions are checked here.
+        """
+        updates: list[RequestUpdate] = []
+        for row, item in enumerate(output.scheduled):
+            request = item.request
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None or tracked.request is not request:
+                continue  # finished or aborted while the step ran
+            if item.samples:
+                tracked.num_pending -= 1
+                token = int(sampled_token_ids[row])
+                request.append_output_token_ids(token)
+                reason = self._stop_reason(tracked, token)
+                if reason is not None:
+                    self._finish(tracked, reason)
+                updates.append(RequestUpdate(request, token, reason))
+            if tracked.held_inputs and request.status == RequestStatus.RUNNING:
+                self._release_done_inputs(tracked)
+        return updates
+
+    def _stop_reason(self, tracked: _Tracked, token: int) -> FinishReason | None:
+        request = tracked.request
+        if token in tracked.stop_token_ids:
+            return FinishReason.STOP
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return FinishReason.LENGTH
+        return None
+
+    def _release_done_inputs(self, tracked: _Tracked) -> None:
+        """Encoder entries whose placeholders are all computed are no longer needed."""
+        request = tracked.request
+        for input_id in sorted(tracked.held_inputs):
+            feature = request.mm_features[input_id]
+            if feature.offset + feature.length <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, input_id)
+                tracked.held_inputs.discard(input_id)
+
+    def _finish(self, tracked: _Tracked, reason: FinishReason) -> None:
+        request = tracked.request
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        self._free_encoder_inputs(tracked)
+        request.status = RequestStatus.FINISHED
+        tracked.finish_reason = reason
+        del self._tracked[request.request_id]

@@ -1,0 +1,75 @@
+"""Per-step engine statistics and their running totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class StepStats:
+    """One `LLMEngine.step()`.
+
+    `host_s`: time the host spent scheduling, packing, dispatching and applying outputs;
+    `wait_s`: time it blocked on device results (with overlap, the part of the device
+    step the host work did not hide). `compilations`: XLA programs compiled in the step.
+    """
+
+    step: int
+    num_scheduled_tokens: int = 0
+    num_scheduled_requests: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_generated_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    encoder_hits: int = 0
+    encoder_misses: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    num_freed_blocks: int = 0
+    host_s: float = 0.0
+    wait_s: float = 0.0
+    compilations: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def encoder_hit_rate(self) -> float:
+        total = self.encoder_hits + self.encoder_misses
+        return self.encoder_hits / total if total else 0.0
+
+
+@dataclass
+class EngineStats:
+    """Totals over every step since the engine started (or since `reset`)."""
+
+    steps: list[StepStats] = field(default_factory=list)
+
+    def record(self, step: StepStats) -> None:
+        self.steps.append(step)
+
+    def total(self, name: str) -> float:
+        return sum(getattr(s, name) for s in self.steps)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        queries = self.total("prefix_queries")
+        return self.total("prefix_hits") / queries if queries else 0.0
+
+    @property
+    def encoder_hit_rate(self) -> float:
+        total = self.total("encoder_hits") + self.total("encoder_misses")
+        return self.total("encoder_hits") / total if total else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Totals of every counter, plus the hit rates."""
+        out: dict[str, float] = {"steps": len(self.steps)}
+        for f in fields(StepStats):
+            if f.name not in ("step", "kv_usage", "num_running", "num_waiting"):
+                out[f.name] = self.total(f.name)
+        out["prefix_hit_rate"] = self.prefix_hit_rate
+        out["encoder_hit_rate"] = self.encoder_hit_rate
+        out["max_kv_usage"] = max((s.kv_usage for s in self.steps), default=0.0)
+        return out

@@ -1,0 +1,117 @@
+"""Serving-loop properties: warm-up compiles everything, all layers in one call."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from test_device_step_metadata import _packer, _random_step
+
+from jaxkv.device import PagedKVCache, compilation_count, no_compilation
+from jaxkv.kv_cache_interface import FullAttentionSpec
+
+
+def test_no_compilation_after_warmup_over_300_random_steps_two_layers() -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    packer = _packer()
+    kvs = cache.allocate(2)
+    start = compilation_count()
+    kvs = cache.warmup(kvs, packer, num_q_heads=4, sm_scale=0.5)
+    assert compilation_count() > start
+    models = [np.asarray(kv).reshape(-1, 4, 8).copy() for kv in kvs]
+    bs = cache.block_size
+    with no_compilation("300 random serving steps after warmup"):
+        for _ in range(300):
+            freed = rng.choice(np.arange(1, 64), size=int(rng.integers(0, 9)), replace=False)
+            kvs = cache.zero_blocks_all(kvs, freed)
+            for model in models:
+                for b in freed:
+                    model[b * bs : (b + 1) * bs] = 0
+            buf, shape = packer.pack(_random_step(rng, packer))
+            n = int(buf[0, 0])
+            slots = buf[0, shape.length - 2 * shape.num_tokens :][:n]
+            put = packer.put(buf)
+            for layer, model in enumerate(models):
+                t = shape.num_tokens
+                # jax.device_put: jnp.asarray of a NumPy array compiles a copy per shape.
+                q = jax.device_put(rng.standard_normal((t, 4, 8)).astype(np.float32))
+                k = rng.standard_normal((t, 2, 8)).astype(np.float32)
+                v = rng.standard_normal((t, 2, 8)).astype(np.float32)
+                kvs[layer], out = cache.step(
+                    kvs[layer], q, jax.device_put(k), jax.device_put(v), put, shape, sm_scale=0.5
+                )
+                model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
+            assert np.isfinite(np.asarray(out)).all()
+    for kv, model in zip(kvs, models, strict=True):
+        np.testing.assert_array_equal(np.asarray(kv).reshape(-1, 4, 8), model)
+
+
+def test_layer_step_runs_every_layer_in_one_program() -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    packer = _packer()
+    buf, shape = packer.pack(_random_step(rng, packer))
+    t = shape.num_tokens
+    qs = jnp.asarray(rng.standard_normal((3, t, 4, 8)), jnp.float32)
+    ks = jnp.asarray(rng.standard_normal((3, t, 2, 8)), jnp.float32)
+
+    @jax.jit
+    def forward(kvs, put):
+        outs = []
+        kvs = list(kvs)
+        for layer in range(3):
+            kvs[layer], out = cache.layer_step(
+                kvs[layer], qs[layer], ks[layer], ks[layer] * 2, put, shape, sm_scale=0.5
+            )
+            outs.append(out)
+        return tuple(kvs), jnp.stack(outs)
+
+    base = [jnp.asarray(rng.standard_normal(cache.shape), jnp.float32) for _ in range(3)]
+    want_kvs, want = [], []
+    for layer in range(3):
+        kv, out = cache.step(
+            jnp.array(base[layer]), qs[layer], ks[layer], ks[layer] * 2, packer.put(buf), shape,
+            sm_scale=0.5,
+        )  # fmt: skip
+        want_kvs.append(np.asarray(kv))
+        want.append(np.asarray(out))
+    before = compilation_count()
+    got_kvs, got = forward(tuple(jnp.array(b) for b in base), packer.put(buf))
+    assert compilation_count() - before == 1, "one program for all layers"
+    np.testing.assert_allclose(np.asarray(got), np.stack(want), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_kvs, want_kvs, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_zero_blocks_all_matches_per_layer_zeroing() -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 24)
+    data = [rng.standard_normal(cache.shape).astype(np.float32) for _ in range(3)]
+    ids = np.array([3, 7, 0, 23])
+    got = cache.zero_blocks_all([jnp.asarray(d) for d in data], ids)
+    for g, d in zip(got, data, strict=True):
+        d[ids] = 0
+        np.testing.assert_array_equal(np.asarray(g), d)
+    kvs = [jnp.asarray(d) for d in data]
+    try:
+        cache.zero_blocks_all(kvs, [24])
+    except ValueError as exc:
+        assert "block id value 24" in str(exc)
+    assert not any(kv.is_deleted() for kv in kvs), "a rejected call must not donate"
+
+
+def test_step_inside_a_users_jit_matches_step_outside() -> None:
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    packer = _packer()
+    buf, shape = packer.pack(_random_step(rng, packer))
+    t = shape.num_tokens
+    q = jax.device_put(rng.standard_normal((t, 4, 8)).astype(np.float32))
+    k = jax.device_put(rng.standard_normal((t, 2, 8)).astype(np.float32))
+    base = rng.standard_normal(cache.shape).astype(np.float32)
+    want_kv, want = cache.step(jnp.asarray(base), q, k, k, packer.put(buf), shape)
+    inside = jax.jit(lambda kv, q, k, buf: cache.step(kv, q, k, k, buf, shape))
+    got_kv, got = inside(jnp.asarray(base), q, k, packer.put(buf))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_kv), np.asarray(want_kv))

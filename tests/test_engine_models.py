@@ -1,0 +1,77 @@
+"""The engine serves jaxkv.models checkpoints (HF format, random weights) token-identical
+to their dense reference: Gemma 3 sliding-window layers with prompts longer than the
+window, chunked and preempted; LLaVA images through the encoder cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxkv import models
+from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine.reference import DenseReference, image_offsets
+
+MAX_LEN = 96
+CONFIG = EngineConfig(
+    block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN
+)
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def load(tmp_path_factory, name: str):
+    path = tmp_path_factory.mktemp(name)
+    models.save_random_checkpoint(path, models.tiny_configs()[name], seed=0)
+    return models.load_model(path)
+
+
+def test_gemma3_sliding_window_chunked_and_preempted(tmp_path_factory) -> None:
+    model = load(tmp_path_factory, "gemma3-tiny")
+    with pytest.raises(ValueError, match="cannot hold one request of max_model_len=96"):
+        LLMEngine(model, CONFIG)  # 24 blocks over 4 KV-cache groups (3 sliding, 1 full)
+    window = model.config.sliding_window
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 256, 12).tolist()
+    prompts = [shared + rng.integers(3, 256, int(rng.integers(2, 24))).tolist() for _ in range(6)]
+    assert max(len(p) for p in prompts) > 3 * window
+    engine = LLMEngine(model, dataclasses.replace(CONFIG, num_blocks=64))
+    assert len(engine.runner.kv_cache_config.kv_cache_groups) > 1, "hybrid groups"
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    outputs = engine.generate(prompts, sampling)
+    assert engine.scheduler.num_preemptions > 0, "the pool is sized to preempt"
+    assert engine.stats.prefix_hit_rate > 0
+    reference = DenseReference(model, MAX_LEN)
+    for out in outputs:
+        assert len(out.output_token_ids) == sampling.max_tokens
+        want = reference.expected(out.prompt_token_ids, out.output_token_ids)
+        assert out.output_token_ids == want
+
+
+def test_llava_images_encoded_once_and_match_dense(tmp_path_factory) -> None:
+    model = load(tmp_path_factory, "llava-tiny")
+    image_token = model.llava_config.image_token_id
+    vision = model.llava_config.vision
+    rng = np.random.default_rng(1)
+    picture = rng.standard_normal((3, vision.image_size, vision.image_size)).astype(np.float32)
+    prompts = [rng.integers(3, 200, 3).tolist() + [image_token] + [7, 8, 9] for _ in range(3)]
+    engine = LLMEngine(model, CONFIG)
+    outputs = engine.generate(prompts, GREEDY, images=[[picture]] * 3)
+    assert engine.runner.num_encoded == 1 and engine.stats.total("encoder_hits") == 2
+    reference = DenseReference(model, MAX_LEN)
+    for out in outputs:
+        (offset,) = image_offsets(out.prompt_token_ids, image_token, model.num_image_tokens)
+        want = reference.expected(out.prompt_token_ids, out.output_token_ids, [(offset, picture)])
+        assert out.output_token_ids == want
+
+
+@pytest.mark.parametrize("name", ["llama-tiny"])
+def test_checkpoint_model_rejects_bad_requests_and_serves_others(tmp_path_factory, name):
+    model = load(tmp_path_factory, name)
+    engine = LLMEngine(model, CONFIG)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request([3, 10_000])
+    with pytest.raises(ValueError, match="text only"):
+        engine.add_request([3, 4], images=[np.zeros((3, 16, 16), np.float32)])
+    (out,) = engine.generate([[3, 4, 5]], GREEDY)
+    assert len(out.output_token_ids) == GREEDY.max_tokens
