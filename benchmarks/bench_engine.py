@@ -93,8 +93,8 @@ def bench_prefix(model, repeats: int, num_requests: int) -> dict:
 def decode_steps(model, num_running: int, overlap: bool, steps: int) -> dict:
     """Time `steps` steps in which `num_running` requests all decode."""
     config = EngineConfig(
-        block_size=16, num_blocks=num_running * 4 + 1, max_num_seqs=num_running,
-        max_num_batched_tokens=num_running, max_model_len=64, async_scheduling=overlap,
+        block_size=16, num_blocks=num_running * 8 + 1, max_num_seqs=num_running,
+        max_num_batched_tokens=2 * num_running, max_model_len=128, async_scheduling=overlap,
     )  # fmt: skip
     engine = LLMEngine(model, config)
     rng = np.random.default_rng(num_running)
@@ -106,7 +106,8 @@ def decode_steps(model, num_running: int, overlap: bool, steps: int) -> dict:
     while len(engine.scheduler.running) < num_running or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
-        engine.step()  # prefill (in chunks of num_running tokens)
+        engine.step()  # prefill, then a step so every request decodes
+    engine.step()
     first = len(engine.stats.steps)
     start = time.perf_counter()
     for _ in range(steps):

@@ -30,8 +30,11 @@ if TYPE_CHECKING:
     from jaxkv.request import Request
 
 
-# A group's map: block hash -> its cached block, or {block_id: block} for duplicates.
-_GroupMap = dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]]
+# A group's map: block hash -> the earliest cached block with that hash.
+_GroupMap = dict[BlockHash, KVCacheBlock]
+# A group's duplicates: block hash -> {block_id: block}, every block with that hash in
+# insertion order, only for hashes held by two or more blocks.
+_GroupDuplicates = dict[BlockHash, dict[int, KVCacheBlock]]
 _NO_BLOCKS: _GroupMap = {}  # read only: the map of a group nothing was cached for
 
 
@@ -40,16 +43,21 @@ class BlockHashToBlockMap:
 
     Identical blocks computed by different requests are not merged (block tables
     stay append-only), so a key may map to several blocks; lookups return the
-    earliest inserted. A key with one block maps to the block itself (the common
-    case, no inner dict). Each group has its own dict keyed by the bare block
-    hash, so lookups use the request's hash objects (their hash is cached) and
-    build no key.
+    earliest inserted. Each group has its own dict keyed by the bare block hash,
+    whose value is that earliest block (lookups use the request's hash objects,
+    whose hash is cached, build no key, and need no per-entry unpacking); the
+    rare keys with several blocks are also listed, all their blocks in insertion
+    order, in the group's duplicates dict.
+
+    Invariant: `_maps[g][h]` is the first value of `_duplicates[g][h]` when that
+    exists (which then holds at least two blocks).
     """
 
-    __slots__ = ("_maps",)
+    __slots__ = ("_duplicates", "_maps")
 
     def __init__(self) -> None:
         self._maps: dict[int, _GroupMap] = {}
+        self._duplicates: dict[int, _GroupDuplicates] = {}
 
     def __len__(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values())
@@ -63,83 +71,104 @@ class BlockHashToBlockMap:
             block_hash, group_id = get_block_hash(key), get_group_id(key)  # type: ignore[arg-type]
         else:
             block_hash = key  # type: ignore[assignment]
-        blocks = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
-        if blocks is None or type(blocks) is KVCacheBlock:
-            return blocks  # type: ignore[return-value]
-        return next(iter(blocks.values()))  # type: ignore[union-attr]
+        return self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
 
     def get_leading_blocks(
         self, block_hashes: Sequence[BlockHash], group_id: int, max_blocks: int
     ) -> list[KVCacheBlock]:
         """For `block_hashes[i]`, i = 0, 1, ...: one block each until the first miss."""
-        get = self._maps.get(group_id, _NO_BLOCKS).get
-        hits: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            blocks = get(block_hashes[i])
-            if blocks is None:
-                break
-            hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
-        return hits
+        hits = self.get_entries(block_hashes, group_id, max_blocks)
+        if None in hits:
+            del hits[hits.index(None) :]
+        return hits  # type: ignore[return-value]
 
     def get_entries(
         self, block_hashes: Sequence[BlockHash], group_id: int, stop: int
-    ) -> list[KVCacheBlock | dict[int, KVCacheBlock] | None]:
-        """The map entries of `block_hashes[:stop]` in one pass: None for a miss, the block,
-        or (duplicates) a `{block_id: block}` dict whose first value is the earliest block;
-        `first_block` picks it."""
+    ) -> list[KVCacheBlock | None]:
+        """The earliest cached block (None for a miss) of each of `block_hashes[:stop]`."""
         get = self._maps.get(group_id, _NO_BLOCKS).get
         if isinstance(block_hashes, list):
             return list(map(get, block_hashes[:stop]))
         return [get(block_hashes[i]) for i in range(stop)]
 
-    @staticmethod
-    def first_block(entry: KVCacheBlock | dict[int, KVCacheBlock]) -> KVCacheBlock:
-        """The block a (non-None) `get_entries` entry stands for."""
-        return entry if type(entry) is KVCacheBlock else next(iter(entry.values()))  # type: ignore[union-attr]
-
     def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
+        self._insert_all(((block_hash, block),), group_id)
+
+    def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
+        """`insert` each block under the hash it is stamped with (`_block_hash`)."""
+        self._insert_all(((block._block_hash, block) for block in blocks), group_id)  # type: ignore[misc]
+
+    def _insert_all(self, entries: Iterable[tuple[BlockHash, KVCacheBlock]], group_id: int) -> None:
         group_map = self._maps.get(group_id)
         if group_map is None:
             group_map = self._maps[group_id] = {}
-        blocks = group_map.get(block_hash)
-        if blocks is None:
-            group_map[block_hash] = block
-        elif type(blocks) is KVCacheBlock:
-            group_map[block_hash] = {blocks.block_id: blocks, block.block_id: block}
-        else:
-            blocks[block.block_id] = block  # type: ignore[index]
+        setdefault = group_map.setdefault
+        duplicates = None
+        for block_hash, block in entries:
+            earliest = setdefault(block_hash, block)
+            if earliest is block:
+                continue
+            if duplicates is None:
+                duplicates = self._duplicates.setdefault(group_id, {})
+            same = duplicates.get(block_hash)
+            if same is None:
+                duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}
+            else:
+                same[block.block_id] = block
 
     def pop(self, block_hash: BlockHash, group_id: int, block_id: int) -> KVCacheBlock | None:
-        group_map = self._maps.get(group_id, _NO_BLOCKS)
-        blocks = group_map.get(block_hash)
-        if blocks is None:
-            return None
-        if type(blocks) is KVCacheBlock:
-            if blocks.block_id != block_id:
-                return None
-            del group_map[block_hash]
-            return blocks
-        block = blocks.pop(block_id, None)  # type: ignore[union-attr]
-        if len(blocks) == 1:  # type: ignore[arg-type]
-            group_map[block_hash] = next(iter(blocks.values()))  # type: ignore[union-attr]
+        """Remove block `block_id` from key (`block_hash`, `group_id`); it, or None if absent."""
+        block = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
+        if block is not None and block.block_id != block_id:
+            same = self._duplicates.get(group_id, {}).get(block_hash)
+            block = same.get(block_id) if same is not None else None
+        if block is not None:
+            self._pop_all(((block_hash, group_id, block),))
         return block
 
+    def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """`pop` each block under the hash it is stamped with (`_block_hash`, `_group_id`)."""
+        self._pop_all((block._block_hash, block._group_id, block) for block in blocks)  # type: ignore[misc]
+
+    def _pop_all(self, entries: Iterable[tuple[BlockHash, int, KVCacheBlock]]) -> None:
+        maps, all_duplicates = self._maps, self._duplicates
+        for block_hash, group_id, block in entries:
+            group_map = maps.get(group_id, _NO_BLOCKS)
+            earliest = group_map.get(block_hash)  # type: ignore[arg-type]
+            if earliest is None:
+                continue
+            duplicates = all_duplicates.get(group_id) if all_duplicates else None
+            same = duplicates.get(block_hash) if duplicates else None  # type: ignore[arg-type]
+            if same is None:
+                if earliest is block:
+                    del group_map[block_hash]  # type: ignore[arg-type]
+                continue
+            if same.pop(block.block_id, None) is None:
+                continue
+            if earliest is block:
+                group_map[block_hash] = next(iter(same.values()))  # type: ignore[index]
+            if len(same) == 1:
+                del duplicates[block_hash]  # type: ignore[union-attr, arg-type]
+
     def num_blocks(self) -> int:
-        return sum(
-            1 if type(v) is KVCacheBlock else len(v)  # type: ignore[arg-type]
-            for group_map in self._maps.values()
-            for v in group_map.values()
+        return sum(len(group_map) for group_map in self._maps.values()) + sum(
+            len(blocks) - 1
+            for duplicates in self._duplicates.values()
+            for blocks in duplicates.values()
         )
 
     def items(self) -> Iterable[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
         """(vLLM's key: block hash + group id, blocks) for every cached key."""
         for group_id, group_map in self._maps.items():
-            for block_hash, blocks in group_map.items():
+            duplicates = self._duplicates.get(group_id, {})
+            for block_hash, earliest in group_map.items():
                 key = make_block_hash_with_group_id(block_hash, group_id)
-                yield key, [blocks] if type(blocks) is KVCacheBlock else list(blocks.values())
+                blocks = duplicates.get(block_hash)
+                yield key, [earliest] if blocks is None else list(blocks.values())
 
     def clear(self) -> None:
         self._maps.clear()
+        self._duplicates.clear()
 
 
 class BlockPool:
@@ -234,13 +263,11 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
-            for block in blocks:
-                if block._block_hash is not None:
-                    self._evict_cached_block(block)
-                block.ref_cnt = 1
-        else:
-            for block in blocks:
-                block.ref_cnt = 1
+            cached = [block for block in blocks if block._block_hash is not None]
+            if cached:
+                self._evict_cached_blocks(cached)
+        for block in blocks:
+            block.ref_cnt = 1
         return blocks
 
     def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
@@ -300,6 +327,23 @@ class BlockPool:
             if isinstance(error, AttributeError):
                 raise TypeError(f"free_blocks takes KVCacheBlock objects, got {block!r}") from None
             raise
+        self._queue_freed(unhashed, hashed)
+
+    def free_held_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """`free_blocks` for blocks the caller holds a reference on (a manager freeing its
+        own table, null blocks skipped), without the checks that guard outside callers."""
+        unhashed: list[KVCacheBlock] = []
+        hashed: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (unhashed if block._block_hash is None else hashed).append(block)
+        self._queue_freed(unhashed, hashed)
+
+    def _queue_freed(self, unhashed: list[KVCacheBlock], hashed: list[KVCacheBlock]) -> None:
+        """Queue blocks that reached `ref_cnt` 0: unhashed at the head, hashed at the tail."""
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
             if self.track_freed_block_ids:
@@ -346,8 +390,6 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
-        stamped_index: list[int] = []
-        cache_map = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
@@ -356,20 +398,23 @@ class BlockPool:
             if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
-                        cache_map.pop(done._block_hash, kv_cache_group_id, done.block_id)
                         done.reset_hash()
                     raise ValueError(
                         f"block {block.block_id} is already cached under another hash; "
                         "cannot re-stamp it"
                     )
                 continue
-            cache_map.insert(block_hash, kv_cache_group_id, block)
             stamped.append(block)
-            stamped_index.append(i)
-        if self.enable_kv_cache_events and stamped:
+        if not stamped:
+            return
+        self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)
+        if self.enable_kv_cache_events:
             stored = [block._block_hash for block in stamped]
+            stamped_ids = set(map(id, stamped))
             extra_keys, mm_idx = [], 0
-            for i in stamped_index:
+            for i in range(num_cached_blocks, num_full_blocks):
+                if id(blocks[i]) not in stamped_ids:
+                    continue
                 keys, mm_idx = generate_block_hash_extra_keys(
                     request, i * block_size, (i + 1) * block_size, mm_idx
                 )
@@ -392,20 +437,21 @@ class BlockPool:
                 )
             )
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
-        block_hash = block._block_hash
-        assert block_hash is not None
-        self.cached_block_hash_to_block.pop(block_hash, block._group_id, block.block_id)
-        block.reset_hash()
-        self.num_hash_removals += 1
+    def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop cached blocks from the prefix cache (their hashes are reset)."""
+        self.cached_block_hash_to_block.pop_stamped(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
-        if self.track_freed_block_ids and block.ref_cnt == 0:
-            self._freed_block_ids.add(block.block_id)
+        if self.track_freed_block_ids:
+            self._freed_block_ids.update(b.block_id for b in blocks if b.ref_cnt == 0)
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[block_hash], group_idx=block._group_id)
+            self.kv_event_queue.extend(
+                BlockRemoved(block_hashes=[b._block_hash], group_idx=b._group_id)  # type: ignore[list-item]
+                for b in blocks
             )
+        for block in blocks:
+            block.reset_hash()
+        self.num_hash_removals += len(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix cache only (their KV turned out to be bad)."""
@@ -423,7 +469,7 @@ class BlockPool:
         for block_id in ids:
             block = self.blocks[block_id]
             if block._block_hash is not None:
-                self._evict_cached_block(block)
+                self._evict_cached_blocks((block,))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed (True) when all blocks are free."""

@@ -259,12 +259,18 @@ class KVCacheCoordinator:
         """Over all groups, the smallest of each of the managers' `get_slot_state` values:
         (tokens the request's blocks hold, token count filling a block, computed-token
         count releasing a block). Below all three a step changes nothing."""
-        capacity, next_full, release_at = self.single_type_managers[0].get_slot_state(request_id)
-        for manager in self.single_type_managers[1:]:
-            group_capacity, group_next_full, group_release_at = manager.get_slot_state(request_id)
-            capacity = min(capacity, group_capacity)
-            next_full = min(next_full, group_next_full)
-            release_at = min(release_at, group_release_at)
+        managers = self.single_type_managers
+        capacity, next_full, release_at = managers[0].get_slot_state(request_id)
+        for i in range(1, len(managers)):
+            group_capacity, group_next_full, group_release_at = managers[i].get_slot_state(
+                request_id
+            )
+            if group_capacity < capacity:
+                capacity = group_capacity
+            if group_next_full < next_full:
+                next_full = group_next_full
+            if group_release_at < release_at:
+                release_at = group_release_at
         return capacity, next_full, release_at
 
     def get_num_common_prefix_blocks(

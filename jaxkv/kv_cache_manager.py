@@ -447,9 +447,10 @@ class KVCacheManager:
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
-        if coordinator.skipping_managers:
+        if coordinator.skipping_managers and (state is None or num_computed_tokens >= state[2]):
             # As vLLM, before counting: blocks that left the attention window are
             # released even when the allocation then fails (they are never read again).
+            # Below `state[2]` no group would release one.
             coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
         sole = self._sole_manager
         if plain_counts and state is not None and num_tokens_need_slot <= state[0]:

@@ -307,6 +307,8 @@ class Request:
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prompt tokens served by the prefix cache when first scheduled; -1 until then (vLLM's).
+        self.num_cached_tokens = -1
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         # Prompt-embedding digests per (start, end) block range, computed once.

@@ -81,6 +81,9 @@ class SingleTypeKVCacheManager:
         self.use_eagle = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Attention types that release blocks: request id -> how many leading entries of
+        # its table are the null block (absent: none); every later entry is held.
+        self._num_null_prefix: dict[str, int] = {}
         self._null_block = block_pool.null_block
 
     # -- allocation ----------------------------------------------------------
@@ -134,6 +137,12 @@ class SingleTypeKVCacheManager:
         req_blocks = [self._null_block] * num_skipped + kept
         self.req_to_blocks[request_id] = req_blocks
         self.num_cached_block[request_id] = len(req_blocks)
+        if self.releases_blocks:
+            num_nulls = num_skipped
+            while num_nulls < len(req_blocks) and req_blocks[num_nulls].is_null:
+                num_nulls += 1  # a hit's own leading nulls (the blocks before its run)
+            if num_nulls:
+                self._num_null_prefix[request_id] = num_nulls
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """New blocks so the request has slots for `num_tokens` tokens."""
@@ -225,14 +234,7 @@ class SingleTypeKVCacheManager:
 
     def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
         """Smallest computed-token count at which the first held block leaves the window."""
-        lo, hi = 0, len(blocks)  # the nulls are a prefix: binary search its end
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if blocks[mid].is_null:
-                lo = mid + 1
-            else:
-                hi = mid
-        return self.release_threshold_for_block(lo)
+        return self.release_threshold_for_block(self._num_null_prefix.get(request_id, 0))
 
     def release_threshold_for_block(self, block_index: int) -> int:
         """Smallest computed-token count whose skipped tokens cover block `block_index`."""
@@ -244,8 +246,9 @@ class SingleTypeKVCacheManager:
         """Return the request's blocks, tail first (the tail is evicted first)."""
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        self._num_null_prefix.pop(request_id, None)
         if req_blocks:
-            self.block_pool.free_blocks(reversed(req_blocks))
+            self.block_pool.free_held_blocks(reversed(req_blocks))
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens this attention type no longer reads (none for full attention)."""
@@ -262,16 +265,15 @@ class SingleTypeKVCacheManager:
         )
 
     def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
-        """Null and free `blocks[:last]`, backward, up to the already-nulled run."""
-        freed: list[KVCacheBlock] = []
-        null = self._null_block
-        for i in range(last - 1, -1, -1):
-            if blocks[i] is null:
-                break
-            freed.append(blocks[i])
-            blocks[i] = null
-        if freed:
-            self.block_pool.free_blocks(freed)
+        """Null and free `blocks[:last]` past the null prefix, tail first."""
+        first = self._num_null_prefix.get(request_id, 0)
+        if last <= first:
+            return
+        freed = blocks[first:last]
+        blocks[first:last] = [self._null_block] * (last - first)
+        self._num_null_prefix[request_id] = last
+        freed.reverse()
+        self.block_pool.free_held_blocks(freed)
 
     def get_num_common_prefix_blocks(
         self, running_request_id: str, num_running_requests: int
@@ -383,6 +385,53 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return computed, hit_length
 
 
+def _rightmost_run(cached: list[KVCacheBlock | None], need: int) -> tuple[int, int]:
+    """[start, end) of the rightmost `need` consecutive cached (non-None) entries, or,
+    when no run is that long, of the cached run starting at entry 0 (maybe empty).
+
+    `_rightmost_aligned_run` with every block on the alignment grid and `need >= 1`,
+    searched gap by gap (`list.index`) instead of entry by entry.
+    """
+    num = len(cached)
+    reversed_cached = cached[::-1]
+    reversed_cached.append(None)  # a sentinel gap left of entry 0
+    pos = 0  # entries [num - pos, num) lie right of the run being looked at
+    while True:
+        gap = reversed_cached.index(None, pos)
+        if gap - pos >= need:
+            return num - pos - need, num - pos
+        if gap == num:
+            return 0, num - pos
+        pos = gap + 1
+
+
+def _rightmost_aligned_run(
+    cached: list[KVCacheBlock | None],
+    need: int,
+    block_size: int,
+    alignment_tokens: int,
+    drop_eagle_block: bool,
+) -> tuple[int, int]:
+    """[start, end) of the cached (non-None) run that ends a sliding-window hit: scanning
+    right to left, the first run of `need` entries whose end (one block earlier with
+    `drop_eagle_block`) lies on the `alignment_tokens` grid; when none is that long, the
+    cached run starting at entry 0 (maybe empty)."""
+    run_end = run_start = len(cached)
+    for i in range(len(cached) - 1, -1, -1):  # right to left, stop at the first run
+        if cached[i] is None:
+            run_end = run_start = i
+            continue
+        if run_start == run_end and block_size != alignment_tokens:
+            ends_at = i if drop_eagle_block else i + 1
+            if ends_at * block_size % alignment_tokens:
+                run_end = run_start = i
+                continue  # a run must end on the alignment grid
+        run_start = i
+        if run_end - run_start >= need:
+            break
+    return run_start, run_end
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Attention over the last `sliding_window` tokens.
 
@@ -399,6 +448,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, kv_cache_spec: SlidingWindowSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
+        # contiguous_blocks_for_hit without and with EAGLE, indexed by `use_eagle`.
+        self._blocks_for_hit = tuple(
+            self.contiguous_blocks_for_hit(self.sliding_window, self.block_size, eagle)
+            for eagle in (False, True)
+        )
 
     @staticmethod
     def contiguous_blocks_for_hit(window: int, block_size: int, use_eagle: bool) -> int:
@@ -409,7 +463,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def dense_hit_grid(self) -> bool:
         alignment, block_size = self.cache_hit_alignment_tokens, self.block_size
-        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
+        need = self._blocks_for_hit[self.use_eagle]
         return alignment % block_size != 0 or need >= alignment // block_size
 
     def release_threshold_for_block(self, block_index: int) -> int:
@@ -472,7 +526,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
         max_num_blocks = min(max_length // block_size, len(block_hashes))
-        # Each group's map entries for the candidate blocks, one pass each; a block is
+        # Each group's cached blocks for the candidate blocks, one pass each; a block is
         # cached for this lookup when every group has it.
         cache_map = block_pool.cached_block_hash_to_block
         entries = [
@@ -482,24 +536,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if len(entries) > 1:
             cached = [e if all(other[i] is not None for other in entries[1:]) else None
                       for i, e in enumerate(cached)]  # fmt: skip
-        # The run of cached blocks, right to left, ending at the candidate hit.
-        run_end = run_start = max_num_blocks  # run = [run_start, run_end)
-        for i in range(max_num_blocks - 1, -1, -1):  # right to left, stop at the first run
-            if cached[i] is None:
-                run_end = run_start = i
-                continue
-            if run_start == run_end and block_size != alignment_tokens:
-                ends_at = i if drop_eagle_block else i + 1
-                if ends_at * block_size % alignment_tokens:
-                    run_end = run_start = i
-                    continue  # a run must end on the alignment grid
-            run_start = i
-            if run_end - run_start >= need:
-                break
-        # Without a full window, the run reaching the start (from i = 0) is a hit all the same.
-        null, first = block_pool.null_block, cache_map.first_block
+        if block_size == alignment_tokens and need > 0:
+            run_start, run_end = _rightmost_run(cached, need)
+        else:
+            run_start, run_end = _rightmost_aligned_run(
+                cached, need, block_size, alignment_tokens, drop_eagle_block
+            )
+        null = block_pool.null_block
         computed: HitBlocks = tuple(
-            [null] * run_start + [first(e) for e in group_entries[run_start:run_end]]
+            [null] * run_start + group_entries[run_start:run_end]  # type: ignore[operator]
             for group_entries in entries
         )
         if run_end - run_start < need:
@@ -693,7 +738,7 @@ class MambaManager(SingleTypeKVCacheManager):
         for i in range(first, max(first, last)):
             blocks[i] = self._null_block
         if freed:
-            self.block_pool.free_blocks(reversed(freed))
+            self.block_pool.free_held_blocks(reversed(freed))
         self._num_retired_blocks[request_id] = max(first, last)
 
     def free(self, request_id: str) -> None:

@@ -6,6 +6,8 @@ import hashlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv import (
     AllBlocksCleared,
@@ -19,6 +21,7 @@ from jaxkv import (
     get_request_block_hasher,
     make_block_hash_with_group_id,
 )
+from jaxkv.block_pool import BlockHashToBlockMap
 
 BS = 4
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
@@ -575,3 +578,47 @@ def test_evicting_a_held_block_does_not_report_it_for_zeroing():
     assert pool.take_freed_block_ids().tolist() == []  # zeroing it would corrupt a live page
     pool.free_blocks(reversed(blocks))
     assert pool.take_freed_block_ids().tolist() == [blocks[0].block_id]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, 2), st.integers(0, 1), st.integers(1, 6)),
+        max_size=60,
+    )
+)
+def test_hash_map_with_duplicates_matches_a_list_model(ops):
+    """Random inserts and pops (single and batched) against lists in insertion order:
+    lookups give the earliest block, items and counts agree, nothing is left over."""
+    cache_map = BlockHashToBlockMap()
+    blocks = [KVCacheBlock(i) for i in range(7)]
+    model: dict[tuple[bytes, int], list[KVCacheBlock]] = {}
+    where: dict[int, tuple[bytes, int]] = {}
+    for insert, hash_index, group, block_id in ops:
+        block, key = blocks[block_id], (_h(hash_index), group)
+        if insert and block_id not in where:
+            block.set_hash(*key)
+            if hash_index % 2:
+                cache_map.insert(key[0], group, block)
+            else:
+                cache_map.insert_stamped([block], group)
+            model.setdefault(key, []).append(block)
+            where[block_id] = key
+        elif not insert and block_id in where:
+            key = where.pop(block_id)
+            if hash_index % 2:
+                assert cache_map.pop(key[0], key[1], block_id) is block
+            else:
+                cache_map.pop_stamped([block])
+            block.reset_hash()
+            model[key].remove(block)
+            if not model[key]:
+                del model[key]
+        for (block_hash, group_id), listed in model.items():
+            assert cache_map.get_one_block(block_hash, group_id) is listed[0]
+        assert cache_map.num_blocks() == sum(map(len, model.values()))
+        assert len(cache_map) == len(model)
+        assert sorted((k, _ids(v)) for k, v in cache_map.items()) == sorted(
+            (make_block_hash_with_group_id(*k), _ids(v)) for k, v in model.items()
+        )
+    assert cache_map.pop(_h(99), 0, 1) is None

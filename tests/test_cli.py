@@ -74,7 +74,7 @@ def test_plan_hybrid_checkpoint_has_sliding_groups(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("bad", ["16 parsecs", "GiB", "-3GB"])
 def test_plan_rejects_a_bad_memory_size(checkpoint, capsys, bad) -> None:
-    argv = ["plan", "--model", str(checkpoint), "--memory", bad, "--max-model-len", "128"]
+    argv = ["plan", "--model", str(checkpoint), f"--memory={bad}", "--max-model-len", "128"]
     assert cli.main(argv) == 2
     assert "is not a size" in capsys.readouterr().err
 

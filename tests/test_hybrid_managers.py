@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv import (
     BlockPool,
@@ -30,6 +32,8 @@ from jaxkv.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     MambaManager,
     SlidingWindowManager,
+    _rightmost_aligned_run,
+    _rightmost_run,
 )
 
 SHA = get_hash_fn_by_name("sha256_cbor")
@@ -506,3 +510,15 @@ def test_eagle_drops_the_last_matched_block():
     schedule(m, a)
     # 64 shared tokens: the last matched 16-token block is recomputed for EAGLE.
     assert computed(m, request("b", [*range(64), 7]))[1] == 48
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 8), st.booleans())
+def test_gap_by_gap_run_search_equals_the_block_by_block_scan(is_cached, need, eagle):
+    """On the block grid the sliding-window hit run found gap by gap is the scan's."""
+    cached = [object() if c else None for c in is_cached]
+    expected = _rightmost_aligned_run(cached, need, 16, 16, eagle)
+    assert _rightmost_run(cached, need) == expected
+    start, end = expected
+    assert all(c is not None for c in cached[start:end])
+    assert end - start == need or start == 0

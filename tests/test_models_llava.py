@@ -32,6 +32,7 @@ def prompt_embeddings(model, prompt, pixel_values):
 
 def test_placeholders_expand_to_one_token_per_feature(model):
     assert model.num_image_tokens == 16  # (16 / 4)^2 patches, CLS dropped
+    assert model.image_input_shape == (3, 16, 16)
     expanded = model.expand_image_tokens([1, IMAGE, 7, IMAGE])
     assert expanded == [1] + [IMAGE] * 16 + [7] + [IMAGE] * 16
     features = model.encode_images(jnp.asarray(pixels(0, 2)))

@@ -48,9 +48,12 @@ def child(workdir: str) -> dict:
         }
         llava = load_model(work / "llava", mesh=mesh)
         out["image_features"] = np.asarray(llava.encode_images(pixels)).tolist()
-        # Requests spread over the data ranks (2x4: one each), sliding/full layer groups.
-        gen = PagedGenerator(gemma, block_size=4, max_num_tokens=16, mesh=mesh, group_by_spec=True)
-        out["tokens"] = gen.generate(prompts, 4, chunk_size=5)
+        if (dp, mp) != (1, 2):  # 1x2 only checks the weight layout and the dense forward
+            # Requests spread over the data ranks (2x4: one each), sliding/full groups.
+            gen = PagedGenerator(
+                gemma, block_size=4, max_num_tokens=16, mesh=mesh, group_by_spec=True
+            )
+            out["tokens"] = gen.generate(prompts, 4, chunk_size=5)
         results[f"{dp}x{mp}"] = out
     return results
 
@@ -78,4 +81,6 @@ def test_same_tokens_on_1_and_8_devices(tmp_path):
         np.testing.assert_allclose(
             out["image_features"], one["image_features"], rtol=1e-5, atol=1e-5, err_msg=name
         )
-        assert out["tokens"] == one["tokens"], name
+        if "tokens" in out:
+            assert out["tokens"] == one["tokens"], name
+    assert "tokens" in results["1x8"] and "tokens" in results["2x4"]

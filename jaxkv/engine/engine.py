@@ -303,6 +303,7 @@ class LLMEngine:
             finish_reason=None if update.finish_reason is None else str(update.finish_reason),
             text=text,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
     def _record(self, out, updates, host_s, wait_s, compiled) -> None:

@@ -62,11 +62,7 @@ def image_inputs(model) -> ImageInputs | None:
     token_id = getattr(model.config, "image_token_id", None)
     if token_id is None or not hasattr(model, "encode_images"):
         return None
-    shape = getattr(model, "image_input_shape", None)
-    if shape is None:  # jaxkv.models' LLaVA: the vision tower's config says it
-        vision = model.llava_config.vision
-        shape = (vision.num_channels, vision.image_size, vision.image_size)
-    return ImageInputs(int(token_id), int(model.num_image_tokens), tuple(shape))
+    return ImageInputs(int(token_id), int(model.num_image_tokens), tuple(model.image_input_shape))
 
 
 def group_kv_cache_specs(

@@ -287,6 +287,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hits
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hits
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)

@@ -36,9 +36,10 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
 - `embed_tokens(token_ids) -> [T, hidden]`, scaled as the model scales embeddings; row
   `i` of `inputs_embeds` replaces that embedding of token `i`.
 - LLaVA (`LlavaForConditionalGeneration`, `llava_config`): `num_image_tokens` features
-  per image; `expand_image_tokens(ids)` repeats each `image_token_id` that many times
-  (as HF's processor does); `encode_images(pixel_values [N, C, H, W]) -> [N,
-  num_image_tokens, hidden]` (vision tower + projector; the encoder output to cache);
+  per image of `image_input_shape` `(C, H, W)`; `expand_image_tokens(ids)` repeats each
+  `image_token_id` that many times (as HF's processor does);
+  `encode_images(pixel_values [N, C, H, W]) -> [N, num_image_tokens, hidden]` (vision
+  tower + projector; the encoder output to cache);
   `merge_image_features(token_ids, embeds, features [M, hidden], image_token_id)` puts
   features into the placeholder rows in order; `multimodal_embeddings(ids, pixels)` does
   both for one prompt.

@@ -141,6 +141,12 @@ class LlavaForConditionalGeneration(CausalLM):
     def num_image_tokens(self) -> int:
         return self.llava_config.num_image_tokens
 
+    @property
+    def image_input_shape(self) -> tuple[int, int, int]:
+        """`(C, H, W)` of one image's `pixel_values` (what `preprocess_image` must produce)."""
+        vision = self.llava_config.vision
+        return (vision.num_channels, vision.image_size, vision.image_size)
+
     def encode_images(self, pixel_values: jax.Array) -> jax.Array:
         """Projected features `[N, num_image_tokens, hidden]` of `pixel_values [N, C, H, W]`."""
         x = self.vision_tower(pixel_values)
