@@ -1,6 +1,6 @@
 """Plot the benchmarks' latest JSON results (benchmarks/results/*.json) as PNGs beside them.
 
-    pip install -e ".[dev]"   # matplotlib
+    pip install -e .   # matplotlib is a dependency
     python -m benchmarks.plot_results
 
 The benchmarks themselves only write JSON (the vLLM peer environment they may run
@@ -219,7 +219,7 @@ def main() -> None:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plotting needs matplotlib: pip install -e '.[dev]'") from None
+        raise SystemExit("plotting needs matplotlib: pip install -e .") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
