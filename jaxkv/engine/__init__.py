@@ -6,7 +6,7 @@ import JAX, so host-only benchmarks and tests can use the scheduler alone.
 
 from __future__ import annotations
 
-import importlib
+from jaxkv._lazy import lazy_getattr
 
 _EXPORTS = {
     "EngineConfig": "engine",
@@ -30,8 +30,6 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxkv.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"jaxkv.engine.{module}"), name)
+__getattr__ = lazy_getattr(
+    "jaxkv.engine", {name: f"jaxkv.engine.{module}" for name, module in _EXPORTS.items()}, globals()
+)

@@ -7,7 +7,7 @@ themselves import JAX. The interface the engine codes to is documented in
 
 from __future__ import annotations
 
-import importlib
+from jaxkv._lazy import lazy_getattr
 
 _EXPORTS = {
     "CausalLM": "jaxkv.models.base",
@@ -29,14 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxkv.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__ = lazy_getattr("jaxkv.models", _EXPORTS, globals())
