@@ -173,6 +173,7 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             track_freed_block_ids=track_freed_block_ids,
             num_prefill_lookahead=num_prefill_lookahead,
+            max_in_flight_tokens=self.max_in_flight_tokens,
         )
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
@@ -439,8 +440,15 @@ class KVCacheManager:
         free_block_queue = self.block_pool.free_block_queue
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, max_model_len)
+            # Window groups release blocks as the request advances: each needs at most
+            # its admission cap at once (vLLM's rule).
             num_blocks_full = coordinator.get_num_blocks_to_allocate(
-                request_id, num_full, hits_or_none, num_encoder_tokens, num_computed_tokens
+                request_id,
+                num_full,
+                hits_or_none,
+                num_encoder_tokens,
+                num_computed_tokens,
+                apply_admission_cap=True,
             )
             if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
                 return None
@@ -667,6 +675,13 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
             if request in self._slot_state:
                 self._slot_state[request] = self._get_slot_state(request)
+
+    def new_step_starts(self) -> None:
+        """Call when the scheduler starts a step, as vLLM's does. Once it is called, a hit
+        ending on a Mamba state cached during the current step waits for the next one
+        (`allocate_slots` returns None): that state is written by this step's forward
+        pass. Without these calls no hit is held back."""
+        self.coordinator.new_step_starts()
 
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
