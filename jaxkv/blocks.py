@@ -136,7 +136,7 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         first = self.head.next_free_block
         if first is self.tail or first is None:
-            raise ValueError("no free blocks: the free queue is empty")
+            raise ValueError("No free blocks available")  # vLLM's message
         self.head.next_free_block = first.next_free_block
         first.next_free_block.prev_free_block = self.head  # type: ignore[union-attr]
         first.prev_free_block = first.next_free_block = None

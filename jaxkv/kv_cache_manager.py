@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -23,6 +24,7 @@ from jaxkv.single_type_kv_cache_manager import FullAttentionManager
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
 # path answers instead: only slower, never different.
+logger = logging.getLogger("jaxkv")
 _ZERO = 0
 
 
@@ -37,8 +39,10 @@ class KVCacheBlocks:
             tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks, strict=True))
         )
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([block.block_id for block in group] for group in self.blocks)
+    def get_block_ids(self, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
+        """Block ids per group; `group_ids` selects (and orders) the groups."""
+        groups = self.blocks if group_ids is None else [self.blocks[i] for i in group_ids]
+        return tuple([block.block_id for block in group] for group in groups)
 
     def get_unhashed_block_ids(self) -> list[int]:
         if len(self.blocks) != 1:
@@ -739,6 +743,9 @@ class KVCacheManager:
         metadata = self._event_metadata
         for i, event in enumerate(events):
             if type(event) is BlockStored:
+                if not 0 <= event.group_idx < len(metadata):  # queued by hand: left as is
+                    logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                    continue
                 kind, window = metadata[event.group_idx]
                 events[i] = replace(
                     event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window

@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import (
+    BlockHashListWithBlockSize,
     BlockPool,
     BlockStored,
     FullAttentionSpec,
     KVCacheBlock,
+    KVCacheBlocks,
     KVCacheConfig,
     KVCacheManager,
     MambaSpec,
@@ -25,9 +27,12 @@ from jaxkv import (
     get_hash_fn_by_name,
     get_manager_for_kv_cache_spec,
     get_request_block_hasher,
+    hashing,
     make_block_hash_with_group_id,
+    resolve_block_hashes,
 )
 from jaxkv.block_pool import BlockHashToBlockMap
+from jaxkv.hashing import resolve_none_hash_seed
 from jaxkv.kv_cache_interface import ChunkedLocalAttentionSpec
 from jaxkv.single_type_kv_cache_manager import (
     FullAttentionManager,
@@ -312,3 +317,42 @@ def test_without_step_reports_no_mamba_hit_is_held_back():
     b = request("b", [*range(32), 7, 7, 7])
     hits, num_hit, _ = m.get_computed_blocks(b)
     assert num_hit == 32 and m.allocate_slots(b, 3, num_hit, hits) is not None
+
+
+# -- smaller call forms ----------------------------------------------------------------
+
+
+def test_get_block_ids_selects_groups():
+    blocks = KVCacheBlocks(([KVCacheBlock(1)], [KVCacheBlock(2)], [KVCacheBlock(3)]))
+    assert blocks.get_block_ids() == ([1], [2], [3])
+    assert blocks.get_block_ids(group_ids=(2, 0)) == ([3], [1])
+
+
+def test_none_hash_seed_rule(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    sha, xx = get_hash_fn_by_name("sha256"), get_hash_fn_by_name("xxhash")
+    assert resolve_none_hash_seed(sha) == hashing.DEFAULT_NONE_HASH_SEED
+    seeds = {resolve_none_hash_seed(xx) for _ in range(4)}
+    assert len(seeds) == 4 and hashing.DEFAULT_NONE_HASH_SEED not in seeds
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert resolve_none_hash_seed(xx) == resolve_none_hash_seed(sha) == "42"
+    assert sha.__name__ == "sha256"
+
+
+def test_events_of_an_unknown_group_pass_through_unannotated(caplog):
+    m = manager_for(full(), enable_kv_cache_events=True)
+    stray = BlockStored([b"x"], None, [0] * 16, 16, None, group_idx=3)
+    m.block_pool.kv_event_queue.append(stray)
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        assert m.take_events() == [stray]
+    assert "Group index `3` not in KV cache metadata" in caplog.text
+
+
+def test_a_hash_view_is_only_read_at_its_own_block_size():
+    raw = [bytes([i]) * 4 for i in range(8)]
+    view = BlockHashListWithBlockSize(raw, 2, 4)
+    assert resolve_block_hashes(view, 2, 4) is view
+    with pytest.raises(ValueError, match="view of 8-token blocks"):
+        resolve_block_hashes(BlockHashListWithBlockSize(raw, 2, 8), 2, 4)
+    with pytest.raises(ValueError, match="view of 4-token blocks"):
+        resolve_block_hashes(view, 2, 2)

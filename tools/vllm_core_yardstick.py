@@ -123,6 +123,8 @@ def run_pytest(workdir: Path, python: str, target: str, junit: Path, extra: list
         [str(workdir), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     env.pop("PYTHONHASHSEED", None)
+    # vLLM's config tests name Hugging Face models; never reach for the network.
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     launcher = (
         "import sys; sys.path.append(sys.argv.pop(1)); import pytest; "
         "sys.exit(pytest.main(sys.argv[1:]))"
@@ -136,6 +138,7 @@ def run_pytest(workdir: Path, python: str, target: str, junit: Path, extra: list
         "-q",
         "-rN",
         "--tb=short",
+        "--continue-on-collection-errors",
         "-p",
         "no:cacheprovider",
         "-o",
@@ -195,6 +198,22 @@ def summarise(results: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
+def compare(results: dict[str, list[dict]], baseline: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per file, against a baseline run (``--target vllm``): the tests that pass there,
+    and how many of those pass here; plus the tests passing here but not there."""
+    rows = {}
+    for file in sorted(set(results) | set(baseline)):
+        here = {r["test"] for r in results.get(file, []) if r["outcome"] == "passed"}
+        there = {r["test"] for r in baseline.get(file, []) if r["outcome"] == "passed"}
+        rows[file] = {
+            "pass_baseline": len(there),
+            "pass_both": len(here & there),
+            "pass_only_here": len(here - there),
+            "fail_here_pass_baseline": sorted(there - here),
+        }
+    return rows
+
+
 def print_summary(summary: dict[str, dict], target: str, show_causes: bool) -> None:
     print(f"vLLM v1/core unit tests against {target}")
     header = f"{'file':42} {'total':>5} {'pass':>5} {'fail':>5} {'error':>5} {'skip':>5}"
@@ -231,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write per-test results here")
     parser.add_argument("--keep", type=Path, help="write the rewritten files here (kept)")
     parser.add_argument("--quiet", action="store_true", help="no per-cause breakdown")
+    parser.add_argument(
+        "--compare", type=Path, help="a --json file of a --target vllm run: pass counts on both"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -254,8 +276,19 @@ def main(argv: list[str] | None = None) -> int:
         results = parse_junit(junit)
     summary = summarise(results)
     print_summary(summary, args.target, show_causes=not args.quiet)
+    comparison = None
+    if args.compare:
+        comparison = compare(results, json.loads(args.compare.read_text())["tests"])
+        print(f"\n{'file':42} {'pass on baseline':>16} {'of those here':>13} {'only here':>9}")
+        for file, row in comparison.items():
+            print(
+                f"{file:42} {row['pass_baseline']:16} {row['pass_both']:13} "
+                f"{row['pass_only_here']:9}"
+            )
     if args.json:
         payload = {"target": args.target, "summary": summary, "tests": results}
+        if comparison is not None:
+            payload["compare"] = comparison
         args.json.write_text(json.dumps(payload, indent=1), encoding="utf-8")
     return 0
 

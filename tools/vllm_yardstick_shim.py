@@ -8,8 +8,9 @@ becomes a `Missing` placeholder: the module still imports, and only the tests
 that touch the name fail, with `NoJaxkvEquivalentError` naming it.
 
 Shims (`SHIMS`) stand in for vLLM objects that have no meaning in jaxkv and no
-behaviour under test: torch (numpy dtypes and arrays instead of torch ones), the
-opaque multimodal payload `MultiModalKwargsItem`, and the constant `GiB_bytes`.
+behaviour under test: torch (numpy dtypes and arrays instead of torch ones) and
+its `tensor_data` (an array's bytes), the opaque multimodal payload
+`MultiModalKwargsItem`, and the constant `GiB_bytes`.
 
 With ``JAXKV_YARDSTICK_TARGET=vllm`` every name resolves to vLLM itself (torch
 included), so the same rewritten files measure vLLM 0.33 as the baseline; names
@@ -75,25 +76,30 @@ class NoJaxkvEquivalentError(NotImplementedError):
 class Missing:
     """Placeholder for a name the target lacks; any real use raises `NoJaxkvEquivalentError`.
 
-    Type-annotation uses (``Missing | None``, ``Missing[int]``) evaluate quietly so
-    that a module whose signatures mention the name still imports.
+    Type-annotation uses (``Missing | None``, ``Missing[int]``) and attribute reads
+    evaluate quietly so that a module whose signatures or defaults mention the name
+    still imports.
     """
 
     def __init__(self, qualname: str) -> None:
         self._qualname = qualname
 
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
-        raise NoJaxkvEquivalentError(f"{self._qualname} has no equivalent in {TARGET}")
+    def _fail(missing, /, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (callers pass self=)
+        raise NoJaxkvEquivalentError(f"{missing._qualname} has no equivalent in {TARGET}")
 
     __call__ = _fail
     __iter__ = _fail
     __len__ = _fail
     __bool__ = _fail
+    __eq__ = _fail
+    __hash__ = object.__hash__
 
-    def __getattr__(self, attr: str) -> Any:
+    def __getattr__(self, attr: str) -> Missing:
+        # `Missing.X` stays missing (a default argument such as `Enum.NONE` must not
+        # fail the module's import); using it fails.
         if attr.startswith("__"):
             raise AttributeError(attr)
-        self._fail()
+        return Missing(f"{self._qualname}.{attr}")
 
     def __or__(self, other: Any) -> Missing:
         return self
@@ -133,6 +139,11 @@ class _Torch:
         return np.asarray(data, dtype=dtype)
 
     @staticmethod
+    def randn(*shape: Any) -> np.ndarray:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return np.random.default_rng().standard_normal(shape, dtype=np.float32)
+
+    @staticmethod
     def zeros(*shape: int, dtype: Any = None) -> np.ndarray:
         return np.zeros(shape, dtype=dtype if dtype is not None else np.float32)
 
@@ -154,8 +165,14 @@ class _MultiModalKwargsItem:
         return None
 
 
+def _tensor_data(array: np.ndarray) -> memoryview:
+    """vLLM's `tensor_data` (a torch tensor's bytes) for the numpy arrays torch became."""
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
 SHIMS: dict[tuple[str, str], Any] = {
     ("vllm.multimodal.inputs", "MultiModalKwargsItem"): _MultiModalKwargsItem,
+    ("vllm.v1.core.kv_cache_utils", "tensor_data"): _tensor_data,
     ("vllm.utils.mem_constants", "GiB_bytes"): 1 << 30,
 }
 
