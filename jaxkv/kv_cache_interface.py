@@ -593,6 +593,26 @@ class KVCacheConfig:
             for s in iter_layer_specs(g.kv_cache_spec)
         )
 
+    @property
+    def has_mixed_precision_kv_cache(self) -> bool:
+        """Whether the device's attention caches use more than one dtype."""
+        dtypes = {
+            numpy_dtype(s.dtype)
+            for g in self.kv_cache_groups
+            if not g.host_resident
+            for s in iter_layer_specs(g.kv_cache_spec)
+            if isinstance(s, AttentionSpec)
+        }
+        return len(dtypes) > 1
+
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        """Whether new blocks must be zeroed before use (vLLM's rule): a Mamba state is
+        read before it is fully written, and a page reused under another precision
+        would decode stale bytes as NaN/Inf. (Pass it to the coordinator's
+        `needs_kv_cache_zeroing` to record new block ids; the caller drains them.)"""
+        return self.has_mamba_layers or self.has_mixed_precision_kv_cache
+
     @classmethod
     def single_group(
         cls, spec: KVCacheSpec, num_blocks: int, layer_names: tuple[str, ...] = ("layer.0",)

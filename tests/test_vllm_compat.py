@@ -356,3 +356,14 @@ def test_a_hash_view_is_only_read_at_its_own_block_size():
         resolve_block_hashes(BlockHashListWithBlockSize(raw, 2, 8), 2, 4)
     with pytest.raises(ValueError, match="view of 4-token blocks"):
         resolve_block_hashes(view, 2, 2)
+
+
+def test_kv_cache_zeroing_is_needed_for_mamba_or_mixed_precision():
+    def config(*specs):
+        return KVCacheConfig.from_groups([(s, (f"l{i}",)) for i, s in enumerate(specs)], 8)
+
+    mamba = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="align")
+    assert config(full(), mamba).needs_kv_cache_zeroing
+    assert not config(full(), swa(64)).needs_kv_cache_zeroing  # both float32
+    mixed = config(full(), SlidingWindowSpec(16, 1, 1, "bfloat16", sliding_window=64))
+    assert mixed.has_mixed_precision_kv_cache and mixed.needs_kv_cache_zeroing
