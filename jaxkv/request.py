@@ -210,7 +210,9 @@ class Request:
 
     The positional order is vLLM 0.33's (`request_id, prompt_token_ids,
     sampling_params, pooling_params, client_index, arrival_time, prompt_embeds,
-    ...`); vLLM arguments jaxkv has no use for are accepted and ignored.
+    ...`); vLLM arguments jaxkv has no use for are accepted and ignored. A prompt
+    given only as `prompt_embeds` (`prompt_token_ids=None`) gets token id 0 at every
+    position, as in vLLM (its blocks are told apart by the embeddings' digests).
     `max_tokens` and `skip_reading_prefix_cache` come from `sampling_params`
     (or `pooling_params`) unless given as keywords.
     """
@@ -271,6 +273,9 @@ class Request:
         # uint32 when they fit, else int64 (rejecting floats, strings, nested lists, and
         # ids outside [0, 2**63)).
         if type(prompt_token_ids) is not list:
+            if prompt_token_ids is None and prompt_embeds is not None:
+                # vLLM's embeddings-only prompt: one placeholder id 0 per embedding row.
+                prompt_token_ids = [0] * len(prompt_embeds)
             prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
         try:
             self._prompt_packed = array.array("I", prompt_token_ids)

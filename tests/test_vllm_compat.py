@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -367,3 +368,14 @@ def test_kv_cache_zeroing_is_needed_for_mamba_or_mixed_precision():
     assert not config(full(), swa(64)).needs_kv_cache_zeroing  # both float32
     mixed = config(full(), SlidingWindowSpec(16, 1, 1, "bfloat16", sliding_window=64))
     assert mixed.has_mixed_precision_kv_cache and mixed.needs_kv_cache_zeroing
+
+
+def test_an_embeddings_only_prompt_gets_placeholder_ids_and_embedding_keys():
+    rng = np.random.default_rng(0)
+    embeds_a, embeds_b = rng.standard_normal((8, 3)), rng.standard_normal((8, 3))
+    a = Request("a", None, prompt_embeds=embeds_a, block_hasher=get_request_block_hasher(4, SHA))
+    b = Request("b", None, prompt_embeds=embeds_b, block_hasher=get_request_block_hasher(4, SHA))
+    assert a.prompt_token_ids == [0] * 8 and a.num_prompt_tokens == 8
+    assert len(a.block_hashes) == 2 and a.block_hashes[0] != b.block_hashes[0]
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        Request("c", None)
