@@ -795,7 +795,7 @@ class MambaManager(SingleTypeKVCacheManager):
                     for block in self.req_to_blocks[request_id][
                         num_cached : self.num_cached_block.get(request_id, 0)
                     ]
-                    if block._block_hash is not None
+                    if block.block_hash_only is not None
                 )
             return
         # `num_tokens` is where the step's state stands (the coordinator passes the

@@ -379,3 +379,16 @@ def test_an_embeddings_only_prompt_gets_placeholder_ids_and_embedding_keys():
     assert len(a.block_hashes) == 2 and a.block_hashes[0] != b.block_hashes[0]
     with pytest.raises(TypeError, match="prompt_token_ids"):
         Request("c", None)
+
+
+def test_all_mode_mamba_states_cached_this_step_also_wait():
+    mamba = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="all")
+    m = manager_for(full(), mamba, num_blocks=40, max_model_len=256)
+    m.new_step_starts()
+    assert m.allocate_slots(request("a", range(40)), 32) is not None
+    b = request("b", [*range(32), 7, 7, 7])
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert num_hit == 32 and m.allocate_slots(b, 3, num_hit, hits) is None
+    m.new_step_starts()
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert m.allocate_slots(b, 3, num_hit, hits) is not None
