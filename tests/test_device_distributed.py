@@ -3,7 +3,8 @@
 Each process has 2 CPU devices; the 4 global devices form one mesh, the cache
 is sharded across both processes (KV heads over the model axis, blocks over a data
 axis, or blocks over every device under attention data parallelism), one step
-(write + attention), a block copy and zeroing run on it, and the result must equal this (single-process, single-device) run.
+(write + attention), a block copy and zeroing run on it, and the result must
+equal this (single-process, single-device) run.
 """
 
 from __future__ import annotations
