@@ -347,3 +347,37 @@ def test_scatter_returns_a_new_store_array_and_composes_in_a_users_jit():
     np.testing.assert_array_equal(np.asarray(cache).reshape(-1, HIDDEN)[4 * pages[0] :][:4], x[:4])
     with pytest.raises(ValueError, match=r"store array has shape \(3, 4, 8\)"):
         s.scatter(cache[:3], x, pages)
+
+
+def test_random_item_sizes_from_numpy_and_jax_compile_a_few_programs_in_place():
+    """400 random-size items, half handed over as JAX arrays: programs stay per page
+    bucket, bf16 (stored as uint16 on CPU by default) round-trips bit for bit, and every
+    write updates the one store buffer in place."""
+    from jaxkv.device import compilation_count
+
+    page_size, max_pages = 4, 16
+    s = EncoderCacheStore(64, page_size, HIDDEN, dtype=jnp.bfloat16)
+    assert s.storage_dtype == np.uint16 and s.cache.dtype == np.uint16  # the CPU default
+    pointer = s.cache.unsafe_buffer_pointer()
+    rng = np.random.default_rng()
+    want: dict[str, np.ndarray] = {}
+    before = compilation_count()
+    for i in range(400):
+        n = int(rng.integers(1, page_size * max_pages + 1))
+        x = rng.standard_normal((n, HIDDEN)).astype(jnp.bfloat16)
+        mm_hash = f"item{i}"
+        pages = s.put(mm_hash, jax.device_put(x) if i % 2 else x)  # jnp.asarray compiles
+        want[mm_hash] = x
+        got = s.get(mm_hash) if i % 3 else s.gather(pages, n)
+        assert got.shape == (n, HIDDEN) and got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), x.view(np.uint16))
+        while s.num_free_pages < max_pages:
+            gone = next(iter(want))
+            s.free([gone])
+            del want[gone]
+    buckets = max_pages.bit_length()  # 1, 2, 4, 8, 16 pages
+    compiled = compilation_count() - before
+    assert compiled <= 2 * buckets, f"{compiled} programs for {buckets} page buckets"
+    assert s.cache.unsafe_buffer_pointer() == pointer, "writes must update the buffer in place"
+    for mm_hash, x in want.items():  # earlier items untouched by later writes
+        np.testing.assert_array_equal(np.asarray(s.get(mm_hash)).view(np.uint16), x.view(np.uint16))
