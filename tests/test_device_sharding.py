@@ -186,6 +186,28 @@ def bytes_by_policy(num_kv_heads: int) -> dict[str, dict[str, int]]:
     return out
 
 
+def layout_violations() -> list[str]:
+    """Every (data, model) mesh of the 8 devices, 1..8 KV heads, every policy: what breaks
+    the layout invariants (empty when none does)."""
+    bad = []
+    for data in (1, 2, 4, 8):
+        for heads in range(1, 9):
+            mesh = make_mesh(data, 8 // data)
+            for policy in POLICIES:
+                lay = KVLayout.plan(mesh, heads, policy)
+                name = f"{data}x{8 // data} heads={heads} {policy}"
+                per_rank_devices = lay.num_devices // lay.dp_size
+                if lay.replication * heads != lay.kv_heads_per_device * per_rank_devices:
+                    bad.append(f"{name}: replication does not count the head copies")
+                if lay.device_share != lay.replication / 8:
+                    bad.append(f"{name}: device_share {lay.device_share}")
+                if policy == "auto" and (lay.replication != 1 or lay.mesh is not mesh):
+                    bad.append(f"{name}: the default stores KV twice or moves the mesh")
+                if lay.heads_sharded and lay.blocks_over_model:
+                    bad.append(f"{name}: heads and blocks both over the model axis")
+    return bad
+
+
 def _main(seed: int) -> None:
     assert jax.device_count() == 8, jax.devices()
     results = {}
@@ -194,6 +216,7 @@ def _main(seed: int) -> None:
             make_mesh(data, model), num_kv_heads=heads, group=group, policy=policy, seed=seed
         )
     results["bytes"] = {str(heads): bytes_by_policy(heads) for heads in (1, 2, 4)}
+    results["violations"] = layout_violations()
     print("RESULTS " + json.dumps(results))
 
 
@@ -209,6 +232,7 @@ def test_sharded_layouts_match_single_device() -> None:
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
     by_heads = results.pop("bytes")
+    assert results.pop("violations") == []
     assert set(results) == set(LAYOUTS)
     for name, r in results.items():
         assert (r["dp"], r["model"], r["replication"]) == EXPECTED_PLACEMENT[name], (name, r)
