@@ -16,12 +16,14 @@ from jaxkv import (
     BlockHashListWithBlockSize,
     BlockPool,
     BlockStored,
+    CachingMetrics,
     FullAttentionSpec,
     KVCacheBlock,
     KVCacheBlocks,
     KVCacheConfig,
     KVCacheManager,
     MambaSpec,
+    PrefixCacheStats,
     Request,
     SamplingParams,
     SlidingWindowSpec,
@@ -392,3 +394,51 @@ def test_all_mode_mamba_states_cached_this_step_also_wait():
     m.new_step_starts()
     hits, num_hit, _ = m.get_computed_blocks(b)
     assert m.allocate_slots(b, 3, num_hit, hits) is not None
+
+
+# -- windowed hit rate ----------------------------------------------------------------
+
+
+def test_caching_metrics_window_exact_numbers():
+    metrics = CachingMetrics(max_recent_requests=5)
+    assert metrics.hit_rate == 0.0 and metrics.empty
+    metrics.observe(PrefixCacheStats(requests=1, queries=20, hits=9))
+    assert metrics.hit_rate == 0.45
+    metrics.observe(PrefixCacheStats(requests=0, queries=0, hits=0))  # ignored
+    metrics.observe(PrefixCacheStats(requests=4, queries=80, hits=16))
+    assert metrics.hit_rate == 0.25
+    metrics.observe(PrefixCacheStats(requests=1, queries=10, hits=2))  # (1, 20, 9) leaves
+    assert (metrics.aggregated_requests, metrics.aggregated_query_total) == (5, 90)
+    metrics.observe(PrefixCacheStats(requests=11, queries=20, hits=10))  # newest always kept
+    assert (metrics.aggregated_requests, metrics.hit_rate) == (11, 0.5)
+    metrics.observe(PrefixCacheStats(reset=True, requests=1, queries=4, hits=1))
+    assert (metrics.aggregated_requests, metrics.hit_rate) == (1, 0.25)
+    with pytest.raises(ValueError, match="max_recent_requests"):
+        CachingMetrics(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 4), st.integers(0, 30)), max_size=30),
+)
+def test_caching_metrics_match_a_recomputed_window(window, batches):
+    """After every batch: the sums are those of the newest batches holding at most
+    `window` requests (at least the newest one), counted since the last reset."""
+    metrics = CachingMetrics(window)
+    kept: list[tuple[int, int, int]] = []
+    for reset, requests, queries in batches:
+        hits = queries // 2
+        metrics.observe(
+            PrefixCacheStats(reset=reset, requests=requests, queries=queries, hits=hits)
+        )
+        if reset:
+            kept = []
+        if requests:
+            kept.append((requests, queries, hits))
+            while len(kept) > 1 and sum(k[0] for k in kept) > window:
+                kept.pop(0)
+        assert list(metrics.query_queue) == kept
+        assert metrics.aggregated_requests == sum(k[0] for k in kept)
+        assert metrics.aggregated_query_total == sum(k[1] for k in kept)
+        assert metrics.aggregated_query_hit == sum(k[2] for k in kept)
