@@ -1,0 +1,260 @@
+"""jaxkv's Pallas TPU ragged paged-attention kernel (`jaxkv.device.pallas_tpu`).
+
+No TPU here: the kernel runs in Pallas TPU interpret mode (`pltpu.InterpretParams`:
+out-of-bounds reads raise, uninitialised VMEM reads NaN) against the float64
+reference, on NaN-poisoned caches, and is lowered for TPU on the CPU host (the
+Pallas -> Mosaic lowering; Mosaic's own compiler needs a TPU). Interpret mode is
+slow, so the shapes are tiny and the cases few.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_device_attention import (
+    BATCHES,
+    LONG_BATCH,
+    random_case,
+    random_spans,
+    reference_attention,
+    rel_error,
+    run_attention,
+)
+from test_device_step_metadata import _run_step
+
+from jaxkv.device import PagedKVCache, ragged_paged_attention
+from jaxkv.device import attention as attention_module
+from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu
+from jaxkv.kv_cache_interface import FullAttentionSpec
+
+# 8 tokens per tile, 2 pages of 4 keys per DMA chunk: several tiles, segments and chunks.
+TPU = {"impl": "pallas_tpu_interpret", "token_chunk": 8, "keys_per_chunk": 8}
+
+
+def _check(case, got, want, bound=1e-5) -> None:
+    num_q = int(case.q_lens.sum())
+    assert np.isfinite(got.astype(np.float32)).all(), "NaN leaked from poisoned pages"
+    assert rel_error(got[:num_q], want[:num_q]) < bound
+    assert not got[num_q:].astype(np.float32).any(), "padded query rows must be exactly 0"
+
+
+@pytest.mark.parametrize(
+    ("group", "window", "chunk", "soft_cap", "spans"),
+    [
+        (1, None, None, None, False),
+        (2, 9, None, 3.0, True),
+        (4, None, 8, None, True),
+        (8, 5, 12, 2.0, True),
+    ],
+)
+def test_mixed_batch_every_mask_matches_float64_reference(
+    group, window, chunk, soft_cap, spans
+) -> None:
+    """A 40-token prefill, decodes and chunks in one batch; GQA 1-8; tiles span requests."""
+    rng = np.random.default_rng()
+    case = random_case(rng, *LONG_BATCH, group=group, num_kv_heads=2, width=12)
+    ends = random_spans(rng, case) if spans else None
+    masks = {"sliding_window": window, "attention_chunk": chunk, "soft_cap": soft_cap}
+    want = reference_attention(case, sm_scale=0.3, span_ends=ends, **masks)
+    got = run_attention(case, ends, sm_scale=0.3, **TPU, **masks)
+    _check(case, got, want)
+
+
+@pytest.mark.parametrize("batch", ["prefill", "decode"])
+def test_prefill_only_and_decode_only(batch) -> None:
+    rng = np.random.default_rng()
+    case = random_case(rng, *BATCHES[batch], group=3)
+    want = reference_attention(case, sm_scale=0.35, sliding_window=6)
+    _check(case, run_attention(case, sm_scale=0.35, sliding_window=6, **TPU), want)
+
+
+def test_stale_table_tails_and_freed_window_pages() -> None:
+    """A 64-wide table with garbage past each request's pages, and the pages behind the
+    window freed to the (NaN) null block: same result as the narrow table, bit for bit."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [37, 29, 5], [9, 1, 5], block_size=4, width=10)
+    window = 6
+    tables = case.block_tables.copy()
+    for r in range(case.num_seqs):
+        s, ql = int(case.seq_lens[r]), int(case.q_lens[r])
+        tables[r, : max(0, (s - ql - window + 1) // 4)] = 0
+    wide = rng.integers(0, case.cache.num_blocks, (tables.shape[0], 64)).astype(np.int32)
+    wide[:, :10] = tables
+    want = reference_attention(case, sm_scale=0.4, sliding_window=window)
+    narrow = run_attention(case, tables=tables, sm_scale=0.4, sliding_window=window, **TPU)
+    _check(case, narrow, want)
+    got = run_attention(case, tables=wide, sm_scale=0.4, sliding_window=window, **TPU)
+    np.testing.assert_array_equal(got, narrow)
+
+
+def test_bf16_cache_stored_as_uint16() -> None:
+    rng = np.random.default_rng()
+    case = random_case(rng, [12, 7, 9], [4, 1, 9], dtype="bfloat16")
+    assert case.kv.dtype == np.uint16  # the kernel bitcasts the stored bits back
+    got = run_attention(case, sm_scale=0.35, soft_cap=4.0, **TPU)
+    _check(case, got, reference_attention(case, sm_scale=0.35, soft_cap=4.0), bound=2e-2)
+
+
+def test_replicated_kv_head_slice() -> None:
+    """`kv_head`: every query head reads one KV head (a model shard of a replicated cache)."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [11, 6, 1], [5, 1, 1], num_kv_heads=2, group=3)
+    one_head = dataclasses.replace(
+        case,
+        q=case.q,
+        keys=[k[:, 1:2] for k in case.keys],
+        values=[v[:, 1:2] for v in case.values],
+    )
+    got = run_attention(case, sm_scale=0.5, kv_head=jnp.int32(1), **TPU)
+    _check(case, got, reference_attention(one_head, sm_scale=0.5))
+
+
+def test_step_dispatches_the_kernel_when_forced() -> None:
+    """`PagedKVCache.step(impl="pallas_tpu_interpret")`: write, then the TPU kernel."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [19, 7, 13], [9, 1, 4], pad_tokens=0)
+    num_q = int(case.q_lens.sum())
+    want = reference_attention(case, sm_scale=0.4, sliding_window=7)[:num_q]
+    assert (
+        rel_error(_run_step(case, rng, sliding_window=7, impl="pallas_tpu_interpret"), want) < 1e-5
+    )
+
+
+def test_auto_dispatch_by_platform(monkeypatch) -> None:
+    """No TPU here: a spy stands in for the kernel to show what `auto` picks on one."""
+    calls = []
+
+    def spy(q, *args, **kw):
+        calls.append(kw)
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(attention_module, "paged_attention_tiles_tpu", spy)
+    rng = np.random.default_rng()
+    case = random_case(rng, [6, 3], [2, 1])
+    run_attention(case, sm_scale=0.5, platform="tpu", attention_chunk=4)
+    assert len(calls) == 1 and calls[0]["interpret"] is False
+    run_attention(case, sm_scale=0.5, platform="tpu", impl="pallas", sliding_window=2)
+    assert len(calls) == 2
+    want = reference_attention(case, sm_scale=0.5)
+    _check(case, run_attention(case, sm_scale=0.5, platform="tpu", impl="reference"), want)
+    quant = random_case(rng, [6, 3], [2, 1], cache=PagedKVCache(_spec(), 40, kv_quant="int8"))
+    got = run_attention(quant, sm_scale=0.5, platform="tpu", kv_quant="int8")  # blockwise
+    _check(quant, got, reference_attention(quant, sm_scale=0.5), bound=2e-2)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="no kernel for a quantised cache"):
+        run_attention(quant, sm_scale=0.5, kv_quant="int8", **TPU)
+    f32_bits_as_bf16 = {"platform": "tpu", "impl": "pallas", "kv_dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="needs a cache whose storage dtype"):
+        ragged_paged_attention(
+            jnp.asarray(case.q), case.kv, case.block_tables, case.seq_lens,
+            case.query_start_loc, case.num_seqs, sm_scale=0.5, **f32_bits_as_bf16,
+        )  # fmt: skip
+
+
+def _spec() -> FullAttentionSpec:
+    return FullAttentionSpec(4, 2, 8, "float32")
+
+
+def test_bad_arguments() -> None:
+    q = jnp.zeros((5, 4, 8))
+    kv = jnp.zeros((6, 4, 4, 8))
+    tables = jnp.zeros((2, 3), jnp.int32)
+    ids = jnp.zeros(5, jnp.int32)
+    call = functools.partial(paged_attention_tiles_tpu, q, kv, tables, sm_scale=1.0)
+    with pytest.raises(ValueError, match=r"lo has shape \(4,\); expected \(5,\)"):
+        call(ids, ids[:4], ids)
+    with pytest.raises(ValueError, match="tokens_per_tile must be a positive int, got 0"):
+        call(ids, ids, ids, tokens_per_tile=0)
+    with pytest.raises(ValueError, match="pages_per_chunk must be a positive int, got True"):
+        call(ids, ids, ids, pages_per_chunk=True)
+    with pytest.raises(ValueError, match="kv_dtype=bfloat16 must have the width"):
+        call(ids, ids, ids, kv_dtype="bfloat16")
+    with pytest.raises(ValueError, match="num_q_heads=3 must be a multiple of num_kv_heads=2"):
+        paged_attention_tiles_tpu(q[:, :3], kv, tables, ids, ids, ids, sm_scale=1.0)
+
+
+def _mosaic_ops(lowered_text: str) -> set[str]:
+    """The `tpu.*` ops of the (one) Mosaic kernel serialised in a lowered program."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jax._src.lib.mlir import ir, passmanager
+
+    (body,) = re.findall(r"\\22body\\22: \\22([^\\]*)\\22", lowered_text)
+    ctx = mlir.make_ir_context()
+    tpu.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True  # serialised ops carry a versioned dialect name
+    with ctx, ir.Location.unknown():
+        module = ir.Module.parse(base64.b64decode(body))
+        passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(
+            module.operation
+        )
+        return set(re.findall(r"\b(tpu\.[a-z_]+)", str(module)))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "masks"),
+    [
+        (jnp.float32, {}),
+        (
+            jnp.bfloat16,
+            {"sliding_window": 5, "soft_cap": 30.0, "attention_chunk": 16, "spans": True},
+        ),
+    ],
+)
+def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, masks) -> None:
+    """`impl="auto"` for a TPU is jaxkv's kernel: one `tpu_custom_call` reading the cache
+    in place, whose Mosaic body DMAs pages and runs MXU matmuls."""
+    masks = dict(masks)
+    spans = masks.pop("spans", False)
+    tokens, num_reqs = 20, 5
+
+    def attend(q, kv, tables, seq_lens, qsl, num_seqs, *span_ends):
+        return ragged_paged_attention(
+            q, kv, tables, seq_lens, qsl, num_seqs, sm_scale=0.1, platform="tpu",
+            span_ends=span_ends[0] if spans else None, **masks,
+        )  # fmt: skip
+
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    args = [
+        jax.ShapeDtypeStruct((tokens, 8, 128), dtype),
+        jax.ShapeDtypeStruct((64, 16, 4, 128), dtype),
+        i32((num_reqs, 9)),
+        i32((num_reqs,)),
+        i32((num_reqs + 1,)),
+        i32(()),
+    ] + ([i32((tokens,))] if spans else [])
+    text = jax.jit(attend).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    (call,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
+    assert 'kernel_name = "jaxkv_ragged_paged_attention_tpu"' in call
+    assert "tensor<64x16x4x128x" in call  # the whole cache goes in: no gather, no copy
+    ops = _mosaic_ops(text)
+    assert {"tpu.enqueue_dma", "tpu.wait_dma", "tpu.matmul"} <= ops, ops
+
+
+def test_quantised_cache_lowers_without_the_kernel_for_tpu() -> None:
+    """The documented fallback: `auto` on TPU runs the blockwise path for int8/fp8 caches."""
+    fn = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, platform="tpu", kv_quant="int8", kv_dtype="bfloat16"
+    )
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    text = (
+        jax.jit(fn)
+        .trace(
+            jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((32, 16, 4, 132), jnp.int8),
+            i32((3, 4)),
+            i32((3,)),
+            i32((4,)),
+            i32(()),
+        )
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
+    assert "tpu_custom_call" not in text
