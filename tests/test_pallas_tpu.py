@@ -27,6 +27,7 @@ from test_device_attention import (
     rel_error,
     run_attention,
 )
+from test_device_quant import ATTENTION_BOUND
 from test_device_step_metadata import _run_step
 
 from jaxkv.device import PagedKVCache, ragged_paged_attention
@@ -102,6 +103,22 @@ def test_bf16_cache_stored_as_uint16() -> None:
     _check(case, got, reference_attention(case, sm_scale=0.35, soft_cap=4.0), bound=2e-2)
 
 
+@pytest.mark.parametrize(("mode", "window", "soft_cap"), [("int8", None, None), ("fp8", 5, 3.0)])
+def test_quantised_cache(mode, window, soft_cap) -> None:
+    """int8 / fp8 pages are DMA'd as bytes and dequantised in VMEM (inline scales; NaN scales
+    in unwritten pages): the blockwise path's result to float rounding, and the reference's
+    within the stated quantisation bound."""
+    rng = np.random.default_rng()
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 16, "float32"), 40, kv_quant=mode)
+    case = random_case(rng, [23, 7, 13, 1], [9, 1, 4, 1], cache=cache, head_size=16, width=8)
+    masks = {"sliding_window": window, "soft_cap": soft_cap, "kv_quant": mode}
+    got = run_attention(case, sm_scale=0.3, **masks, **TPU)
+    blockwise = run_attention(case, sm_scale=0.3, **masks, impl="reference")
+    np.testing.assert_allclose(got, blockwise, rtol=1e-5, atol=1e-6)
+    want = reference_attention(case, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap)
+    _check(case, got, want, bound=ATTENTION_BOUND[mode])
+
+
 def test_replicated_kv_head_slice() -> None:
     """`kv_head`: every query head reads one KV head (a model shard of a replicated cache)."""
     rng = np.random.default_rng()
@@ -145,11 +162,13 @@ def test_auto_dispatch_by_platform(monkeypatch) -> None:
     want = reference_attention(case, sm_scale=0.5)
     _check(case, run_attention(case, sm_scale=0.5, platform="tpu", impl="reference"), want)
     quant = random_case(rng, [6, 3], [2, 1], cache=PagedKVCache(_spec(), 40, kv_quant="int8"))
-    got = run_attention(quant, sm_scale=0.5, platform="tpu", kv_quant="int8")  # blockwise
-    _check(quant, got, reference_attention(quant, sm_scale=0.5), bound=2e-2)
-    assert len(calls) == 2
-    with pytest.raises(ValueError, match="no kernel for a quantised cache"):
-        run_attention(quant, sm_scale=0.5, kv_quant="int8", **TPU)
+    run_attention(quant, sm_scale=0.5, platform="tpu", kv_quant="int8")
+    assert len(calls) == 3 and calls[2]["kv_quant"] == "int8"
+    got = run_attention(quant, sm_scale=0.5, platform="gpu", kv_quant="int8")  # blockwise
+    _check(quant, got, reference_attention(quant, sm_scale=0.5), bound=ATTENTION_BOUND["int8"])
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="a quantised cache is not supported"):
+        run_attention(quant, sm_scale=0.5, platform="gpu", impl="pallas", kv_quant="int8")
     f32_bits_as_bf16 = {"platform": "tpu", "impl": "pallas", "kv_dtype": "bfloat16"}
     with pytest.raises(ValueError, match="needs a cache whose storage dtype"):
         ragged_paged_attention(
@@ -199,32 +218,36 @@ def _mosaic_ops(lowered_text: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "masks"),
+    ("dtype", "storage", "masks"),
     [
-        (jnp.float32, {}),
+        (jnp.float32, jnp.float32, {}),
         (
+            jnp.bfloat16,
             jnp.bfloat16,
             {"sliding_window": 5, "soft_cap": 30.0, "attention_chunk": 16, "spans": True},
         ),
+        (jnp.bfloat16, jnp.int8, {"kv_quant": "int8", "sliding_window": 7}),
+        (jnp.bfloat16, jnp.uint8, {"kv_quant": "fp8", "soft_cap": 20.0}),
     ],
 )
-def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, masks) -> None:
+def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, storage, masks) -> None:
     """`impl="auto"` for a TPU is jaxkv's kernel: one `tpu_custom_call` reading the cache
     in place, whose Mosaic body DMAs pages and runs MXU matmuls."""
     masks = dict(masks)
     spans = masks.pop("spans", False)
     tokens, num_reqs = 20, 5
+    stored_head = 128 + (4 if "kv_quant" in masks else 0)
 
     def attend(q, kv, tables, seq_lens, qsl, num_seqs, *span_ends):
         return ragged_paged_attention(
             q, kv, tables, seq_lens, qsl, num_seqs, sm_scale=0.1, platform="tpu",
-            span_ends=span_ends[0] if spans else None, **masks,
+            kv_dtype=dtype, span_ends=span_ends[0] if spans else None, **masks,
         )  # fmt: skip
 
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     args = [
         jax.ShapeDtypeStruct((tokens, 8, 128), dtype),
-        jax.ShapeDtypeStruct((64, 16, 4, 128), dtype),
+        jax.ShapeDtypeStruct((64, 16, 4, stored_head), storage),
         i32((num_reqs, 9)),
         i32((num_reqs,)),
         i32((num_reqs + 1,)),
@@ -233,28 +256,6 @@ def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, masks) -> None:
     text = jax.jit(attend).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     (call,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
     assert 'kernel_name = "jaxkv_ragged_paged_attention_tpu"' in call
-    assert "tensor<64x16x4x128x" in call  # the whole cache goes in: no gather, no copy
+    assert f"tensor<64x16x4x{stored_head}x" in call  # the whole cache goes in: no gather, no copy
     ops = _mosaic_ops(text)
     assert {"tpu.enqueue_dma", "tpu.wait_dma", "tpu.matmul"} <= ops, ops
-
-
-def test_quantised_cache_lowers_without_the_kernel_for_tpu() -> None:
-    """The documented fallback: `auto` on TPU runs the blockwise path for int8/fp8 caches."""
-    fn = functools.partial(
-        ragged_paged_attention, sm_scale=0.1, platform="tpu", kv_quant="int8", kv_dtype="bfloat16"
-    )
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    text = (
-        jax.jit(fn)
-        .trace(
-            jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((32, 16, 4, 132), jnp.int8),
-            i32((3, 4)),
-            i32((3,)),
-            i32((4,)),
-            i32(()),
-        )
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-    )
-    assert "tpu_custom_call" not in text

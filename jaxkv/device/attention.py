@@ -35,7 +35,7 @@ Dispatch:
 | GPU     | `pallas_gpu` Triton kernel (decode and mixed) | the same Triton kernel           |
 | TPU     | `pallas_tpu` Mosaic kernel (decode and mixed) | the same Mosaic kernel           |
 
-Where a kernel does not apply (a quantised cache; on GPU also block shapes outside
+Where a kernel does not apply (on GPU a quantised cache, block shapes outside
 `pallas_gpu`'s constraints or a replicated KV head slice; on TPU a storage dtype
 of another width than the compute dtype) `"auto"` runs the blockwise path;
 `impl="reference"` always runs it. `interpret=True` (with `impl="pallas"`) runs
@@ -167,7 +167,7 @@ def ragged_paged_attention(
     kernel takes `token_chunk` tokens per tile and `keys_per_chunk // block_size`
     pages per DMA chunk. `kv_quant`
     ("int8"/"fp8") reads a quantised cache (`jaxkv.device.storage`), dequantised
-    inside the blockwise path; `kv_dtype` is then the dtype it dequantises to.
+    inside the blockwise path or the TPU kernel; `kv_dtype` is then the dtype it dequantises to.
     """
     num_tokens = q.shape[0]
     check_kv_quant(kv_quant)
@@ -200,7 +200,8 @@ def ragged_paged_attention(
         return paged_attention_tiles_tpu(
             q, kv_cache, block_tables, iv.req, iv.lo, iv.hi,
             sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, kv_head=kv_head,
-            tokens_per_tile=token_chunk, pages_per_chunk=max(1, keys_per_chunk // block_size),
+            kv_quant=kv_quant, tokens_per_tile=token_chunk,
+            pages_per_chunk=max(1, keys_per_chunk // block_size),
             interpret=impl == "pallas_tpu_interpret",
         )  # fmt: skip
     if kernel == "gpu":
@@ -230,34 +231,26 @@ def _check_tiling(impl, attention_chunk, *sizes: int) -> None:
 
 def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, quantised):
     """`"tpu"`, `"gpu"` or `"blockwise"` for this call (module docstring's dispatch table)."""
-    if impl == "reference" or (impl == "auto" and quantised):
+    if impl == "reference":
         return "blockwise"
-    if quantised:
-        raise ValueError(f"impl={impl!r} has no kernel for a quantised cache; use 'auto'")
-    block_size = kv_cache.shape[1]
-    same_width = compute.itemsize == kv_cache.dtype.itemsize
-    gpu_fits = (
-        kv_head is None
-        and block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK) is None
-        and same_width
-    )
+    tpu_fits = quantised or compute.itemsize == kv_cache.dtype.itemsize
+    gpu_error = _gpu_kernel_error(kv_cache, compute, kv_head, head_size, quantised=quantised)
     if impl == "auto":
-        if platform == "gpu" and gpu_fits:
+        if platform == "gpu" and gpu_error is None:
             return "gpu"
-        return "tpu" if platform == "tpu" and same_width else "blockwise"
+        return "tpu" if platform == "tpu" and tpu_fits else "blockwise"
     if impl == "pallas_tpu_interpret" or (impl == "pallas" and platform == "tpu" and not interpret):
-        if not same_width:
+        if not tpu_fits:
             raise ValueError(
                 f"impl={impl!r} (the TPU kernel) needs a cache whose storage dtype "
                 f"{kv_cache.dtype} has the width of its compute dtype {compute}"
             )
         return "tpu"
     if interpret or platform == "gpu":
-        if not gpu_fits:
-            error = block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK)
+        if gpu_error is not None:
             raise ValueError(
                 f"impl='pallas' on GPU needs grouped heads and a cache the Triton kernel can "
-                f"tile: {error or 'a replicated KV head slice is not supported'}"
+                f"tile: {gpu_error}; use impl='auto'"
             )
         return "gpu"
     raise ValueError(
@@ -266,6 +259,17 @@ def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_siz
         f"interpret mode, impl='pallas_tpu_interpret' for the TPU kernel in Pallas TPU "
         f"interpret mode, or use impl='auto'/'reference'"
     )
+
+
+def _gpu_kernel_error(kv_cache, compute, kv_head, head_size, *, quantised) -> str | None:
+    """Why the Triton kernel cannot serve this call, or None if it can."""
+    if quantised:
+        return "a quantised cache is not supported"
+    if kv_head is not None:
+        return "a replicated KV head slice is not supported"
+    if compute.itemsize != kv_cache.dtype.itemsize:
+        return f"storage {kv_cache.dtype} does not have the width of {compute}"
+    return block_shape_error(head_size, kv_cache.shape[1], PAGES_PER_COMPUTE_BLOCK)
 
 
 def paged_decode_attention(

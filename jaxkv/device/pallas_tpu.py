@@ -32,14 +32,18 @@ probability times NaN is still NaN); every key inside `[seg_lo, seg_hi)` is
 visible to some row of the segment, hence a written (finite) key. Rows with no
 visible key return 0.
 
-Precision: the score and value matmuls accumulate in float32; a float32 cache is
-multiplied at `Precision.HIGHEST`, a 16-bit cache in its own dtype (the MXU's
-native input) with float32 accumulation and probabilities rounded to that dtype.
+Precision: the score and value matmuls accumulate in float32; with a float32
+compute dtype they run at `Precision.HIGHEST`, with a 16-bit one in that dtype (the
+MXU's native input) with float32 accumulation and probabilities rounded to it.
 
-Not supported (`attention.py` runs the blockwise path instead): quantised caches
-(int8/fp8 with inline scales) and caches whose storage dtype has another width
-than the compute dtype. `kv_head` (every query head reads one KV head, a
-replicated cache's head slice) is supported through a prefetched head offset.
+Quantised caches (int8 / fp8 e4m3, `[..., D + 4]` bytes per row with the float32
+scale inline, `jaxkv.device.storage`): the DMAs copy the stored bytes (half of
+bf16's traffic) and the kernel dequantises each chunk in VMEM with
+`storage.dequantize`, the function the blockwise path uses, written without
+width-changing bitcasts so that Mosaic can lower it. `kv_head` (every query head
+reads one KV head, a replicated cache's head slice) is supported through a
+prefetched head offset. Not supported (`attention.py` runs the blockwise path
+instead): a storage dtype of another width than the compute dtype.
 
 Verification: the tests run this kernel in Pallas TPU interpret mode
 (`pltpu.InterpretParams`, which raises on out-of-bounds reads and fills
@@ -62,7 +66,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.device.attention_checks import check_attention_args
-from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
+from jaxkv.device.storage import (
+    SCALE_BYTES,
+    DTypeLike,
+    check_kv_quant,
+    dequantize,
+    from_storage,
+    resolve_dtype,
+)
 
 _MASKED = -1e30
 TOKENS_PER_TILE = 8  # untuned; a multiple of 8 keeps tile rows sublane-aligned
@@ -112,11 +123,11 @@ def _tiles_kernel(
     lo_ref,  # [N, 1] int32
     hi_ref,  # [N, 1] int32
     req_ref,  # [N, 1] int32
-    kv_hbm,  # [num_blocks, block_size, 2 * H, D] left in HBM
+    kv_hbm,  # [num_blocks, block_size, 2 * H, D_stored] left in HBM
     o_ref,  # [N, D]
     # scratch
-    k_buf,  # [2, P * block_size, D] double buffer
-    v_buf,  # [2, P * block_size, D]
+    k_buf,  # [2, P * block_size, D_stored] double buffer
+    v_buf,  # [2, P * block_size, D_stored]
     sems,  # DMA semaphores [2 slots, 2 lanes, P]
     m_ref,  # [N, 1] f32 running max
     l_ref,  # [N, 1] f32 running denominator
@@ -128,6 +139,7 @@ def _tiles_kernel(
     pages_per_chunk: int,
     table_width: int,
     compute: np.dtype,
+    kv_quant: str | None,
 ) -> None:
     block_size = kv_hbm.shape[1]
     keys = pages_per_chunk * block_size
@@ -161,6 +173,12 @@ def _tiles_kernel(
 
         jax.lax.fori_loop(0, pages_per_chunk, page, 0)
 
+    def load(buf, slot) -> jax.Array:
+        """Buffer `slot` as float32 `[K, D]` (bitcast, or dequantised with its inline scales)."""
+        if kv_quant is not None:
+            return dequantize(buf[slot], kv_quant, jnp.float32)
+        return from_storage(buf[slot], compute).astype(jnp.float32)
+
     def segment(s, carry):
         index = tile * tokens_per_tile + s
         req, seg_lo, seg_hi = seg_req_ref[index], seg_lo_ref[index], seg_hi_ref[index]
@@ -178,8 +196,8 @@ def _tiles_kernel(
                 transfer(req, j + 1, 1 - slot, wait=False)
 
             transfer(req, j, slot, wait=True)
-            k = from_storage(k_buf[slot], compute).astype(dot_dtype)  # [K, D]
-            v = from_storage(v_buf[slot], compute).astype(jnp.float32)
+            k = load(k_buf, slot).astype(dot_dtype)  # [K, D]
+            v = load(v_buf, slot)
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=precision, preferred_element_type=jnp.float32,
@@ -223,6 +241,7 @@ def paged_attention_tiles_tpu(
     soft_cap: float | None = None,
     kv_dtype: DTypeLike | None = None,
     kv_head: jax.Array | None = None,
+    kv_quant: str | None = None,
     tokens_per_tile: int = TOKENS_PER_TILE,
     pages_per_chunk: int = PAGES_PER_CHUNK,
     interpret: bool = False,
@@ -235,8 +254,10 @@ def paged_attention_tiles_tpu(
     it): a request's tokens are contiguous and in position order, each token's
     interval contains its own position, `hi <= W * block_size`, and the pages
     covering each interval are written. `kv_head` (a traced scalar) makes every
-    query head read that one KV head. `interpret=True` runs the kernel in Pallas
-    TPU interpret mode (any backend); otherwise it needs a TPU.
+    query head read that one KV head. `kv_quant` ("int8"/"fp8") reads a quantised
+    cache `[..., D + SCALE_BYTES]` (`jaxkv.device.storage`), dequantised in VMEM to
+    `kv_dtype`'s precision. `interpret=True` runs the kernel in Pallas TPU
+    interpret mode (any backend); otherwise it needs a TPU.
     """
     if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2:
         raise ValueError(
@@ -250,12 +271,17 @@ def paged_attention_tiles_tpu(
     for name, value in (("tokens_per_tile", tokens_per_tile), ("pages_per_chunk", pages_per_chunk)):
         if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    num_kv_heads = check_attention_args(q.shape, kv_cache.shape, None, soft_cap, kv_head is None)
+    check_kv_quant(kv_quant)
+    stored_head = kv_cache.shape[-1]
+    value_shape = kv_cache.shape[:-1] + (stored_head - (SCALE_BYTES if kv_quant else 0),)
+    num_kv_heads = check_attention_args(q.shape, value_shape, None, soft_cap, kv_head is None)
+    if kv_quant and kv_dtype is None:
+        raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
-    if compute.itemsize != kv_cache.dtype.itemsize:
+    if not kv_quant and compute.itemsize != kv_cache.dtype.itemsize:
         raise ValueError(
             f"kv_dtype={compute} must have the width of the cache's storage dtype "
-            f"{kv_cache.dtype} (its bits are reinterpreted; quantised caches are not supported)"
+            f"{kv_cache.dtype} (its bits are reinterpreted)"
         )
     num_blocks, block_size = kv_cache.shape[:2]
     heads = num_kv_heads if kv_head is None else 1
@@ -287,6 +313,7 @@ def paged_attention_tiles_tpu(
     kernel = functools.partial(
         _tiles_kernel, sm_scale=sm_scale, soft_cap=soft_cap, tokens_per_tile=tokens_per_tile,
         pages_per_chunk=pages_per_chunk, table_width=table_width, compute=compute,
+        kv_quant=kv_quant,
     )  # fmt: skip
     tile_block = pl.BlockSpec((None, None, rows, head_size), lambda h, t, *_: (h, t, 0, 0))
     row_block = pl.BlockSpec((None, rows, 1), lambda h, t, *_: (t, 0, 0))
@@ -300,8 +327,8 @@ def paged_attention_tiles_tpu(
             in_specs=[tile_block, row_block, row_block, row_block, cache_in_hbm],
             out_specs=tile_block,
             scratch_shapes=[
-                pltpu.VMEM((2, keys, head_size), kv_cache.dtype),
-                pltpu.VMEM((2, keys, head_size), kv_cache.dtype),
+                pltpu.VMEM((2, keys, stored_head), kv_cache.dtype),
+                pltpu.VMEM((2, keys, stored_head), kv_cache.dtype),
                 pltpu.SemaphoreType.DMA((2, 2, pages_per_chunk)),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
