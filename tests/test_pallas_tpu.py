@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from test_device_attention import (
     BATCHES,
     LONG_BATCH,
@@ -32,6 +33,7 @@ from test_device_step_metadata import _run_step
 
 from jaxkv.device import PagedKVCache, ragged_paged_attention
 from jaxkv.device import attention as attention_module
+from jaxkv.device.attention import token_intervals
 from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
@@ -117,6 +119,31 @@ def test_quantised_cache(mode, window, soft_cap) -> None:
     np.testing.assert_allclose(got, blockwise, rtol=1e-5, atol=1e-6)
     want = reference_attention(case, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap)
     _check(case, got, want, bound=ATTENTION_BOUND[mode])
+
+
+def test_dma_timing_does_not_change_the_result() -> None:
+    """DMAs executed when started (`eager`) or when waited for (`on_wait`): equal results, so
+    the double buffering never reads a buffer with a copy in flight nor overwrites one in use."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [40, 7, 33, 1], [40, 1, 12, 1], num_kv_heads=2, width=12)
+    iv = token_intervals(
+        case.q.shape[0], jnp.asarray(case.seq_lens), jnp.asarray(case.query_start_loc),
+        jnp.int32(case.num_seqs), 48, sliding_window=9,
+    )  # fmt: skip
+    args = (jnp.asarray(case.q), case.kv, jnp.asarray(case.block_tables), iv.req, iv.lo, iv.hi)
+    outs = [
+        np.asarray(
+            paged_attention_tiles_tpu(
+                *args,
+                sm_scale=0.3,
+                pages_per_chunk=2,
+                interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+            )
+        )
+        for mode in ("eager", "on_wait")
+    ]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    _check(case, outs[0], reference_attention(case, sm_scale=0.3, sliding_window=9))
 
 
 def test_replicated_kv_head_slice() -> None:

@@ -47,11 +47,16 @@ instead): a storage dtype of another width than the compute dtype.
 
 Verification: the tests run this kernel in Pallas TPU interpret mode
 (`pltpu.InterpretParams`, which raises on out-of-bounds reads and fills
-uninitialised memory with NaN) against a float64 reference, and lower it for
-TPU on a CPU host (`.lower(lowering_platforms=("tpu",))`, which runs the Pallas
--> Mosaic lowering and emits a `tpu_custom_call`). Mosaic's own compilation
-(layout assignment, VMEM limits) runs only on a TPU and has not been run here;
-see the README's "Attention dispatch".
+uninitialised memory with NaN; DMAs executed eagerly and on wait agree) against
+a float64 reference, and lower it for TPU on a CPU host
+(`.lower(lowering_platforms=("tpu",))`, which runs the Pallas -> Mosaic lowering
+and emits a `tpu_custom_call`). Mosaic's own compilation (layout assignment,
+VMEM limits) runs only on a TPU and has not been run. Where it is most likely to
+object: the per-head DMA squeezes the second-minor (head) axis of the tiled HBM
+cache (JAX's bundled kernel instead copies tile-aligned head blocks and
+separates K and V with strided loads), and a quantised row's 132 byte lanes are
+not a multiple of 128. The whole block table is scalar-prefetched into SMEM
+(as in JAX's kernel), which bounds `R * W`. Tile sizes are untuned.
 """
 
 from __future__ import annotations
@@ -244,7 +249,7 @@ def paged_attention_tiles_tpu(
     kv_quant: str | None = None,
     tokens_per_tile: int = TOKENS_PER_TILE,
     pages_per_chunk: int = PAGES_PER_CHUNK,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """Token `n` of `q [T, Hq, D]` attends to keys `[lo[n], hi[n])` of request `req[n]`.
 
@@ -256,8 +261,9 @@ def paged_attention_tiles_tpu(
     covering each interval are written. `kv_head` (a traced scalar) makes every
     query head read that one KV head. `kv_quant` ("int8"/"fp8") reads a quantised
     cache `[..., D + SCALE_BYTES]` (`jaxkv.device.storage`), dequantised in VMEM to
-    `kv_dtype`'s precision. `interpret=True` runs the kernel in Pallas TPU
-    interpret mode (any backend); otherwise it needs a TPU.
+    `kv_dtype`'s precision. `interpret=True` (or a `pltpu.InterpretParams`, e.g.
+    with race detection) runs the kernel in Pallas TPU interpret mode (any
+    backend); otherwise it needs a TPU.
     """
     if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2:
         raise ValueError(
@@ -337,7 +343,7 @@ def paged_attention_tiles_tpu(
         ),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=pltpu.InterpretParams() if interpret is True else interpret,
         name="jaxkv_ragged_paged_attention_tpu",
     )(
         tables, segs.req, segs.lo, segs.hi, segs.count, head_base,
