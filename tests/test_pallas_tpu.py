@@ -1,10 +1,11 @@
 """jaxkv's Pallas TPU ragged paged-attention kernel (`jaxkv.device.pallas_tpu`).
 
-No TPU here: the kernel runs in Pallas TPU interpret mode (`pltpu.InterpretParams`:
+Without a TPU the kernel runs in Pallas TPU interpret mode (`pltpu.InterpretParams`:
 out-of-bounds reads raise, uninitialised VMEM reads NaN) against the float64
 reference, on NaN-poisoned caches, and is lowered for TPU on the CPU host (the
-Pallas -> Mosaic lowering; Mosaic's own compiler needs a TPU). Interpret mode is
-slow, so the shapes are tiny and the cases few.
+Pallas -> Mosaic lowering; Mosaic's own compiler needs a TPU). On a TPU backend the
+same cases run the compiled kernel (`impl="pallas"`). Interpret mode is slow, so the
+shapes are tiny and the cases few.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from jaxkv.device.attention import token_intervals
 from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
+# On a TPU backend the same tests run the compiled kernel; elsewhere interpret mode.
+ON_TPU = jax.default_backend() == "tpu"
+TPU_IMPL = "pallas" if ON_TPU else "pallas_tpu_interpret"
 # 8 tokens per tile, 2 pages of 4 keys per DMA chunk: several tiles, segments and chunks.
-TPU = {"impl": "pallas_tpu_interpret", "token_chunk": 8, "keys_per_chunk": 8}
+TPU = {"impl": TPU_IMPL, "token_chunk": 8, "keys_per_chunk": 8}
 
 
 def _check(case, got, want, bound=1e-5) -> None:
@@ -97,10 +101,10 @@ def test_stale_table_tails_and_freed_window_pages() -> None:
     np.testing.assert_array_equal(got, narrow)
 
 
-def test_bf16_cache_stored_as_uint16() -> None:
+def test_bf16_cache() -> None:
     rng = np.random.default_rng()
     case = random_case(rng, [12, 7, 9], [4, 1, 9], dtype="bfloat16")
-    assert case.kv.dtype == np.uint16  # the kernel bitcasts the stored bits back
+    assert case.kv.dtype == (jnp.bfloat16 if ON_TPU else np.uint16)  # uint16: bitcast back
     got = run_attention(case, sm_scale=0.35, soft_cap=4.0, **TPU)
     _check(case, got, reference_attention(case, sm_scale=0.35, soft_cap=4.0), bound=2e-2)
 
@@ -161,18 +165,16 @@ def test_replicated_kv_head_slice() -> None:
 
 
 def test_step_dispatches_the_kernel_when_forced() -> None:
-    """`PagedKVCache.step(impl="pallas_tpu_interpret")`: write, then the TPU kernel."""
+    """`PagedKVCache.step(impl=TPU_IMPL)`: write, then the TPU kernel."""
     rng = np.random.default_rng()
     case = random_case(rng, [19, 7, 13], [9, 1, 4], pad_tokens=0)
     num_q = int(case.q_lens.sum())
     want = reference_attention(case, sm_scale=0.4, sliding_window=7)[:num_q]
-    assert (
-        rel_error(_run_step(case, rng, sliding_window=7, impl="pallas_tpu_interpret"), want) < 1e-5
-    )
+    assert rel_error(_run_step(case, rng, sliding_window=7, impl=TPU_IMPL), want) < 1e-5
 
 
 def test_auto_dispatch_by_platform(monkeypatch) -> None:
-    """No TPU here: a spy stands in for the kernel to show what `auto` picks on one."""
+    """A spy stands in for the kernel to show what `auto` picks on a TPU, from any backend."""
     calls = []
 
     def spy(q, *args, **kw):
