@@ -150,6 +150,26 @@ def test_dma_timing_does_not_change_the_result() -> None:
     _check(case, outs[0], reference_attention(case, sm_scale=0.3, sliding_window=9))
 
 
+def test_rows_without_keys_inside_a_request() -> None:
+    """Rows 3-4 of a prefill get an empty interval, splitting their tile's run of the request
+    into two segments: every other row still sees each of its keys exactly once (one-page
+    chunks, so a row visible to both segments would count keys 0-3 twice and 4-5 once)."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [19, 5], [19, 1], num_kv_heads=1, group=2, width=5)
+    iv = token_intervals(
+        case.q.shape[0], jnp.asarray(case.seq_lens), jnp.asarray(case.query_start_loc),
+        jnp.int32(case.num_seqs), 5 * 4,
+    )  # fmt: skip
+    hi = iv.hi.at[3:5].set(0)
+    got = paged_attention_tiles_tpu(
+        jnp.asarray(case.q), case.kv, jnp.asarray(case.block_tables), iv.req, iv.lo.at[3:5].set(0),
+        hi, sm_scale=0.3, pages_per_chunk=1, interpret=not ON_TPU,
+    )  # fmt: skip
+    want = reference_attention(case, sm_scale=0.3)
+    want[3:5] = 0
+    _check(case, np.asarray(got), want)
+
+
 def test_replicated_kv_head_slice() -> None:
     """`kv_head`: every query head reads one KV head (a model shard of a replicated cache)."""
     rng = np.random.default_rng()

@@ -10,19 +10,19 @@ consecutive tokens; its block holds the `G = Hq / H` query heads of one KV head
 for those tokens as `G * tokens_per_tile` rows (row `g * tokens_per_tile + i` is
 head `g` of token `i`), so one MXU matmul per page chunk serves the whole GQA
 group. A tile may hold tokens of several requests: the wrapper splits it into
-*segments* (a maximal run of one request's tokens) and prefetches, as SMEM
-scalars (`pltpu.PrefetchScalarGridSpec`), every segment's request and key range
-`[seg_lo, seg_hi)` (the union of its rows' intervals, which is contiguous: each
-row's interval contains its own position and the positions are consecutive)
-together with the flattened block tables. For each segment the kernel walks the
+*segments* (a maximal run of one request's tokens with non-empty intervals) and
+prefetches, as SMEM scalars (`pltpu.PrefetchScalarGridSpec`), every segment's
+request and key range `[seg_lo, seg_hi)` (the union of its rows' intervals, which
+is contiguous: each row's interval contains its own position and the positions
+are consecutive) together with the flattened block tables. For each segment the kernel walks the
 page chunks covering `[seg_lo, seg_hi)` only (`pages_per_chunk` pages each),
 copying each page's K lane (combined head `2h`) and V lane (`2h+1`) from the
 cache left in HBM (`memory_space=pl.ANY`) into VMEM with manual DMAs, double
 buffered: chunk `j + 1` is in flight while chunk `j` is computed. The online
 softmax state (running max, denominator, accumulator) lives in VMEM scratch and
-is written to the output once per tile. Rows of other requests in the tile are
-masked for a segment's keys, so the state of every row only ever sees its own
-request's keys.
+is written to the output once per tile. Each row carries its segment's index and
+is masked for every other segment's keys, so a row's state sees its own
+request's keys, each once.
 
 NaN safety: the null block, freed pages, stale table tails and the unused tail
 of a last page may hold anything. Page ids are clipped into `[0, num_blocks)`
@@ -92,6 +92,7 @@ class _Segments(NamedTuple):
     lo: jax.Array  # first key any row of the segment sees
     hi: jax.Array  # one past the last key any row of the segment sees
     count: jax.Array  # [tiles] segments per tile
+    of_token: jax.Array  # [T_pad] each token's flat segment index; -1: in none
 
 
 def _segments(req: jax.Array, lo: jax.Array, hi: jax.Array, tokens_per_tile: int) -> _Segments:
@@ -104,14 +105,16 @@ def _segments(req: jax.Array, lo: jax.Array, hi: jax.Array, tokens_per_tile: int
     starts = live & (first_of_tile | ~prev_live | (req != prev_req))
     index = jnp.cumsum(starts.reshape(tiles, tokens_per_tile), axis=1).reshape(-1) - 1
     tile = jnp.arange(req.shape[0]) // tokens_per_tile
+    flat = tile * tokens_per_tile + index
     # Rows in no segment scatter out of range (dropped); a positive index, never -1.
-    flat = jnp.where(live, tile * tokens_per_tile + index, req.shape[0])
+    scatter_at = jnp.where(live, flat, req.shape[0])
     size = req.shape[0]
     return _Segments(
-        req=jnp.zeros(size, jnp.int32).at[flat].set(req, mode="drop"),
-        lo=jnp.full(size, jnp.iinfo(jnp.int32).max, jnp.int32).at[flat].min(lo, mode="drop"),
-        hi=jnp.zeros(size, jnp.int32).at[flat].max(hi, mode="drop"),
+        req=jnp.zeros(size, jnp.int32).at[scatter_at].set(req, mode="drop"),
+        lo=jnp.full(size, jnp.iinfo(jnp.int32).max, jnp.int32).at[scatter_at].min(lo, mode="drop"),
+        hi=jnp.zeros(size, jnp.int32).at[scatter_at].max(hi, mode="drop"),
         count=starts.reshape(tiles, tokens_per_tile).sum(axis=1, dtype=jnp.int32),
+        of_token=jnp.where(live, flat, -1).astype(jnp.int32),
     )
 
 
@@ -127,7 +130,7 @@ def _tiles_kernel(
     q_ref,  # [N, D], N = G * tokens_per_tile
     lo_ref,  # [N, 1] int32
     hi_ref,  # [N, 1] int32
-    req_ref,  # [N, 1] int32
+    seg_ref,  # [N, 1] int32 flat segment index of the row (-1: none)
     kv_hbm,  # [num_blocks, block_size, 2 * H, D_stored] left in HBM
     o_ref,  # [N, D]
     # scratch
@@ -156,7 +159,7 @@ def _tiles_kernel(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     q = q_ref[...].astype(dot_dtype)
-    row_lo, row_hi, row_req = lo_ref[...], hi_ref[...], req_ref[...]
+    row_lo, row_hi, row_seg = lo_ref[...], hi_ref[...], seg_ref[...]
 
     def transfer(req, chunk, slot, wait: bool) -> None:
         """Start (or wait for) the DMAs of page chunk `chunk` of `req` into buffer `slot`."""
@@ -210,7 +213,7 @@ def _tiles_kernel(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             key = j * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-            visible = (row_req == req) & (key >= row_lo) & (key < row_hi)  # [N, K]
+            visible = (row_seg == index) & (key >= row_lo) & (key < row_hi)  # [N, K]
             s = jnp.where(visible, s, _MASKED)
             m_prev = m_ref[...]
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -347,7 +350,7 @@ def paged_attention_tiles_tpu(
         name="jaxkv_ragged_paged_attention_tpu",
     )(
         tables, segs.req, segs.lo, segs.hi, segs.count, head_base,
-        qt, per_row(lo_p), per_row(hi_p), per_row(req_p), kv_cache,
+        qt, per_row(lo_p), per_row(hi_p), per_row(segs.of_token), kv_cache,
     )  # fmt: skip
     out = out.reshape(heads, tiles, group, tokens_per_tile, head_size).transpose(1, 3, 0, 2, 4)
     return out.reshape(padded, num_q_heads, head_size)[:num_tokens]
