@@ -13,7 +13,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import json
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from test_device_attention import (
     BATCHES,
     LONG_BATCH,
+    query_kv,
     random_case,
     random_spans,
     reference_attention,
@@ -30,9 +33,16 @@ from test_device_attention import (
     run_attention,
 )
 from test_device_quant import ATTENTION_BOUND
+from test_device_sharding import results_on_8_devices
 from test_device_step_metadata import _run_step
 
-from jaxkv.device import PagedKVCache, ragged_paged_attention
+from jaxkv.device import (
+    PagedKVCache,
+    StepInputs,
+    StepMetadataPacker,
+    make_mesh,
+    ragged_paged_attention,
+)
 from jaxkv.device import attention as attention_module
 from jaxkv.device.attention import token_intervals
 from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu
@@ -308,3 +318,58 @@ def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, storage, masks) -> None:
     assert f"tensor<64x16x4x{stored_head}x" in call  # the whole cache goes in: no gather, no copy
     ops = _mosaic_ops(text)
     assert {"tpu.enqueue_dma", "tpu.wait_dma", "tpu.matmul"} <= ops, ops
+
+
+SHARDED = {  # name: (kv_heads, q-per-kv group, head policy) on a 1 x 4 mesh
+    "heads_sharded": (4, 2, "auto"),
+    "replicated_kv_q_split": (2, 4, "replicate"),  # each device: its query heads' KV head
+}
+
+
+def _sharded_step(num_kv_heads: int, group: int, policy: str, seed: int) -> dict:
+    """`step` with the TPU kernel on a 1 x 4 mesh vs the float64 reference."""
+    rng = np.random.default_rng(seed)
+    spec = FullAttentionSpec(4, num_kv_heads, 8, "float32")
+    cache = PagedKVCache(spec, 32, mesh=make_mesh(1, 4, jax.devices()[:4]), head_policy=policy)
+    single = PagedKVCache(spec, 32, mesh=make_mesh(1, 1, jax.devices()[:1]))
+    case = random_case(
+        rng, [11, 6, 9], [5, 1, 3], num_kv_heads=num_kv_heads, group=group, pad_tokens=0,
+        cache=single,
+    )  # fmt: skip
+    packer = StepMetadataPacker(
+        max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=5, block_size=4, num_blocks=32
+    )
+    buf, shape = packer.pack(
+        StepInputs(case.block_tables[:3], case.seq_lens[:3], case.q_lens, case.slots)
+    )
+    n, t = int(case.q_lens.sum()), shape.num_tokens
+    q, k, v = (np.pad(x[:n], ((0, t - n), (0, 0), (0, 0))) for x in (case.q, *query_kv(case)))
+    kv = cache.put(np.asarray(case.kv), cache.layout.cache_spec)
+    _, out = cache.step(
+        kv, cache.put(q), cache.put(k), cache.put(v), packer.put(buf), shape, sm_scale=0.3,
+        impl=TPU_IMPL,
+    )  # fmt: skip
+    out = np.asarray(out)
+    return {
+        "model": cache.layout.model_size,
+        "replication": cache.layout.replication,
+        "ref_err": rel_error(out[:n], reference_attention(case, sm_scale=0.3)[:n]),
+        "padded_rows_zero": not out[n:].any(),
+    }
+
+
+def test_sharded_step_matches_reference() -> None:
+    """Heads sharded over the model axis, and a replicated KV cache whose devices each take
+    a slice of the query heads (the kernel's `kv_head` offset comes from the axis index).
+    In a subprocess with 8 simulated CPU devices (the flag must precede JAX's start)."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    results = results_on_8_devices(__file__, seed)
+    assert results["heads_sharded"]["replication"] == 1
+    assert results["replicated_kv_q_split"]["replication"] == 4
+    for name, r in results.items():
+        assert r["model"] == 4 and r["ref_err"] < 1e-5 and r["padded_rows_zero"], (name, seed, r)
+
+
+if __name__ == "__main__":
+    found = {name: _sharded_step(*args, int(sys.argv[1])) for name, args in SHARDED.items()}
+    print("RESULTS " + json.dumps(found))
