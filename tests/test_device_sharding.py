@@ -220,17 +220,22 @@ def _main(seed: int) -> None:
     print("RESULTS " + json.dumps(results))
 
 
-def test_sharded_layouts_match_single_device() -> None:
-    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+def results_on_8_devices(script: str, seed: int) -> dict:
+    """Run `script seed` with 8 simulated CPU devices; the JSON it prints after "RESULTS "."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, __file__, str(seed)], env=env, capture_output=True, text=True,
+        [sys.executable, script, str(seed)], env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS ") :])
+    return json.loads(line[len("RESULTS ") :])
+
+
+def test_sharded_layouts_match_single_device() -> None:
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    results = results_on_8_devices(__file__, seed)
     by_heads = results.pop("bytes")
     assert results.pop("violations") == []
     assert set(results) == set(LAYOUTS)
