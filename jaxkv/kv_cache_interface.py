@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 import math
 import operator
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import numpy as np
@@ -44,12 +44,29 @@ def dtype_num_bytes(dtype: str | np.dtype | type) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
+class KVQuantMode(enum.IntEnum):
+    """How an attention layer's KV cache is quantized (vLLM 0.33's values).
+
+    The spec carries it for the attention kernels; it does not change the page
+    size (a backend that stores scales inline publishes the larger page through
+    `page_size_padded`).
+    """
+
+    NONE = 0
+    FP8_PER_TENSOR = 1
+    INT8_PER_TOKEN_HEAD = 2
+    FP8_PER_TOKEN_HEAD = 3
+    INT4_PER_TOKEN_HEAD = 4
+    NVFP4 = 5
+
+
 class KVCacheSpecKind(enum.StrEnum):
     """What kind of layer a KV-cache group serves; routers read it off `BlockStored`."""
 
     FULL_ATTENTION = "full_attention"
     MLA_ATTENTION = "mla_attention"
     SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
     MAMBA = "mamba"
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
     CROSS_ATTENTION = "cross_attention"
@@ -80,6 +97,36 @@ def _check_positive(name: str, value: object, what: str) -> None:
 
 def _check_tensor_parallel_size(tensor_parallel_size: int) -> None:
     _check_positive("tensor_parallel_size", tensor_parallel_size, "tensor parallelism")
+
+
+def _check_page_size_padded(spec: AttentionSpec | MambaSpec, unpadded: int) -> None:
+    """`page_size_padded`, when set, is an int of at least the unpadded page."""
+    padded = spec.page_size_padded
+    if padded is None:
+        return
+    if check_int("page_size_padded", padded) < unpadded:
+        raise ValueError(
+            f"{type(spec).__name__}: page_size_padded={padded} is smaller than the "
+            f"{unpadded}-byte page it pads; it must be >= {unpadded} (or None)"
+        )
+
+
+class SpecMergeError(ValueError, AssertionError):
+    """Layers that cannot share one KV-cache group spec (`KVCacheSpec.merge`).
+
+    A `ValueError` like every bad argument in jaxkv, and an `AssertionError`
+    because vLLM asserts there (its callers catch that).
+    """
+
+
+def _merge_equal_specs(cls: type, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    """The one spec of `specs` (`SpecMergeError` unless there is one and all are equal)."""
+    if not specs or any(spec != specs[0] for spec in specs[1:]):
+        raise SpecMergeError(
+            f"{cls.__name__}.merge: all layers of one KV cache group must have the same "
+            f"spec, got {sorted({repr(s) for s in specs})}"
+        )
+    return specs[0]
 
 
 @dataclass(frozen=True)
@@ -129,18 +176,28 @@ class KVCacheSpec:
     def copy_with_new_block_size(self, block_size: int) -> KVCacheSpec:
         return replace(self, block_size=block_size)
 
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+        """One spec for a group of layers: they must all be equal (`SpecMergeError`)."""
+        return _merge_equal_specs(cls, specs)
+
 
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
     """Attention KV: a page holds K and V of `block_size` tokens for every KV head.
 
     `head_size_v` defaults to `head_size` (0 for MLA: one latent vector per token).
+    `page_size_padded`: the page's bytes when a backend pads it beyond the K/V
+    content (`unpadded_page_size_bytes`); None: no padding. Planning and
+    capacity count the padded page. `kv_quant_mode`: see `KVQuantMode`.
     """
 
     num_kv_heads: int = 1
     head_size: int = 128
     dtype: str = "bfloat16"
     head_size_v: int | None = field(default=None, kw_only=True)
+    kv_quant_mode: KVQuantMode = field(default=KVQuantMode.NONE, kw_only=True)
+    page_size_padded: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,19 +212,39 @@ class AttentionSpec(KVCacheSpec):
             dtype_num_bytes(self.dtype)
         except TypeError as e:
             raise ValueError(f"{what}: dtype {self.dtype!r} is not a known dtype") from e
+        try:
+            object.__setattr__(self, "kv_quant_mode", KVQuantMode(self.kv_quant_mode))
+        except ValueError:
+            raise ValueError(
+                f"{what}: kv_quant_mode {self.kv_quant_mode!r} is not one of "
+                f"{[m.name for m in KVQuantMode]}"
+            ) from None
+        _check_page_size_padded(self, self.unpadded_page_size_bytes)
 
     @property
     def numpy_dtype(self) -> np.dtype:
         return numpy_dtype(self.dtype)
 
     @property
-    def page_size_bytes(self) -> int:
+    def unpadded_page_size_bytes(self) -> int:
+        """K and V of `block_size` tokens for every KV head."""
         return (
             self.block_size
             * self.num_kv_heads
             * (self.head_size + self.head_size_v)  # type: ignore[operator]
             * dtype_num_bytes(self.dtype)
         )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """vLLM's other name for `unpadded_page_size_bytes`."""
+        return self.unpadded_page_size_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.unpadded_page_size_bytes
 
     def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
         """KV heads split evenly; with fewer heads than devices each head is replicated.
@@ -178,6 +255,12 @@ class AttentionSpec(KVCacheSpec):
         """
         _check_tensor_parallel_size(tensor_parallel_size)
         tp, heads = tensor_parallel_size, self.num_kv_heads
+        if self.page_size_bytes % heads:
+            raise ValueError(
+                f"{type(self).__name__}: a padded page of {self.page_size_bytes} bytes cannot "
+                f"be split over num_kv_heads={heads}; page_size_padded must be a multiple of "
+                "the KV heads"
+            )
         per_head = self.page_size_bytes // heads
         if heads >= tp:
             if heads % tp:
@@ -197,12 +280,58 @@ class AttentionSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
-    """Causal attention over the whole context: one page per `block_size` tokens."""
+    """Causal attention over the whole context: one page per `block_size` tokens.
 
+    `sliding_window` / `attention_chunk_size` (at most one; None: neither): the
+    layer computes windowed or chunked attention but its cache is allocated
+    and cached as full attention (vLLM's layout when the hybrid allocator is
+    off, or after `unify_hybrid_kv_cache_specs`). They do not change paging.
+    """
+
+    sliding_window: int | None = field(default=None, kw_only=True)
+    attention_chunk_size: int | None = field(default=None, kw_only=True)
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.FULL_ATTENTION
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        what = type(self).__name__
+        for name in ("sliding_window", "attention_chunk_size"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name), what)
+        if self.sliding_window is not None and self.attention_chunk_size is not None:
+            raise ValueError(
+                f"{what}: sliding_window={self.sliding_window} and attention_chunk_size="
+                f"{self.attention_chunk_size} are both set; a layer has at most one"
+            )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> FullAttentionSpec:
+        """vLLM's rule: full-attention layers (not MLA) that differ at most in their
+        windows merge into one spec carrying the one window (`ValueError` when
+        windows differ, `SpecMergeError` for any other difference)."""
+        if not specs or not all(
+            isinstance(s, FullAttentionSpec) and not isinstance(s, MLAAttentionSpec) for s in specs
+        ):
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: every layer must be a FullAttentionSpec (not MLA), "
+                f"got {[type(s).__name__ for s in specs]}"
+            )
+        windows: dict[str, int | None] = {}
+        for name in ("sliding_window", "attention_chunk_size"):
+            values = {getattr(s, name) for s in specs} - {None}
+            if len(values) > 1:
+                raise ValueError(
+                    f"{cls.__name__}.merge: layers of one KV cache group must share "
+                    f"{name}, got {sorted(values)}"
+                )
+            windows[name] = values.pop() if values else None
+        first: FullAttentionSpec = specs[0]  # type: ignore[assignment]
+        merged = replace(first, **windows)
+        _check_same_attention_fields(cls, merged, specs)
+        return merged
 
 
 @dataclass(frozen=True)
@@ -211,25 +340,54 @@ class MLAAttentionSpec(FullAttentionSpec):
 
     The latent vector (`head_size` elements: compressed KV plus rope part) is
     not split by tensor parallelism: every device holds the whole page.
+    `cache_dtype_str`: the cache's storage format name (e.g. "fp8_ds_mla"),
+    which layers of one group must share; None: `dtype`.
     """
 
     head_size_v: int | None = field(default=0, kw_only=True)
+    cache_dtype_str: str | None = field(default=None, kw_only=True)
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.MLA_ATTENTION
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads != 1:
-            raise ValueError(
-                f"MLAAttentionSpec stores one latent KV head, got num_kv_heads={self.num_kv_heads}"
-            )
-        if self.head_size_v not in (0, None):
-            raise ValueError(
-                f"MLAAttentionSpec has no separate V, head_size_v must be 0, got {self.head_size_v}"
-            )
-        object.__setattr__(self, "head_size_v", 0)
+        _check_latent_layout(self)
         super().__post_init__()
 
     def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
         return KVCacheSpec.tensor_parallel_bytes(self, tensor_parallel_size)
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> MLAAttentionSpec:
+        """MLA layers merge when every field (`cache_dtype_str` included) is equal."""
+        if not specs or not all(isinstance(s, MLAAttentionSpec) for s in specs):
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: every layer must be an MLAAttentionSpec, "
+                f"got {[type(s).__name__ for s in specs]}"
+            )
+        return _merge_equal_specs(cls, specs)  # type: ignore[return-value]
+
+
+def _check_latent_layout(spec: MLAAttentionSpec | SlidingWindowMLASpec) -> None:
+    """MLA pages hold one latent vector per token: one KV head, no separate V."""
+    what = type(spec).__name__
+    if spec.num_kv_heads != 1:
+        raise ValueError(f"{what} stores one latent KV head, got num_kv_heads={spec.num_kv_heads}")
+    if spec.head_size_v not in (0, None):
+        raise ValueError(f"{what} has no separate V, head_size_v must be 0, got {spec.head_size_v}")
+    object.__setattr__(spec, "head_size_v", 0)
+
+
+def _check_same_attention_fields(
+    cls: type, merged: AttentionSpec, specs: Sequence[KVCacheSpec]
+) -> None:
+    """`SpecMergeError` unless every spec matches `merged` in every `AttentionSpec` field."""
+    names = [f.name for f in fields(AttentionSpec) if f.compare]
+    for spec in specs:
+        differing = [n for n in names if getattr(spec, n) != getattr(merged, n)]
+        if differing:
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: all layers of one KV cache group must have the same "
+                f"attention spec; {spec!r} differs in {differing}"
+            )
 
 
 @dataclass(frozen=True)
@@ -255,6 +413,26 @@ class SlidingWindowSpec(AttentionSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
         return blocks * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """Sliding-window attention stored in MLA's latent format (one KV head, no V).
+
+    Managed exactly as `SlidingWindowSpec`; its pages, like MLA's, are not
+    split by tensor parallelism. `cache_dtype_str`: as `MLAAttentionSpec`'s.
+    """
+
+    head_size_v: int | None = field(default=0, kw_only=True)
+    cache_dtype_str: str | None = field(default=None, kw_only=True)
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.SLIDING_WINDOW_MLA
+
+    def __post_init__(self) -> None:
+        _check_latent_layout(self)
+        super().__post_init__()
+
+    def tensor_parallel_bytes(self, tensor_parallel_size: int) -> TensorParallelBytes:
+        return KVCacheSpec.tensor_parallel_bytes(self, tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -334,7 +512,9 @@ class MambaSpec(KVCacheSpec):
     held), "all" (the state at every block boundary is kept and cached),
     "align" (only the latest state is kept; states landing on block boundaries
     are cached). `tp_replicated`: every tensor-parallel rank holds the whole
-    state (otherwise the state is split evenly).
+    state (otherwise the state is split evenly). `page_size_padded`: the page's
+    bytes when padded beyond the states (to share a page size with attention
+    layers); None: no padding.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -342,6 +522,7 @@ class MambaSpec(KVCacheSpec):
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
     tp_replicated: bool = False
+    page_size_padded: int | None = field(default=None, kw_only=True)
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.MAMBA
 
     def __post_init__(self) -> None:
@@ -375,6 +556,7 @@ class MambaSpec(KVCacheSpec):
             raise ValueError(
                 f"MambaSpec: num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}"
             )
+        _check_page_size_padded(self, self.real_page_size_bytes)
 
     @property
     def numpy_dtypes(self) -> tuple[np.dtype, ...]:
@@ -385,11 +567,18 @@ class MambaSpec(KVCacheSpec):
         return self.mamba_cache_mode != "none"
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
+        """The state tensors' bytes, without padding."""
         return sum(
             math.prod(shape) * dtype_num_bytes(dtype)
             for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
         )
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
@@ -420,36 +609,43 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     "One type" means every layer needs the same number of token slots: the
     same spec class, block size and window (or chunk, or Mamba page). A page
     of the group is the sum of its layers' pages.
+
+    Like vLLM's, construction accepts any layers (a mixed group reports
+    `KVCacheSpecKind.UNKNOWN`); serving one with a block table
+    (`layer_type_spec`) is a `ValueError` unless they are of one type.
     """
 
     kv_cache_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.kv_cache_specs:
-            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
-        if not self.is_uniform_type(self.kv_cache_specs):
-            raise ValueError(
-                "UniformTypeKVCacheSpecs: layers must share spec type, block size and window; "
-                f"got {sorted({repr(s) for s in self.kv_cache_specs.values()})}"
-            )
-        if self.first_spec.block_size != self.block_size:
-            raise ValueError(
-                f"UniformTypeKVCacheSpecs: block_size {self.block_size} differs from its "
-                f"layers' {self.first_spec.block_size}"
-            )
-        object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
+        if self.kv_cache_specs:
+            object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
 
     def __hash__(self) -> int:
         return hash((self.block_size, tuple(self.kv_cache_specs.items())))
 
     @property
     def kind(self) -> KVCacheSpecKind:  # type: ignore[override]
-        return self.first_spec.kind
+        return get_kv_cache_spec_kind(self)
 
     @property
     def first_spec(self) -> KVCacheSpec:
         return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def layer_type_spec(self) -> KVCacheSpec:
+        """The first layer's spec, which sets how the group's one block table is
+        managed; `ValueError` unless every layer is of its type and block size."""
+        if not self.is_uniform_type(self.kv_cache_specs) or (
+            self.first_spec.block_size != self.block_size
+        ):
+            raise ValueError(
+                f"UniformTypeKVCacheSpecs(block_size={self.block_size}): layers sharing one "
+                "block table must share spec type, block size and window; got "
+                f"{sorted({repr(s) for s in self.kv_cache_specs.values()})}"
+            )
+        return self.first_spec
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -520,6 +716,24 @@ def iter_layer_specs(kv_cache_spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
     if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
         return tuple(kv_cache_spec.kv_cache_specs.values())
     return (kv_cache_spec,)
+
+
+def is_full_attention_spec(kv_cache_spec: KVCacheSpec) -> bool:
+    """Whether a group spec is, or wraps only, full attention (MLA included; a
+    sliding-window layer anywhere in it makes it not)."""
+    layer_specs = iter_layer_specs(kv_cache_spec)
+    return bool(layer_specs) and all(isinstance(s, FullAttentionSpec) for s in layer_specs)
+
+
+def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
+    """The kind of a group spec: its layers' one kind; FULL_ATTENTION for a mix of
+    full-attention kinds (full and MLA); otherwise UNKNOWN."""
+    kinds = {spec.kind for spec in iter_layer_specs(kv_cache_spec)}
+    if len(kinds) == 1:
+        return kinds.pop()
+    if kinds and is_full_attention_spec(kv_cache_spec):
+        return KVCacheSpecKind.FULL_ATTENTION
+    return KVCacheSpecKind.UNKNOWN
 
 
 def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:

@@ -10,7 +10,8 @@ grouped by spec and split into groups of equal layer count, so that tensor
 slot i is shared by layer i of every group (all groups then draw block ids
 from one pool and one block id addresses the same bytes in each tensor). That
 needs one page size across groups: specs with smaller pages get their block
-size scaled up until the pages match.
+size scaled up until the pages match, or (Mamba, and attention pages that do
+not divide the largest) their page padded (`unify_kv_cache_spec_page_size`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from jaxkv.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
 )
 
@@ -118,10 +121,13 @@ def check_enough_kv_cache_memory(
 def unify_kv_cache_spec_page_size(
     kv_cache_specs: Mapping[str, KVCacheSpec],
 ) -> dict[str, KVCacheSpec]:
-    """Specs with their block sizes scaled so every page has the largest page's size.
+    """Specs whose pages all have the largest page's size (vLLM 0.33's rule).
 
-    `ValueError` when a page does not divide the largest one, or when a spec's
-    page cannot grow (it is not an attention spec).
+    An attention page that divides the largest grows by scaling its block
+    size; a Mamba page (its size does not follow the block size), or a non-MLA
+    attention page that does not divide the largest or is padded already, is
+    padded to it (`page_size_padded`). `ValueError` for any other page: an MLA page that
+    does not divide (its rows cannot be padded), or a spec of another kind.
     """
     page_sizes = {spec.page_size_bytes for spec in kv_cache_specs.values()}
     if len(page_sizes) <= 1:
@@ -130,16 +136,22 @@ def unify_kv_cache_spec_page_size(
     unified: dict[str, KVCacheSpec] = {}
     for name, spec in kv_cache_specs.items():
         page = spec.page_size_bytes
+        is_padded = getattr(spec, "page_size_padded", None) is not None
         if page == max_page:
             unified[name] = spec
-            continue
-        if max_page % page or not isinstance(spec, AttentionSpec):
+        elif isinstance(spec, MambaSpec):
+            unified[name] = replace(spec, page_size_padded=max_page)
+        elif isinstance(spec, AttentionSpec) and max_page % page == 0 and not is_padded:
+            unified[name] = spec.copy_with_new_block_size(spec.block_size * (max_page // page))
+        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+            unified[name] = replace(spec, page_size_padded=max_page)
+        else:
             raise ValueError(
                 f"cannot give layer {name!r} ({type(spec).__name__}, page {page} bytes) the "
-                f"common page size {max_page} bytes: the page must divide it and be an "
-                f"attention page; page sizes are {sorted(page_sizes)}"
+                f"common page size {max_page} bytes: only an attention page that divides it "
+                f"grows, and only Mamba and non-MLA attention pages are padded; page sizes "
+                f"are {sorted(page_sizes)}"
             )
-        unified[name] = spec.copy_with_new_block_size(spec.block_size * (max_page // page))
     return unified
 
 
@@ -323,7 +335,7 @@ def generate_scheduler_kv_cache_config(kv_cache_configs: Sequence[KVCacheConfig]
         )
     first = kv_cache_configs[0]
     groups = tuple(
-        replace(g, kv_cache_spec=g.kv_cache_spec.first_spec)
+        replace(g, kv_cache_spec=g.kv_cache_spec.layer_type_spec)
         if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
         else g
         for g in first.kv_cache_groups

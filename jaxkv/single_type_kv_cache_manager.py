@@ -934,7 +934,7 @@ SPEC_MANAGER_TYPES: tuple[type[SingleTypeKVCacheManager], ...] = (
 def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     """The manager class serving `kv_cache_spec` (a uniform-type group: its layers' type)."""
     if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
-        kv_cache_spec = kv_cache_spec.first_spec
+        kv_cache_spec = kv_cache_spec.layer_type_spec
     for manager_type in SPEC_MANAGER_TYPES:
         if isinstance(kv_cache_spec, manager_type.spec_types):
             return manager_type
@@ -961,7 +961,7 @@ def get_manager_for_kv_cache_spec(
     if role is not None:
         raise ValueError(f"KV cache group role {role!r} is not supported (None only)")
     if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
-        kv_cache_spec = kv_cache_spec.first_spec
+        kv_cache_spec = kv_cache_spec.layer_type_spec
     if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         kwargs.setdefault(
             "max_admission_blocks_per_request",

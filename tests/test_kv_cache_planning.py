@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -152,8 +153,10 @@ def test_uniform_type_specs():
     )
     assert UniformTypeKVCacheSpecs.from_specs({"a": sw1, "b": sw2}) is None
     assert UniformTypeKVCacheSpecs.from_specs({"a": a, "b": FullAttentionSpec(32, 8, 64)}) is None
+    mixed = UniformTypeKVCacheSpecs(16, kv_cache_specs={"a": a, "b": sw1})  # as vLLM: built
+    assert mixed.kind is KVCacheSpecKind.UNKNOWN
     with pytest.raises(ValueError, match="share spec type"):
-        UniformTypeKVCacheSpecs(16, kv_cache_specs={"a": a, "b": sw1})
+        _ = mixed.layer_type_spec
 
 
 # -- capacity ----------------------------------------------------------------
@@ -253,8 +256,13 @@ def test_hybrid_grouping_unifies_page_sizes():
     groups = get_kv_cache_groups({"f": full, "s": small})
     assert groups[1].kv_cache_spec.block_size == 32
     assert groups[1].kv_cache_spec.page_size_bytes == full.page_size_bytes
+    # A page that does not divide the largest is padded (vLLM 0.33), except MLA's.
+    odd = SlidingWindowSpec(16, 3, 128, sliding_window=64)
+    padded = get_kv_cache_groups({"f": full, "s": odd})[1].kv_cache_spec
+    assert padded == replace(odd, page_size_padded=full.page_size_bytes)
+    assert padded.unpadded_page_size_bytes == odd.page_size_bytes
     with pytest.raises(ValueError, match="common page size"):
-        get_kv_cache_groups({"f": full, "s": SlidingWindowSpec(16, 3, 128, sliding_window=64)})
+        get_kv_cache_groups({"f": full, "m": MLAAttentionSpec(16, 1, 96)})
 
 
 def test_uniform_type_model_is_one_group_with_one_tensor_per_layer():

@@ -6,6 +6,7 @@ Each test here is ours (not vLLM's); `tools/vllm_core_yardstick.py` runs vLLM's.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -36,7 +37,20 @@ from jaxkv import (
 )
 from jaxkv.block_pool import BlockHashToBlockMap
 from jaxkv.hashing import resolve_none_hash_seed
-from jaxkv.kv_cache_interface import ChunkedLocalAttentionSpec
+from jaxkv.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpecKind,
+    KVQuantMode,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SpecMergeError,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+    is_full_attention_spec,
+    iter_layer_specs,
+)
+from jaxkv.kv_cache_planning import unify_kv_cache_spec_page_size
 from jaxkv.single_type_kv_cache_manager import (
     FullAttentionManager,
     MambaManager,
@@ -442,3 +456,119 @@ def test_caching_metrics_match_a_recomputed_window(window, batches):
         assert metrics.aggregated_requests == sum(k[0] for k in kept)
         assert metrics.aggregated_query_total == sum(k[1] for k in kept)
         assert metrics.aggregated_query_hit == sum(k[2] for k in kept)
+
+
+# -- spec fields: padded pages, quant mode, windows on full attention, MLA formats ------
+
+
+def test_page_size_padded_sets_the_page_and_is_checked_when_built():
+    attn = FullAttentionSpec(16, 2, 64, "float32")
+    assert attn.page_size_bytes == attn.unpadded_page_size_bytes == 16 * 2 * 128 * 4
+    padded = replace(attn, page_size_padded=65536)
+    assert padded.page_size_bytes == 65536
+    assert padded.real_page_size_bytes == attn.page_size_bytes
+    assert padded.max_memory_usage_bytes(64, 16) == 4 * 65536
+    assert padded.tensor_parallel_bytes(2).page_size_bytes == 32768
+    with pytest.raises(ValueError, match="page_size_padded=100 is smaller"):
+        replace(attn, page_size_padded=100)
+    with pytest.raises(TypeError, match="page_size_padded"):
+        replace(attn, page_size_padded=65536.0)
+    mamba = MambaSpec(16, shapes=((2, 512),), dtypes=("float32",))
+    assert replace(mamba, page_size_padded=8192).page_size_bytes == 8192
+    assert replace(mamba, page_size_padded=8192).real_page_size_bytes == 4096
+    with pytest.raises(ValueError, match="MambaSpec: page_size_padded=4095"):
+        replace(mamba, page_size_padded=4095)
+
+
+def test_planning_pads_mamba_and_odd_attention_pages_but_not_mla():
+    big = FullAttentionSpec(16, 8, 128)  # 65536-byte page
+    mamba = MambaSpec(16, shapes=((2, 512),), dtypes=("float32",))
+    odd = SlidingWindowSpec(16, 3, 128, sliding_window=64)
+    unified = unify_kv_cache_spec_page_size({"f": big, "m": mamba, "s": odd})
+    assert unified["f"] is big
+    assert unified["m"] == replace(mamba, page_size_padded=65536)
+    assert unified["s"] == replace(odd, page_size_padded=65536)
+    # A dividing page still grows by its block size, not by padding.
+    half = unify_kv_cache_spec_page_size({"f": big, "h": FullAttentionSpec(16, 4, 128)})["h"]
+    assert (half.block_size, half.page_size_padded) == (32, None)
+    with pytest.raises(ValueError, match="only Mamba and non-MLA attention pages are padded"):
+        unify_kv_cache_spec_page_size({"f": big, "m": MLAAttentionSpec(16, 1, 96)})
+
+
+def test_kv_quant_mode_is_carried_and_checked():
+    spec = FullAttentionSpec(16, 1, 64, "uint8", kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)
+    assert spec.kv_quant_mode is KVQuantMode.FP8_PER_TOKEN_HEAD
+    assert spec.page_size_bytes == FullAttentionSpec(16, 1, 64, "uint8").page_size_bytes
+    assert spec != FullAttentionSpec(16, 1, 64, "uint8")
+    with pytest.raises(ValueError, match="kv_quant_mode 99"):
+        FullAttentionSpec(16, 1, 64, kv_quant_mode=99)
+
+
+def test_full_attention_windows_merge_as_vllm_does():
+    plain = FullAttentionSpec(16, 4, 64, "float32")
+    windowed = replace(plain, sliding_window=8)
+    assert windowed.page_size_bytes == plain.page_size_bytes
+    assert windowed.max_memory_usage_bytes(64, 16) == plain.max_memory_usage_bytes(64, 16)
+    assert FullAttentionSpec.merge([plain, windowed]) == windowed
+    assert plain.merge([plain, plain]) == plain
+    with pytest.raises(ValueError, match="share sliding_window"):
+        plain.merge([plain, windowed, replace(plain, sliding_window=16)])
+    # Any other difference, or another spec class: both ValueError and AssertionError.
+    for bad in ([plain, replace(plain, num_kv_heads=2)], [plain, swa(8)]):
+        with pytest.raises(SpecMergeError):
+            plain.merge(bad)
+        with pytest.raises(AssertionError):
+            bad[1].merge(bad)
+    with pytest.raises(ValueError, match="at most one"):
+        FullAttentionSpec(16, sliding_window=8, attention_chunk_size=16)
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        FullAttentionSpec(16, sliding_window=0)
+
+
+def test_mla_cache_formats_and_sliding_window_mla():
+    mla = MLAAttentionSpec(16, 1, 576, "float32")
+    fp8 = replace(mla, cache_dtype_str="fp8_ds_mla")
+    assert fp8.merge([fp8, fp8]) == fp8
+    with pytest.raises(SpecMergeError):
+        fp8.merge([fp8, mla])
+    with pytest.raises(SpecMergeError):
+        mla.merge([mla, FullAttentionSpec(16, 1, 576, "float32")])
+    with pytest.raises(SpecMergeError):
+        FullAttentionSpec.merge([FullAttentionSpec(16, 1, 576, "float32"), mla])
+    swa_mla = SlidingWindowMLASpec(16, 1, 576, "float32", sliding_window=128)
+    assert swa_mla.head_size_v == 0 and swa_mla.page_size_bytes == 16 * 576 * 4
+    assert swa_mla.tensor_parallel_bytes(4).num_replicas == 4
+    with pytest.raises(ValueError, match="one latent KV head"):
+        SlidingWindowMLASpec(16, 2, 576, sliding_window=128)
+    assert get_kv_cache_spec_kind(swa_mla) is KVCacheSpecKind.SLIDING_WINDOW_MLA
+    assert get_kv_cache_spec_kind(mla) is KVCacheSpecKind.MLA_ATTENTION
+    assert is_full_attention_spec(mla) and not is_full_attention_spec(swa_mla)
+    # Managed as sliding-window attention: blocks behind the window are released.
+    manager = manager_for(SlidingWindowMLASpec(4, 1, 8, sliding_window=4), num_blocks=32)
+    req = request("r", range(32), bs=4)
+    assert manager.allocate_slots(req, 32) is not None
+    req.num_computed_tokens = 32
+    assert manager.allocate_slots(req, 1) is not None
+    ids = manager.get_block_ids("r")[0]
+    assert ids[0] == 0 and ids[-1] != 0  # the null block stands for released ones
+
+
+def test_a_mixed_uniform_type_group_is_built_but_never_served():
+    a, b = FullAttentionSpec(4, 1, 1, "float32"), MLAAttentionSpec(4, 1, 1, "float32")
+    sw = SlidingWindowMLASpec(4, 1, 1, "float32", sliding_window=8)
+    mixed = UniformTypeKVCacheSpecs(4, kv_cache_specs={"a": a, "b": sw})
+    assert list(iter_layer_specs(mixed)) == [a, sw]
+    assert mixed.kind is KVCacheSpecKind.UNKNOWN and not is_full_attention_spec(mixed)
+    assert get_kv_cache_spec_sliding_window(mixed) is None
+    # Full and MLA layers: a full-attention mix.
+    assert get_kv_cache_spec_kind(UniformTypeKVCacheSpecs(4, {"a": a, "b": b})) is (
+        KVCacheSpecKind.FULL_ATTENTION
+    )
+    assert not is_full_attention_spec(UniformTypeKVCacheSpecs(4, {}))
+    config = KVCacheConfig.from_groups([(mixed, ("a", "b"))], 16)
+    with pytest.raises(ValueError, match="must share spec type, block size and window"):
+        KVCacheManager(config, 64)
+    with pytest.raises(ValueError, match="must share spec type"):
+        get_manager_for_kv_cache_spec(mixed, 16, 64, block_pool=BlockPool(16))
+    with pytest.raises(ValueError, match="must share spec type"):
+        _ = UniformTypeKVCacheSpecs(8, {"a": a}).layer_type_spec  # block size differs
