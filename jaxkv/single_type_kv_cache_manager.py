@@ -240,13 +240,9 @@ class SingleTypeKVCacheManager:
             return
         mask = None
         if self.sparse_hits and (retention_interval is not None or not self.dense_hit_grid()):
-            boundaries = list(replay_boundaries)
-            shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
-            if shared_prefix_boundary:
-                boundaries.append(shared_prefix_boundary)
-                if self.use_eagle:  # a sibling diverging there hits one block lower
-                    boundaries.append(shared_prefix_boundary - self.block_size)
-            mask = self.reachable_block_mask(num_cached, num_full, retention_interval, boundaries)
+            mask = self._mask_for(
+                request, num_cached, num_full, retention_interval, replay_boundaries
+            )
         self.block_pool.cache_full_blocks(
             request,
             self.req_to_blocks[request_id],
@@ -258,18 +254,58 @@ class SingleTypeKVCacheManager:
         )
         self.num_cached_block[request_id] = num_full
 
+    def _mask_for(
+        self,
+        request: Request,
+        start_block: int,
+        end_block: int,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> list[bool] | None:
+        """`reachable_block_mask` for this group: the replay boundaries plus the
+        request's `shared_prefix_boundary` are kept reachable."""
+        boundaries = list(replay_boundaries)
+        shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
+        if shared_prefix_boundary:
+            boundaries.append(shared_prefix_boundary)
+            if self.use_eagle:  # a sibling diverging there hits one block lower
+                boundaries.append(shared_prefix_boundary - self.block_size)
+        return self.reachable_block_mask(
+            start_block,
+            end_block,
+            self.cache_hit_alignment_tokens,
+            self.kv_cache_spec,
+            self.use_eagle,
+            retention_interval,
+            boundaries,
+            self.dcp_world_size,
+        )
+
     def dense_hit_grid(self) -> bool:
         """Whether every block can end a hit on the alignment grid (then all are cached)."""
         return True
 
+    @classmethod
     def reachable_block_mask(
-        self,
+        cls,
         start_block: int,
         end_block: int,
-        retention_interval: int | None,
-        reachable_boundaries: Sequence[int],
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
-        """Which of blocks [start, end) to cache; None: all (dense hit rule)."""
+        """Which of blocks [start_block, end_block) to offer to the prefix cache; None:
+        all (vLLM 0.33's classmethod form). Groups whose hits need only some blocks
+        (sliding window, Mamba) thin the caching to the blocks a hit at some multiple
+        of `alignment_tokens` can end on, sparser with `retention_interval` (None:
+        every boundary; 0: only `reachable_boundaries`; k > 0: one per k tokens),
+        always keeping the blocks a hit at a `reachable_boundaries` position needs.
+        `final_segment_end_block`: the end of the request's last (partial) segment,
+        whose tail a non-EAGLE sliding-window group also keeps."""
         return None
 
     def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
@@ -523,28 +559,38 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def release_threshold_for_block(self, block_index: int) -> int:
         return (block_index + 1) * self.block_size + self.sliding_window - 1
 
+    @classmethod
     def reachable_block_mask(
-        self,
+        cls,
         start_block: int,
         end_block: int,
-        retention_interval: int | None,
-        reachable_boundaries: Sequence[int],
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """Cache only the `need` blocks ending at each hit boundary a later request can use.
 
         Dense (`retention_interval` None): every alignment boundary; k > 0: one
-        per k-token segment; 0: none. Plus, under sparse retention, the tails
-        ending at `reachable_boundaries`. With EAGLE the run ends one block past
-        the boundary (the peeked block).
+        per k-token segment (and, without EAGLE, the tail of the final partial
+        segment ending at `final_segment_end_block`); 0: none. Plus, under
+        sparse retention, the tails ending at `reachable_boundaries`. With
+        EAGLE the run ends one block past the boundary (the peeked block).
         """
-        alignment = self.cache_hit_alignment_tokens
-        block_size = self.block_size
-        if alignment % block_size:
+        if not isinstance(kv_cache_spec, SlidingWindowSpec):
+            raise TypeError(f"kv_cache_spec must be a SlidingWindowSpec, got {kv_cache_spec!r}")
+        if alignment_tokens is None:
+            return None
+        block_size = kv_cache_spec.block_size * dcp_world_size
+        if alignment_tokens % block_size:
             return None  # a sub-block grid cannot be masked per block: cache all
-        need = self.contiguous_blocks_for_hit(self.sliding_window, block_size, self.use_eagle)
-        shift = 1 if self.use_eagle else 0
+        need = cls.contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
+        shift = 1 if use_eagle else 0
         mask = [False] * (end_block - start_block)
-        segment = alignment if retention_interval is None else retention_interval or None
+        segment = alignment_tokens if retention_interval is None else retention_interval or None
         if segment is not None:
             per_segment = segment // block_size
             if need >= per_segment:
@@ -552,9 +598,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             for i in range(max(start_block, shift), end_block):
                 if (i - shift) % per_segment >= per_segment - need:
                     mask[i - start_block] = True
+            final_size = (final_segment_end_block or 0) % per_segment
+            if final_size and not use_eagle:
+                final_end: int = final_segment_end_block  # type: ignore[assignment]
+                tail_start = max(final_end - final_size, final_end - need, start_block)
+                for i in range(tail_start, min(end_block, final_end)):
+                    mask[i - start_block] = True
         if retention_interval is not None:
             for boundary in reachable_boundaries:
-                end = boundary // alignment * alignment // block_size + shift
+                end = boundary // alignment_tokens * alignment_tokens // block_size + shift
                 for j in range(max(start_block, end - need), min(end_block, end)):
                     mask[j - start_block] = True
         return mask
@@ -684,13 +736,15 @@ class MambaManager(SingleTypeKVCacheManager):
     exactly on a block boundary; a hit is the last cached state at or below the
     candidate (found right to left), at hash-unit granularity when the
     coordinator enables fine-grained hits. "all": every block's state is kept
-    and cached.
+    and cached. Under sparse retention (`prefix_cache_retention_interval`) only
+    the states `reachable_block_mask` keeps are cached, in both modes.
     """
 
     spec_types = (MambaSpec,)
     supports_fine_grained_hash_lookup = True
     releases_blocks = True
     caches_at_step_end = True
+    sparse_hits = True  # dense_hit_grid: thinned only under sparse retention
 
     def __init__(self, kv_cache_spec: MambaSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -810,7 +864,12 @@ class MambaManager(SingleTypeKVCacheManager):
         if num_full <= num_cached:
             return
         blocks = self.req_to_blocks[request_id]
-        if not blocks[num_full - 1].is_null:
+        mask = None
+        if retention_interval is not None:
+            mask = self._mask_for(
+                request, num_full - 1, num_full, retention_interval, replay_boundaries
+            )
+        if not blocks[num_full - 1].is_null and (mask is None or mask[0]):
             self.block_pool.cache_full_blocks(
                 request, blocks, num_full - 1, num_full, self.block_size, self.kv_cache_group_id
             )
@@ -820,6 +879,44 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step = set()
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        """Sparse state retention: a hit needs only the one state ending on it.
+
+        None (cache all) unless `retention_interval` is set; then the state
+        ending each `retention_interval`-token segment (none for 0; all when the
+        segment is at most one block) and the state ending on each
+        `reachable_boundaries` position rounded down to `alignment_tokens`.
+        """
+        if retention_interval is None or alignment_tokens is None:
+            return None
+        if not isinstance(kv_cache_spec, MambaSpec):
+            raise TypeError(f"kv_cache_spec must be a MambaSpec, got {kv_cache_spec!r}")
+        block_size = kv_cache_spec.block_size
+        mask = [False] * (end_block - start_block)
+        if retention_interval:
+            per_segment = retention_interval // block_size
+            if per_segment <= 1:
+                return None
+            for i in range(start_block, end_block):
+                mask[i - start_block] = (i + 1) % per_segment == 0
+        for boundary in reachable_boundaries:
+            block = boundary // alignment_tokens * alignment_tokens // block_size - 1
+            if start_block <= block < end_block:
+                mask[block - start_block] = True
+        return mask
 
     def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
         first = self._num_retired_blocks.get(request_id, 0)

@@ -572,3 +572,68 @@ def test_a_mixed_uniform_type_group_is_built_but_never_served():
         get_manager_for_kv_cache_spec(mixed, 16, 64, block_pool=BlockPool(16))
     with pytest.raises(ValueError, match="must share spec type"):
         _ = UniformTypeKVCacheSpecs(8, {"a": a}).layer_type_spec  # block size differs
+
+
+# -- sparse retention: vLLM's classmethod call form; Mamba groups thinned too -------
+
+
+def test_sliding_window_reachable_block_mask_in_vllms_classmethod_form():
+    spec = SlidingWindowSpec(16, 1, 1, "float32", sliding_window=33)  # a hit needs 2 blocks
+
+    def kept(alignment, eagle=False, retention=None, boundaries=(), final=None, end=12):
+        mask = SlidingWindowManager.reachable_block_mask(
+            start_block=0,
+            end_block=end,
+            alignment_tokens=alignment,
+            kv_cache_spec=spec,
+            use_eagle=eagle,
+            retention_interval=retention,
+            reachable_boundaries=boundaries,
+            final_segment_end_block=final,
+        )
+        return None if mask is None else {i for i, keep in enumerate(mask) if keep}
+
+    assert kept(None) is None and kept(16) is None and kept(8) is None  # dense or sub-block
+    assert kept(64) == {2, 3, 6, 7, 10, 11}  # the 2 blocks before each 64-token boundary
+    assert kept(64, eagle=True) == {2, 3, 4, 6, 7, 8, 10, 11}  # 3 blocks, one past it
+    assert kept(16, retention=0, boundaries=(100,)) == {4, 5}  # the run ending at 96
+    assert kept(16, retention=128) == {6, 7}
+    assert kept(16, retention=128, final=11) == {6, 7, 9, 10}  # the final segment's tail
+    assert kept(16, retention=128, final=11, eagle=True) == {6, 7, 8}  # no final tail
+    with pytest.raises(TypeError, match="SlidingWindowSpec"):
+        SlidingWindowManager.reachable_block_mask(0, 1, 64, full(), False)
+
+
+def test_mamba_reachable_block_mask_follows_vllms_retention_rule():
+    spec = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="align")
+
+    def kept(retention, boundaries=(), start=0, end=10):
+        mask = MambaManager.reachable_block_mask(start, end, 16, spec, False, retention, boundaries)
+        return None if mask is None else {start + i for i, keep in enumerate(mask) if keep}
+
+    assert kept(None) is None and kept(16) is None  # dense, or a boundary every block
+    assert kept(48) == {2, 5, 8}  # the state ending each 48-token segment
+    assert kept(48, boundaries=(100, 130)) == {2, 5, 7, 8}  # plus those ending at 96, 128
+    assert kept(0, boundaries=(100,)) == {5}
+    assert kept(48, start=4, end=9) == {5, 8}
+    assert MambaManager.reachable_block_mask(0, 4, None, spec, False, 48) is None
+
+
+@pytest.mark.parametrize("retention, expected_hit", [(None, 96), (64, 64), (0, 0)])
+def test_mamba_align_states_are_thinned_by_prefix_cache_retention(retention, expected_hit):
+    mamba = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="align")
+    config = KVCacheConfig.from_groups(
+        [(full(), ("f",)), (mamba, ("m",))], 64, prefix_cache_retention_interval=retention
+    )
+    m = KVCacheManager(config, 512)
+    a = request("a", range(160))
+    for start in range(0, 160, 16):  # one block per step: a state at every boundary
+        assert m.allocate_slots(a, 16) is not None
+        a.num_computed_tokens = start + 16
+    # A prompt sharing 100 tokens: dense caching hits the state at 96, retention 64
+    # only the one at 64 (the replay boundary, block 8, is beyond the shared part).
+    hits, num_hit, _ = m.get_computed_blocks(request("b", [*range(100), 7, 7, 7]))
+    assert num_hit == expected_hit
+    # The replay boundary (159 -> the state ending at 144) is kept in every mode.
+    hits, num_hit, _ = m.get_computed_blocks(request("c", range(160)))
+    assert num_hit == 144
