@@ -737,9 +737,13 @@ def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
 
 
 def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
-    """The sliding window a group's events report (None unless sliding-window)."""
-    spec = iter_layer_specs(kv_cache_spec)[0]
-    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    """The sliding window a group's events report: its layers' one window (None when
+    a layer is not sliding-window or the layers' windows differ)."""
+    windows = {
+        spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        for spec in iter_layer_specs(kv_cache_spec)
+    }
+    return windows.pop() if len(windows) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -762,13 +766,37 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheTensor:
-    """One device buffer of `size` bytes shared by `shared_by` layers."""
+    """One device buffer of `size` bytes, described in one of two forms.
+
+    jaxkv's: `shared_by`, the layers (one per group) whose pages alias this
+    buffer; a block id addresses the same bytes in each. vLLM 0.33's placement
+    form (keywords): `layers` laid out in one allocation, layer l's page of
+    block b starting `offset + l * layer_stride + b * block_stride` bytes in.
+    A description only: jaxkv's device caches are sized from the specs.
+    """
 
     size: int
-    shared_by: tuple[str, ...]
+    shared_by: tuple[str, ...] = ()
+    layers: tuple[str, ...] = field(default=(), kw_only=True)
+    layer_stride: int = field(default=0, kw_only=True)
+    block_stride: int = field(default=0, kw_only=True)
+    offset: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared_by", tuple(self.shared_by))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if check_int("size", self.size) < 0 or check_int("offset", self.offset) < 0:
+            raise ValueError(
+                f"KVCacheTensor: size and offset must be >= 0, got {self.size}, {self.offset}"
+            )
+        if self.layers:
+            if self.shared_by:
+                raise ValueError(
+                    f"KVCacheTensor: give shared_by={self.shared_by} or layers={self.layers}, "
+                    "not both"
+                )
+            for name in ("layer_stride", "block_stride"):
+                _check_positive(name, getattr(self, name), "KVCacheTensor with layers")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from jaxkv import (
     KVCacheBlock,
     KVCacheBlocks,
     KVCacheConfig,
+    KVCacheGroupSpec,
     KVCacheManager,
+    KVCacheTensor,
     MambaSpec,
     PrefixCacheStats,
     Request,
@@ -560,6 +562,12 @@ def test_a_mixed_uniform_type_group_is_built_but_never_served():
     assert list(iter_layer_specs(mixed)) == [a, sw]
     assert mixed.kind is KVCacheSpecKind.UNKNOWN and not is_full_attention_spec(mixed)
     assert get_kv_cache_spec_sliding_window(mixed) is None
+    sw16 = SlidingWindowSpec(4, 1, 1, "float32", sliding_window=16)
+    sw32 = replace(sw16, sliding_window=32)
+    assert get_kv_cache_spec_sliding_window(UniformTypeKVCacheSpecs(4, {"a": sw16})) == 16
+    assert (
+        get_kv_cache_spec_sliding_window(UniformTypeKVCacheSpecs(4, {"a": sw16, "b": sw32})) is None
+    )
     # Full and MLA layers: a full-attention mix.
     assert get_kv_cache_spec_kind(UniformTypeKVCacheSpecs(4, {"a": a, "b": b})) is (
         KVCacheSpecKind.FULL_ATTENTION
@@ -637,3 +645,18 @@ def test_mamba_align_states_are_thinned_by_prefix_cache_retention(retention, exp
     # The replay boundary (159 -> the state ending at 144) is kept in every mode.
     hits, num_hit, _ = m.get_computed_blocks(request("c", range(160)))
     assert num_hit == 144
+
+
+def test_kv_cache_tensor_takes_vllms_placement_form():
+    placed = KVCacheTensor(size=100, layers=["l1", "l2"], layer_stride=50, block_stride=10)
+    assert placed.layers == ("l1", "l2") and placed.shared_by == () and placed.offset == 0
+    assert KVCacheTensor(64, ("a", "b")).shared_by == ("a", "b")
+    config = KVCacheConfig(10, [placed], [KVCacheGroupSpec(["l1", "l2"], full(4))])
+    m = KVCacheManager(config, 100)
+    assert m.allocate_slots(request("r", range(6), bs=4), 6) is not None
+    with pytest.raises(ValueError, match="block_stride must be a positive"):
+        KVCacheTensor(size=100, layers=["l1"], layer_stride=100)
+    with pytest.raises(ValueError, match="not both"):
+        KVCacheTensor(100, ("a",), layers=["b"], layer_stride=1, block_stride=1)
+    with pytest.raises(ValueError, match="size and offset must be >= 0"):
+        KVCacheTensor(-1, ("a",))
