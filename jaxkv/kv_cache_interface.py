@@ -187,6 +187,8 @@ class AttentionSpec(KVCacheSpec):
     """Attention KV: a page holds K and V of `block_size` tokens for every KV head.
 
     `head_size_v` defaults to `head_size` (0 for MLA: one latent vector per token).
+    `dcp_sharded` defaults to True (vLLM's default for attention): with decode
+    context parallelism a block spans `block_size * dcp` tokens.
     `page_size_padded`: the page's bytes when a backend pads it beyond the K/V
     content (`unpadded_page_size_bytes`); None: no padding. Planning and
     capacity count the padded page. `kv_quant_mode`: see `KVQuantMode`.
@@ -195,6 +197,7 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int = 1
     head_size: int = 128
     dtype: str = "bfloat16"
+    dcp_sharded: bool = field(default=True, kw_only=True)
     head_size_v: int | None = field(default=None, kw_only=True)
     kv_quant_mode: KVQuantMode = field(default=KVQuantMode.NONE, kw_only=True)
     page_size_padded: int | None = field(default=None, kw_only=True)
@@ -785,11 +788,9 @@ class KVCacheTensor:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared_by", tuple(self.shared_by))
         object.__setattr__(self, "layers", tuple(self.layers))
-        if check_int("size", self.size) < 0 or check_int("offset", self.offset) < 0:
-            raise ValueError(
-                f"KVCacheTensor: size and offset must be >= 0, got {self.size}, {self.offset}"
-            )
         if self.layers:
+            if check_int("offset", self.offset) < 0:
+                raise ValueError(f"KVCacheTensor: offset must be >= 0, got {self.offset}")
             if self.shared_by:
                 raise ValueError(
                     f"KVCacheTensor: give shared_by={self.shared_by} or layers={self.layers}, "

@@ -335,7 +335,9 @@ def test_block_size_resolution():
         resolve_dcp_kv_block_size(dcp, 4) == 64
         and resolve_dcp_kv_cache_spec(dcp, 4).block_size == 64
     )
-    assert resolve_dcp_kv_cache_spec(full32, 4) is full32
+    assert full32.dcp_sharded  # vLLM's default for attention
+    unsharded = replace(full32, dcp_sharded=False)
+    assert resolve_dcp_kv_cache_spec(unsharded, 4) is unsharded
     mamba_none = MambaSpec(48, shapes=((8,),), dtypes=("float32",))
     assert resolve_kv_cache_block_sizes(two_groups(sw16, mamba_none)) == (48, 48)
     mamba = MambaSpec(64, shapes=((8,),), dtypes=("float32",), mamba_cache_mode="align")

@@ -53,6 +53,7 @@ from jaxkv.kv_cache_interface import (
     iter_layer_specs,
 )
 from jaxkv.kv_cache_planning import unify_kv_cache_spec_page_size
+from jaxkv.kv_cache_utils import resolve_dcp_kv_block_size, resolve_dcp_kv_cache_spec
 from jaxkv.single_type_kv_cache_manager import (
     FullAttentionManager,
     MambaManager,
@@ -658,5 +659,17 @@ def test_kv_cache_tensor_takes_vllms_placement_form():
         KVCacheTensor(size=100, layers=["l1"], layer_stride=100)
     with pytest.raises(ValueError, match="not both"):
         KVCacheTensor(100, ("a",), layers=["b"], layer_stride=1, block_stride=1)
-    with pytest.raises(ValueError, match="size and offset must be >= 0"):
-        KVCacheTensor(-1, ("a",))
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        KVCacheTensor(100, layers=["a"], layer_stride=1, block_stride=1, offset=-1)
+
+
+def test_attention_specs_are_dcp_sharded_by_default_as_in_vllm():
+    attn, mamba = full(16), MambaSpec(16, shapes=((4,),), dtypes=("float32",))
+    assert attn.dcp_sharded and swa(32).dcp_sharded and not mamba.dcp_sharded
+    assert resolve_dcp_kv_block_size(attn, 4) == 64 and resolve_dcp_kv_block_size(mamba, 4) == 16
+    group = UniformTypeKVCacheSpecs(16, {"a": attn, "b": full(16)})
+    assert group.dcp_sharded and resolve_dcp_kv_cache_spec(group, 4).block_size == 64
+    unsharded = replace(attn, dcp_sharded=False)
+    assert resolve_dcp_kv_cache_spec(unsharded, 4) is unsharded
+    # Without decode context parallelism (jaxkv's managers: dcp 1) nothing changes.
+    assert manager_for(attn).coordinator.single_type_managers[0].block_size == 16
