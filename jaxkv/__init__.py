@@ -4,6 +4,7 @@ The top-level package is host-side only (Python + numpy) and never imports
 JAX; the jitted device code lives in `jaxkv.device`.
 """
 
+from jaxkv._checks import AssertedValueError
 from jaxkv.block_pool import BlockPool
 from jaxkv.block_table import BlockTable
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
@@ -108,6 +109,7 @@ from jaxkv.single_type_kv_cache_manager import (
 
 __all__ = [
     "AllBlocksCleared",
+    "AssertedValueError",
     "BlockHash",
     "BlockHashListWithBlockSize",
     "BlockHashMemo",

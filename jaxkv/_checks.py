@@ -17,6 +17,12 @@ import numpy as np
 TOKEN_ID_LIMIT = 1 << 63
 
 
+class AssertedValueError(ValueError, AssertionError):
+    """Bad input that vLLM 0.33 rejects with an `assert`: a `ValueError` like every
+    bad argument in jaxkv, and an `AssertionError` so code written for vLLM that
+    expects one still catches it."""
+
+
 def check_int(
     name: str, value: Any, *, min_value: int | None = None, max_value: int | None = None
 ) -> int:

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from jaxkv._checks import check_int
+from jaxkv._checks import AssertedValueError, check_int
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,12 +111,8 @@ def _check_page_size_padded(spec: AttentionSpec | MambaSpec, unpadded: int) -> N
         )
 
 
-class SpecMergeError(ValueError, AssertionError):
-    """Layers that cannot share one KV-cache group spec (`KVCacheSpec.merge`).
-
-    A `ValueError` like every bad argument in jaxkv, and an `AssertionError`
-    because vLLM asserts there (its callers catch that).
-    """
+class SpecMergeError(AssertedValueError):
+    """Layers that cannot share one KV-cache group spec (`KVCacheSpec.merge`)."""
 
 
 def _merge_equal_specs(cls: type, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from jaxkv._checks import AssertedValueError
 from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
 from jaxkv.kv_cache_interface import (
     KVCacheConfig,
@@ -202,7 +203,7 @@ def resolve_block_hashes(
     if isinstance(block_hashes, BlockHashListWithBlockSize):
         view_block_size = hash_block_size * block_hashes.scale_factor
         if view_block_size != block_size:
-            raise ValueError(
+            raise AssertedValueError(
                 f"block_hashes is a view of {view_block_size}-token blocks; it cannot be read "
                 f"as {block_size}-token blocks"
             )
