@@ -380,7 +380,7 @@ class LLMEngine:
             finish_reason=None if update.finish_reason is None else str(update.finish_reason),
             text=text,
             num_preemptions=request.num_preemptions,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=update.num_cached_tokens,
         )
 
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:

@@ -3,6 +3,14 @@
 One `schedule()` call plans one device step; `update_from_output()` applies the tokens the
 step sampled. Pure Python + numpy: no JAX, so host benchmarks and tests drive it directly.
 
+It uses only vLLM 0.33's `KVCacheManager` API (`get_computed_blocks`, `allocate_slots`,
+`free`, `get_block_ids`, `block_pool.get_num_free_blocks`, `max_model_len`,
+`coordinator.scheduler_block_size`) and request attributes both `jaxkv.Request` and vLLM's `Request`
+have, so the same class drives jaxkv's manager and vLLM's (benchmarks/bench_host.py). A
+request's `status` is set to the members of its own `RequestStatus` enum, found by name.
+jaxkv extensions are used only where present: freed block ids
+(`track_freed_block_ids=True`).
+
 Rules, in the order `schedule()` applies them:
 
 * Running requests first, oldest first, each getting the tokens it has not computed yet
@@ -11,7 +19,8 @@ Rules, in the order `schedule()` applies them:
   are freed, it is recomputed later, mostly from the prefix cache) until the request
   fits or is itself preempted.
 * Waiting requests are admitted, oldest first, from their longest cached prefix, while
-  requests, tokens and blocks last; none in a step that had to preempt.
+  requests, tokens and blocks last; none in a step that had to preempt. A request whose
+  whole remaining chunk cannot fit the free blocks is not looked up (no cache query).
 * Multimodal items: a chunk that reaches an item's placeholders needs the item's encoder
   output. A cached item (`EncoderCacheManager`) is shared, a new one is encoded once
   within the per-step encoder compute budget; the chunk is cut before an item that cannot
@@ -39,7 +48,7 @@ import numpy as np
 
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.request import Request, RequestStatus
+from jaxkv.request import Request
 
 __all__ = [
     "FinishReason",
@@ -62,23 +71,24 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step: requests, tokens, and a request's tokens per chunk (0: no cap)."""
+    """Limits of one step: requests, tokens, and a request's tokens per chunk (0: no cap);
+    `num_lookahead_tokens` extra slots reserved per scheduled request (speculative tokens)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "SchedulerConfig.long_prefill_token_threshold must be >= 0 (0: no cap), got "
-                f"{self.long_prefill_token_threshold!r}"
-            )
+        for name in ("long_prefill_token_threshold", "num_lookahead_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
 
 
 @dataclass
@@ -122,11 +132,14 @@ class SchedulerOutput:
 
 @dataclass
 class RequestUpdate:
-    """A token appended to a request (None for a request finished without one)."""
+    """A token appended to a request (None for a request finished without one).
+
+    `num_cached_tokens`: prompt tokens its first admission found in the prefix cache."""
 
     request: Request
     new_token_id: int | None
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -137,10 +150,32 @@ class _Tracked:
     finish_reason: FinishReason | None = None
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
+    running: bool = False
+    num_cached_tokens: int = -1  # prefix-cache hits at first admission (-1: not admitted)
+
+
+# The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
+# `FINISHED`).
+_FINISHED_STATUS = {
+    FinishReason.LENGTH: "FINISHED_LENGTH_CAPPED",
+    FinishReason.STOP: "FINISHED_STOPPED",
+    FinishReason.ABORT: "FINISHED_ABORTED",
+}
+
+
+def _set_status(request: Request, name: str) -> None:
+    """Set the member `name` of the request's own status enum (jaxkv's or vLLM's)."""
+    statuses = type(request.status)
+    request.status = statuses[name] if name in statuses.__members__ else statuses["FINISHED"]
 
 
 class Scheduler:
-    """Waiting/running queues, token budget, chunked prefill, prefix caching, preemption."""
+    """Waiting/running queues, token budget, chunked prefill, prefix caching, preemption.
+
+    `kv_cache_manager`: a jaxkv `KVCacheManager`, or vLLM's (the methods used are vLLM's).
+    `with_block_ids=False` leaves `ScheduledRequest.block_ids` empty (a host-only
+    simulation needs no block tables; gathering them costs a pass over every block).
+    """
 
     def __init__(
         self,
@@ -149,6 +184,7 @@ class Scheduler:
         *,
         encoder_cache_manager: EncoderCacheManager | None = None,
         encoder_budget: EncoderBudget | None = None,
+        with_block_ids: bool = True,
     ) -> None:
         if (encoder_cache_manager is None) != (encoder_budget is None):
             raise ValueError("give both encoder_cache_manager and encoder_budget, or neither")
@@ -161,7 +197,10 @@ class Scheduler:
         self.config = config
         self.encoder_cache_manager = encoder_cache_manager
         self.encoder_budget = encoder_budget
-        self.track_freed_blocks = kv_cache_manager.block_pool.track_freed_block_ids
+        self.track_freed_blocks = getattr(
+            kv_cache_manager.block_pool, "track_freed_block_ids", False
+        )
+        self.with_block_ids = with_block_ids
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -191,7 +230,7 @@ class Scheduler:
     def add_request(self, request: Request, stop_token_ids: Iterable[int] = ()) -> None:
         """Queue a new request; stops after `request.max_tokens` outputs or a stop token."""
         self.check_request(request)
-        request.status = RequestStatus.WAITING
+        _set_status(request, "WAITING")
         self._tracked[request.request_id] = _Tracked(
             request, frozenset(stop_token_ids), arrival=self._num_arrivals
         )
@@ -226,6 +265,8 @@ class Scheduler:
         """Plan one step; allocates its slots and encoder-cache entries."""
         budget = self.config.max_num_batched_tokens
         encoder_budget = self.encoder_budget.compute_budget if self.encoder_budget else 0
+        lookahead = self.config.num_lookahead_tokens
+        allocate_slots = self.kv_cache_manager.allocate_slots
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
@@ -238,7 +279,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new, inputs = plan
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            while allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -268,13 +309,15 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], budget: int, encoder_budget: int, counts: list
     ) -> None:
         manager = self.kv_cache_manager
-        block_size = manager.scheduler_block_size
+        block_size = manager.coordinator.scheduler_block_size
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
             tracked = self._tracked[request.request_id]
             if tracked.num_pending:
                 break  # preempted while its last step was in flight: wait for that token
-            if manager.num_free_blocks < -(-min(request.num_tokens, budget) // block_size):
+            if manager.block_pool.get_num_free_blocks() < -(
+                -min(request.num_tokens, budget) // block_size
+            ):
                 break  # cheap pre-check, so hopeless attempts do not count as cache lookups
             hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = shared_prefix_boundary
@@ -282,14 +325,24 @@ class Scheduler:
             if plan is None:
                 break
             num_new, inputs = plan
-            if manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
+            if (
+                manager.allocate_slots(
+                    request,
+                    num_new,
+                    num_hits,
+                    hit_blocks,
+                    num_lookahead_tokens=self.config.num_lookahead_tokens,
+                )  # fmt: skip
+                is None
+            ):
                 self._release_planned(request, inputs)
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hits
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hits
-            request.status = RequestStatus.RUNNING
+            if tracked.num_cached_tokens < 0:
+                tracked.num_cached_tokens = num_hits
+            _set_status(request, "RUNNING")
+            tracked.running = True
             self.running.append(request)
             encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
             scheduled.append(self._advance(tracked, num_new, inputs))
@@ -382,7 +435,7 @@ class Scheduler:
         samples = start + num_new == request.num_tokens + tracked.num_pending
         out = ScheduledRequest(
             request, start, num_new, request.num_tokens, samples, tuple(inputs),
-            self.kv_cache_manager.get_block_ids(request.request_id),
+            self.kv_cache_manager.get_block_ids(request.request_id) if self.with_block_ids else (),
         )  # fmt: skip
         request.num_computed_tokens = start + num_new
         if samples:
@@ -390,11 +443,13 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request) -> None:
+        tracked = self._tracked[request.request_id]
         self.kv_cache_manager.free(request)
-        self._free_encoder_inputs(self._tracked[request.request_id])
+        self._free_encoder_inputs(tracked)
+        tracked.running = False
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.status = RequestStatus.PREEMPTED
+        _set_status(request, "PREEMPTED")
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -426,8 +481,10 @@ class Scheduler:
                 reason = self._stop_reason(tracked, token)
                 if reason is not None:
                     self._finish(tracked, reason)
-                updates.append(RequestUpdate(request, token, reason))
-            if tracked.held_inputs and request.status == RequestStatus.RUNNING:
+                updates.append(
+                    RequestUpdate(request, token, reason, max(tracked.num_cached_tokens, 0))
+                )
+            if tracked.held_inputs and tracked.running:
                 self._release_done_inputs(tracked)
         return updates
 
@@ -453,12 +510,12 @@ class Scheduler:
 
     def _finish(self, tracked: _Tracked, reason: FinishReason) -> None:
         request = tracked.request
-        if request.status == RequestStatus.RUNNING:
+        if tracked.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
-        request.status = RequestStatus.FINISHED
+        _set_status(request, _FINISHED_STATUS[reason])
         tracked.finish_reason = reason
         del self._tracked[request.request_id]
