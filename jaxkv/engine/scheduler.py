@@ -91,7 +91,7 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: positions `[num_computed_tokens, +num_new_tokens)`.
 
@@ -130,7 +130,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """A token appended to a request (None for a request finished without one).
 
@@ -142,7 +142,7 @@ class RequestUpdate:
     num_cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
     stop_token_ids: frozenset[int]
@@ -151,7 +151,7 @@ class _Tracked:
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
     running: bool = False
-    num_cached_tokens: int = -1  # prefix-cache hits at first admission (-1: not admitted)
+    num_cached_tokens: int = 0  # prefix-cache hits at its first admission
 
 
 # The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
@@ -206,6 +206,10 @@ class Scheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._num_arrivals = 0
         self.num_preemptions = 0
+        # Over all admissions (a preempted request counts again when readmitted): tokens
+        # of the admitted requests, and how many of them the prefix cache served.
+        self.num_admitted_tokens = 0
+        self.num_admitted_hit_tokens = 0
 
     # -- requests ---------------------------------------------------------------------
 
@@ -286,7 +290,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+                if inputs:
+                    encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
                 scheduled.append(self._advance(tracked, num_new, inputs))
                 budget -= num_new
                 i += 1
@@ -338,39 +343,44 @@ class Scheduler:
                 self._release_planned(request, inputs)
                 break
             self.waiting.popleft()
+            self.num_admitted_tokens += request.num_tokens
+            self.num_admitted_hit_tokens += num_hits
             request.num_computed_tokens = num_hits
-            if tracked.num_cached_tokens < 0:
+            if not request.num_preemptions:
                 tracked.num_cached_tokens = num_hits
             _set_status(request, "RUNNING")
             tracked.running = True
             self.running.append(request)
-            encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+            if inputs:
+                encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
             scheduled.append(self._advance(tracked, num_new, inputs))
             budget -= num_new
 
     def _plan(
         self, tracked: _Tracked, start: int, budget: int, encoder_budget: int
-    ) -> tuple[int, list[int]] | None:
+    ) -> tuple[int, Sequence[int]] | None:
         """Tokens to compute from `start` and encoder inputs they need; None: nothing now.
 
         Cached encoder entries the chunk needs are referenced here (so planning the rest
         cannot evict them); `_release_planned` undoes that when the slots are refused.
         """
         request = tracked.request
+        config = self.config
         available = request.num_tokens + tracked.num_pending
-        num_new = min(available - start, budget, self.config.max_model_len - start)
-        if self.config.long_prefill_token_threshold:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        num_new = min(available - start, budget, config.max_model_len - start)
+        cap = config.long_prefill_token_threshold
+        if cap and num_new > cap:
+            num_new = cap
         if num_new <= 0:
             return None
         if start + num_new == available and (
             request.num_output_tokens + tracked.num_pending >= request.max_tokens
         ):
             return None  # its last token is in flight; the update will finish it
-        inputs: list[int] = []
         manager = self.encoder_cache_manager
         if manager is None or not request.mm_features:
-            return num_new, inputs
+            return num_new, ()  # the hot path: a text request
+        inputs: list[int] = []
         end = start + num_new
         held = manager.get_cached_input_ids(request)
         embeds_to_schedule = 0
@@ -429,12 +439,13 @@ class Scheduler:
         inputs[:] = to_encode
         return encoded
 
-    def _advance(self, tracked: _Tracked, num_new: int, inputs: list[int]) -> ScheduledRequest:
+    def _advance(self, tracked: _Tracked, num_new: int, inputs: Sequence[int]) -> ScheduledRequest:
         request = tracked.request
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens + tracked.num_pending
+        num_tokens = request.num_tokens
+        samples = start + num_new == num_tokens + tracked.num_pending
         out = ScheduledRequest(
-            request, start, num_new, request.num_tokens, samples, tuple(inputs),
+            request, start, num_new, num_tokens, samples, tuple(inputs),
             self.kv_cache_manager.get_block_ids(request.request_id) if self.with_block_ids else (),
         )  # fmt: skip
         request.num_computed_tokens = start + num_new
@@ -469,35 +480,31 @@ class Scheduler:
         preempted request keeps its token. Stop conditions are checked here.
         """
         updates: list[RequestUpdate] = []
+        all_tracked = self._tracked
+        max_model_len = self.config.max_model_len
         for row, item in enumerate(output.scheduled):
             request = item.request
-            tracked = self._tracked.get(request.request_id)
+            tracked = all_tracked.get(request.request_id)
             if tracked is None or tracked.request is not request:
                 continue  # finished or aborted while the step ran
             if item.samples:
                 tracked.num_pending -= 1
                 token = int(sampled_token_ids[row])
                 request.append_output_token_ids(token)
-                reason = self._stop_reason(tracked, token)
+                reason = None
+                if token in tracked.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif (
+                    request.num_output_tokens >= request.max_tokens
+                    or request.num_tokens >= max_model_len
+                ):
+                    reason = FinishReason.LENGTH
                 if reason is not None:
                     self._finish(tracked, reason)
-                updates.append(
-                    RequestUpdate(request, token, reason, max(tracked.num_cached_tokens, 0))
-                )
+                updates.append(RequestUpdate(request, token, reason, tracked.num_cached_tokens))
             if tracked.held_inputs and tracked.running:
                 self._release_done_inputs(tracked)
         return updates
-
-    def _stop_reason(self, tracked: _Tracked, token: int) -> FinishReason | None:
-        request = tracked.request
-        if token in tracked.stop_token_ids:
-            return FinishReason.STOP
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None
 
     def _release_done_inputs(self, tracked: _Tracked) -> None:
         """Encoder entries whose placeholders are all computed are no longer needed."""
