@@ -2,10 +2,11 @@
 
 One mixed workload (shared prefixes, chunked prefill, a pool small enough to preempt,
 Gemma-3-style sliding-window layers; LLaVA-style images through the shared encoder
-cache) runs through `LLMEngine` on a 1x1 mesh and on 8-device `(data, model)` meshes:
-4x2 (requests over 4 data ranks, KV heads split over 2) and 1x8 (weights split, KV heads
-replicated). Greedy tokens must be identical and equal to the dense reference on each
-mesh; the dense logits behind them must agree across meshes.
+cache) runs through `LLMEngine` on a 1x1 mesh and on an 8-device 4x2 `(data, model)`
+mesh (requests over 4 data ranks, each with its own block pool; weights and KV heads
+split over 2). Greedy tokens must be identical and equal to the dense reference on each
+mesh; the dense logits behind them must agree across meshes. `jaxkv generate
+--data-parallel-size 2 --tensor-parallel-size 2` must match the dense reference too.
 
 The runs happen in a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the flag must be set before JAX
@@ -36,10 +37,13 @@ def _gemma_workload(rng: np.random.Generator) -> list[list[int]]:
 
 def child(workdir: str) -> dict:
     """Runs under 8 devices: per mesh, the engine's outputs, dense logits and counters."""
+    import contextlib
     import dataclasses
+    import io
 
     import jax
 
+    from jaxkv import cli
     from jaxkv.device import make_mesh
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
     from jaxkv.engine.reference import DenseReference, image_offsets
@@ -102,6 +106,16 @@ def child(workdir: str) -> dict:
         out["num_encoded"] = image_engine.runner.num_encoded
         out["image_free_blocks"] = image_engine.num_free_blocks
         results[f"{dp}x{mp}"] = out
+    # `jaxkv generate` on a 2x2 mesh, checked against the dense reference on one device.
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        argv = ["generate", "--model", str(work / "gemma3"), "--prompt-token-ids", "5,6,7,8,9",
+                "--max-tokens", "4", "--max-model-len", "32", "--json",
+                "--data-parallel-size", "2", "--tensor-parallel-size", "2"]  # fmt: skip
+        assert cli.main(argv) == 0
+    generated = json.loads(text.getvalue().strip().splitlines()[-1])["output_token_ids"]
+    single = DenseReference(load_model(work / "gemma3"), MAX_LEN)
+    results["cli"] = {"tokens": generated, "dense": single.expected([5, 6, 7, 8, 9], generated)}
     return results
 
 
@@ -119,6 +133,8 @@ def test_engine_same_tokens_on_1_and_8_devices(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     results = json.loads(line[len("RESULT") :])
+    cli_run = results.pop("cli")
+    assert len(cli_run["tokens"]) == 4 and cli_run["tokens"] == cli_run["dense"]
     one = results["1x1"]
     assert one["groups"] > 1, "sliding-window and full layers in separate KV-cache groups"
     assert results["4x2"]["ranks"] == 4 and "model" in results["4x2"]["cache_spec"]
