@@ -2,11 +2,12 @@
 
 One mixed workload (shared prefixes, chunked prefill, a pool small enough to preempt,
 Gemma-3-style sliding-window layers; LLaVA-style images through the shared encoder
-cache) runs through `LLMEngine` on a 1x1 mesh and on an 8-device 4x2 `(data, model)`
-mesh (requests over 4 data ranks, each with its own block pool; weights and KV heads
-split over 2). Greedy tokens must be identical and equal to the dense reference on each
-mesh; the dense logits behind them must agree across meshes. `jaxkv generate
---data-parallel-size 2 --tensor-parallel-size 2` must match the dense reference too.
+cache, freed blocks zeroed per rank) runs through `LLMEngine` on a 1x1 mesh and on an
+8-device 4x2 `(data, model)` mesh (requests over 4 data ranks, each with its own block
+pool; weights and KV heads split over 2). Greedy tokens must be identical and equal to
+the dense reference on each mesh; the dense logits behind them must agree across
+meshes. `jaxkv generate --data-parallel-size 2 --tensor-parallel-size 2` must match the
+dense reference too.
 
 The runs happen in a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the flag must be set before JAX
@@ -89,7 +90,9 @@ def child(workdir: str) -> dict:
                     for rng_img in (np.random.default_rng(s) for s in (5, 6))]  # fmt: skip
         image_prompts = [[3, 4, 5 + i, image_token, 7, 8] for i in range(5)]
         images = [[pictures[i % 2]] for i in range(5)]
-        image_config = dataclasses.replace(config, num_blocks=48, encoder_cache_size=2 * n)
+        image_config = dataclasses.replace(
+            config, num_blocks=48, encoder_cache_size=2 * n, zero_freed_blocks=True
+        )
         image_engine = LLMEngine(llava, image_config, mesh=mesh)
         image_outputs = image_engine.generate(image_prompts, sampling, images=images)
         image_reference = DenseReference(llava, MAX_LEN)
