@@ -113,7 +113,7 @@ def test_queue_popleft_and_links_cleared():
     assert _ids(q.get_all_free_blocks()) == [1, 2]
     assert [q.popleft().block_id, q.popleft().block_id] == [1, 2]
     assert q.num_free_blocks == 0
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="No free blocks available"):
         q.popleft()
     assert q.num_free_blocks == 0
     assert q.get_all_free_blocks() == []
