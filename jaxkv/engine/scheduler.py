@@ -267,6 +267,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step; allocates its slots and encoder-cache entries."""
+        # As vLLM's scheduler: a hit on a Mamba state cached during this step waits a step.
+        self.kv_cache_manager.new_step_starts()
         budget = self.config.max_num_batched_tokens
         encoder_budget = self.encoder_budget.compute_budget if self.encoder_budget else 0
         lookahead = self.config.num_lookahead_tokens
