@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -77,10 +78,10 @@ class BlockHashToBlockMap:
         self, block_hashes: Sequence[BlockHash], group_id: int, max_blocks: int
     ) -> list[KVCacheBlock]:
         """For `block_hashes[i]`, i = 0, 1, ...: one block each until the first miss."""
-        hits = self.get_entries(block_hashes, group_id, max_blocks)
-        if None in hits:
-            del hits[hits.index(None) :]
-        return hits  # type: ignore[return-value]
+        # Blocks are always truthy (KVCacheBlock has no __bool__ or __len__), so the run
+        # ends at the first miss (None) without comparing blocks with None.
+        get = self._maps.get(group_id, _NO_BLOCKS).get
+        return list(takewhile(bool, map(get, islice(block_hashes, max_blocks))))
 
     def get_entries(
         self, block_hashes: Sequence[BlockHash], group_id: int, stop: int

@@ -347,7 +347,9 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append one token id or a sequence of them; a bad id raises before anything changes."""
-        if type(token_ids) is int and 0 <= token_ids <= 0x7FFFFFFFFFFFFFFF:  # < 2**63
+        # Ids below 2**30 (every vocabulary) take this path: CPython 3.11 specializes a
+        # comparison only between one-digit ints. Larger ids are checked below.
+        if type(token_ids) is int and 0 <= token_ids <= 0x3FFFFFFF:
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
         else:
