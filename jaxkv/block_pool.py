@@ -50,8 +50,10 @@ class BlockHashToBlockMap:
     rare keys with several blocks are also listed, all their blocks in insertion
     order, in the group's duplicates dict.
 
-    Invariant: `_maps[g][h]` is the first value of `_duplicates[g][h]` when that
-    exists (which then holds at least two blocks).
+    Invariants: every block is held under the key it is stamped with
+    (`_block_hash`, `_group_id`); `_maps[g][h]` is the first value of
+    `_duplicates[g][h]` when that exists (which then holds at least two blocks);
+    `_duplicates[g]`, when present, is not empty.
     """
 
     __slots__ = ("_duplicates", "_maps")
@@ -93,27 +95,36 @@ class BlockHashToBlockMap:
         return [get(block_hashes[i]) for i in range(stop)]
 
     def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
-        self._insert_all(((block_hash, block),), group_id)
+        """Add `block`, which must be stamped with this key (`set_hash`), under it."""
+        if block._block_hash != block_hash or block._group_id != group_id:
+            raise ValueError(
+                f"block {block.block_id} must be stamped with the key it is inserted under "
+                f"(group {group_id}); stamp it with set_hash first"
+            )
+        self._insert_all((block,), group_id)
 
     def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
-        """`insert` each block under the hash it is stamped with (`_block_hash`)."""
-        self._insert_all(((block._block_hash, block) for block in blocks), group_id)  # type: ignore[misc]
+        """`insert` each block of group `group_id` under the hash it is stamped with."""
+        self._insert_all(blocks, group_id)
 
-    def _insert_all(self, entries: Iterable[tuple[BlockHash, KVCacheBlock]], group_id: int) -> None:
+    def _insert_all(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
+        # Each block's key is read off the block in this loop: a generator of keys would
+        # resume a Python frame per block (the hot path of every caching step).
         group_map = self._maps.get(group_id)
         if group_map is None:
             group_map = self._maps[group_id] = {}
         setdefault = group_map.setdefault
         duplicates = None
-        for block_hash, block in entries:
-            earliest = setdefault(block_hash, block)
+        for block in blocks:
+            block_hash = block._block_hash
+            earliest = setdefault(block_hash, block)  # type: ignore[arg-type]
             if earliest is block:
                 continue
             if duplicates is None:
                 duplicates = self._duplicates.setdefault(group_id, {})
-            same = duplicates.get(block_hash)
+            same = duplicates.get(block_hash)  # type: ignore[arg-type]
             if same is None:
-                duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}
+                duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}  # type: ignore[index]
             else:
                 same[block.block_id] = block
 
@@ -124,16 +135,19 @@ class BlockHashToBlockMap:
             same = self._duplicates.get(group_id, {}).get(block_hash)
             block = same.get(block_id) if same is not None else None
         if block is not None:
-            self._pop_all(((block_hash, group_id, block),))
+            self._pop_all((block,))  # it is stamped with this key (see `insert`)
         return block
 
     def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """`pop` each block under the hash it is stamped with (`_block_hash`, `_group_id`)."""
-        self._pop_all((block._block_hash, block._group_id, block) for block in blocks)  # type: ignore[misc]
+        """`pop` each block under the key it is stamped with (`_block_hash`, `_group_id`)."""
+        self._pop_all(blocks)
 
-    def _pop_all(self, entries: Iterable[tuple[BlockHash, int, KVCacheBlock]]) -> None:
+    def _pop_all(self, blocks: Iterable[KVCacheBlock]) -> None:
+        # Keys are read off the blocks here, as in `_insert_all`. A group's duplicates
+        # dict is dropped once empty, so the common case costs one test of a falsy dict.
         maps, all_duplicates = self._maps, self._duplicates
-        for block_hash, group_id, block in entries:
+        for block in blocks:
+            block_hash, group_id = block._block_hash, block._group_id
             group_map = maps.get(group_id, _NO_BLOCKS)
             earliest = group_map.get(block_hash)  # type: ignore[arg-type]
             if earliest is None:
@@ -150,6 +164,8 @@ class BlockHashToBlockMap:
                 group_map[block_hash] = next(iter(same.values()))  # type: ignore[index]
             if len(same) == 1:
                 del duplicates[block_hash]  # type: ignore[union-attr, arg-type]
+                if not duplicates:
+                    del all_duplicates[group_id]
 
     def num_blocks(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values()) + sum(

@@ -622,3 +622,18 @@ def test_hash_map_with_duplicates_matches_a_list_model(ops):
             (make_block_hash_with_group_id(*k), _ids(v)) for k, v in model.items()
         )
     assert cache_map.pop(_h(99), 0, 1) is None
+
+
+def test_hash_map_insert_refuses_a_block_not_stamped_with_the_key():
+    """The map holds blocks under the key they are stamped with; anything else is refused
+    before it changes (a later pop or eviction reads the key off the block)."""
+    cache_map = BlockHashToBlockMap()
+    block = KVCacheBlock(3)
+    with pytest.raises(ValueError, match="block 3 must be stamped"):
+        cache_map.insert(_h(1), 0, block)
+    block.set_hash(_h(1), 0)
+    with pytest.raises(ValueError, match="block 3 must be stamped"):
+        cache_map.insert(_h(1), 1, block)
+    assert len(cache_map) == 0
+    cache_map.insert(_h(1), 0, block)
+    assert cache_map.get_one_block(_h(1), 0) is block
