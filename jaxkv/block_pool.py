@@ -143,29 +143,35 @@ class BlockHashToBlockMap:
         self._pop_all(blocks)
 
     def _pop_all(self, blocks: Iterable[KVCacheBlock]) -> None:
-        # Keys are read off the blocks here, as in `_insert_all`. A group's duplicates
-        # dict is dropped once empty, so the common case costs one test of a falsy dict.
+        # Keys are read off the blocks here, as in `_insert_all`; a group's dicts are looked
+        # up again only when the group changes (`is not` on the small-int ids: a miss only
+        # looks them up again). A group's duplicates dict is dropped once empty, so most
+        # blocks cost one `pop` from their group's map.
         maps, all_duplicates = self._maps, self._duplicates
+        group_id: int | None = None
+        group_map: _GroupMap = _NO_BLOCKS
+        duplicates: _GroupDuplicates | None = None
         for block in blocks:
-            block_hash, group_id = block._block_hash, block._group_id
-            group_map = maps.get(group_id, _NO_BLOCKS)
-            earliest = group_map.get(block_hash)  # type: ignore[arg-type]
-            if earliest is None:
-                continue
-            duplicates = all_duplicates.get(group_id) if all_duplicates else None
+            block_hash = block._block_hash
+            if block._group_id is not group_id:
+                group_id = block._group_id
+                group_map = maps.get(group_id, _NO_BLOCKS)
+                duplicates = all_duplicates.get(group_id)
             same = duplicates.get(block_hash) if duplicates else None  # type: ignore[arg-type]
             if same is None:
-                if earliest is block:
-                    del group_map[block_hash]  # type: ignore[arg-type]
+                earliest = group_map.pop(block_hash, None)  # type: ignore[arg-type]
+                if earliest is not block and earliest is not None:
+                    group_map[block_hash] = earliest  # type: ignore[index]  # not this block's
                 continue
             if same.pop(block.block_id, None) is None:
                 continue
-            if earliest is block:
+            if group_map.get(block_hash) is block:  # type: ignore[arg-type]
                 group_map[block_hash] = next(iter(same.values()))  # type: ignore[index]
             if len(same) == 1:
                 del duplicates[block_hash]  # type: ignore[union-attr, arg-type]
                 if not duplicates:
-                    del all_duplicates[group_id]
+                    del all_duplicates[group_id]  # type: ignore[arg-type]
+                    duplicates = None
 
     def num_blocks(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values()) + sum(
@@ -407,11 +413,19 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        if block_mask is None:
+            block_mask = [True] * len(new_blocks)
+        elif len(block_mask) != len(new_blocks):
+            raise ValueError(
+                f"block_mask has {len(block_mask)} entries for {len(new_blocks)} blocks "
+                f"[{num_cached_blocks}, {num_full_blocks})"
+            )
+        for block, block_hash, kept in zip(
+            new_blocks, block_hashes[num_cached_blocks:num_full_blocks], block_mask, strict=True
+        ):
+            if block.is_null or not kept:
                 continue
-            block_hash = block_hashes[i]
             if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
@@ -466,8 +480,7 @@ class BlockPool:
                 BlockRemoved(block_hashes=[b._block_hash], group_idx=b._group_id)  # type: ignore[list-item]
                 for b in blocks
             )
-        for block in blocks:
-            block.reset_hash()
+        KVCacheBlock.reset_hashes(blocks)
         self.num_hash_removals += len(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -497,8 +510,7 @@ class BlockPool:
                 b.block_id for b in self.blocks if b._block_hash is not None
             )
         self.cached_block_hash_to_block.clear()
-        for block in self.blocks:
-            block.reset_hash()
+        KVCacheBlock.reset_hashes(self.blocks)
         self.num_hash_removals += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
