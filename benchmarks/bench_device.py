@@ -13,7 +13,9 @@ Runs on whatever backend JAX picks (CPU here; unchanged on GPU/TPU):
 * paged attention (as dispatched: blockwise on CPU) vs dense attention on the same data:
   prefill 256/1024/4096 and a mixed batch (target <= 1.5x), decode 32 x 1024 (<= 1.3x),
   median and range of interleaved runs; table width 256 vs 8 at equal contexts (<= 1.2x);
-  compiled temporary memory of a 512-token prefill at max_model_len 4096 (<= 64 MiB).
+  compiled temporary memory of a 512-token prefill at max_model_len 4096 (<= 64 MiB);
+* a correctness row (no timing: interpret mode's speed means nothing) for jaxkv's Pallas
+  TPU kernel in Pallas TPU interpret mode on a small mixed batch vs dense attention.
 
     .venv/bin/python -m benchmarks.bench_device [--quick] [--sections updates,scaling] [--record]
 """
@@ -297,6 +299,20 @@ def bench_scaling(rounds: int, quick: bool, bar: tqdm, impl: str = "auto") -> di
     return {"attention_vs_dense": rows, "width": width_row, "memory": memory_row}
 
 
+def bench_tpu_interpret(bar: tqdm) -> dict:
+    """jaxkv's TPU kernel in Pallas TPU interpret mode vs dense attention: error only."""
+    reqs = [(96, 40), (70, 1), (33, 1), (128, 1)]
+    batch = PagedBatch(reqs, 16, 2, 4)
+    out = batch.paged_fn(impl="pallas_tpu_interpret")()
+    ref = batch.dense_fn()()
+    bar.update()
+    return {
+        "case": "40-token prefill + 3 decodes, GQA 4, interpret mode",
+        "tokens": int(batch.q.shape[0]),
+        "rel_err_vs_dense": float(jnp.abs(out - ref).max() / jnp.abs(ref).max()),
+    }
+
+
 def bench_quant(rounds: int, bar: tqdm) -> list[dict]:
     """int8 / fp8 caches vs bf16: bytes per block (scales included), time and error.
 
@@ -419,8 +435,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller caches, fewer repeats")
     parser.add_argument(
         "--sections",
-        default="updates,scaling,quant,host",
-        help="comma list of: updates, scaling, quant, host",
+        default="updates,scaling,quant,host,tpu_interpret",
+        help="comma list of: updates, scaling, quant, host, tpu_interpret",
     )
     add_record_option(parser)
     args = parser.parse_args()
@@ -439,6 +455,8 @@ def main() -> None:
             payload["quant"] = bench_quant(3 if args.quick else 7, bar)
         if "host" in sections:
             payload["host"] = bench_host(10 if args.quick else 30, bar)
+        if "tpu_interpret" in sections:
+            payload["tpu_interpret"] = bench_tpu_interpret(bar)
     for key, title in (
         ("quant", "Quantised KV vs bf16"),
         ("host", "Host time per step, 26 layers"),
@@ -483,6 +501,11 @@ def main() -> None:
         targets["host us/step, 1 program + zero_blocks_all vs 26 calls"] = (
             f"{by['1 program + zero_blocks_all']:.0f} vs {by['26 x step + 26 x zero_blocks']:.0f}"
         )
+    if "tpu_interpret" in payload:
+        row = payload["tpu_interpret"]
+        print_table("Pallas TPU kernel, interpret mode (correctness only)", list(row),
+                    [list(row.values())])  # fmt: skip
+        targets["TPU kernel (interpret) err vs dense <= 1e-5"] = f"{row['rel_err_vs_dense']:.2g}"
     for name, value in targets.items():
         print(f"  {name}: {value}")
     payload["targets"] = targets

@@ -18,12 +18,26 @@ Two timings per manager:
 the same process and checks that every hit, allocation decision and freed hash
 is identical before reporting the speed ratio.
 
+`--store` measures the device side instead (`EncoderCacheStore`, needs JAX): 400
+items of random sizes (1 to 1024 embeddings, half handed over as JAX arrays, half
+as NumPy) are put, read back and evicted, once the way the store worked before
+issue 12 (a bf16 buffer, JAX inputs padded on device and results cut on device:
+programs per item size) and once as it works now (uint16 bits on CPU, page-bucket
+programs only). Each run is a fresh process; runs alternate; the table gives the
+median and range of programs compiled, resident memory added and seconds, and
+their ratios.
+
     .venv/bin/python -m benchmarks.bench_encoder [--peer vllm] [--requests 4000]
+    .venv/bin/python -m benchmarks.bench_encoder --store [--store-items 400]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +45,7 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks._common import (
+    REPO_ROOT,
     add_record_option,
     ensure_peer_process,
     print_table,
@@ -188,6 +203,145 @@ def measure(
     return results
 
 
+STORE_VARIANTS = ("before", "after")
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (Linux `/proc/self/status`)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def store_run(variant: str, items: int, seed: int) -> dict:
+    """One fresh-process run of the device store stream (see the module docstring).
+
+    "before" reproduces the store's pre-issue-12 behaviour through its own
+    programs: the bf16 buffer as such, JAX inputs padded with `jnp.pad` and results
+    cut with a slice on device, each a program per item size.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.device import compilation_count
+    from jaxkv.device.encoder_store import EncoderCacheStore, _bucket
+    from jaxkv.device.host_inputs import pad_to_bucket
+
+    page_size, hidden, max_embeds = 16, 2048, 1024
+    num_pages = 8 * max_embeds // page_size
+    storage = "bfloat16" if variant == "before" else "auto"
+    store = EncoderCacheStore(
+        num_pages, page_size, hidden, dtype=jnp.bfloat16, storage_dtype=storage
+    )
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, max_embeds + 1, size=items)
+    data = [rng.standard_normal((int(n), hidden)).astype(jnp.bfloat16) for n in sizes]
+    jax.block_until_ready(store.cache)
+    pointer = store.cache.unsafe_buffer_pointer()
+    resident, programs = _resident_bytes(), compilation_count()
+    start = time.perf_counter()
+    live: list[str] = []
+    for i, x in enumerate(data):
+        embeds = jax.device_put(x) if i % 2 else x  # jnp.asarray would compile per shape
+        n, mm_hash = x.shape[0], f"item{i}"
+        while store.num_free_pages * page_size < n:
+            store.free([live.pop(0)])
+        if variant == "before":
+            pages = store.allocate(mm_hash, n)
+            bucket = _bucket(len(pages))
+            pad = ((0, bucket * page_size - n), (0, 0))
+            values = np.pad(embeds, pad) if isinstance(embeds, np.ndarray) else jnp.pad(embeds, pad)
+            padded = pad_to_bucket(pages, bucket, num_pages)
+            store.cache = store._write(store.cache, padded, values)
+            out = store.gather_padded(pages)[:n]
+        else:
+            store.put(mm_hash, embeds)
+            out = store.get(mm_hash)
+        live.append(mm_hash)
+        jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    return {
+        "variant": variant,
+        "programs": compilation_count() - programs,
+        "resident_mib": (_resident_bytes() - resident) / 2**20,
+        "seconds": seconds,
+        "storage_dtype": str(store.storage_dtype),
+        "store_mib": store.nbytes / 2**20,
+        "buffer_kept": store.cache.unsafe_buffer_pointer() == pointer,
+        "distinct_sizes": len(set(sizes.tolist())),
+    }
+
+
+def bench_store(items: int, rounds: int, seed: int) -> dict:
+    """`rounds` alternating fresh-process runs of each variant; median, range, ratios."""
+    from tqdm import tqdm
+
+    runs: dict[str, list[dict]] = {v: [] for v in STORE_VARIANTS}
+    with tqdm(total=rounds * len(STORE_VARIANTS), desc="encoder store runs") as bar:
+        for r in range(rounds):
+            order = STORE_VARIANTS if r % 2 == 0 else STORE_VARIANTS[::-1]
+            for variant in order:
+                code = (
+                    "import json, sys; from benchmarks.bench_encoder import store_run; "
+                    "print('RUN' + json.dumps(store_run(sys.argv[1], int(sys.argv[2]), "
+                    "int(sys.argv[3]))))"
+                )
+                proc = subprocess.run(
+                    [sys.executable, "-c", code, variant, str(items), str(seed)],
+                    cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                line = next(x for x in proc.stdout.splitlines() if x.startswith("RUN"))
+                runs[variant].append(json.loads(line[3:]))
+                bar.update()
+    summary = {}
+    for variant, rows in runs.items():
+        summary[variant] = {
+            key: {
+                "median": statistics.median(row[key] for row in rows),
+                "min": min(row[key] for row in rows),
+                "max": max(row[key] for row in rows),
+            }
+            for key in ("programs", "resident_mib", "seconds")
+        }
+        summary[variant].update(
+            {k: rows[0][k] for k in ("storage_dtype", "store_mib", "distinct_sizes")}
+        )
+        summary[variant]["buffer_kept"] = all(row["buffer_kept"] for row in rows)
+    ratios = {
+        key: summary["before"][key]["median"] / max(summary["after"][key]["median"], 1e-9)
+        for key in ("programs", "resident_mib", "seconds")
+    }
+    return {"items": items, "rounds": rounds, "runs": runs, "summary": summary, "ratios": ratios}
+
+
+def report_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    result = bench_store(args.store_items, args.repeats, args.seed)
+    rows = []
+    for variant, row in result["summary"].items():
+        cells = [variant, row["storage_dtype"], "yes" if row["buffer_kept"] else "no"]
+        for key, fmt in (("programs", "{:.0f}"), ("resident_mib", "{:.0f}"), ("seconds", "{:.2f}")):
+            m = row[key]
+            cells.append(
+                f"{fmt.format(m['median'])} [{fmt.format(m['min'])}, {fmt.format(m['max'])}]"
+            )
+        rows.append(cells)
+    ratios = result["ratios"]
+    rows.append(
+        ["before / after", "", ""]
+        + [f"{ratios[k]:.1f}x" for k in ("programs", "resident_mib", "seconds")]
+    )
+    summary = result["summary"]["after"]
+    print_table(
+        f"encoder store: {args.store_items} items of random size ({summary['distinct_sizes']} "
+        f"distinct), store {summary['store_mib']:.0f} MiB bf16, {args.repeats} runs each "
+        "(median [min, max])",
+        ["store", "storage", "buffer kept", "programs", "resident MiB", "seconds"],
+        rows,
+    )
+    write_json(results_name("bench_encoder", parser, args), result, record=args.record)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", choices=["vllm"], default=None)
@@ -202,8 +356,15 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--store", action="store_true", help="measure the device EncoderCacheStore instead"
+    )
+    parser.add_argument("--store-items", type=int, default=400)
     add_record_option(parser)
     args = parser.parse_args()
+    if args.store:
+        report_store(args, parser)
+        return
 
     peer = args.peer == "vllm" and ensure_peer_process()
     requests = make_requests(

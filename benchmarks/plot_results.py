@@ -87,6 +87,24 @@ def plot_encoder(result: dict, fig) -> None:
     ax.legend()
 
 
+def plot_encoder_store(result: dict, fig) -> None:
+    """Device encoder store before/after issue 12: programs, resident memory, seconds."""
+    keys = [("programs", "programs compiled"), ("resident_mib", "resident MiB added"),
+            ("seconds", "seconds")]  # fmt: skip
+    axes = fig.subplots(1, len(keys))
+    summary, variants = result["summary"], ["before", "after"]
+    for ax, (key, label) in zip(axes, keys, strict=True):
+        medians = [summary[v][key]["median"] for v in variants]
+        errors = [
+            [m - summary[v][key]["min"] for v, m in zip(variants, medians, strict=True)],
+            [summary[v][key]["max"] - m for v, m in zip(variants, medians, strict=True)],
+        ]
+        bars = ax.bar(variants, medians, yerr=errors, color=[VLLM_COLOR, JAXKV_COLOR])
+        _label_bars(ax, bars, ["", f"{result['ratios'][key]:.1f}× less"])
+        ax.set(title=label)
+    fig.suptitle(f"encoder store, {result['items']} items of random size (median, range)")
+
+
 def plot_device(result: dict, fig) -> None:
     """Paged-cache update time as the cache grows; paged vs dense attention time."""
     panels = [key for key in ("updates", "scaling") if key in result]
@@ -231,6 +249,7 @@ PLOTS: dict[str, Callable[[dict, object], None]] = {
     "ab_host": plot_ab,
     "bench_engine": plot_engine,
     "bench_host": plot_host,
+    "bench_encoder_store": plot_encoder_store,  # before "bench_encoder": first prefix wins
     "bench_encoder": plot_encoder,
     "bench_device": plot_device,
     "bench_hybrid": plot_hybrid,

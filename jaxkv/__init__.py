@@ -48,7 +48,12 @@ from jaxkv.kv_cache_interface import (
     TensorParallelBytes,
     UniformTypeKVCacheSpecs,
 )
-from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from jaxkv.kv_cache_manager import (
+    CachingMetrics,
+    KVCacheBlocks,
+    KVCacheManager,
+    PrefixCacheStats,
+)
 from jaxkv.kv_cache_planning import (
     KVCacheCapacity,
     check_enough_kv_cache_memory,
@@ -108,6 +113,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "BlockTable",
+    "CachingMetrics",
     "check_enough_kv_cache_memory",
     "ChunkedLocalAttentionManager",
     "ChunkedLocalAttentionSpec",

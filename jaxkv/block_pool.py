@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
@@ -50,10 +50,10 @@ class BlockHashToBlockMap:
     rare keys with several blocks are also listed, all their blocks in insertion
     order, in the group's duplicates dict.
 
-    Invariants: every block is held under the key it is stamped with
-    (`_block_hash`, `_group_id`); `_maps[g][h]` is the first value of
-    `_duplicates[g][h]` when that exists (which then holds at least two blocks);
-    `_duplicates[g]`, when present, is not empty.
+    Invariants: `_maps[g][h]` is the first value of `_duplicates[g][h]` when that
+    exists (which then holds at least two blocks); `_duplicates[g]`, when present,
+    is not empty. The pool inserts and evicts blocks under the key they are
+    stamped with (`insert_stamped`, `pop_stamped`); `insert`/`pop` take any key.
     """
 
     __slots__ = ("_duplicates", "_maps")
@@ -94,20 +94,28 @@ class BlockHashToBlockMap:
             return list(map(get, block_hashes[:stop]))
         return [get(block_hashes[i]) for i in range(stop)]
 
-    def insert(self, block_hash: BlockHash, group_id: int, block: KVCacheBlock) -> None:
-        """Add `block`, which must be stamped with this key (`set_hash`), under it."""
-        if block._block_hash != block_hash or block._group_id != group_id:
-            raise ValueError(
-                f"block {block.block_id} must be stamped with the key it is inserted under "
-                f"(group {group_id}); stamp it with set_hash first"
-            )
-        self._insert_all((block,), group_id)
+    def insert(
+        self,
+        key: BlockHashWithGroupId | BlockHash,
+        group_id: int | KVCacheBlock,
+        block: KVCacheBlock | None = None,
+    ) -> None:
+        """Cache a block: vLLM's ``insert(key, block)`` with the combined key (block hash +
+        group id), or ``insert(block_hash, group_id, block)``."""
+        if block is None:
+            block, group_id = group_id, get_group_id(key)  # type: ignore[assignment]
+            key = get_block_hash(key)  # type: ignore[arg-type]
+        self._insert_all((block,), group_id, key)  # type: ignore[arg-type]
 
     def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
         """`insert` each block of group `group_id` under the hash it is stamped with."""
         self._insert_all(blocks, group_id)
 
-    def _insert_all(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
+    def _insert_all(
+        self, blocks: Iterable[KVCacheBlock], group_id: int, block_hash: BlockHash | None = None
+    ) -> None:
+        """Insert `blocks` under the hashes they are stamped with, or all under `block_hash`
+        (`insert`: a block need not be stamped with its key)."""
         # Each block's key is read off the block in this loop: a generator of keys would
         # resume a Python frame per block (the hot path of every caching step).
         group_map = self._maps.get(group_id)
@@ -115,8 +123,9 @@ class BlockHashToBlockMap:
             group_map = self._maps[group_id] = {}
         setdefault = group_map.setdefault
         duplicates = None
+        key = block_hash
         for block in blocks:
-            block_hash = block._block_hash
+            block_hash = block._block_hash if key is None else key
             earliest = setdefault(block_hash, block)  # type: ignore[arg-type]
             if earliest is block:
                 continue
@@ -128,21 +137,31 @@ class BlockHashToBlockMap:
             else:
                 same[block.block_id] = block
 
-    def pop(self, block_hash: BlockHash, group_id: int, block_id: int) -> KVCacheBlock | None:
-        """Remove block `block_id` from key (`block_hash`, `group_id`); it, or None if absent."""
+    def pop(
+        self, key: BlockHashWithGroupId | BlockHash, group_id: int, block_id: int | None = None
+    ) -> KVCacheBlock | None:
+        """Remove one block from a key; it, or None if absent. vLLM's ``pop(key, block_id)``
+        with the combined key, or ``pop(block_hash, group_id, block_id)``."""
+        if block_id is None:
+            block_hash, group_id, block_id = get_block_hash(key), get_group_id(key), group_id
+        else:
+            block_hash = key
         block = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
         if block is not None and block.block_id != block_id:
             same = self._duplicates.get(group_id, {}).get(block_hash)
             block = same.get(block_id) if same is not None else None
         if block is not None:
-            self._pop_all((block,))  # it is stamped with this key (see `insert`)
+            self._pop_all((block,), (block_hash, group_id))
         return block
 
     def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
         """`pop` each block under the key it is stamped with (`_block_hash`, `_group_id`)."""
         self._pop_all(blocks)
 
-    def _pop_all(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def _pop_all(
+        self, blocks: Iterable[KVCacheBlock], key: tuple[BlockHash, int] | None = None
+    ) -> None:
+        """Remove `blocks` from the keys they are stamped with, or all from `key` (`pop`)."""
         # Keys are read off the blocks here, as in `_insert_all`; a group's dicts are looked
         # up again only when the group changes (`is not` on the small-int ids: a miss only
         # looks them up again). A group's duplicates dict is dropped once empty, so most
@@ -152,9 +171,12 @@ class BlockHashToBlockMap:
         group_map: _GroupMap = _NO_BLOCKS
         duplicates: _GroupDuplicates | None = None
         for block in blocks:
-            block_hash = block._block_hash
-            if block._group_id is not group_id:
-                group_id = block._group_id
+            if key is None:
+                block_hash, block_group_id = block._block_hash, block._group_id
+            else:
+                block_hash, block_group_id = key
+            if block_group_id is not group_id:
+                group_id = block_group_id
                 group_map = maps.get(group_id, _NO_BLOCKS)
                 duplicates = all_duplicates.get(group_id)
             same = duplicates.get(block_hash) if duplicates else None  # type: ignore[arg-type]
@@ -180,18 +202,71 @@ class BlockHashToBlockMap:
             for blocks in duplicates.values()
         )
 
+    def blocks_of(self, block_hash: BlockHash, group_id: int) -> list[KVCacheBlock]:
+        """Every block cached under (`block_hash`, `group_id`), in insertion order."""
+        earliest = self._maps.get(group_id, _NO_BLOCKS).get(block_hash)
+        if earliest is None:
+            return []
+        same = self._duplicates.get(group_id, {}).get(block_hash)
+        return [earliest] if same is None else list(same.values())
+
     def items(self) -> Iterable[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
         """(vLLM's key: block hash + group id, blocks) for every cached key."""
         for group_id, group_map in self._maps.items():
-            duplicates = self._duplicates.get(group_id, {})
-            for block_hash, earliest in group_map.items():
+            for block_hash in group_map:
                 key = make_block_hash_with_group_id(block_hash, group_id)
-                blocks = duplicates.get(block_hash)
-                yield key, [earliest] if blocks is None else list(blocks.values())
+                yield key, self.blocks_of(block_hash, group_id)
 
     def clear(self) -> None:
         self._maps.clear()
         self._duplicates.clear()
+
+    @property
+    def _cache(self) -> _VLLMCacheView:
+        """vLLM's internal dict (combined key -> block, or {block_id: block} for several),
+        as a live view; vLLM's tests read and edit it."""
+        return _VLLMCacheView(self)
+
+
+class _VLLMCacheView(MutableMapping):
+    """`BlockHashToBlockMap` in the shape of vLLM's `_cache` dict (see `_cache`)."""
+
+    def __init__(self, cache: BlockHashToBlockMap) -> None:
+        self._map = cache
+
+    def __getitem__(self, key: BlockHashWithGroupId) -> KVCacheBlock | dict[int, KVCacheBlock]:
+        blocks = self._map.blocks_of(get_block_hash(key), get_group_id(key))
+        if not blocks:
+            raise KeyError(key)
+        return blocks[0] if len(blocks) == 1 else {b.block_id: b for b in blocks}
+
+    def __setitem__(
+        self, key: BlockHashWithGroupId, value: KVCacheBlock | dict[int, KVCacheBlock]
+    ) -> None:
+        if key in self:
+            del self[key]
+        for block in value.values() if isinstance(value, dict) else (value,):
+            self._map.insert(key, block)
+
+    def __delitem__(self, key: BlockHashWithGroupId) -> None:
+        block_hash, group_id = get_block_hash(key), get_group_id(key)
+        blocks = self._map.blocks_of(block_hash, group_id)
+        if not blocks:
+            raise KeyError(key)
+        for block in blocks:
+            self._map.pop(block_hash, group_id, block.block_id)
+
+    def __iter__(self) -> Iterator[BlockHashWithGroupId]:
+        return (key for key, _ in list(self._map.items()))
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __copy__(self) -> dict:
+        return dict(self.items())
+
+    def clear(self) -> None:
+        self._map.clear()
 
 
 class BlockPool:
@@ -401,11 +476,7 @@ class BlockPool:
             check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
-        block_hashes: Sequence[BlockHash] = request.block_hashes
-        if self.hash_block_size is not None and block_size != self.hash_block_size:
-            block_hashes = BlockHashListWithBlockSize(
-                block_hashes, self.hash_block_size, block_size
-            )
+        block_hashes = self._block_hashes_at(request, block_size)
         if len(block_hashes) < num_full_blocks:
             raise ValueError(
                 f"request {request.request_id!r} has {len(block_hashes)} block hashes of size "
@@ -440,33 +511,81 @@ class BlockPool:
             return
         self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)
         if self.enable_kv_cache_events:
-            stored = [block._block_hash for block in stamped]
             stamped_ids = set(map(id, stamped))
-            extra_keys, mm_idx = [], 0
-            for i in range(num_cached_blocks, num_full_blocks):
-                if id(blocks[i]) not in stamped_ids:
-                    continue
-                keys, mm_idx = generate_block_hash_extra_keys(
-                    request, i * block_size, (i + 1) * block_size, mm_idx
-                )
-                extra_keys.append(keys)
-            lora = request.lora_request
+            indices = [
+                i for i in range(num_cached_blocks, num_full_blocks) if id(blocks[i]) in stamped_ids
+            ]
             self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=stored,
-                    parent_block_hash=block_hashes[num_cached_blocks - 1]
-                    if num_cached_blocks
-                    else None,
-                    token_ids=request.all_token_ids[
-                        num_cached_blocks * block_size : num_full_blocks * block_size
-                    ],
-                    block_size=block_size,
-                    lora_id=request.lora_int_id,
-                    lora_name=lora.lora_name if lora is not None else None,
-                    extra_keys=to_event_extra_keys(extra_keys),
-                    group_idx=kv_cache_group_id,
+                self._block_stored_event(
+                    request,
+                    block_hashes,
+                    indices,
+                    num_cached_blocks,
+                    num_full_blocks,
+                    block_size,
+                    kv_cache_group_id,
                 )
             )
+
+    def emit_cached_block_events(
+        self, request: Request, num_cached_blocks: int, block_size: int, kv_cache_group_id: int
+    ) -> None:
+        """One `BlockStored` for the request's first `num_cached_blocks` blocks, served from
+        the prefix cache, so routers learn of reused blocks; no block changes (vLLM's)."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        block_hashes = self._block_hashes_at(request, block_size)
+        check_int("num_cached_blocks", num_cached_blocks, min_value=0, max_value=len(block_hashes))
+        self.kv_event_queue.append(
+            self._block_stored_event(
+                request,
+                block_hashes,
+                range(num_cached_blocks),
+                0,
+                num_cached_blocks,
+                block_size,
+                kv_cache_group_id,
+            )
+        )
+
+    def _block_hashes_at(self, request: Request, block_size: int) -> Sequence[BlockHash]:
+        """The request's block hashes for blocks of `block_size` tokens."""
+        if self.hash_block_size is not None and block_size != self.hash_block_size:
+            return BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block_size, block_size
+            )
+        return request.block_hashes
+
+    @staticmethod
+    def _block_stored_event(
+        request: Request,
+        block_hashes: Sequence[BlockHash],
+        indices: Iterable[int],
+        start: int,
+        end: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> BlockStored:
+        """The event for blocks `indices` (stored ones, within [`start`, `end`)) whose
+        token span is blocks [`start`, `end`) of the request."""
+        hashes, extra_keys, mm_idx = [], [], 0
+        for i in indices:
+            hashes.append(block_hashes[i])
+            keys, mm_idx = generate_block_hash_extra_keys(
+                request, i * block_size, (i + 1) * block_size, mm_idx
+            )
+            extra_keys.append(keys)
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids[start * block_size : end * block_size],
+            block_size=block_size,
+            lora_id=request.lora_int_id,
+            lora_name=lora.lora_name if lora is not None else None,
+            extra_keys=to_event_extra_keys(extra_keys),
+            group_idx=kv_cache_group_id,
+        )
 
     def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Drop cached blocks from the prefix cache (their hashes are reset)."""

@@ -53,6 +53,10 @@ class KVCacheBlock:
     def block_hash(self, key: BlockHashWithGroupId) -> None:
         self.set_hash(get_block_hash(key), get_group_id(key))
 
+    def set_block_hash(self, block_hash: BlockHashWithGroupId) -> None:
+        """vLLM's name for ``block.block_hash = key`` (the combined key; set once)."""
+        self.set_hash(get_block_hash(block_hash), get_group_id(block_hash))
+
     def set_hash(self, block_hash: BlockHash, group_id: int) -> None:
         """Stamp the block with its key, given as its two parts (what `block_hash = key`
         does without joining and splitting the key). Set once, like `block_hash`."""
@@ -138,7 +142,7 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         first = self.head.next_free_block
         if first is self.tail or first is None:
-            raise ValueError("no free blocks: the free queue is empty")
+            raise ValueError("No free blocks available")  # vLLM's message
         self.head.next_free_block = first.next_free_block
         first.next_free_block.prev_free_block = self.head  # type: ignore[union-attr]
         first.prev_free_block = first.next_free_block = None

@@ -145,6 +145,7 @@ class BlockHashFunction:
         oneshot_digest: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.name = name
+        self.__name__ = name  # as vLLM's hash functions (plain functions) have
         # hashlib-style constructor: new_hasher(data).digest() is the digest of data.
         self.new_hasher = new_hasher
         self.oneshot_digest = oneshot_digest
@@ -346,6 +347,19 @@ NONE_HASH: BlockHash = BlockHash(b"")
 _none_hash_seed: str = ""
 
 
+def resolve_none_hash_seed(hash_fn: BlockHashFunction | Callable[[Any], bytes]) -> str:
+    """The seed NONE_HASH derives from (vLLM's rule): ``PYTHONHASHSEED`` when set; else
+    a fixed seed for a cryptographic hash (processes then share a prefix cache) and a
+    fresh random one for a non-cryptographic hash (a known seed would let colliding
+    blocks be precomputed)."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if getattr(hash_fn, "cryptographic", True):
+        return DEFAULT_NONE_HASH_SEED
+    return os.urandom(16).hex()
+
+
 def init_none_hash(
     hash_fn: BlockHashFunction | Callable[[Any], bytes], seed: str | None = None
 ) -> BlockHash:
@@ -356,10 +370,7 @@ def init_none_hash(
     if seed is not None and not isinstance(seed, str):
         raise TypeError(f"seed must be a str or None, got {seed!r}")
     if seed is None:
-        seed = os.environ.get("PYTHONHASHSEED")
-    if seed is None:
-        cryptographic = getattr(hash_fn, "cryptographic", True)
-        seed = DEFAULT_NONE_HASH_SEED if cryptographic else os.urandom(16).hex()
+        seed = resolve_none_hash_seed(hash_fn)
     _none_hash_seed = seed
     NONE_HASH = BlockHash(hash_fn(seed))
     return NONE_HASH

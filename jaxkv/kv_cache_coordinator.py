@@ -98,7 +98,12 @@ class KVCacheCoordinator:
         track_freed_block_ids: bool = False,
         dcp_world_size: int = 1,
         num_prefill_lookahead: int = 0,
+        max_in_flight_tokens: int | None = None,
+        needs_kv_cache_zeroing: bool = False,
     ) -> None:
+        """`max_in_flight_tokens` (default `max_model_len`): tokens scheduled but not yet
+        computed; it bounds what a window group holds per request (admission cap).
+        `needs_kv_cache_zeroing`: managers record new attention blocks' ids."""
         groups = kv_cache_config.kv_cache_groups
         block_sizes = [
             g.kv_cache_spec.block_size * (dcp_world_size if g.kv_cache_spec.dcp_sharded else 1)
@@ -144,11 +149,14 @@ class KVCacheCoordinator:
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
                 group.kv_cache_spec,
-                self.block_pool,
-                group_id,
-                scheduler_block_size,
-                enable_caching,
-                dcp_world_size,
+                max_in_flight_tokens or max_model_len,
+                max_model_len,
+                block_pool=self.block_pool,
+                enable_caching=enable_caching,
+                kv_cache_group_id=group_id,
+                scheduler_block_size=scheduler_block_size,
+                dcp_world_size=dcp_world_size,
+                needs_kv_cache_zeroing=needs_kv_cache_zeroing,
             )
             for group_id, group in enumerate(groups)
         )
@@ -171,12 +179,22 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         num_encoder_tokens: int = 0,
         total_computed_tokens: int = 0,
+        apply_admission_cap: bool = False,
     ) -> int:
-        """Free blocks all groups together need; cross-attention takes the encoder length."""
+        """Free blocks all groups together need; cross-attention takes the encoder length.
+        `apply_admission_cap`: window groups count only what a request holds at once."""
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if self._cross_attention[i]:
                 total += manager.get_num_blocks_to_allocate(request_id, num_encoder_tokens, ())
+            elif apply_admission_cap:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    apply_admission_cap=True,
+                )
             else:
                 total += manager.get_num_blocks_to_allocate(
                     request_id, num_tokens, new_computed_blocks[i], total_computed_tokens
@@ -244,6 +262,11 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         for manager in self.single_type_managers:
             manager.free(request_id)
+
+    def new_step_starts(self) -> None:
+        """The scheduler starts a new step: every group's manager is told."""
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self.skipping_managers:
@@ -497,6 +520,8 @@ def get_kv_cache_coordinator(
     dcp_world_size: int = 1,
     num_prefill_lookahead: int = 0,
     allow_partial_hash_hits: bool = False,
+    max_in_flight_tokens: int | None = None,
+    needs_kv_cache_zeroing: bool = False,
 ) -> KVCacheCoordinator:
     """The coordinator class the configuration calls for.
 
@@ -513,6 +538,8 @@ def get_kv_cache_coordinator(
         track_freed_block_ids=track_freed_block_ids,
         dcp_world_size=dcp_world_size,
         num_prefill_lookahead=num_prefill_lookahead,
+        max_in_flight_tokens=max_in_flight_tokens,
+        needs_kv_cache_zeroing=needs_kv_cache_zeroing,
     )
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(kv_cache_config, max_model_len, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -242,10 +243,18 @@ class SlidingWindowSpec(AttentionSpec):
         super().__post_init__()
         _check_positive("sliding_window", self.sliding_window, "SlidingWindowSpec")
 
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int:
+        """Blocks a request holds at most at once: the window behind the computed tokens
+        plus those in flight (released blocks are reused); one more because the window
+        can start mid-block."""
+        tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return _cdiv(tokens, self.block_size) + 1
+
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        # The window can start mid-block: one page more than its tokens fill.
-        tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
-        return (_cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
+        blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+        return blocks * self.page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -261,9 +270,17 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
             "attention_chunk_size", self.attention_chunk_size, "ChunkedLocalAttentionSpec"
         )
 
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int:
+        """Blocks a request holds at most at once: the current chunk plus the tokens in
+        flight (blocks of finished chunks are released and reused)."""
+        tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return _cdiv(tokens, self.block_size)
+
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
-        return _cdiv(tokens, self.block_size) * self.page_size_bytes
+        blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+        return blocks * self.page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -294,6 +311,20 @@ class CrossAttentionSpec(AttentionSpec):
 MAMBA_CACHE_MODES = ("none", "all", "align")
 
 
+def _state_shapes(shapes: object) -> tuple[tuple[int, ...], ...]:
+    """`MambaSpec.shapes` as a tuple of int tuples; a flat tuple of ints is one shape."""
+    try:
+        entries = tuple(shapes)  # type: ignore[arg-type]
+        if entries and all(isinstance(d, (int, np.integer)) for d in entries):
+            entries = (entries,)
+        return tuple(tuple(operator.index(d) for d in shape) for shape in entries)
+    except TypeError:
+        raise TypeError(
+            f"MambaSpec: shapes must be a tuple of int tuples (one per state tensor), "
+            f"got {shapes!r}"
+        ) from None
+
+
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     """State-space layers: one page holds a layer's whole recurrent state.
@@ -315,7 +346,7 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
+        shapes = _state_shapes(self.shapes)
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         if not shapes:
@@ -561,6 +592,26 @@ class KVCacheConfig:
             for g in self.kv_cache_groups
             for s in iter_layer_specs(g.kv_cache_spec)
         )
+
+    @property
+    def has_mixed_precision_kv_cache(self) -> bool:
+        """Whether the device's attention caches use more than one dtype."""
+        dtypes = {
+            numpy_dtype(s.dtype)
+            for g in self.kv_cache_groups
+            if not g.host_resident
+            for s in iter_layer_specs(g.kv_cache_spec)
+            if isinstance(s, AttentionSpec)
+        }
+        return len(dtypes) > 1
+
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        """Whether new blocks must be zeroed before use (vLLM's rule): a Mamba state is
+        read before it is fully written, and a page reused under another precision
+        would decode stale bytes as NaN/Inf. (Pass it to the coordinator's
+        `needs_kv_cache_zeroing` to record new block ids; the caller drains them.)"""
+        return self.has_mamba_layers or self.has_mixed_precision_kv_cache
 
     @classmethod
     def single_group(

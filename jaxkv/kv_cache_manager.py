@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -23,6 +25,7 @@ from jaxkv.single_type_kv_cache_manager import FullAttentionManager
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
 # path answers instead: only slower, never different.
+logger = logging.getLogger("jaxkv")
 _ZERO = 0
 
 
@@ -37,8 +40,10 @@ class KVCacheBlocks:
             tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks, strict=True))
         )
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([block.block_id for block in group] for group in self.blocks)
+    def get_block_ids(self, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
+        """Block ids per group; `group_ids` selects (and orders) the groups."""
+        groups = self.blocks if group_ids is None else [self.blocks[i] for i in group_ids]
+        return tuple([block.block_id for block in group] for group in groups)
 
     def get_unhashed_block_ids(self) -> list[int]:
         if len(self.blocks) != 1:
@@ -78,6 +83,53 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+class CachingMetrics:
+    """Prefix-cache hit rate over the most recent `max_recent_requests` requests (vLLM's).
+
+    `observe` takes one `PrefixCacheStats` batch (`make_prefix_cache_stats()` per step).
+    Invariants: `aggregated_*` are the sums over `query_queue` (one
+    `(requests, queries, hits)` entry per non-empty batch, oldest first); batches are
+    dropped from the old end while more than `max_recent_requests` requests are held,
+    but the newest batch always stays. A batch with `reset` starts over.
+    """
+
+    def __init__(self, max_recent_requests: int = 1000) -> None:
+        check_int("max_recent_requests", max_recent_requests, min_value=1)
+        self.max_recent_requests = max_recent_requests
+        self.query_queue: deque[tuple[int, int, int]] = deque()
+        self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
+
+    def observe(self, stats: PrefixCacheStats) -> None:
+        if stats.reset:
+            self.reset()
+        if not stats.requests:
+            return  # an empty batch would push real ones out of the window
+        self.query_queue.append((stats.requests, stats.queries, stats.hits))
+        self.aggregated_requests += stats.requests
+        self.aggregated_query_total += stats.queries
+        self.aggregated_query_hit += stats.hits
+        while len(self.query_queue) > 1 and self.aggregated_requests > self.max_recent_requests:
+            requests, queries, hits = self.query_queue.popleft()
+            self.aggregated_requests -= requests
+            self.aggregated_query_total -= queries
+            self.aggregated_query_hit -= hits
+
+    def reset(self) -> None:
+        self.query_queue.clear()
+        self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.query_queue
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over queried tokens in the window (0 when nothing was queried)."""
+        if not self.aggregated_query_total:
+            return 0.0
+        return self.aggregated_query_hit / self.aggregated_query_total
 
 
 class KVCacheManager:
@@ -173,6 +225,7 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             track_freed_block_ids=track_freed_block_ids,
             num_prefill_lookahead=num_prefill_lookahead,
+            max_in_flight_tokens=self.max_in_flight_tokens,
         )
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
@@ -429,8 +482,15 @@ class KVCacheManager:
         free_block_queue = self.block_pool.free_block_queue
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, max_model_len)
+            # Window groups release blocks as the request advances: each needs at most
+            # its admission cap at once (vLLM's rule).
             num_blocks_full = coordinator.get_num_blocks_to_allocate(
-                request_id, num_full, hits_or_none, num_encoder_tokens, num_computed_tokens
+                request_id,
+                num_full,
+                hits_or_none,
+                num_encoder_tokens,
+                num_computed_tokens,
+                apply_admission_cap=True,
             )
             if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
                 return None
@@ -667,6 +727,13 @@ class KVCacheManager:
             if request in self._slot_state:
                 self._slot_state[request] = self._get_slot_state(request)
 
+    def new_step_starts(self) -> None:
+        """Call when the scheduler starts a step, as vLLM's does. Once it is called, a hit
+        ending on a Mamba state cached during the current step waits for the next one
+        (`allocate_slots` returns None): that state is written by this step's forward
+        pass. Without these calls no hit is held back."""
+        self.coordinator.new_step_starts()
+
     def free(self, request: Request) -> None:
         """Free the request's blocks, chain tail first; an unknown request is a no-op."""
         if not isinstance(request, Request):
@@ -723,6 +790,9 @@ class KVCacheManager:
         metadata = self._event_metadata
         for i, event in enumerate(events):
             if type(event) is BlockStored:
+                if not 0 <= event.group_idx < len(metadata):  # queued by hand: left as is
+                    logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                    continue
                 kind, window = metadata[event.group_idx]
                 events[i] = replace(
                     event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window

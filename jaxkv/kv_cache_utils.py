@@ -199,9 +199,15 @@ def resolve_block_hashes(
     Fine-grained lookups (alignment below the block, dividing it) keep the raw
     hash-unit list so interior boundaries can be probed.
     """
-    if block_size == hash_block_size:
-        return block_hashes
     if isinstance(block_hashes, BlockHashListWithBlockSize):
+        view_block_size = hash_block_size * block_hashes.scale_factor
+        if view_block_size != block_size:
+            raise ValueError(
+                f"block_hashes is a view of {view_block_size}-token blocks; it cannot be read "
+                f"as {block_size}-token blocks"
+            )
+        return block_hashes
+    if block_size == hash_block_size:
         return block_hashes
     if (
         supports_fine_grained_hash_lookup

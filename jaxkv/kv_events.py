@@ -10,6 +10,16 @@ from typing import Any
 MEDIUM_GPU = "GPU"
 
 
+def maybe_convert_block_hash(block_hash: bytes) -> bytes:
+    """A block hash as jaxkv's events carry it: the bytes, unchanged.
+
+    vLLM's function of this name turns it into a 64-bit int unless
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; jaxkv's events always carry the
+    bytes (docs/vllm-differences.md), so this is the identity.
+    """
+    return block_hash
+
+
 @dataclass(frozen=True)
 class KVCacheEvent:
     """Base of the events drained per step by `take_events()`."""

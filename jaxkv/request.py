@@ -175,10 +175,27 @@ class SamplingParams:
     """The part of vLLM's `SamplingParams` the cache managers read.
 
     Any object with these attributes may be passed as `Request(sampling_params=...)`.
+    As in vLLM, `skip_reading_prefix_cache` left at None becomes True exactly when
+    `prompt_logprobs` is requested (a prefix-cache hit would skip the prompt
+    positions whose logprobs are asked for).
     """
 
     max_tokens: int = 16
     skip_reading_prefix_cache: bool | None = None
+    prompt_logprobs: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.skip_reading_prefix_cache is None:
+            object.__setattr__(self, "skip_reading_prefix_cache", self.prompt_logprobs is not None)
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], eos_token_id: int | None = None
+    ) -> None:
+        """vLLM's hook for a model's generation config; only `eos_token_id` is kept
+        (the cache managers read no stop tokens)."""
+        if eos_token_id is not None:
+            object.__setattr__(self, "eos_token_id", eos_token_id)
 
 
 class Request:
@@ -194,7 +211,9 @@ class Request:
 
     The positional order is vLLM 0.33's (`request_id, prompt_token_ids,
     sampling_params, pooling_params, client_index, arrival_time, prompt_embeds,
-    ...`); vLLM arguments jaxkv has no use for are accepted and ignored.
+    ...`); vLLM arguments jaxkv has no use for are accepted and ignored. A prompt
+    given only as `prompt_embeds` (`prompt_token_ids=None`) gets token id 0 at every
+    position, as in vLLM (its blocks are told apart by the embeddings' digests).
     `max_tokens` and `skip_reading_prefix_cache` come from `sampling_params`
     (or `pooling_params`) unless given as keywords.
     """
@@ -255,6 +274,9 @@ class Request:
         # uint32 when they fit, else int64 (rejecting floats, strings, nested lists, and
         # ids outside [0, 2**63)).
         if type(prompt_token_ids) is not list:
+            if prompt_token_ids is None and prompt_embeds is not None:
+                # vLLM's embeddings-only prompt: one placeholder id 0 per embedding row.
+                prompt_token_ids = [0] * len(prompt_embeds)
             prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
         try:
             self._prompt_packed = array.array("I", prompt_token_ids)

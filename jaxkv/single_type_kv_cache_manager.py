@@ -16,6 +16,7 @@ from jaxkv.block_pool import BlockPool
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
 from jaxkv.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -62,11 +63,24 @@ class SingleTypeKVCacheManager:
         self,
         kv_cache_spec: KVCacheSpec,
         block_pool: BlockPool,
+        enable_caching: bool,
         kv_cache_group_id: int,
         scheduler_block_size: int | None = None,
-        enable_caching: bool = True,
         dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        needs_kv_cache_zeroing: bool = False,
+        max_admission_blocks_per_request: int | None = None,
     ) -> None:
+        """vLLM 0.33's arguments in its order (`scheduler_block_size` None: the block size).
+
+        `needs_kv_cache_zeroing`: record the ids of newly allocated attention blocks
+        for `take_new_block_ids` (the device side zeroes them). `max_admission_blocks_per_request`:
+        the blocks a request can hold at once in a group that releases blocks (see
+        `get_num_blocks_to_allocate`). Prefill context parallelism is not supported
+        (`pcp_world_size` 1 only).
+        """
+        if pcp_world_size != 1:
+            raise ValueError(f"pcp_world_size={pcp_world_size} is not supported (1 only)")
         self.kv_cache_spec = kv_cache_spec
         self._prefix_cacheable = kv_cache_spec.prefix_cacheable
         self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
@@ -85,6 +99,11 @@ class SingleTypeKVCacheManager:
         # its table are the null block (absent: none); every later entry is held.
         self._num_null_prefix: dict[str, int] = {}
         self._null_block = block_pool.null_block
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self._record_new_block_ids = needs_kv_cache_zeroing and isinstance(
+            kv_cache_spec, AttentionSpec
+        )
+        self.new_block_ids: list[int] = []
 
     # -- allocation ----------------------------------------------------------
 
@@ -94,14 +113,24 @@ class SingleTypeKVCacheManager:
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
         """Free blocks needed to give the request `num_tokens` slots.
 
         Hits that sit in the free queue count (touching them takes them out of
         it); hits wholly outside the attention window do not (they become the
-        null block).
+        null block). `apply_admission_cap` (admitting a whole request): a group
+        that releases blocks as the request advances needs at most
+        `max_admission_blocks_per_request` at once. vLLM 0.33's arguments;
+        `num_local_computed_tokens`, `num_tokens_main_model` and `prefill_end`
+        change nothing here.
         """
         num_required = -(-num_tokens // self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self.max_admission_blocks_per_request)
         held = self.req_to_blocks.get(request_id)
         num_held = len(held) if held is not None else 0
         if request_id in self.num_cached_block:  # running: no new hits
@@ -120,11 +149,18 @@ class SingleTypeKVCacheManager:
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
     ) -> None:
         """Start the request's table with its hits (first scheduling only).
 
         Hits wholly outside the window are not touched: their slots are null.
+        KV connectors are not supported: `num_external_computed_tokens` must be 0.
         """
+        if num_external_computed_tokens:
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
+                "(no KV connector; 0 only)"
+            )
         if self.req_to_blocks.get(request_id):
             raise ValueError(
                 f"request {request_id!r} already holds blocks; cache hits can only be "
@@ -144,8 +180,11 @@ class SingleTypeKVCacheManager:
             if num_nulls:
                 self._num_null_prefix[request_id] = num_nulls
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """New blocks so the request has slots for `num_tokens` tokens."""
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
+        """New blocks so the request has slots for `num_tokens` tokens (vLLM's arguments;
+        `num_tokens_main_model` changes nothing here)."""
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
@@ -155,7 +194,22 @@ class SingleTypeKVCacheManager:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(block.block_id for block in new_blocks)
         return new_blocks
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether `take_new_block_ids` reports this group's new blocks."""
+        return self._record_new_block_ids
+
+    def take_new_block_ids(self) -> list[int]:
+        """Ids of the blocks allocated since the last call (with `needs_kv_cache_zeroing`)."""
+        new_block_ids, self.new_block_ids = self.new_block_ids, []
+        return new_block_ids
+
+    def new_step_starts(self) -> None:
+        """The scheduler starts a new step (vLLM's hook; only Mamba keeps per-step state)."""
 
     # -- caching -------------------------------------------------------------
 
@@ -649,6 +703,11 @@ class MambaManager(SingleTypeKVCacheManager):
             )
         # Leading blocks already released (the table has null gaps between states).
         self._num_retired_blocks: dict[str, int] = {}
+        # Ids of the blocks cached during the current step: their state is written by
+        # this step's forward, so a hit on one waits for the next step (vLLM's rule).
+        # None until the scheduler reports steps (`new_step_starts`): without step
+        # boundaries no hit is held back.
+        self.cached_blocks_this_step: set[int] | None = None
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
@@ -673,7 +732,20 @@ class MambaManager(SingleTypeKVCacheManager):
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
+        """As the base class; a hit ending on a state cached during this step asks for
+        more blocks than the pool has, so the request waits for the next step."""
+        cached_this_step = self.cached_blocks_this_step
+        if (
+            cached_this_step
+            and new_computed_blocks
+            and new_computed_blocks[-1].block_id in cached_this_step
+        ):
+            return self.block_pool.num_gpu_blocks + 1
         if not self._keeps_last_state_only():
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks, total_computed_tokens
@@ -689,7 +761,9 @@ class MambaManager(SingleTypeKVCacheManager):
             1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
         )
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
         if not self._keeps_last_state_only():
             return super().allocate_new_blocks(request_id, num_tokens)
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -712,7 +786,17 @@ class MambaManager(SingleTypeKVCacheManager):
         replay_boundaries: Sequence[int] = (),
     ) -> None:
         if self.mamba_cache_mode != "align":
+            request_id = request.request_id
+            num_cached = self.num_cached_block.get(request_id, 0)
             super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
+            if self.cached_blocks_this_step is not None:
+                self.cached_blocks_this_step.update(
+                    block.block_id
+                    for block in self.req_to_blocks[request_id][
+                        num_cached : self.num_cached_block.get(request_id, 0)
+                    ]
+                    if block.block_hash_only is not None
+                )
             return
         # `num_tokens` is where the step's state stands (the coordinator passes the
         # step end); only a state exactly on a block boundary can serve a hit.
@@ -730,7 +814,12 @@ class MambaManager(SingleTypeKVCacheManager):
             self.block_pool.cache_full_blocks(
                 request, blocks, num_full - 1, num_full, self.block_size, self.kv_cache_group_id
             )
+            if self.cached_blocks_this_step is not None:
+                self.cached_blocks_this_step.add(blocks[num_full - 1].block_id)
         self.num_cached_block[request_id] = num_full
+
+    def new_step_starts(self) -> None:
+        self.cached_blocks_this_step = set()
 
     def _release_blocks(self, request_id: str, blocks: list[KVCacheBlock], last: int) -> None:
         first = self._num_retired_blocks.get(request_id, 0)
@@ -857,24 +946,25 @@ def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCache
 
 def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
-    block_pool: BlockPool,
-    kv_cache_group_id: int,
-    scheduler_block_size: int | None = None,
-    enable_caching: bool = True,
-    dcp_world_size: int = 1,
+    max_in_flight_tokens: int,
+    max_model_len: int,
+    role: str | None = None,
+    **kwargs,
 ) -> SingleTypeKVCacheManager:
-    """A manager of the class whose `spec_types` match `kv_cache_spec`.
+    """A manager of the class whose `spec_types` match `kv_cache_spec` (vLLM 0.33's
+    arguments; `kwargs` are the manager's, `role` must be None).
 
     A uniform-type group is served by its layers' manager, reading its first
-    layer's spec (the layers share block size and window).
+    layer's spec (the layers share block size and window). Groups that release
+    blocks as a request advances get the spec's per-request admission cap.
     """
+    if role is not None:
+        raise ValueError(f"KV cache group role {role!r} is not supported (None only)")
     if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
         kv_cache_spec = kv_cache_spec.first_spec
-    return manager_class_for_spec(kv_cache_spec)(
-        kv_cache_spec,
-        block_pool,
-        kv_cache_group_id,
-        scheduler_block_size,
-        enable_caching,
-        dcp_world_size,
-    )
+    if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        kwargs.setdefault(
+            "max_admission_blocks_per_request",
+            kv_cache_spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len),
+        )
+    return manager_class_for_spec(kv_cache_spec)(kv_cache_spec, **kwargs)

@@ -363,25 +363,3 @@ def test_freed_pages_before_the_window_may_hold_nan() -> None:
         assert np.isfinite(got).all()
         num_q = int(case.q_lens.sum())
         assert rel_error(got[:num_q], want[:num_q]) < 1e-5
-
-
-def test_tpu_dispatch_runs_the_bundled_kernel_only_when_asked(monkeypatch) -> None:
-    """No TPU here: a spy stands in for JAX's kernel. "auto" stays on the verified path."""
-    from jaxkv.device import attention
-
-    calls = []
-
-    def spy(q, *args, **kw):
-        calls.append(kw)
-        return jnp.zeros_like(q)
-
-    monkeypatch.setattr(attention, "_pallas_tpu", spy)
-    rng = np.random.default_rng()
-    case = random_case(rng, [6, 3], [2, 1])
-    want = reference_attention(case, sm_scale=0.5)
-    got = run_attention(case, sm_scale=0.5, platform="tpu")
-    assert not calls and rel_error(got[:3], want[:3]) < 1e-5
-    run_attention(case, sm_scale=0.5, platform="tpu", impl="pallas")
-    assert len(calls) == 1
-    with pytest.raises(ValueError, match="impl='pallas' needs a GPU"):
-        run_attention(case, sm_scale=0.5, platform="tpu", impl="pallas", attention_chunk=4)

@@ -1,9 +1,10 @@
 """Two processes on localhost join one JAX distributed runtime (CPU, gloo collectives).
 
 Each process has 2 CPU devices; the 4 global devices form one mesh, the cache
-is sharded across both processes (KV heads over the model axis, then blocks
-over a data axis), one step (write + attention), a block copy and zeroing run
-on it, and the result must equal this (single-process, single-device) run.
+is sharded across both processes (KV heads over the model axis, blocks over a data
+axis, or blocks over every device under attention data parallelism), one step
+(write + attention), a block copy and zeroing run on it, and the result must
+equal this (single-process, single-device) run.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-MESHES = {  # name: (data, model, kv_heads, group)
-    "heads_across_processes": (1, 4, 4, 2),
-    "data_across_processes": (2, 2, 2, 2),
+MESHES = {  # name: (data, model, kv_heads, group, data ranks after planning)
+    "heads_across_processes": (1, 4, 4, 2, 1),
+    "data_across_processes": (2, 2, 2, 2, 2),
+    # 2 KV heads on a model axis of 4: attention data parallelism, one rank per device
+    "attention_dp_across_processes": (1, 4, 2, 2, 4),
 }
 
 
@@ -41,7 +44,7 @@ def _worker(process_id: int, port: int, seed: int, out_dir: str) -> None:
     assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
     assert jax.local_device_count() == 2
     results = {}
-    for name, (data, model, heads, group) in MESHES.items():
+    for name, (data, model, heads, group, _) in MESHES.items():
         mesh = make_mesh(data, model)
         owners = {d.process_index for d in mesh.devices.flat}
         assert owners == {0, 1}, f"mesh {name} must span both processes, spans {owners}"
@@ -90,15 +93,15 @@ def test_two_processes_match_single_process(tmp_path: Path) -> None:
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed (seed {seed}):\n{logs[i][-4000:]}"
 
-    for name, (data, model, heads, group) in MESHES.items():
+    for name, (_data, model, heads, group, dp) in MESHES.items():
         for i in range(2):
             metrics = json.loads((tmp_path / f"metrics.p{i}.json").read_text())[name]
-            assert (metrics["dp"], metrics["model"]) == (data, model), metrics
+            assert (metrics["dp"], metrics["model"], metrics["replication"]) == (dp, model, 1)
             # each worker also ran the same batches on one of its own devices
             assert metrics["out_diff"] <= 1e-6 and metrics["kv_diff"] == 0.0, (name, metrics)
             assert metrics["kv_nan_match"] and metrics["padded_rows_zero"], (name, metrics)
             assert metrics["ref_err"] < 1e-5, (name, metrics)
-        if data == 1:  # one batch: this process can replay it on its single device
+        if dp == 1:  # one batch: this process can replay it on its single device
             _, want = run_layout(
                 make_mesh(1, 1), num_kv_heads=heads, group=group, policy="auto", seed=seed
             )

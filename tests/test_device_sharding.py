@@ -22,7 +22,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_device_attention import query_kv, random_case, reference_attention, rel_error
 
-from jaxkv.device import DATA_AXIS, PagedKVCache, StepInputs, StepMetadataPacker, make_mesh
+from jaxkv.device import (
+    DATA_AXIS,
+    KVLayout,
+    PagedKVCache,
+    StepInputs,
+    StepMetadataPacker,
+    make_mesh,
+)
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,8 +144,14 @@ LAYOUTS = {
     "heads_sharded": (1, 8, 8, 2, "auto"),
     "data2_heads4": (2, 4, 4, 1, "auto"),
     "replicated_q_split": (1, 8, 2, 4, "replicate"),
-    "replicated_q_replicated": (1, 8, 2, 3, "auto"),
+    "replicated_q_replicated": (1, 8, 2, 3, "replicate"),
     "spare_model_to_data": (1, 8, 2, 2, "data_parallel"),
+    # The default when the model axis does not divide the KV heads: attention data
+    # parallelism, every device its own data rank.
+    "attention_dp_kv1": (1, 8, 1, 4, "auto"),
+    "attention_dp_kv2": (1, 8, 2, 3, "auto"),
+    "attention_dp_kv4": (1, 8, 4, 2, "auto"),
+    "attention_dp_data2": (2, 4, 2, 2, "auto"),
 }
 EXPECTED_PLACEMENT = {  # (dp, model, replication) after planning
     "heads_sharded": (1, 8, 1),
@@ -146,7 +159,53 @@ EXPECTED_PLACEMENT = {  # (dp, model, replication) after planning
     "replicated_q_split": (1, 8, 8),
     "replicated_q_replicated": (1, 8, 8),
     "spare_model_to_data": (4, 2, 1),
+    "attention_dp_kv1": (8, 8, 1),
+    "attention_dp_kv2": (8, 8, 1),
+    "attention_dp_kv4": (8, 8, 1),
+    "attention_dp_data2": (8, 4, 1),
 }
+POLICIES = ("auto", "replicate", "data_parallel", "attention_data_parallel")
+TOTAL_BLOCKS = 64  # token capacity held equal across policies: dp * num_blocks
+
+
+def bytes_by_policy(num_kv_heads: int) -> dict[str, dict[str, int]]:
+    """Per policy on a 1x8 mesh: bytes per device, replication and the unreplicated
+    cache bytes of `TOTAL_BLOCKS` blocks over all data ranks (nothing compiles)."""
+    spec = FullAttentionSpec(4, num_kv_heads, 8, "float32")
+    out = {}
+    for policy in POLICIES:
+        dp = KVLayout.plan(make_mesh(1, 8), num_kv_heads, policy).dp_size
+        cache = PagedKVCache(spec, TOTAL_BLOCKS // dp, mesh=make_mesh(1, 8), head_policy=policy)
+        out[policy] = {
+            "dp": cache.dp_size,
+            "bytes_per_device": cache.bytes_per_device,
+            "replication": cache.replication,
+            "cache_bytes": cache.cache_bytes,
+            "share": cache.layout.device_share,
+        }
+    return out
+
+
+def layout_violations() -> list[str]:
+    """Every (data, model) mesh of the 8 devices, 1..8 KV heads, every policy: what breaks
+    the layout invariants (empty when none does)."""
+    bad = []
+    for data in (1, 2, 4, 8):
+        for heads in range(1, 9):
+            mesh = make_mesh(data, 8 // data)
+            for policy in POLICIES:
+                lay = KVLayout.plan(mesh, heads, policy)
+                name = f"{data}x{8 // data} heads={heads} {policy}"
+                per_rank_devices = lay.num_devices // lay.dp_size
+                if lay.replication * heads != lay.kv_heads_per_device * per_rank_devices:
+                    bad.append(f"{name}: replication does not count the head copies")
+                if lay.device_share != lay.replication / 8:
+                    bad.append(f"{name}: device_share {lay.device_share}")
+                if policy == "auto" and (lay.replication != 1 or lay.mesh is not mesh):
+                    bad.append(f"{name}: the default stores KV twice or moves the mesh")
+                if lay.heads_sharded and lay.blocks_over_model:
+                    bad.append(f"{name}: heads and blocks both over the model axis")
+    return bad
 
 
 def _main(seed: int) -> None:
@@ -156,20 +215,29 @@ def _main(seed: int) -> None:
         results[name], _ = run_layout(
             make_mesh(data, model), num_kv_heads=heads, group=group, policy=policy, seed=seed
         )
+    results["bytes"] = {str(heads): bytes_by_policy(heads) for heads in (1, 2, 4)}
+    results["violations"] = layout_violations()
     print("RESULTS " + json.dumps(results))
 
 
-def test_sharded_layouts_match_single_device() -> None:
-    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+def results_on_8_devices(script: str, seed: int) -> dict:
+    """Run `script seed` with 8 simulated CPU devices; the JSON it prints after "RESULTS "."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, __file__, str(seed)], env=env, capture_output=True, text=True,
+        [sys.executable, script, str(seed)], env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS ") :])
+    return json.loads(line[len("RESULTS ") :])
+
+
+def test_sharded_layouts_match_single_device() -> None:
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    results = results_on_8_devices(__file__, seed)
+    by_heads = results.pop("bytes")
+    assert results.pop("violations") == []
     assert set(results) == set(LAYOUTS)
     for name, r in results.items():
         assert (r["dp"], r["model"], r["replication"]) == EXPECTED_PLACEMENT[name], (name, r)
@@ -177,6 +245,20 @@ def test_sharded_layouts_match_single_device() -> None:
         assert r["kv_diff"] == 0.0 and r["kv_nan_match"], (name, seed, r)
         assert r["ref_err"] < 1e-5, (name, seed, r)
         assert r["padded_rows_zero"], (name, seed, r)
+
+    # kv_heads in {1, 2, 4} on 8 devices, equal token capacity: the default layout has the
+    # fewest bytes per device (no KV stored twice), and bytes_per_device shows each
+    # policy's replication factor times the unreplicated share.
+    for heads, policies in by_heads.items():
+        least = min(p["bytes_per_device"] for p in policies.values())
+        auto = policies["auto"]
+        assert auto["bytes_per_device"] == least == auto["cache_bytes"] // 8, (heads, policies)
+        assert auto["replication"] == 1 and auto["share"] == 1 / 8, (heads, policies)
+        for name, p in policies.items():
+            assert p["dp"] * (TOTAL_BLOCKS // p["dp"]) == TOTAL_BLOCKS, (heads, name)
+            assert p["bytes_per_device"] == p["replication"] * p["cache_bytes"] // 8, (heads, name)
+        assert policies["replicate"]["replication"] == 8
+        assert policies["replicate"]["bytes_per_device"] == 8 * least
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
@@ -347,3 +354,115 @@ def test_scatter_returns_a_new_store_array_and_composes_in_a_users_jit():
     np.testing.assert_array_equal(np.asarray(cache).reshape(-1, HIDDEN)[4 * pages[0] :][:4], x[:4])
     with pytest.raises(ValueError, match=r"store array has shape \(3, 4, 8\)"):
         s.scatter(cache[:3], x, pages)
+
+
+def test_random_item_sizes_from_numpy_and_jax_compile_a_few_programs_in_place():
+    """400 random-size items, half handed over as JAX arrays: programs stay per page
+    bucket, bf16 (stored as uint16 on CPU by default) round-trips bit for bit, and every
+    write updates the one store buffer in place."""
+    from jaxkv.device import compilation_count
+
+    page_size, max_pages = 4, 16
+    s = EncoderCacheStore(64, page_size, HIDDEN, dtype=jnp.bfloat16)
+    assert s.storage_dtype == np.uint16 and s.cache.dtype == np.uint16  # the CPU default
+    pointer = s.cache.unsafe_buffer_pointer()
+    rng = np.random.default_rng()
+    want: dict[str, np.ndarray] = {}
+    before = compilation_count()
+    for i in range(400):
+        n = int(rng.integers(1, page_size * max_pages + 1))
+        x = rng.standard_normal((n, HIDDEN)).astype(jnp.bfloat16)
+        mm_hash = f"item{i}"
+        pages = s.put(mm_hash, jax.device_put(x) if i % 2 else x)  # jnp.asarray compiles
+        want[mm_hash] = x
+        got = s.get(mm_hash) if i % 3 else s.gather(pages, n)
+        assert got.shape == (n, HIDDEN) and got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), x.view(np.uint16))
+        while s.num_free_pages < max_pages:
+            gone = next(iter(want))
+            s.free([gone])
+            del want[gone]
+    buckets = max_pages.bit_length()  # 1, 2, 4, 8, 16 pages
+    compiled = compilation_count() - before
+    assert compiled <= 2 * buckets, f"{compiled} programs for {buckets} page buckets"
+    assert s.cache.unsafe_buffer_pointer() == pointer, "writes must update the buffer in place"
+    for mm_hash, x in want.items():  # earlier items untouched by later writes
+        np.testing.assert_array_equal(np.asarray(s.get(mm_hash)).view(np.uint16), x.view(np.uint16))
+
+
+class EncoderStoreMachine(RuleBasedStateMachine):
+    """Random puts (NumPy or JAX input, any size), rewrites and frees on one bf16 store.
+
+    After every step: the free pages and the items' pages partition the store, every
+    item reads back bit for bit, and the store's buffer is the one it started with.
+    One store serves all examples (emptied at the start of each), so the compile count
+    over the whole run is bounded by the page buckets.
+    """
+
+    PAGE_SIZE, NUM_PAGES = 4, 24
+    shared = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        cls = type(self)
+        if cls.shared is None:
+            cls.shared = EncoderCacheStore(cls.NUM_PAGES, cls.PAGE_SIZE, HIDDEN, dtype=jnp.bfloat16)
+        self.store = cls.shared
+        self.store.free([h for h in list(self.store._entries)])
+        self.pointer = self.store.cache.unsafe_buffer_pointer()
+        self.truth: dict[str, np.ndarray] = {}
+        self.count = 0
+
+    def _data(self, seed: int, n: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((n, HIDDEN)).astype(jnp.bfloat16)
+
+    @rule(n=st.integers(0, 40), seed=st.integers(0, 2**16), as_jax=st.booleans())
+    def put(self, n, seed, as_jax):
+        x = self._data(seed, n)
+        mm_hash = f"h{self.count}"
+        self.count += 1
+        if -(-n // self.PAGE_SIZE) > self.store.num_free_pages:
+            with pytest.raises(ValueError, match="are free"):
+                self.store.put(mm_hash, x)
+            return
+        self.store.put(mm_hash, jax.device_put(x) if as_jax else x)
+        self.truth[mm_hash] = x
+
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data(), seed=st.integers(0, 2**16), as_jax=st.booleans())
+    def rewrite(self, data, seed, as_jax):
+        mm_hash = data.draw(st.sampled_from(sorted(self.truth)))
+        x = self._data(seed, self.store.num_embeds_of(mm_hash))
+        self.store.write(jax.device_put(x) if as_jax else x, self.store.pages_of(mm_hash))
+        self.truth[mm_hash] = x
+
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data())
+    def free(self, data):
+        gone = data.draw(st.lists(st.sampled_from(sorted(self.truth)), unique=True, min_size=1))
+        self.store.free(gone)
+        for mm_hash in gone:
+            del self.truth[mm_hash]
+
+    @invariant()
+    def pages_partition_and_items_read_back(self):
+        owned = [p for h in self.truth for p in self.store.pages_of(h).tolist()]
+        free = self.store._free_pages
+        assert sorted(owned + free) == list(range(self.NUM_PAGES))
+        for mm_hash, x in self.truth.items():
+            got = np.asarray(self.store.get(mm_hash))
+            np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
+        assert self.store.cache.unsafe_buffer_pointer() == self.pointer
+
+
+def test_encoder_store_state_machine():
+    from jaxkv.device import compilation_count
+
+    before = compilation_count()
+    run_state_machine_as_test(
+        EncoderStoreMachine,
+        settings=settings(max_examples=15, stateful_step_count=15, deadline=None),
+    )
+    buckets = (EncoderStoreMachine.NUM_PAGES).bit_length()  # 1..16 pages, plus 0 rows
+    assert compilation_count() - before <= 2 * buckets + 2

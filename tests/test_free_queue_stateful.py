@@ -30,7 +30,7 @@ class FreeQueueMachine(RuleBasedStateMachine):
     @rule()
     def popleft(self) -> None:
         if not self.model:
-            with pytest.raises(ValueError, match="empty"):
+            with pytest.raises(ValueError, match="No free blocks available"):
                 self.queue.popleft()
             return
         assert self.queue.popleft() is self.model.pop(0)

@@ -49,11 +49,12 @@ def child(workdir: str) -> dict:
         llava = load_model(work / "llava", mesh=mesh)
         out["image_features"] = np.asarray(llava.encode_images(pixels)).tolist()
         if (dp, mp) != (1, 2):  # 1x2 only checks the weight layout and the dense forward
-            # Requests spread over the data ranks (2x4: one each), sliding/full groups.
+            # Requests spread over the data ranks (one rank per device), sliding/full groups.
             gen = PagedGenerator(
                 gemma, block_size=4, max_num_tokens=16, mesh=mesh, group_by_spec=True
             )
             out["tokens"] = gen.generate(prompts, 4, chunk_size=5)
+            out["kv"] = [gen.dp, gen.caches[0].replication, gen.caches[0].layout.policy]
         results[f"{dp}x{mp}"] = out
     return results
 
@@ -84,3 +85,8 @@ def test_same_tokens_on_1_and_8_devices(tmp_path):
         if "tokens" in out:
             assert out["tokens"] == one["tokens"], name
     assert "tokens" in results["1x8"] and "tokens" in results["2x4"]
+    # 2 KV heads: split over a model axis of 2; on 8 devices (and on 2x4) the default is
+    # attention data parallelism, one data rank per device, no KV stored twice.
+    assert results["1x8"]["kv"] == [8, 1, "attention_data_parallel"]
+    assert results["2x4"]["kv"] == [8, 1, "attention_data_parallel"]
+    assert results["1x1"]["kv"] == [1, 1, "auto"]

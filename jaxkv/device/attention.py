@@ -33,17 +33,18 @@ Dispatch:
 |---------|-----------------------------------------------|----------------------------------|
 | CPU     | blockwise                                     | ValueError (or `interpret=True`) |
 | GPU     | `pallas_gpu` Triton kernel (decode and mixed) | the same Triton kernel           |
-| TPU     | blockwise                                     | JAX's bundled ragged kernel      |
+| TPU     | `pallas_tpu` Mosaic kernel (decode and mixed) | the same Mosaic kernel           |
 
-Where the GPU kernel does not apply (a quantised cache, block shapes outside
-`pallas_gpu`'s constraints, a replicated KV head slice) `"auto"` runs the blockwise
-path; `impl="reference"` always runs it. On TPU `"auto"` stays on the blockwise
-path because JAX's bundled kernel could not be verified here: Pallas TPU interpret
-mode fails inside JAX 0.10.2 on it, and lowering it for TPU on a CPU host is
-impossible (it queries the TPU generation). `impl="pallas"` runs it on a real TPU
-for a cache in its compute dtype without chunked-local/span masks. `interpret=True`
-runs the GPU kernel in Pallas interpret mode on any backend (tests). The README's
-"Attention dispatch" section says what has been verified how.
+Where a kernel does not apply (on GPU a quantised cache, block shapes outside
+`pallas_gpu`'s constraints or a replicated KV head slice; on TPU a storage dtype
+of another width than the compute dtype) `"auto"` runs the blockwise path;
+`impl="reference"` always runs it. `interpret=True` (with `impl="pallas"`) runs
+the GPU kernel in Pallas interpret mode on any backend, and
+`impl="pallas_tpu_interpret"` the TPU kernel in Pallas TPU interpret mode on any
+backend (tests; `step` can pass it). JAX's bundled TPU ragged kernel is not used:
+in JAX 0.10.2 it fails in Pallas TPU interpret mode and cannot be lowered for TPU
+on a CPU host, so it could not be verified. The README's "Attention dispatch"
+section says what has been verified how.
 
 NaN safety: padded query rows, the null block and free pages may hold anything
 (including NaN). Masked logits are replaced with `jnp.where` and the values of
@@ -65,6 +66,7 @@ from jaxkv.device.pallas_gpu import (
     block_shape_error,
     paged_attention_rows_pallas,
 )
+from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu
 from jaxkv.device.storage import (
     SCALE_BYTES,
     DTypeLike,
@@ -75,8 +77,8 @@ from jaxkv.device.storage import (
 )
 
 _MASKED = -1e30
-AttentionImpl = Literal["auto", "reference", "pallas"]
-_IMPLS = ("auto", "reference", "pallas")
+AttentionImpl = Literal["auto", "reference", "pallas", "pallas_tpu_interpret"]
+_IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret")
 
 
 class TokenIntervals(NamedTuple):
@@ -161,9 +163,11 @@ def ragged_paged_attention(
     attention) and `span_ends [T]` (bidirectional spans) are the module
     docstring's masks. `query_chunk`, `token_chunk` and `keys_per_chunk` size the
     blockwise path's tiles (they never change the result beyond float rounding; the
-    tiles do not depend on the table width, so neither does the result). `kv_quant`
+    tiles do not depend on the table width, so neither does the result); the TPU
+    kernel takes `token_chunk` tokens per tile and `keys_per_chunk // block_size`
+    pages per DMA chunk. `kv_quant`
     ("int8"/"fp8") reads a quantised cache (`jaxkv.device.storage`), dequantised
-    inside the blockwise path; `kv_dtype` is then the dtype it dequantises to.
+    inside the blockwise path or the TPU kernel; `kv_dtype` is then the dtype it dequantises to.
     """
     num_tokens = q.shape[0]
     check_kv_quant(kv_quant)
@@ -186,19 +190,20 @@ def ragged_paged_attention(
     }
     kernel = _pick_kernel(
         impl, platform, interpret, kv_cache, compute, kv_head, q.shape[-1],
-        tpu_ok=attention_chunk is None and span_ends is None, quantised=kv_quant is not None,
+        quantised=kv_quant is not None,
     )  # fmt: skip
-    if kernel == "tpu":
-        out = _pallas_tpu(
-            q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        )  # fmt: skip
-        valid = jnp.arange(num_tokens) < query_start_loc[num_seqs]
-        return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
     iv = token_intervals(
         num_tokens, seq_lens, query_start_loc, num_seqs,
         block_tables.shape[1] * block_size, **masks,
     )  # fmt: skip
+    if kernel == "tpu":
+        return paged_attention_tiles_tpu(
+            q, kv_cache, block_tables, iv.req, iv.lo, iv.hi,
+            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, kv_head=kv_head,
+            kv_quant=kv_quant, tokens_per_tile=token_chunk,
+            pages_per_chunk=max(1, keys_per_chunk // block_size),
+            interpret=impl == "pallas_tpu_interpret",
+        )  # fmt: skip
     if kernel == "gpu":
         return paged_attention_rows_pallas(
             q, kv_cache, block_tables[iv.req], iv.lo, iv.hi,
@@ -224,40 +229,47 @@ def _check_tiling(impl, attention_chunk, *sizes: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
 
 
-def _pick_kernel(
-    impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, tpu_ok, quantised
-):
+def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, quantised):
     """`"tpu"`, `"gpu"` or `"blockwise"` for this call (module docstring's dispatch table)."""
-    if impl == "reference" or (impl == "auto" and quantised):
+    if impl == "reference":
         return "blockwise"
-    if quantised:
-        raise ValueError("impl='pallas' has no kernel for a quantised cache; use 'auto'")
-    block_size = kv_cache.shape[1]
-    gpu_fits = (
-        kv_head is None
-        and block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK) is None
-        and compute.itemsize == kv_cache.dtype.itemsize
-    )
-    tpu_fits = tpu_ok and kv_head is None and kv_cache.dtype == compute
+    tpu_fits = quantised or compute.itemsize == kv_cache.dtype.itemsize
+    gpu_error = _gpu_kernel_error(kv_cache, compute, kv_head, head_size, quantised=quantised)
     if impl == "auto":
-        return "gpu" if platform == "gpu" and gpu_fits else "blockwise"
+        if platform == "gpu" and gpu_error is None:
+            return "gpu"
+        return "tpu" if platform == "tpu" and tpu_fits else "blockwise"
+    if impl == "pallas_tpu_interpret" or (impl == "pallas" and platform == "tpu" and not interpret):
+        if not tpu_fits:
+            raise ValueError(
+                f"impl={impl!r} (the TPU kernel) needs a cache whose storage dtype "
+                f"{kv_cache.dtype} has the width of its compute dtype {compute}"
+            )
+        return "tpu"
     if interpret or platform == "gpu":
-        if not gpu_fits:
-            error = block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK)
+        if gpu_error is not None:
             raise ValueError(
                 f"impl='pallas' on GPU needs grouped heads and a cache the Triton kernel can "
-                f"tile: {error or 'a replicated KV head slice is not supported'}"
+                f"tile: {gpu_error}; use impl='auto'"
             )
         return "gpu"
-    if platform == "tpu" and tpu_fits:
-        return "tpu"
     raise ValueError(
-        f"impl='pallas' needs a GPU (Triton kernel) or a TPU with a cache stored in its "
-        f"compute dtype, grouped heads and no chunked-local/span mask; got "
-        f"platform={platform!r}, storage {kv_cache.dtype}, compute {compute}. Pass "
-        f"interpret=True to run the GPU kernel in Pallas interpret mode, or use "
-        f"impl='auto'/'reference'"
+        f"impl='pallas' needs a GPU (Triton kernel) or a TPU (Mosaic kernel); got "
+        f"platform={platform!r}. Pass interpret=True to run the GPU kernel in Pallas "
+        f"interpret mode, impl='pallas_tpu_interpret' for the TPU kernel in Pallas TPU "
+        f"interpret mode, or use impl='auto'/'reference'"
     )
+
+
+def _gpu_kernel_error(kv_cache, compute, kv_head, head_size, *, quantised) -> str | None:
+    """Why the Triton kernel cannot serve this call, or None if it can."""
+    if quantised:
+        return "a quantised cache is not supported"
+    if kv_head is not None:
+        return "a replicated KV head slice is not supported"
+    if compute.itemsize != kv_cache.dtype.itemsize:
+        return f"storage {kv_cache.dtype} does not have the width of {compute}"
+    return block_shape_error(head_size, kv_cache.shape[1], PAGES_PER_COMPUTE_BLOCK)
 
 
 def paged_decode_attention(
@@ -288,17 +300,6 @@ def paged_decode_attention(
         q, kv_cache, block_tables, seq_lens, jnp.arange(num_reqs + 1, dtype=jnp.int32),
         num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         kv_dtype=kv_dtype, impl=impl, platform=platform, interpret=interpret,
-    )  # fmt: skip
-
-
-def _pallas_tpu(q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs, **kw):
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-        ragged_paged_attention as tpu_rpa,
-    )
-
-    return tpu_rpa(
-        q, kv_cache, seq_lens, block_tables, query_start_loc,
-        jnp.reshape(num_seqs, (1,)).astype(jnp.int32), **kw,
     )  # fmt: skip
 
 

@@ -10,9 +10,21 @@ returns their pages.
 
 All device updates are jitted and donate the buffer they update, so their cost
 grows with the rows written, never with the store. Index arrays are padded to
-power-of-two lengths (a bounded number of compiled programs); padding indices
-are positive and out of range, so the scatter (`mode="drop"`) ignores them. A
-negative index would wrap around in JAX even with `mode="drop"`.
+power-of-two lengths; padding indices are positive and out of range, so the
+scatter (`mode="drop"`) ignores them. A negative index would wrap around in JAX
+even with `mode="drop"`.
+
+Item sizes are bucketed: a write and a gather each compile one program per page
+bucket (a power of two) and input dtype, whatever the item sizes, for NumPy and
+JAX inputs alike. An item whose rows do not fill its bucket is padded on the
+host (a JAX array is fetched first: one item-sized copy, never a program per
+size); `gather`'s exact-size result is cut on the host and placed back. Inside
+a caller's `jit` (traced inputs) padding is part of the caller's program.
+
+bf16 is stored as its uint16 bits on CPU by default (`storage_dtype="auto"`, as
+the KV cache does, `jaxkv.device.storage`): XLA's CPU scatter into a donated bf16
+buffer copies the whole buffer, a uint16 one is updated in place. `get`,
+`gather` and `merge` return the compute dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket
+from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
 from jaxkv.device.storage import from_storage, resolve_storage_dtype, to_storage
 
 __all__ = ["EmbedPlacement", "EncoderCacheStore"]
@@ -41,6 +53,8 @@ def _bucket(n: int) -> int:
 def _write_pages(
     cache: jax.Array, pages: jax.Array, values: jax.Array, compute: np.dtype
 ) -> jax.Array:
+    """`values [bucket * page_size, hidden]` into `pages [bucket]` (padding pages dropped)."""
+    values = values.reshape(pages.shape[0], *cache.shape[1:])
     return cache.at[pages].set(to_storage(values, compute, cache.dtype), mode="drop")
 
 
@@ -82,7 +96,9 @@ class EncoderCacheStore:
     distinct pages; the free pages and the pages of all stored hashes
     partition `range(num_pages)`; `cache` always has shape `[num_pages,
     page_size, hidden_size]`, dtype `dtype` and sharding `sharding`, and is
-    replaced (its old buffer donated) by every write.
+    replaced (its old buffer donated) by every write. `cache` holds
+    `storage_dtype` (bf16 bits as uint16 on CPU by default; `dtype` itself with
+    `storage_dtype=dtype`).
 
     With a `mesh`, the hidden dimension is split over `hidden_axis` (None:
     replicated on every device of the mesh).
@@ -97,7 +113,7 @@ class EncoderCacheStore:
         dtype: Any = jnp.bfloat16,
         mesh: Mesh | None = None,
         hidden_axis: str | None = None,
-        storage_dtype: Any = None,
+        storage_dtype: Any = "auto",
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -123,13 +139,9 @@ class EncoderCacheStore:
         self.hidden_size = hidden_size
         self.dtype = np.dtype(jnp.dtype(dtype))
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        # None: the store holds `dtype` itself (`cache` is then directly usable);
-        # "auto": bf16 bits as uint16 on CPU, where a bf16 scatter copies the whole buffer.
-        self.storage_dtype = (
-            self.dtype
-            if storage_dtype is None
-            else resolve_storage_dtype(self.dtype, storage_dtype, platform)
-        )
+        # "auto" (or None): bf16 bits as uint16 on CPU, where a bf16 scatter copies the
+        # whole buffer; else the given dtype of `dtype`'s width (`dtype` itself: no bitcast).
+        self.storage_dtype = resolve_storage_dtype(self.dtype, storage_dtype, platform)
         shape = (num_pages, page_size, hidden_size)
         if mesh is None:
             self.sharding: NamedSharding | None = None
@@ -274,9 +286,10 @@ class EncoderCacheStore:
 
         For callers that hold the store array themselves, as `PagedKVCache` callers
         hold their caches; `self.cache` is not touched. Programs are keyed by the page
-        bucket (a power of two): NumPy `embeds` are padded on the host, so any item
-        size reuses its bucket's program; a JAX array is padded on device, one small
-        program per distinct row count (hand over NumPy or bucket-sized arrays).
+        bucket (a power of two) and the input dtype: rows are padded to the bucket on
+        the host (a JAX array that does not fill its bucket is fetched first), so any
+        item size reuses its bucket's program. Traced `embeds` (inside a caller's
+        `jit`) are padded in the caller's program.
         """
         if cache.shape != self.shape or cache.dtype != self.storage_dtype:
             raise ValueError(
@@ -298,11 +311,20 @@ class EncoderCacheStore:
             )
         bucket = _bucket(len(pages))
         padded_pages = pad_to_bucket(pages, bucket, self.num_pages)
-        pad_rows = bucket * self.page_size - num_rows
-        xp = np if isinstance(embeds, np.ndarray) else jnp
-        values = xp.pad(embeds, ((0, pad_rows), (0, 0)))
-        values = values.reshape(bucket, self.page_size, self.hidden_size)
-        return self._write(cache, padded_pages, values)
+        return self._write(cache, padded_pages, self._pad_rows(embeds, bucket * self.page_size))
+
+    @staticmethod
+    def _pad_rows(embeds: jax.Array | np.ndarray, rows: int) -> jax.Array | np.ndarray:
+        """`embeds` with zero rows appended up to `rows`, without a program per item size."""
+        pad = ((0, rows - embeds.shape[0]), (0, 0))
+        if isinstance(embeds, jax.Array) and embeds.shape[0] == rows:
+            return embeds
+        if isinstance(embeds, jax.core.Tracer) or (
+            isinstance(embeds, jax.Array) and not embeds.is_fully_addressable
+        ):
+            return jnp.pad(embeds, pad)  # traced: part of the caller's program
+        # A JAX array: on CPU a view of its buffer, else one item-sized copy to the host.
+        return np.pad(np.asarray(embeds), pad)
 
     def _check_owner(self, pages: np.ndarray) -> None:
         """`pages` are all free, or exactly one stored item's pages (a rewrite of it)."""
@@ -329,18 +351,28 @@ class EncoderCacheStore:
         return pages
 
     def gather(self, pages: np.ndarray | Sequence[int], num_embeds: int) -> jax.Array:
-        """The first `num_embeds` embeddings in `pages`, contiguous: `[num_embeds, hidden]`."""
+        """The first `num_embeds` embeddings in `pages`, contiguous: `[num_embeds, hidden]`.
+
+        The bucket's rows are gathered on device (one program per bucket) and cut to
+        `num_embeds` on the host, then placed back (one item-sized copy each way
+        off CPU): an exact-size result costs no program per size.
+        """
         pages = check_ids("pages", pages, 0, self.num_pages)
         if check_int("num_embeds", num_embeds) < 0 or num_embeds > len(pages) * self.page_size:
             raise ValueError(
                 f"num_embeds must lie in [0, {len(pages) * self.page_size}] for {len(pages)} "
                 f"pages, got {num_embeds}"
             )
-        return self.gather_padded(pages)[:num_embeds]
+        padded = self.gather_padded(pages)
+        if padded.shape[0] == num_embeds:
+            return padded
+        if not padded.is_fully_addressable:  # other processes hold parts: cut on device
+            return padded[:num_embeds]
+        return place(np.asarray(padded)[:num_embeds], padded.sharding)
 
     def gather_padded(self, pages: np.ndarray | Sequence[int]) -> jax.Array:
         """The rows of `pages`, padded with zero rows to the page bucket: one program per
-        bucket (`gather`'s exact-size slice costs one small program per distinct size)."""
+        bucket, the result left on device as it is."""
         pages = check_ids("pages", pages, 0, self.num_pages)
         padded = pad_to_bucket(pages, _bucket(len(pages)), self.num_pages)
         return self._gather(self.cache, padded)

@@ -4,7 +4,9 @@ Layout of one layer's cache: `[dp * num_blocks, block_size, 2 * kv_heads, head_s
 with K and V interleaved per head (combined head `2h` is K of head `h`, `2h+1`
 its V), so any contiguous slice of heads carries its own K and V — a model-axis
 shard is self-contained, and the layout is the one JAX's TPU ragged paged
-attention kernel reads. The leading axis is split over the mesh's data axis:
+attention kernel reads. The leading axis is split over the data ranks
+(`KVLayout.rank_axis`: the mesh's data axis, or data x model under attention
+data parallelism, the default when the model axis does not divide the KV heads):
 data rank `d` owns blocks `[d * num_blocks, (d+1) * num_blocks)` and addresses
 them with local ids `[0, num_blocks)`; block 0 of each rank is its null block.
 
@@ -39,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
 from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
-from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
+from jaxkv.device.mesh import MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
     StepMetadataPacker,
     StepShape,
@@ -160,9 +162,9 @@ class PagedKVCache:
         self.attention_chunk = (
             spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
         )
-        head = self.layout.head_axis
-        self._token_spec = P(DATA_AXIS, head, None)
-        self._rank_spec = P(DATA_AXIS)
+        rank = self.layout.rank_axis
+        self._token_spec = P(rank, self.layout.head_axis, None)
+        self._rank_spec = P(rank)
         cache_spec = self.layout.cache_spec
 
         def sharded(fn, in_specs, out_specs):
@@ -221,12 +223,17 @@ class PagedKVCache:
 
     @property
     def bytes_per_device(self) -> int:
-        """Bytes of one layer's cache on each device, replication and scales included."""
+        """Bytes of one layer's cache on each device, replication and scales included.
+
+        Equals `replication * cache_bytes / num_devices` (`KVLayout.device_share`):
+        the unreplicated share times the replication factor, so what replication
+        costs shows here. The default layout keeps `replication == 1`.
+        """
         return self.num_blocks * self.bytes_per_block
 
     @property
     def replication(self) -> int:
-        """How many devices of one data rank hold each KV head (1: no head is stored twice)."""
+        """How many devices hold each KV head of a block (1: no KV is stored twice)."""
         return self.layout.replication
 
     # ----------------------------------------------------------- allocation
@@ -286,7 +293,7 @@ class PagedKVCache:
 
     def put(self, arr: np.ndarray, spec: P | None = None) -> jax.Array:
         """Place a host array (the same on every process) on this cache's mesh."""
-        return place(arr, NamedSharding(self.mesh, P(DATA_AXIS) if spec is None else spec))
+        return place(arr, NamedSharding(self.mesh, self._rank_spec if spec is None else spec))
 
     def _pad_ids(self, arr: np.ndarray, fill: int) -> np.ndarray:
         """Pad each rank's ids to a bucket so few programs are compiled."""
@@ -395,7 +402,7 @@ class PagedKVCache:
             q = jnp.zeros((tokens, num_q_heads, self.head_size), q_dtype)
             k = jnp.zeros((tokens, self.num_kv_heads, self.head_size), self.dtype)
             buf = packer.put(
-                packer.empty(shape, self.dp_size), NamedSharding(self.mesh, P(DATA_AXIS))
+                packer.empty(shape, self.dp_size), NamedSharding(self.mesh, self._rank_spec)
             )
             kvs[0], _ = self.step(kvs[0], q, k, k, buf, shape, **options)
         for size in self.id_buckets:
@@ -470,19 +477,20 @@ class PagedKVCache:
         key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, **options)
         fn = self._step_fns.get(key)
         if fn is None:
-            q_sharding = NamedSharding(
-                self.mesh, P(DATA_AXIS, self.layout.q_head_axis(key[1]), None)
-            )
+            q_sharding = NamedSharding(self.mesh, self._q_spec(key[1]))
             fn = self._step_fns[key] = jax.jit(
                 self._layer_fn(key), donate_argnums=0, out_shardings=(self.sharding, q_sharding)
             )
         # Inputs committed to the specs the program expects: however the caller placed
         # them, one program per key (a differently placed input would compile another).
-        q = self._on_mesh(q, P(DATA_AXIS, self.layout.q_head_axis(q.shape[1]), None))
+        q = self._on_mesh(q, self._q_spec(q.shape[1]))
         new_k, new_v = (self._on_mesh(x, self._token_spec) for x in (new_k, new_v))
-        metadata = self._on_mesh(metadata, P(DATA_AXIS))
+        metadata = self._on_mesh(metadata, self._rank_spec)
         extra = tuple(self._on_mesh(x, self._rank_spec) for x in extra)
         return fn(kv, q, new_k, new_v, metadata, *extra)
+
+    def _q_spec(self, num_q_heads: int) -> P:
+        return P(self.layout.rank_axis, self.layout.q_head_axis(num_q_heads), None)
 
     def _on_mesh(self, x: jax.Array, spec: P) -> jax.Array:
         if isinstance(x, jax.core.Tracer):  # `step` called inside the caller's jit
@@ -597,11 +605,11 @@ class PagedKVCache:
             return kv, out
 
         cache_spec = self.layout.cache_spec
-        q_spec = P(DATA_AXIS, q_axis, None)
+        q_spec = self._q_spec(num_q_heads)
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, P(DATA_AXIS))
+            in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, self._rank_spec)
             + ((self._rank_spec,) if spans else ()),
             out_specs=(cache_spec, q_spec),
             check_vma=False,

@@ -94,9 +94,17 @@ def quantize(x: jax.Array, kv_quant: str) -> jax.Array:
 
 
 def dequantize(stored: jax.Array, kv_quant: str, dtype=jnp.float32) -> jax.Array:
-    """`[..., D + SCALE_BYTES]` stored bytes back to `[..., D]` values in `dtype`."""
+    """`[..., D + SCALE_BYTES]` stored bytes back to `[..., D]` values in `dtype`.
+
+    The scale is reassembled from its four bytes with integer shifts (little-endian,
+    the byte order `quantize`'s bitcast writes on every XLA backend) rather than a
+    width-changing bitcast, which Pallas TPU (Mosaic) cannot lower: the Pallas TPU
+    kernel dequantises with this same function.
+    """
     values, scale_bytes = stored[..., :-SCALE_BYTES], stored[..., -SCALE_BYTES:]
-    scale = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)[..., None]
+    b = scale_bytes.astype(jnp.int32) & 0xFF
+    bits = b[..., 0:1] | (b[..., 1:2] << 8) | (b[..., 2:3] << 16) | (b[..., 3:4] << 24)
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
     if kv_quant == "int8":
         values = values.astype(jnp.float32)
     else:

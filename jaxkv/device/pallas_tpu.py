@@ -1,0 +1,356 @@
+"""Pallas TPU (Mosaic) ragged paged attention over the interleaved `[blocks, bs, 2*H, D]` cache.
+
+`paged_attention_tiles_tpu` serves decode, prefill and mixed steps with every
+mask of `jaxkv.device.attention`: each query token brings its request and its
+key interval `[lo, hi)` (`attention.token_intervals`), so causal, sliding window,
+chunked-local and bidirectional spans are one code path.
+
+Grid `(kv_head, query_tile)`, both parallel. A query tile is `tokens_per_tile`
+consecutive tokens; its block holds the `G = Hq / H` query heads of one KV head
+for those tokens as `G * tokens_per_tile` rows (row `g * tokens_per_tile + i` is
+head `g` of token `i`), so one MXU matmul per page chunk serves the whole GQA
+group. A tile may hold tokens of several requests: the wrapper splits it into
+*segments* (a maximal run of one request's tokens with non-empty intervals) and
+prefetches, as SMEM scalars (`pltpu.PrefetchScalarGridSpec`), every segment's
+request and key range `[seg_lo, seg_hi)` (the union of its rows' intervals, which
+is contiguous: each row's interval contains its own position and the positions
+are consecutive) together with the flattened block tables. For each segment the kernel walks the
+page chunks covering `[seg_lo, seg_hi)` only (`pages_per_chunk` pages each),
+copying each page's K lane (combined head `2h`) and V lane (`2h+1`) from the
+cache left in HBM (`memory_space=pl.ANY`) into VMEM with manual DMAs, double
+buffered: chunk `j + 1` is in flight while chunk `j` is computed. The online
+softmax state (running max, denominator, accumulator) lives in VMEM scratch and
+is written to the output once per tile. Each row carries its segment's index and
+is masked for every other segment's keys, so a row's state sees its own
+request's keys, each once.
+
+NaN safety: the null block, freed pages, stale table tails and the unused tail
+of a last page may hold anything. Page ids are clipped into `[0, num_blocks)`
+(a DMA must stay in bounds). Masked logits are replaced with `jnp.where` and V
+rows outside `[seg_lo, seg_hi)` are zeroed with `jnp.where` before `p @ v` (zero
+probability times NaN is still NaN); every key inside `[seg_lo, seg_hi)` is
+visible to some row of the segment, hence a written (finite) key. Rows with no
+visible key return 0.
+
+Precision: the score and value matmuls accumulate in float32; with a float32
+compute dtype they run at `Precision.HIGHEST`, with a 16-bit one in that dtype (the
+MXU's native input) with float32 accumulation and probabilities rounded to it.
+
+Quantised caches (int8 / fp8 e4m3, `[..., D + 4]` bytes per row with the float32
+scale inline, `jaxkv.device.storage`): the DMAs copy the stored bytes (half of
+bf16's traffic) and the kernel dequantises each chunk in VMEM with
+`storage.dequantize`, the function the blockwise path uses, written without
+width-changing bitcasts so that Mosaic can lower it. `kv_head` (every query head
+reads one KV head, a replicated cache's head slice) is supported through a
+prefetched head offset. Not supported (`attention.py` runs the blockwise path
+instead): a storage dtype of another width than the compute dtype.
+
+Verification: the tests run this kernel in Pallas TPU interpret mode
+(`pltpu.InterpretParams`, which raises on out-of-bounds reads and fills
+uninitialised memory with NaN; DMAs executed eagerly and on wait agree) against
+a float64 reference, and lower it for TPU on a CPU host
+(`.lower(lowering_platforms=("tpu",))`, which runs the Pallas -> Mosaic lowering
+and emits a `tpu_custom_call`). Mosaic's own compilation (layout assignment,
+VMEM limits) runs only on a TPU and has not been run. Where it is most likely to
+object: the per-head DMA squeezes the second-minor (head) axis of the tiled HBM
+cache (JAX's bundled kernel instead copies tile-aligned head blocks and
+separates K and V with strided loads), and a quantised row's 132 byte lanes are
+not a multiple of 128. The whole block table is scalar-prefetched into SMEM
+(as in JAX's kernel), which bounds `R * W`. Tile sizes are untuned.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxkv.device.attention_checks import check_attention_args
+from jaxkv.device.storage import (
+    SCALE_BYTES,
+    DTypeLike,
+    check_kv_quant,
+    dequantize,
+    from_storage,
+    resolve_dtype,
+)
+
+_MASKED = -1e30
+TOKENS_PER_TILE = 8  # untuned; a multiple of 8 keeps tile rows sublane-aligned
+PAGES_PER_CHUNK = 4  # untuned
+
+
+class _Segments(NamedTuple):
+    """Per query tile, its runs of one request's tokens (flattened `[tiles * tokens_per_tile]`)."""
+
+    req: jax.Array  # request of segment `s` of tile `t` at `t * tokens_per_tile + s`
+    lo: jax.Array  # first key any row of the segment sees
+    hi: jax.Array  # one past the last key any row of the segment sees
+    count: jax.Array  # [tiles] segments per tile
+    of_token: jax.Array  # [T_pad] each token's flat segment index; -1: in none
+
+
+def _segments(req: jax.Array, lo: jax.Array, hi: jax.Array, tokens_per_tile: int) -> _Segments:
+    """Split each tile of `[T_pad]` tokens into segments; rows with `lo >= hi` belong to none."""
+    tiles = req.shape[0] // tokens_per_tile
+    live = hi > lo
+    prev_req = jnp.concatenate([jnp.full((1,), -1, req.dtype), req[:-1]])
+    prev_live = jnp.concatenate([jnp.zeros((1,), bool), live[:-1]])
+    first_of_tile = jnp.arange(req.shape[0]) % tokens_per_tile == 0
+    starts = live & (first_of_tile | ~prev_live | (req != prev_req))
+    index = jnp.cumsum(starts.reshape(tiles, tokens_per_tile), axis=1).reshape(-1) - 1
+    tile = jnp.arange(req.shape[0]) // tokens_per_tile
+    flat = tile * tokens_per_tile + index
+    # Rows in no segment scatter out of range (dropped); a positive index, never -1.
+    scatter_at = jnp.where(live, flat, req.shape[0])
+    size = req.shape[0]
+    return _Segments(
+        req=jnp.zeros(size, jnp.int32).at[scatter_at].set(req, mode="drop"),
+        lo=jnp.full(size, jnp.iinfo(jnp.int32).max, jnp.int32).at[scatter_at].min(lo, mode="drop"),
+        hi=jnp.zeros(size, jnp.int32).at[scatter_at].max(hi, mode="drop"),
+        count=starts.reshape(tiles, tokens_per_tile).sum(axis=1, dtype=jnp.int32),
+        of_token=jnp.where(live, flat, -1).astype(jnp.int32),
+    )
+
+
+def _tiles_kernel(
+    # scalar prefetch (SMEM)
+    tables_ref,  # [R * W_pad] int32 page ids, clipped to valid blocks
+    seg_req_ref,  # [T_pad] int32
+    seg_lo_ref,  # [T_pad] int32
+    seg_hi_ref,  # [T_pad] int32
+    seg_count_ref,  # [tiles] int32
+    head_base_ref,  # [1] int32: KV head of grid row 0 (kv_head, or 0)
+    # blocks (VMEM)
+    q_ref,  # [N, D], N = G * tokens_per_tile
+    lo_ref,  # [N, 1] int32
+    hi_ref,  # [N, 1] int32
+    seg_ref,  # [N, 1] int32 flat segment index of the row (-1: none)
+    kv_hbm,  # [num_blocks, block_size, 2 * H, D_stored] left in HBM
+    o_ref,  # [N, D]
+    # scratch
+    k_buf,  # [2, P * block_size, D_stored] double buffer
+    v_buf,  # [2, P * block_size, D_stored]
+    sems,  # DMA semaphores [2 slots, 2 lanes, P]
+    m_ref,  # [N, 1] f32 running max
+    l_ref,  # [N, 1] f32 running denominator
+    acc_ref,  # [N, D] f32 accumulator
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    tokens_per_tile: int,
+    pages_per_chunk: int,
+    table_width: int,
+    compute: np.dtype,
+    kv_quant: str | None,
+) -> None:
+    block_size = kv_hbm.shape[1]
+    keys = pages_per_chunk * block_size
+    head = head_base_ref[0] + pl.program_id(0)
+    tile = pl.program_id(1)
+    dot_dtype = jnp.float32 if compute == jnp.float32 else compute
+    precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
+    m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    q = q_ref[...].astype(dot_dtype)
+    row_lo, row_hi, row_seg = lo_ref[...], hi_ref[...], seg_ref[...]
+
+    def transfer(req, chunk, slot, wait: bool) -> None:
+        """Start (or wait for) the DMAs of page chunk `chunk` of `req` into buffer `slot`."""
+        base = req * table_width + chunk * pages_per_chunk
+
+        def page(p, carry):
+            dst = pl.ds(pl.multiple_of(p * block_size, block_size), block_size)
+            for lane, buf in ((0, k_buf), (1, v_buf)):
+                dma = pltpu.make_async_copy(
+                    kv_hbm.at[tables_ref[base + p], :, 2 * head + lane, :],
+                    buf.at[slot, dst],
+                    sems.at[slot, lane, p],
+                )
+                if wait:
+                    dma.wait()
+                else:
+                    dma.start()
+            return carry
+
+        jax.lax.fori_loop(0, pages_per_chunk, page, 0)
+
+    def load(buf, slot) -> jax.Array:
+        """Buffer `slot` as float32 `[K, D]` (bitcast, or dequantised with its inline scales)."""
+        if kv_quant is not None:
+            return dequantize(buf[slot], kv_quant, jnp.float32)
+        return from_storage(buf[slot], compute).astype(jnp.float32)
+
+    def segment(s, carry):
+        index = tile * tokens_per_tile + s
+        req, seg_lo, seg_hi = seg_req_ref[index], seg_lo_ref[index], seg_hi_ref[index]
+        # lax.div/rem: the ranges are non-negative, and jnp's floor division lowers
+        # through `sign`, whose Mosaic rule queries the TPU generation.
+        first = jax.lax.div(seg_lo, keys)
+        last = jax.lax.div(seg_hi + keys - 1, keys)
+        transfer(req, first, 0, wait=False)
+
+        def chunk(j, carry):
+            slot = jax.lax.rem(j - first, 2)
+
+            @pl.when(j + 1 < last)
+            def _prefetch_next():
+                transfer(req, j + 1, 1 - slot, wait=False)
+
+            transfer(req, j, slot, wait=True)
+            k = load(k_buf, slot).astype(dot_dtype)  # [K, D]
+            v = load(v_buf, slot)
+            s = jax.lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            ) * sm_scale  # fmt: skip
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            key = j * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+            visible = (row_seg == index) & (key >= row_lo) & (key < row_hi)  # [N, K]
+            s = jnp.where(visible, s, _MASKED)
+            m_prev = m_ref[...]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+            key_col = j * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+            v = jnp.where((key_col >= seg_lo) & (key_col < seg_hi), v, 0.0).astype(dot_dtype)
+            pv = jax.lax.dot_general(
+                p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            )  # fmt: skip
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+            acc_ref[...] = alpha * acc_ref[...] + pv
+            m_ref[...] = m_new
+            return carry
+
+        return jax.lax.fori_loop(first, last, chunk, carry)
+
+    jax.lax.fori_loop(0, seg_count_ref[tile], segment, 0)
+    denom = l_ref[...]
+    o_ref[...] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
+
+
+def paged_attention_tiles_tpu(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    req: jax.Array,
+    lo: jax.Array,
+    hi: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    kv_dtype: DTypeLike | None = None,
+    kv_head: jax.Array | None = None,
+    kv_quant: str | None = None,
+    tokens_per_tile: int = TOKENS_PER_TILE,
+    pages_per_chunk: int = PAGES_PER_CHUNK,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Token `n` of `q [T, Hq, D]` attends to keys `[lo[n], hi[n])` of request `req[n]`.
+
+    `block_tables [R, W]` holds each request's page ids; `kv_cache [num_blocks,
+    block_size, 2 * H, D]` is read in place. Returns `[T, Hq, D]` in q's dtype;
+    tokens with `lo >= hi` return 0. Precondition (as `token_intervals` gives
+    it): a request's tokens are contiguous and in position order, each token's
+    interval contains its own position, `hi <= W * block_size`, and the pages
+    covering each interval are written. `kv_head` (a traced scalar) makes every
+    query head read that one KV head. `kv_quant` ("int8"/"fp8") reads a quantised
+    cache `[..., D + SCALE_BYTES]` (`jaxkv.device.storage`), dequantised in VMEM to
+    `kv_dtype`'s precision. `interpret=True` (or a `pltpu.InterpretParams`, e.g.
+    with race detection) runs the kernel in Pallas TPU interpret mode (any
+    backend); otherwise it needs a TPU.
+    """
+    if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2:
+        raise ValueError(
+            f"need q [T, Hq, D], kv_cache [blocks, block_size, 2 * H, D], block_tables [R, W]; "
+            f"got {q.shape}, {kv_cache.shape}, {block_tables.shape}"
+        )
+    num_tokens, num_q_heads, head_size = q.shape
+    for name, x in (("req", req), ("lo", lo), ("hi", hi)):
+        if x.shape != (num_tokens,):
+            raise ValueError(f"{name} has shape {x.shape}; expected ({num_tokens},)")
+    for name, value in (("tokens_per_tile", tokens_per_tile), ("pages_per_chunk", pages_per_chunk)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_kv_quant(kv_quant)
+    stored_head = kv_cache.shape[-1]
+    value_shape = kv_cache.shape[:-1] + (stored_head - (SCALE_BYTES if kv_quant else 0),)
+    num_kv_heads = check_attention_args(q.shape, value_shape, None, soft_cap, kv_head is None)
+    if kv_quant and kv_dtype is None:
+        raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
+    compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
+    if not kv_quant and compute.itemsize != kv_cache.dtype.itemsize:
+        raise ValueError(
+            f"kv_dtype={compute} must have the width of the cache's storage dtype "
+            f"{kv_cache.dtype} (its bits are reinterpreted)"
+        )
+    num_blocks, block_size = kv_cache.shape[:2]
+    heads = num_kv_heads if kv_head is None else 1
+    group = num_q_heads // heads
+    tiles = pl.cdiv(max(num_tokens, 1), tokens_per_tile)
+    padded = tiles * tokens_per_tile
+    rows = group * tokens_per_tile
+    num_reqs, width = block_tables.shape
+    table_width = pl.cdiv(width, pages_per_chunk) * pages_per_chunk
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, table_width - width)))
+    tables = jnp.clip(tables, 0, num_blocks - 1).reshape(-1)  # DMAs must stay in bounds
+
+    def pad_tokens(x: jax.Array) -> jax.Array:
+        return jnp.pad(x.astype(jnp.int32), (0, padded - num_tokens))
+
+    req_p, lo_p, hi_p = pad_tokens(req), pad_tokens(lo), pad_tokens(hi)  # padding: lo == hi
+    segs = _segments(req_p, lo_p, hi_p, tokens_per_tile)
+
+    def per_row(x: jax.Array) -> jax.Array:  # [T_pad] -> [tiles, G * tokens_per_tile, 1]
+        x = jnp.broadcast_to(x.reshape(tiles, 1, tokens_per_tile), (tiles, group, tokens_per_tile))
+        return x.reshape(tiles, rows, 1)
+
+    # [T, H*G, D] -> [H, tiles, G * tokens_per_tile, D], row g * tokens_per_tile + i.
+    qt = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    qt = qt.reshape(tiles, tokens_per_tile, heads, group, head_size).transpose(2, 0, 3, 1, 4)
+    qt = qt.reshape(heads, tiles, rows, head_size)
+    head_base = jnp.zeros((1,), jnp.int32) if kv_head is None else jnp.reshape(kv_head, (1,))
+
+    kernel = functools.partial(
+        _tiles_kernel, sm_scale=sm_scale, soft_cap=soft_cap, tokens_per_tile=tokens_per_tile,
+        pages_per_chunk=pages_per_chunk, table_width=table_width, compute=compute,
+        kv_quant=kv_quant,
+    )  # fmt: skip
+    tile_block = pl.BlockSpec((None, None, rows, head_size), lambda h, t, *_: (h, t, 0, 0))
+    row_block = pl.BlockSpec((None, rows, 1), lambda h, t, *_: (t, 0, 0))
+    cache_in_hbm = pl.BlockSpec(memory_space=pl.ANY)  # pages are copied by the kernel's DMAs
+    keys = pages_per_chunk * block_size
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(heads, tiles),
+            in_specs=[tile_block, row_block, row_block, row_block, cache_in_hbm],
+            out_specs=tile_block,
+            scratch_shapes=[
+                pltpu.VMEM((2, keys, stored_head), kv_cache.dtype),
+                pltpu.VMEM((2, keys, stored_head), kv_cache.dtype),
+                pltpu.SemaphoreType.DMA((2, 2, pages_per_chunk)),
+                pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.VMEM((rows, head_size), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=pltpu.InterpretParams() if interpret is True else interpret,
+        name="jaxkv_ragged_paged_attention_tpu",
+    )(
+        tables, segs.req, segs.lo, segs.hi, segs.count, head_base,
+        qt, per_row(lo_p), per_row(hi_p), per_row(segs.of_token), kv_cache,
+    )  # fmt: skip
+    out = out.reshape(heads, tiles, group, tokens_per_tile, head_size).transpose(1, 3, 0, 2, 4)
+    return out.reshape(padded, num_q_heads, head_size)[:num_tokens]

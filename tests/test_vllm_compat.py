@@ -1,0 +1,444 @@
+"""vLLM 0.33 behaviours and call forms that vLLM's own v1/core tests showed missing.
+
+Each test here is ours (not vLLM's); `tools/vllm_core_yardstick.py` runs vLLM's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv import (
+    BlockHashListWithBlockSize,
+    BlockPool,
+    BlockStored,
+    CachingMetrics,
+    FullAttentionSpec,
+    KVCacheBlock,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheManager,
+    MambaSpec,
+    PrefixCacheStats,
+    Request,
+    SamplingParams,
+    SlidingWindowSpec,
+    get_hash_fn_by_name,
+    get_manager_for_kv_cache_spec,
+    get_request_block_hasher,
+    hashing,
+    make_block_hash_with_group_id,
+    resolve_block_hashes,
+)
+from jaxkv.block_pool import BlockHashToBlockMap
+from jaxkv.hashing import resolve_none_hash_seed
+from jaxkv.kv_cache_interface import ChunkedLocalAttentionSpec
+from jaxkv.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    MambaManager,
+    SlidingWindowManager,
+)
+
+SHA = get_hash_fn_by_name("sha256_cbor")
+pytestmark = pytest.mark.usefixtures("fixed_none_hash")
+
+
+def full(bs=16):
+    return FullAttentionSpec(bs, 1, 1, "float32")
+
+
+def swa(window, bs=16):
+    return SlidingWindowSpec(bs, 1, 1, "float32", sliding_window=window)
+
+
+def manager_for(*specs, num_blocks=64, max_model_len=1024, **kwargs) -> KVCacheManager:
+    config = KVCacheConfig.from_groups([(s, (f"l{i}",)) for i, s in enumerate(specs)], num_blocks)
+    return KVCacheManager(config, max_model_len, **kwargs)
+
+
+def request(rid, tokens, bs=16, **kwargs) -> Request:
+    return Request(rid, list(tokens), block_hasher=get_request_block_hasher(bs, SHA), **kwargs)
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+def test_prompt_logprobs_requests_skip_reading_the_prefix_cache():
+    m = manager_for(full())
+    first = request("a", range(40))
+    assert m.allocate_slots(first, 40) is not None
+    assert SamplingParams(prompt_logprobs=5).skip_reading_prefix_cache is True
+    assert SamplingParams().skip_reading_prefix_cache is False
+    assert (
+        SamplingParams(prompt_logprobs=5, skip_reading_prefix_cache=False).skip_reading_prefix_cache
+        is False
+    )
+    plp = request("b", range(40), sampling_params=SamplingParams(max_tokens=4, prompt_logprobs=1))
+    assert m.get_computed_blocks(plp)[1] == 0
+    assert m.get_computed_blocks(request("c", range(40)))[1] == 32
+
+
+def test_update_from_generation_config_keeps_only_the_eos_token():
+    params = SamplingParams(max_tokens=3)
+    params.update_from_generation_config({"eos_token_id": [7, 8]}, eos_token_id=100)
+    assert params.eos_token_id == 100 and params.max_tokens == 3
+
+
+# -- specs ---------------------------------------------------------------------------
+
+
+def test_mamba_flat_shape_is_one_state_and_bad_shapes_name_the_argument():
+    spec = MambaSpec(16, shapes=(2, 3), dtypes=("float32",))
+    assert spec.shapes == ((2, 3),) and spec.page_size_bytes == 2 * 3 * 4
+    assert MambaSpec(16, shapes=((2, 3), (4,)), dtypes=("float32",) * 2).shapes == ((2, 3), (4,))
+    with pytest.raises(TypeError, match="shapes must be a tuple of int tuples"):
+        MambaSpec(16, shapes=((2, "x"),), dtypes=("float32",))
+    with pytest.raises(TypeError, match="shapes"):
+        MambaSpec(16, shapes=5, dtypes=("float32",))
+
+
+def test_admission_caps_of_window_specs():
+    # Issue #11's example: window 1024, 1024 tokens in flight, block 16 -> 129 pages.
+    assert swa(1024).max_admission_blocks_per_request(1024, 16384) == 129
+    assert swa(1024).max_admission_blocks_per_request(1024, 100) == 7 + 1  # max_model_len caps
+    chunked = ChunkedLocalAttentionSpec(16, 1, 1, "float32", attention_chunk_size=64)
+    assert chunked.max_admission_blocks_per_request(32, 4096) == 6
+    assert swa(1024).max_memory_usage_bytes(16384, 1024) == 129 * swa(1024).page_size_bytes
+
+
+# -- blocks and the hash map -----------------------------------------------------------
+
+
+def test_set_block_hash_takes_the_combined_key_once():
+    block = KVCacheBlock(3)
+    key = make_block_hash_with_group_id(b"h" * 32, 2)
+    block.set_block_hash(key)
+    assert block.block_hash == key and block.group_id == 2
+    with pytest.raises(ValueError, match="already has hash"):
+        block.set_block_hash(make_block_hash_with_group_id(b"g" * 32, 2))
+
+
+def test_hash_map_accepts_vllm_combined_keys():
+    cache = BlockHashToBlockMap()
+    key = make_block_hash_with_group_id(b"k" * 32, 1)
+    b1, b2 = KVCacheBlock(1), KVCacheBlock(2)
+    cache.insert(key, b1)
+    cache.insert(b"k" * 32, 1, b2)  # jaxkv's form, same key
+    assert cache.get_one_block(key) is b1
+    assert cache.pop(key, 5) is None  # no block 5 under the key
+    assert cache.pop(key, 1) is b1 and cache.get_one_block(key) is b2
+    assert cache.pop(b"k" * 32, 1, 2) is b2 and len(cache) == 0
+
+
+keys = st.sampled_from(
+    [make_block_hash_with_group_id(bytes([h]) * 8, g) for h in range(3) for g in range(2)]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["insert", "pop", "del", "set"]), keys, st.integers(1, 6)))
+)
+def test_vllm_cache_view_matches_a_dict_model(ops):
+    """`_cache` (vLLM's dict shape) stays equal to a model dict under random edits."""
+    cache = BlockHashToBlockMap()
+    view = cache._cache
+    blocks = {i: KVCacheBlock(i) for i in range(1, 7)}
+    model: dict[bytes, dict[int, KVCacheBlock]] = {}
+    for op, key, block_id in ops:
+        if op == "insert":
+            if block_id in model.get(key, {}):
+                continue  # a block is cached once under a key
+            cache.insert(key, blocks[block_id])
+            model.setdefault(key, {})[block_id] = blocks[block_id]
+        elif op == "pop":
+            popped = cache.pop(key, block_id)
+            assert popped is model.get(key, {}).pop(block_id, None)
+            if key in model and not model[key]:
+                del model[key]
+        elif op == "del":
+            if key in model:
+                del view[key]
+                del model[key]
+            else:
+                with pytest.raises(KeyError):
+                    del view[key]
+        else:
+            view[key] = blocks[block_id]
+            model[key] = {block_id: blocks[block_id]}
+        expected = {k: next(iter(v.values())) if len(v) == 1 else v for k, v in model.items()}
+        assert view == expected and copy.copy(view) == expected
+        assert len(cache) == len(model) and set(view) == set(model)
+    view.clear()
+    assert len(cache) == 0 and dict(view) == {}
+
+
+# -- events ---------------------------------------------------------------------------
+
+
+def test_emit_cached_block_events_reports_reused_blocks_without_changing_them():
+    pool = BlockPool(8, enable_caching=True, hash_block_size=4, enable_kv_cache_events=True)
+    req = request("r", range(16), bs=4)
+    free_before = pool.get_num_free_blocks()
+    pool.emit_cached_block_events(req, 3, 4, 1)
+    assert pool.get_num_free_blocks() == free_before and len(pool.cached_block_hash_to_block) == 0
+    [event] = pool.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == req.block_hashes[:3] and event.parent_block_hash is None
+    assert list(event.token_ids) == list(range(12)) and event.group_idx == 1
+    assert event.block_size == 4
+    # Coarser blocks read the request's hashes in block-size views.
+    pool.emit_cached_block_events(req, 2, 8, 0)
+    [event] = pool.take_events()
+    assert event.block_hashes == [req.block_hashes[1], req.block_hashes[3]]
+    pool.emit_cached_block_events(req, 0, 4, 0)
+    assert pool.take_events() == []
+    with pytest.raises(ValueError, match="num_cached_blocks"):
+        pool.emit_cached_block_events(req, 5, 4, 0)
+    quiet = BlockPool(8, enable_caching=True, hash_block_size=4)
+    quiet.emit_cached_block_events(req, 3, 4, 0)
+    assert quiet.take_events() == []
+
+
+def test_cache_full_blocks_events_unchanged_by_the_shared_builder():
+    pool = BlockPool(8, enable_caching=True, hash_block_size=4, enable_kv_cache_events=True)
+    req = request("r", range(14), bs=4)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 1, 3, 4, 0)
+    [event] = pool.take_events()
+    assert event.block_hashes == req.block_hashes[1:3]
+    assert event.parent_block_hash == req.block_hashes[0]
+    assert list(event.token_ids) == list(range(4, 12))
+
+
+# -- admission of a whole request -----------------------------------------------------
+
+
+def swa_hybrid(num_blocks):
+    return manager_for(
+        full(), swa(64), num_blocks=num_blocks, max_model_len=1024, max_in_flight_tokens=128
+    )
+
+
+def test_full_sequence_must_fit_counts_window_groups_at_their_admission_cap():
+    # Full attention needs 32 blocks for 512 tokens; the window group holds at most
+    # cdiv(63 + 128, 16) + 1 = 13 at once, so 45 free blocks admit the request.
+    m = swa_hybrid(num_blocks=46)  # the null block + 45
+    long = request("long", range(512))
+    assert m.allocate_slots(long, 16, full_sequence_must_fit=True) is not None
+    # One block fewer and the request cannot run to the end: refused, nothing changes.
+    m = swa_hybrid(num_blocks=45)
+    free_before = m.num_free_blocks
+    assert m.allocate_slots(request("long", range(512)), 16, full_sequence_must_fit=True) is None
+    assert m.num_free_blocks == free_before
+
+
+def test_manager_factory_takes_vllms_arguments_and_sets_the_cap():
+    pool = BlockPool(64, enable_caching=True, hash_block_size=16)
+    window = get_manager_for_kv_cache_spec(
+        swa(64), 128, 1024, block_pool=pool, enable_caching=True, kv_cache_group_id=0
+    )
+    assert isinstance(window, SlidingWindowManager)
+    assert window.max_admission_blocks_per_request == 13
+    assert window.get_num_blocks_to_allocate("r", 512, [], 0, 0, 512) == 32
+    assert (
+        window.get_num_blocks_to_allocate("r", 512, [], 0, 0, 512, apply_admission_cap=True) == 13
+    )
+    plain = get_manager_for_kv_cache_spec(
+        full(), 128, 1024, block_pool=pool, enable_caching=True, kv_cache_group_id=1
+    )
+    assert type(plain) is FullAttentionManager and plain.max_admission_blocks_per_request is None
+    with pytest.raises(ValueError, match="role"):
+        get_manager_for_kv_cache_spec(full(), 1, 1, role="x", block_pool=pool)
+    with pytest.raises(ValueError, match="pcp_world_size"):
+        FullAttentionManager(full(), pool, True, 0, pcp_world_size=2)
+
+
+def test_new_attention_block_ids_are_recorded_for_zeroing():
+    pool = BlockPool(16, enable_caching=False, hash_block_size=2)
+    manager = SlidingWindowManager(
+        swa(4, bs=2),
+        block_pool=pool,
+        enable_caching=False,
+        kv_cache_group_id=0,
+        needs_kv_cache_zeroing=True,
+    )
+    blocks = manager.allocate_new_blocks("r", 4, 4)
+    assert manager.records_new_block_ids
+    assert manager.take_new_block_ids() == [b.block_id for b in blocks] != []
+    assert manager.take_new_block_ids() == []
+    mamba = MambaManager(
+        MambaSpec(2, shapes=((1,),), dtypes=("float32",)),
+        block_pool=pool,
+        enable_caching=False,
+        kv_cache_group_id=1,
+        needs_kv_cache_zeroing=True,
+    )
+    assert not mamba.records_new_block_ids  # a state block is not attention KV
+
+
+def test_external_computed_tokens_are_refused_by_the_managers():
+    pool = BlockPool(8, enable_caching=True, hash_block_size=2)
+    manager = FullAttentionManager(full(bs=2), pool, True, 0)
+    with pytest.raises(ValueError, match="num_external_computed_tokens"):
+        manager.add_local_computed_blocks("r", [], 0, num_external_computed_tokens=2)
+    assert "r" not in manager.req_to_blocks
+
+
+# -- Mamba states written in the current step ----------------------------------------
+
+
+def mamba_hybrid():
+    mamba = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="align")
+    return manager_for(full(), mamba, num_blocks=40, max_model_len=256)
+
+
+def test_a_mamba_state_cached_this_step_is_a_hit_only_from_the_next_step():
+    m = mamba_hybrid()
+    m.new_step_starts()
+    a = request("a", range(40))
+    assert m.allocate_slots(a, 32) is not None  # caches the state at 32
+    b = request("b", [*range(32), 7, 7, 7])
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert num_hit == 32
+    free_before = m.num_free_blocks
+    assert m.allocate_slots(b, 3, num_hit, hits) is None  # that state is not written yet
+    assert m.num_free_blocks == free_before and m.get_block_ids("b") == ([], [])
+    m.new_step_starts()
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert m.allocate_slots(b, 3, num_hit, hits) is not None
+
+
+def test_without_step_reports_no_mamba_hit_is_held_back():
+    m = mamba_hybrid()
+    a = request("a", range(40))
+    assert m.allocate_slots(a, 32) is not None
+    b = request("b", [*range(32), 7, 7, 7])
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert num_hit == 32 and m.allocate_slots(b, 3, num_hit, hits) is not None
+
+
+# -- smaller call forms ----------------------------------------------------------------
+
+
+def test_get_block_ids_selects_groups():
+    blocks = KVCacheBlocks(([KVCacheBlock(1)], [KVCacheBlock(2)], [KVCacheBlock(3)]))
+    assert blocks.get_block_ids() == ([1], [2], [3])
+    assert blocks.get_block_ids(group_ids=(2, 0)) == ([3], [1])
+
+
+def test_none_hash_seed_rule(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    sha, xx = get_hash_fn_by_name("sha256"), get_hash_fn_by_name("xxhash")
+    assert resolve_none_hash_seed(sha) == hashing.DEFAULT_NONE_HASH_SEED
+    seeds = {resolve_none_hash_seed(xx) for _ in range(4)}
+    assert len(seeds) == 4 and hashing.DEFAULT_NONE_HASH_SEED not in seeds
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert resolve_none_hash_seed(xx) == resolve_none_hash_seed(sha) == "42"
+    assert sha.__name__ == "sha256"
+
+
+def test_events_of_an_unknown_group_pass_through_unannotated(caplog):
+    m = manager_for(full(), enable_kv_cache_events=True)
+    stray = BlockStored([b"x"], None, [0] * 16, 16, None, group_idx=3)
+    m.block_pool.kv_event_queue.append(stray)
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        assert m.take_events() == [stray]
+    assert "Group index `3` not in KV cache metadata" in caplog.text
+
+
+def test_a_hash_view_is_only_read_at_its_own_block_size():
+    raw = [bytes([i]) * 4 for i in range(8)]
+    view = BlockHashListWithBlockSize(raw, 2, 4)
+    assert resolve_block_hashes(view, 2, 4) is view
+    with pytest.raises(ValueError, match="view of 8-token blocks"):
+        resolve_block_hashes(BlockHashListWithBlockSize(raw, 2, 8), 2, 4)
+    with pytest.raises(ValueError, match="view of 4-token blocks"):
+        resolve_block_hashes(view, 2, 2)
+
+
+def test_kv_cache_zeroing_is_needed_for_mamba_or_mixed_precision():
+    def config(*specs):
+        return KVCacheConfig.from_groups([(s, (f"l{i}",)) for i, s in enumerate(specs)], 8)
+
+    mamba = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="align")
+    assert config(full(), mamba).needs_kv_cache_zeroing
+    assert not config(full(), swa(64)).needs_kv_cache_zeroing  # both float32
+    mixed = config(full(), SlidingWindowSpec(16, 1, 1, "bfloat16", sliding_window=64))
+    assert mixed.has_mixed_precision_kv_cache and mixed.needs_kv_cache_zeroing
+
+
+def test_an_embeddings_only_prompt_gets_placeholder_ids_and_embedding_keys():
+    rng = np.random.default_rng(0)
+    embeds_a, embeds_b = rng.standard_normal((8, 3)), rng.standard_normal((8, 3))
+    a = Request("a", None, prompt_embeds=embeds_a, block_hasher=get_request_block_hasher(4, SHA))
+    b = Request("b", None, prompt_embeds=embeds_b, block_hasher=get_request_block_hasher(4, SHA))
+    assert a.prompt_token_ids == [0] * 8 and a.num_prompt_tokens == 8
+    assert len(a.block_hashes) == 2 and a.block_hashes[0] != b.block_hashes[0]
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        Request("c", None)
+
+
+def test_all_mode_mamba_states_cached_this_step_also_wait():
+    mamba = MambaSpec(16, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="all")
+    m = manager_for(full(), mamba, num_blocks=40, max_model_len=256)
+    m.new_step_starts()
+    assert m.allocate_slots(request("a", range(40)), 32) is not None
+    b = request("b", [*range(32), 7, 7, 7])
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert num_hit == 32 and m.allocate_slots(b, 3, num_hit, hits) is None
+    m.new_step_starts()
+    hits, num_hit, _ = m.get_computed_blocks(b)
+    assert m.allocate_slots(b, 3, num_hit, hits) is not None
+
+
+# -- windowed hit rate ----------------------------------------------------------------
+
+
+def test_caching_metrics_window_exact_numbers():
+    metrics = CachingMetrics(max_recent_requests=5)
+    assert metrics.hit_rate == 0.0 and metrics.empty
+    metrics.observe(PrefixCacheStats(requests=1, queries=20, hits=9))
+    assert metrics.hit_rate == 0.45
+    metrics.observe(PrefixCacheStats(requests=0, queries=0, hits=0))  # ignored
+    metrics.observe(PrefixCacheStats(requests=4, queries=80, hits=16))
+    assert metrics.hit_rate == 0.25
+    metrics.observe(PrefixCacheStats(requests=1, queries=10, hits=2))  # (1, 20, 9) leaves
+    assert (metrics.aggregated_requests, metrics.aggregated_query_total) == (5, 90)
+    metrics.observe(PrefixCacheStats(requests=11, queries=20, hits=10))  # newest always kept
+    assert (metrics.aggregated_requests, metrics.hit_rate) == (11, 0.5)
+    metrics.observe(PrefixCacheStats(reset=True, requests=1, queries=4, hits=1))
+    assert (metrics.aggregated_requests, metrics.hit_rate) == (1, 0.25)
+    with pytest.raises(ValueError, match="max_recent_requests"):
+        CachingMetrics(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 4), st.integers(0, 30)), max_size=30),
+)
+def test_caching_metrics_match_a_recomputed_window(window, batches):
+    """After every batch: the sums are those of the newest batches holding at most
+    `window` requests (at least the newest one), counted since the last reset."""
+    metrics = CachingMetrics(window)
+    kept: list[tuple[int, int, int]] = []
+    for reset, requests, queries in batches:
+        hits = queries // 2
+        metrics.observe(
+            PrefixCacheStats(reset=reset, requests=requests, queries=queries, hits=hits)
+        )
+        if reset:
+            kept = []
+        if requests:
+            kept.append((requests, queries, hits))
+            while len(kept) > 1 and sum(k[0] for k in kept) > window:
+                kept.pop(0)
+        assert list(metrics.query_queue) == kept
+        assert metrics.aggregated_requests == sum(k[0] for k in kept)
+        assert metrics.aggregated_query_total == sum(k[1] for k in kept)
+        assert metrics.aggregated_query_hit == sum(k[2] for k in kept)
