@@ -6,11 +6,15 @@
 The workload: 32 system prompts of 1024 tokens, 1500 requests each made of a
 system prompt and 64-512 unique user tokens, generating 16-96 tokens; block
 size 16, 8192 blocks (`--num-blocks`; fewer make decode steps preempt), at most
-256 running; admission until blocks run out, preemption (newest running
-request first) when a decode step cannot get a block. Request construction
-(and so block hashing) is inside the timed loop, which is measured in CPU
-seconds of the serving thread (robust to other load on the machine and to
-background threads of the imported libraries).
+256 running. Both managers are driven by the engine's own scheduler
+(`jaxkv.engine.scheduler.Scheduler`, host only, calling vLLM-signature methods
+only): admission from the longest cached prefix while blocks and batch slots
+last, whole-prompt prefill (no token budget), one decode token per running
+request per step, preemption (newest running request first) when a step cannot
+get a block, finishing at `max_tokens`; a fake model samples each token.
+Request construction (and so block hashing) is inside the timed loop, which is
+measured in CPU seconds of the serving thread (robust to other load on the
+machine and to background threads of the imported libraries).
 Both implementations must report the same hit-token and preemption counts.
 
 A hashing micro-benchmark compares chained `sha256_cbor` hashing of whole
@@ -26,7 +30,6 @@ import gc
 import hashlib
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +44,7 @@ from benchmarks._common import (
     results_name,
     write_json,
 )
+from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 16
 HASH_FN_NAMES = ("sha256_cbor", "sha256", "xxhash_cbor", "xxhash")
@@ -67,16 +71,12 @@ def make_workload(num_requests: int, num_blocks: int = 8192, seed: int = 0) -> W
 
 
 class Engine:
-    """What the serving loop needs from a KV cache manager implementation.
-
-    `allocate_slots(request, num_new_tokens, num_computed=0, computed_blocks=None)` and
-    `free(request)` are the manager's own bound methods (no wrapper in the hot loop).
-    """
+    """One backend: its KV cache manager (driven by the scheduler) and its request factory."""
 
     name: str
+    manager: object
 
     def make_request(self, request_id: str, prompt: list[int], max_tokens: int): ...
-    def get_computed_blocks(self, request) -> tuple[object, int]: ...
 
 
 class JaxkvEngine(Engine):
@@ -94,17 +94,11 @@ class JaxkvEngine(Engine):
         self.manager = jaxkv.KVCacheManager.from_spec(
             spec, workload.num_blocks, workload.max_model_len
         )
-        self.allocate_slots = self.manager.allocate_slots
-        self.free = self.manager.free
 
     def make_request(self, request_id, prompt, max_tokens):
         return self.jaxkv.Request(
             request_id, prompt, max_tokens=max_tokens, block_hasher=self.hasher
         )
-
-    def get_computed_blocks(self, request):
-        blocks, num_computed, _ = self.manager.get_computed_blocks(request)
-        return blocks, num_computed
 
 
 class VllmEngine(Engine):
@@ -137,8 +131,6 @@ class VllmEngine(Engine):
             hash_block_size=BLOCK_SIZE,
             enable_caching=True,
         )
-        self.allocate_slots = self.manager.allocate_slots
-        self.free = self.manager.free
 
     def make_request(self, request_id, prompt, max_tokens):
         return self.Request(
@@ -148,10 +140,6 @@ class VllmEngine(Engine):
             None,
             block_hasher=self.hasher,
         )
-
-    def get_computed_blocks(self, request):
-        blocks, num_computed, _ = self.manager.get_computed_blocks(request)
-        return blocks, num_computed
 
 
 @dataclass
@@ -167,76 +155,40 @@ class RunStats:
 def serve(engine: Engine, workload: Workload, progress: bool = False) -> RunStats:
     """Continuous batching over the workload; returns counts that must match across engines."""
     num_requests = len(workload.prompts)
-    pending = deque(range(num_requests))
-    requests: dict[int, object] = {}
-    waiting: deque[int] = deque()
-    running: list[int] = []
-    hit_tokens = prompt_tokens = preemptions = steps = finished = 0
+    config = SchedulerConfig(
+        max_num_seqs=workload.max_running,
+        max_num_batched_tokens=1 << 30,  # no token budget: whole prompts in one step
+        max_model_len=workload.max_model_len,
+    )
+    scheduler = Scheduler(engine.manager, config, with_block_ids=False)
+    first_request = None
+    steps = 0
     bar = tqdm(total=num_requests, desc=engine.name, disable=not progress, leave=False)
     # Like vLLM's engine core after start-up: long-lived objects leave the GC's view.
     gc.collect()
     gc.freeze()
     start = time.thread_time()
-    while finished < num_requests:
+    for index, (prompt, max_tokens) in enumerate(
+        zip(workload.prompts, workload.max_tokens, strict=True)
+    ):
+        request = engine.make_request(str(index), prompt, max_tokens)
+        first_request = first_request or request
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
         steps += 1
-        # Decode: one slot per running request for the token sampled last step.
-        scheduled = []
-        i = 0
-        while i < len(running):
-            index = running[i]
-            request = requests[index]
-            while engine.allocate_slots(request, 1) is None:
-                victim_index = running.pop()
-                victim = requests[victim_index]
-                engine.free(victim)
-                victim.num_preemptions += 1
-                victim.num_computed_tokens = 0
-                waiting.appendleft(victim_index)
-                preemptions += 1
-                if victim is request:
-                    break
-            else:
-                scheduled.append(request)
-                i += 1
-        # Admission: whole-prompt prefill while blocks and batch slots last.
-        while len(running) < workload.max_running and (waiting or pending):
-            if not waiting:
-                index = pending.popleft()
-                requests[index] = engine.make_request(
-                    str(index), workload.prompts[index], workload.max_tokens[index]
-                )
-                waiting.append(index)
-            index = waiting[0]
-            request = requests[index]
-            blocks, num_computed = engine.get_computed_blocks(request)
-            num_new = request.num_tokens - num_computed
-            if engine.allocate_slots(request, num_new, num_computed, blocks) is None:
-                break
-            waiting.popleft()
-            hit_tokens += num_computed
-            prompt_tokens += request.num_tokens
-            request.num_computed_tokens = num_computed
-            scheduled.append(request)
-            running.append(index)
+        out = scheduler.schedule()
         # "Run the model": every scheduled request computes its tokens and samples one.
-        for request in scheduled:
-            request.num_computed_tokens = request.num_tokens
-            request.append_output_token_ids(request.num_tokens * 7919 % 150_000)
-        still_running = []
-        for index in running:
-            request = requests[index]
-            if request.num_output_tokens >= workload.max_tokens[index]:
-                engine.free(request)
-                finished += 1
-                bar.update()
-            else:
-                still_running.append(index)
-        running = still_running
+        sampled = [s.request.num_tokens * 7919 % 150_000 for s in out.scheduled]
+        updates = scheduler.update_from_output(out, sampled)
+        bar.update(sum(u.finish_reason is not None for u in updates))
     seconds = time.thread_time() - start
     gc.unfreeze()  # let the next run's gc.collect() reclaim this run's cycles
     bar.close()
-    first_hashes = [bytes(h) for h in requests[0].block_hashes[:8]]
-    return RunStats(seconds, hit_tokens, prompt_tokens, preemptions, steps, first_hashes)
+    first_hashes = [bytes(h) for h in first_request.block_hashes[:8]]
+    return RunStats(
+        seconds, scheduler.num_admitted_hit_tokens, scheduler.num_admitted_tokens,
+        scheduler.num_preemptions, steps, first_hashes,
+    )  # fmt: skip
 
 
 def bench_workloads(

@@ -8,7 +8,8 @@ cache groups (global: full attention; local: sliding window), block size 16.
 The workload is bench_host's (32 shared 1024-token system prompts, 1500
 requests of 64-512 user tokens generating 16-96; admission until blocks run
 out, preemption when a decode step cannot get a block), served by the same
-continuous-batching loop; `sha256_cbor` block hashes on both sides.
+loop (`bench_host.serve`: the engine's scheduler over either manager);
+`sha256_cbor` block hashes on both sides.
 
 Measured: CPU seconds of the serving thread, median (and range) of
 interleaved runs. Targets: identical hit tokens and preemptions in jaxkv and
@@ -74,12 +75,6 @@ class JaxkvHybridEngine(JaxkvEngine):
             groups.append((spec, layers))
         config = jaxkv.KVCacheConfig.from_groups(groups, workload.num_blocks)
         self.manager = jaxkv.KVCacheManager(config, workload.max_model_len)
-        self.allocate_slots = self.manager.allocate_slots
-        self.free = self.manager.free
-
-    def get_computed_blocks(self, request):
-        blocks, num_computed, _ = self.manager.get_computed_blocks(request)
-        return blocks, num_computed
 
 
 class VllmHybridEngine(VllmEngine):
@@ -123,8 +118,6 @@ class VllmHybridEngine(VllmEngine):
             hash_block_size=BLOCK_SIZE,
             enable_caching=True,
         )
-        self.allocate_slots = self.manager.allocate_slots
-        self.free = self.manager.free
 
 
 def run_interleaved(

@@ -10,6 +10,7 @@ in has no matplotlib); this script renders whatever results are there.
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 
 from benchmarks._common import REPO_ROOT, RESULTS_DIR
@@ -224,7 +225,28 @@ def plot_engine(result: dict, fig) -> None:
     ax_step.legend(fontsize=8)
 
 
+def plot_ab(result: dict, fig) -> None:
+    """`ab_host.py`: each row's per-round ratio B/A, with its median (1.0: no difference)."""
+    ax = fig.subplots()
+    rows = result["rows"]
+    for i, figures in enumerate(rows.values()):
+        ratios = figures["b_over_a"]
+        ax.scatter([i] * len(ratios), ratios, color=JAXKV_COLOR, alpha=0.6)
+        median = statistics.median(ratios)
+        ax.hlines(median, i - 0.25, i + 0.25, color="black")
+        ax.annotate(f"{median:.3f}", (i + 0.27, median), va="center", fontsize=8)
+    ax.axhline(1.0, color=VLLM_COLOR, linestyle="--")
+    ax.set(
+        xticks=list(range(len(rows))),
+        xticklabels=list(rows),
+        ylabel="B / A per round (CPU seconds)",
+        title=f"{result['rounds']} interleaved rounds: B = {result['trees']['B']}, "
+        f"A = {result['trees']['A']}",
+    )
+
+
 PLOTS: dict[str, Callable[[dict, object], None]] = {
+    "ab_host": plot_ab,
     "bench_engine": plot_engine,
     "bench_host": plot_host,
     "bench_encoder_store": plot_encoder_store,  # before "bench_encoder": first prefix wins
@@ -242,7 +264,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sources = sorted(RESULTS_DIR.glob("bench_*.json"))
+    sources = sorted([*RESULTS_DIR.glob("bench_*.json"), *RESULTS_DIR.glob("ab_host*.json")])
     if not sources:
         raise SystemExit(f"no results in {RESULTS_DIR.relative_to(REPO_ROOT)}: run a benchmark")
     for source in sources:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,8 +50,10 @@ class BlockHashToBlockMap:
     rare keys with several blocks are also listed, all their blocks in insertion
     order, in the group's duplicates dict.
 
-    Invariant: `_maps[g][h]` is the first value of `_duplicates[g][h]` when that
-    exists (which then holds at least two blocks).
+    Invariants: `_maps[g][h]` is the first value of `_duplicates[g][h]` when that
+    exists (which then holds at least two blocks); `_duplicates[g]`, when present,
+    is not empty. The pool inserts and evicts blocks under the key they are
+    stamped with (`insert_stamped`, `pop_stamped`); `insert`/`pop` take any key.
     """
 
     __slots__ = ("_duplicates", "_maps")
@@ -77,10 +80,10 @@ class BlockHashToBlockMap:
         self, block_hashes: Sequence[BlockHash], group_id: int, max_blocks: int
     ) -> list[KVCacheBlock]:
         """For `block_hashes[i]`, i = 0, 1, ...: one block each until the first miss."""
-        hits = self.get_entries(block_hashes, group_id, max_blocks)
-        if None in hits:
-            del hits[hits.index(None) :]
-        return hits  # type: ignore[return-value]
+        # Blocks are always truthy (KVCacheBlock has no __bool__ or __len__), so the run
+        # ends at the first miss (None) without comparing blocks with None.
+        get = self._maps.get(group_id, _NO_BLOCKS).get
+        return list(takewhile(bool, map(get, islice(block_hashes, max_blocks))))
 
     def get_entries(
         self, block_hashes: Sequence[BlockHash], group_id: int, stop: int
@@ -102,27 +105,35 @@ class BlockHashToBlockMap:
         if block is None:
             block, group_id = group_id, get_group_id(key)  # type: ignore[assignment]
             key = get_block_hash(key)  # type: ignore[arg-type]
-        self._insert_all(((key, block),), group_id)  # type: ignore[arg-type]
+        self._insert_all((block,), group_id, key)  # type: ignore[arg-type]
 
     def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
-        """`insert` each block under the hash it is stamped with (`_block_hash`)."""
-        self._insert_all(((block._block_hash, block) for block in blocks), group_id)  # type: ignore[misc]
+        """`insert` each block of group `group_id` under the hash it is stamped with."""
+        self._insert_all(blocks, group_id)
 
-    def _insert_all(self, entries: Iterable[tuple[BlockHash, KVCacheBlock]], group_id: int) -> None:
+    def _insert_all(
+        self, blocks: Iterable[KVCacheBlock], group_id: int, block_hash: BlockHash | None = None
+    ) -> None:
+        """Insert `blocks` under the hashes they are stamped with, or all under `block_hash`
+        (`insert`: a block need not be stamped with its key)."""
+        # Each block's key is read off the block in this loop: a generator of keys would
+        # resume a Python frame per block (the hot path of every caching step).
         group_map = self._maps.get(group_id)
         if group_map is None:
             group_map = self._maps[group_id] = {}
         setdefault = group_map.setdefault
         duplicates = None
-        for block_hash, block in entries:
-            earliest = setdefault(block_hash, block)
+        key = block_hash
+        for block in blocks:
+            block_hash = block._block_hash if key is None else key
+            earliest = setdefault(block_hash, block)  # type: ignore[arg-type]
             if earliest is block:
                 continue
             if duplicates is None:
                 duplicates = self._duplicates.setdefault(group_id, {})
-            same = duplicates.get(block_hash)
+            same = duplicates.get(block_hash)  # type: ignore[arg-type]
             if same is None:
-                duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}
+                duplicates[block_hash] = {earliest.block_id: earliest, block.block_id: block}  # type: ignore[index]
             else:
                 same[block.block_id] = block
 
@@ -140,32 +151,49 @@ class BlockHashToBlockMap:
             same = self._duplicates.get(group_id, {}).get(block_hash)
             block = same.get(block_id) if same is not None else None
         if block is not None:
-            self._pop_all(((block_hash, group_id, block),))
+            self._pop_all((block,), (block_hash, group_id))
         return block
 
     def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """`pop` each block under the hash it is stamped with (`_block_hash`, `_group_id`)."""
-        self._pop_all((block._block_hash, block._group_id, block) for block in blocks)  # type: ignore[misc]
+        """`pop` each block under the key it is stamped with (`_block_hash`, `_group_id`)."""
+        self._pop_all(blocks)
 
-    def _pop_all(self, entries: Iterable[tuple[BlockHash, int, KVCacheBlock]]) -> None:
+    def _pop_all(
+        self, blocks: Iterable[KVCacheBlock], key: tuple[BlockHash, int] | None = None
+    ) -> None:
+        """Remove `blocks` from the keys they are stamped with, or all from `key` (`pop`)."""
+        # Keys are read off the blocks here, as in `_insert_all`; a group's dicts are looked
+        # up again only when the group changes (`is not` on the small-int ids: a miss only
+        # looks them up again). A group's duplicates dict is dropped once empty, so most
+        # blocks cost one `pop` from their group's map.
         maps, all_duplicates = self._maps, self._duplicates
-        for block_hash, group_id, block in entries:
-            group_map = maps.get(group_id, _NO_BLOCKS)
-            earliest = group_map.get(block_hash)  # type: ignore[arg-type]
-            if earliest is None:
-                continue
-            duplicates = all_duplicates.get(group_id) if all_duplicates else None
+        group_id: int | None = None
+        group_map: _GroupMap = _NO_BLOCKS
+        duplicates: _GroupDuplicates | None = None
+        for block in blocks:
+            if key is None:
+                block_hash, block_group_id = block._block_hash, block._group_id
+            else:
+                block_hash, block_group_id = key
+            if block_group_id is not group_id:
+                group_id = block_group_id
+                group_map = maps.get(group_id, _NO_BLOCKS)
+                duplicates = all_duplicates.get(group_id)
             same = duplicates.get(block_hash) if duplicates else None  # type: ignore[arg-type]
             if same is None:
-                if earliest is block:
-                    del group_map[block_hash]  # type: ignore[arg-type]
+                earliest = group_map.pop(block_hash, None)  # type: ignore[arg-type]
+                if earliest is not block and earliest is not None:
+                    group_map[block_hash] = earliest  # type: ignore[index]  # not this block's
                 continue
             if same.pop(block.block_id, None) is None:
                 continue
-            if earliest is block:
+            if group_map.get(block_hash) is block:  # type: ignore[arg-type]
                 group_map[block_hash] = next(iter(same.values()))  # type: ignore[index]
             if len(same) == 1:
                 del duplicates[block_hash]  # type: ignore[union-attr, arg-type]
+                if not duplicates:
+                    del all_duplicates[group_id]  # type: ignore[arg-type]
+                    duplicates = None
 
     def num_blocks(self) -> int:
         return sum(len(group_map) for group_map in self._maps.values()) + sum(
@@ -456,11 +484,19 @@ class BlockPool:
                 "block hasher with the manager's hash block size"
             )
         stamped: list[KVCacheBlock] = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        if block_mask is None:
+            block_mask = [True] * len(new_blocks)
+        elif len(block_mask) != len(new_blocks):
+            raise ValueError(
+                f"block_mask has {len(block_mask)} entries for {len(new_blocks)} blocks "
+                f"[{num_cached_blocks}, {num_full_blocks})"
+            )
+        for block, block_hash, kept in zip(
+            new_blocks, block_hashes[num_cached_blocks:num_full_blocks], block_mask, strict=True
+        ):
+            if block.is_null or not kept:
                 continue
-            block_hash = block_hashes[i]
             if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
@@ -563,8 +599,7 @@ class BlockPool:
                 BlockRemoved(block_hashes=[b._block_hash], group_idx=b._group_id)  # type: ignore[list-item]
                 for b in blocks
             )
-        for block in blocks:
-            block.reset_hash()
+        KVCacheBlock.reset_hashes(blocks)
         self.num_hash_removals += len(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -594,8 +629,7 @@ class BlockPool:
                 b.block_id for b in self.blocks if b._block_hash is not None
             )
         self.cached_block_hash_to_block.clear()
-        for block in self.blocks:
-            block.reset_hash()
+        KVCacheBlock.reset_hashes(self.blocks)
         self.num_hash_removals += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())

@@ -89,6 +89,12 @@ class KVCacheBlock:
     def reset_hash(self) -> None:
         self._block_hash = None
 
+    @staticmethod
+    def reset_hashes(blocks: Iterable[KVCacheBlock]) -> None:
+        """`reset_hash` of each block (one call for an eviction's whole batch)."""
+        for block in blocks:
+            block._block_hash = None
+
     def __repr__(self) -> str:
         return (
             f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "

@@ -52,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from jaxkv import models
     except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
         raise SystemExit(f"jaxkv generate needs jaxkv.models: {error}") from None
-    model = models.load_model(args.model, dtype=args.dtype)
+    mesh = _mesh(args.data_parallel_size, args.tensor_parallel_size)
+    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
     tokenizer = models.load_tokenizer(args.model)
     if args.prompt is not None and tokenizer is None:
         raise ValueError(
@@ -80,6 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
         ),  # fmt: skip
         tokenizer=tokenizer,
+        mesh=mesh,
     )
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -98,6 +100,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(out.text if out.text is not None else " ".join(map(str, out.output_token_ids)))
     return 0
+
+
+def _mesh(data: int, model: int):
+    """The `(data, model)` mesh over the first `data * model` devices (None: one device)."""
+    if data == model == 1:
+        return None
+    import jax
+
+    from jaxkv.device import make_mesh
+
+    devices = jax.devices()
+    if data < 1 or model < 1 or data * model > len(devices):
+        raise ValueError(
+            f"--data-parallel-size {data} x --tensor-parallel-size {model} needs "
+            f"{data * model} devices; {len(devices)} available (each size must be >= 1)"
+        )
+    return make_mesh(data, model, devices[: data * model])
 
 
 def _load_image(model_dir: str, image_path: str):
@@ -215,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="devices on the mesh's model axis (attention heads, MLP units split over them)",
+    )  # fmt: skip
+    p.add_argument(
+        "--data-parallel-size", type=int, default=1,
+        help="devices on the mesh's data axis (requests spread over them)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print prompt and output token ids")
     p.set_defaults(func=cmd_generate)
 

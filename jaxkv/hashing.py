@@ -156,6 +156,7 @@ class BlockHashFunction:
         # What precedes a parent digest of the usual length in a payload.
         self._payload_head = b"\x83" + cbor_head(2, self.digest_size) if cbor else b""
         self._extra_cache: dict[object, bytes] = {}
+        self._null_extra = self._encode_extra_uncached(None)  # a block without extra keys
         self._chain: Callable[[bytes, list[bytes]], list[BlockHash]]
         if oneshot_digest is not None:
             self._chain = functools.partial(_chain_by_oneshot, oneshot_digest, self._payload_head)
@@ -252,11 +253,10 @@ class BlockHashFunction:
         return [parent, *self._chain(parent, tails[1:])]
 
     def _encode_block(self, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys) -> bytes:
-        """What follows the parent digest in one block's payload."""
+        """What follows the parent digest in one block's payload; the ids are integers in
+        [0, 2**63) (`hash_blocks` checks them, `hash_checked_blocks`' callers did)."""
         if type(token_ids) is not list:
             token_ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
-        if min(token_ids) < 0:
-            raise ValueError(f"token ids must be non-negative, got {min(token_ids)}")
         if self.cbor:
             try:  # cbor2 encodes integers in their shortest (canonical) form
                 encoded = cbor2.dumps(token_ids)
@@ -264,6 +264,8 @@ class BlockHashFunction:
                 encoded = cbor2.dumps([int(t) for t in token_ids])
         else:
             encoded = _raw_block_struct(len(token_ids)).pack(len(token_ids), *token_ids)
+        if extra_keys is None:
+            return encoded + self._null_extra
         return encoded + self._encode_extra(extra_keys)
 
     def _encode_run(
@@ -287,7 +289,7 @@ class BlockHashFunction:
                 for i, extra in enumerate(extra_keys)
             ]
         if extra_keys.count(None) == num_blocks:
-            trailers = [self._encode_extra(None)] * num_blocks
+            trailers = [self._null_extra] * num_blocks
         else:
             trailers = [self._encode_extra(e) for e in extra_keys]
         tokens = token_ids if isinstance(token_ids, np.ndarray) else tokens_to_array(token_ids)

@@ -273,7 +273,10 @@ class KVCacheCoordinator:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def holds_blocks(self, request_id: str) -> bool:
-        return any(request_id in m.num_cached_block for m in self.single_type_managers)
+        for manager in self.single_type_managers:
+            if request_id in manager.num_cached_block:
+                return True
+        return False
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
@@ -499,7 +502,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     del group_blocks[num_blocks:]
         # A longer hit in some group is a shared prefix a lagging group has not cached yet.
         return (
-            tuple(b if b is not None else [] for b in hit_blocks),
+            tuple([b if b is not None else [] for b in hit_blocks]),
             hit_length,
             longest_hit_length - hit_length,
         )

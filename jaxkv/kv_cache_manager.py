@@ -269,7 +269,7 @@ class KVCacheManager:
         # refreshed after every change to its blocks: a step that needs no new block and
         # fills no block (most decode steps) nor releases one that left an attention
         # window is answered from it without visiting the per-group managers.
-        self._slot_state: dict[Request, tuple[int, int, int]] = {}
+        self._slot_state: dict[Request, tuple[int, int, int, int]] = {}
         # Off (tests only), every step takes the general path: the state is a shortcut.
         self._use_slot_state = True
         # request id -> the Request object holding blocks under that id.
@@ -413,26 +413,16 @@ class KVCacheManager:
             )
         )
         if plain_counts and num_new_computed_tokens is _ZERO:
-            if state is not None and new_computed_blocks is None and not full_sequence_must_fit:
+            if (
+                state is not None
+                and new_computed_blocks is None
+                and not full_sequence_must_fit
+                and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= state[3]
+            ):
                 # Most decode steps: the request's blocks hold the new tokens, no block
                 # fills up and none leaves an attention window, so the general path below
-                # would change nothing. `state` holds the three limits it derived for this
-                # request (see `_get_slot_state`).
-                num_tokens = request.num_computed_tokens + num_new_tokens
-                if num_tokens + num_lookahead_tokens <= state[0] and (
-                    delay_cache_blocks
-                    # i.e. min(num_tokens, request.num_tokens) < state[1]
-                    or num_tokens < state[1]
-                    or request.num_tokens < state[1]
-                ):
-                    if request.num_computed_tokens >= state[2]:
-                        # All the general path would do: release the blocks that left an
-                        # attention window.
-                        self.coordinator.remove_skipped_blocks(
-                            request.request_id, request.num_computed_tokens
-                        )
-                        self._slot_state[request] = self._get_slot_state(request)
-                    return self.empty_kv_cache_blocks
+                # would change nothing (`state[3]`: see `_get_slot_state`).
+                return self.empty_kv_cache_blocks
         elif not (
             plain_counts and type(num_new_computed_tokens) is int and num_new_computed_tokens > 0
         ):
@@ -693,24 +683,33 @@ class KVCacheManager:
                 )
             seen.add(block_id)
 
-    def _get_slot_state(self, request: Request) -> tuple[int, int, int]:
+    def _get_slot_state(self, request: Request) -> tuple[int, int, int, int]:
         """The `_slot_state` entry of a request holding blocks.
 
         (the most tokens plus lookahead a step may reach without `allocate_slots`
         allocating a block, the number of tokens to cache at which it would cache
         one, the computed-token count at which it would release a block that left
-        an attention window): the first is the tokens the request's blocks hold,
+        an attention window, the most tokens plus lookahead of a step that does
+        none of the three): the first is the tokens the request's blocks hold,
         capped at `max_model_len`; the second the token count that fills the next
         block, or never when caching is off; the third never without sliding-window,
-        chunked-local or Mamba groups.
+        chunked-local or Mamba groups; the fourth `min(first, second - 1, third)`,
+        so a step of `n >= 1` new tokens from `c` computed ones with
+        `c + n + lookahead <= fourth` stays within the first, caches nothing and
+        has `c` below the third.
         """
         if not self._use_slot_state:
-            return (0, 0, 0)  # nothing is answered from it
+            return (0, 0, 0, 0)  # nothing is answered from it
         groups = self._sole_manager or self.coordinator
         capacity, next_full, release_at = groups.get_slot_state(request.request_id)
         if capacity > self.max_model_len:
             capacity = self.max_model_len
-        return (capacity, next_full if self.enable_caching else 1 << 62, release_at)
+        if not self.enable_caching:
+            next_full = 1 << 62
+        quiet = capacity if capacity < next_full else next_full - 1
+        if release_at < quiet:
+            quiet = release_at
+        return (capacity, next_full, release_at, quiet)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""

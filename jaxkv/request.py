@@ -202,9 +202,10 @@ class Request:
     """A request as the cache managers see it.
 
     Invariants: `all_token_ids` is the prompt then the output tokens;
-    `num_tokens == len(all_token_ids)`, a counter kept by
-    `append_output_token_ids` (the only way outputs grow); every token id is an
-    int in [0, 2**63); `block_hashes[i]` is the hash of full block `i` of
+    `num_tokens == len(all_token_ids)` and `num_output_tokens ==
+    len(output_token_ids)`, counters kept by `append_output_token_ids` (the only
+    way outputs grow); every token id is an int in [0, 2**63);
+    `block_hashes[i]` is the hash of full block `i` of
     `hash_block_size` tokens (when a block hasher is set), chained from the
     hasher's `none_hash`; `0 <= num_computed_tokens <= num_tokens`.
 
@@ -336,6 +337,9 @@ class Request:
         # Prompt-embedding digests per (start, end) block range, computed once.
         self.prompt_embeds_digests: dict[tuple[int, int], bytes] = {}
         self.num_tokens = self.num_prompt_tokens
+        # Kept beside `num_tokens` (an attribute, not a property: schedulers read it for
+        # every running request every step).
+        self.num_output_tokens = 0
         # Tokens per hashed block (None without a hasher), and the token count at which
         # the next block is full.
         self.hash_block_size: int | None = block_hasher.block_size if block_hasher else None
@@ -356,10 +360,6 @@ class Request:
         return np.frombuffer(packed, dtype=np.uint32 if packed.typecode == "I" else np.int64)
 
     @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
-    @property
     def lora_int_id(self) -> int | None:
         return self.lora_request.lora_int_id if self.lora_request is not None else None
 
@@ -369,13 +369,17 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append one token id or a sequence of them; a bad id raises before anything changes."""
-        if type(token_ids) is int and 0 <= token_ids <= 0x7FFFFFFFFFFFFFFF:  # < 2**63
+        # Ids below 2**30 (every vocabulary) take this path: CPython 3.11 specializes a
+        # comparison only between one-digit ints. Larger ids are checked below.
+        if type(token_ids) is int and 0 <= token_ids <= 0x3FFFFFFF:
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
+            self.num_output_tokens += 1
         else:
             token_ids = self._check_appended(token_ids)
             self.output_token_ids.extend(token_ids)
             self.num_tokens += len(token_ids)
+            self.num_output_tokens += len(token_ids)
         if self.num_tokens >= self._next_hash_at:
             self._update_block_hashes()
 

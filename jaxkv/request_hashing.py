@@ -224,7 +224,7 @@ class RequestBlockHasher:
     builtin `hash`, as vLLM accepts.
     """
 
-    __slots__ = ("_hash_blocks", "block_size", "hash_fn", "memo", "none_hash")
+    __slots__ = ("_hash_blocks", "_hash_few_blocks", "block_size", "hash_fn", "memo", "none_hash")
 
     def __init__(
         self,
@@ -246,6 +246,10 @@ class RequestBlockHasher:
             self._hash_blocks = self.memo.hash_blocks
         else:
             self._hash_blocks = hash_fn.hash_checked_blocks
+        # Runs of at most MEMO_BYPASS_BLOCKS (decode steps) skip the memo, as it would.
+        self._hash_few_blocks = (
+            hash_fn.hash_checked_blocks if self.memo is not None else self._hash_blocks
+        )
 
     def __repr__(self) -> str:
         return f"RequestBlockHasher(block_size={self.block_size}, hash_fn={self.hash_fn!r})"
@@ -266,7 +270,10 @@ class RequestBlockHasher:
         else:
             extra = [None] * (num_full - num_hashed)
         parent = request.block_hashes[-1] if num_hashed else self.none_hash
-        if num_full - num_hashed > MEMO_BYPASS_BLOCKS and end <= request.num_prompt_tokens:
+        if num_full - num_hashed <= MEMO_BYPASS_BLOCKS:
+            tokens = request.all_token_ids[start:end]
+            return self._hash_few_blocks(parent, tokens, block_size, extra)
+        if end <= request.num_prompt_tokens:
             # A long run of the prompt: its ids are already packed in an array.
             tokens = request.prompt_token_array[start:end]
         else:

@@ -622,3 +622,23 @@ def test_hash_map_with_duplicates_matches_a_list_model(ops):
             (make_block_hash_with_group_id(*k), _ids(v)) for k, v in model.items()
         )
     assert cache_map.pop(_h(99), 0, 1) is None
+
+
+def test_hash_map_keys_of_unstamped_blocks_and_stamped_batches():
+    """`insert`/`pop` take an explicit key (the block need not be stamped with it, as in
+    vLLM's map); `insert_stamped`/`pop_stamped` read each block's own key, across groups
+    and with duplicates, and leave nothing behind."""
+    cache_map = BlockHashToBlockMap()
+    loose = KVCacheBlock(3)  # never stamped
+    cache_map.insert(_h(1), 0, loose)
+    assert cache_map.get_one_block(_h(1), 0) is loose
+    blocks = [KVCacheBlock(i) for i in range(4, 8)]
+    for block, (hash_index, group) in zip(blocks, [(1, 0), (2, 1), (1, 0), (2, 1)], strict=True):
+        block.set_hash(_h(hash_index), group)
+    cache_map.insert_stamped(blocks[0::2], 0)
+    cache_map.insert_stamped(blocks[1::2], 1)
+    assert cache_map.num_blocks() == 5 and cache_map.get_one_block(_h(1), 0) is loose
+    assert cache_map.pop(_h(1), 0, 3) is loose
+    assert cache_map.get_one_block(_h(1), 0) is blocks[0]
+    cache_map.pop_stamped([blocks[3], blocks[0], blocks[1], blocks[2]])
+    assert cache_map.num_blocks() == 0 and len(cache_map) == 0

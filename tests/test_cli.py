@@ -37,6 +37,11 @@ def test_generate_json_matches_the_dense_reference(checkpoint, capsys) -> None:
         (["--prompt-token-ids", "1,x"], "comma-separated integers"),
         (["--prompt", "hello"], "tokenizer.json"),
         (["--prompt-token-ids", "1,2", "--image", "nope.png"], "preprocessor_config.json"),
+        (
+            ["--prompt-token-ids", "1", "--tensor-parallel-size", "2"],
+            "needs 2 devices; 1 available",
+        ),
+        (["--prompt-token-ids", "1", "--data-parallel-size", "0"], "must be >= 1"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(checkpoint, capsys, argv, message) -> None:

@@ -1,8 +1,11 @@
-"""Random admit / chunked prefill / decode / preempt / finish / reset sequences.
+"""Random add / schedule step / abort / reset / evict sequences.
 
-A hypothesis state machine drives a `KVCacheManager` over a small pool with
-prompts from a tiny vocabulary (so prefixes collide and blocks are shared,
-cached, evicted and re-hit) and checks the pool's invariants after every step.
+A hypothesis state machine drives a `KVCacheManager` through the engine's scheduler
+(`jaxkv.engine.scheduler`: admission with prefix-cache lookups, chunked prefill, decode
+with lookahead slots, preemption when the pool runs out, finishing at `max_tokens`) over
+a small pool with prompts from a tiny vocabulary (so prefixes collide and blocks are
+shared, cached, evicted and re-hit) and checks the pool's invariants after every step.
+Every lookup the scheduler makes is checked against a reference model.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from jaxkv import (
     init_none_hash,
     make_block_hash_with_group_id,
 )
+from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
 
 MAX_MODEL_LEN = 24
 BASE_PREFIXES = ([0, 1, 2, 3] * 5, [1, 1, 0, 0] * 5, [2, 3, 2, 3, 0] * 4)
@@ -58,8 +62,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.manager: KVCacheManager | None = None
-        self.waiting: list[Request] = []
-        self.running: dict[str, Request] = {}
+        self.scheduler: Scheduler | None = None
+        self.unfinished: dict[str, Request] = {}  # added, not finished or aborted
         self.next_id = 0
         # Expected prefix-cache stats: [requests, queries, hits], fresh and preempted.
         self.stats = {False: [0, 0, 0], True: [0, 0, 0]}
@@ -69,8 +73,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         # A KV-aware router's view of the cache, rebuilt from the drained KV events
         # alone: how many blocks hold each (hash, group).
         self.router_view: Counter[tuple[bytes, int]] = Counter()
-        # The device side's view of page contents: pages never written or reported by
-        # `take_freed_block_ids` since (zeroed there) are clean. Every page a request
+        # The device side's view of page contents: pages never written or reported in a
+        # step's `freed_block_ids` since (zeroed there) are clean. Every page a request
         # gets other than by a prefix-cache hit must be clean before the step writes.
         self.clean_pages: set[int] = set()
         self.seen_blocks: dict[str, int] = {}  # request id -> blocks already checked
@@ -81,8 +85,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(8, 24),
         hash_name=st.sampled_from(["sha256", "sha256_cbor", "xxhash"]),
         enable_caching=st.sampled_from([True, True, True, False]),
+        max_num_seqs=st.integers(1, 4),
+        token_budget=st.integers(2, 24),
+        chunk_cap=st.sampled_from([0, 0, 1, 3, 12]),
+        lookahead=st.integers(0, 3),
     )
-    def setup(self, block_size: int, num_blocks: int, hash_name: str, enable_caching: bool) -> None:
+    def setup(
+        self, block_size: int, num_blocks: int, hash_name: str, enable_caching: bool,
+        max_num_seqs: int, token_budget: int, chunk_cap: int, lookahead: int,
+    ) -> None:  # fmt: skip
         fn = get_hash_fn_by_name(hash_name)
         init_none_hash(fn, "stateful")
         self.block_size = block_size
@@ -99,30 +110,40 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
         self.enable_caching = enable_caching
         self.clean_pages = set(range(1, num_blocks))
+        self.lookup = self.manager.get_computed_blocks
+        self.manager.get_computed_blocks = self._checked_lookup  # the scheduler's lookups
+        config = SchedulerConfig(
+            max_num_seqs, token_budget, MAX_MODEL_LEN, chunk_cap, num_lookahead_tokens=lookahead
+        )
+        self.scheduler = Scheduler(self.manager, config)
 
     # -- helpers -----------------------------------------------------------
 
-    def _allocate(self, req: Request, num_new: int, lookahead: int, **kwargs) -> bool:
+    @property
+    def running(self) -> dict[str, Request]:
+        return {r.request_id: r for r in self.scheduler.running}
+
+    def _checked_lookup(self, req: Request):
+        """The manager's lookup, checked: it changes nothing and finds the longest hit."""
+        assert req.num_computed_tokens == 0
         before = _snapshot(self.manager)
-        new = self.manager.allocate_slots(req, num_new, num_lookahead_tokens=lookahead, **kwargs)
-        if new is None:
-            event("step: out of blocks")
-            assert _snapshot(self.manager) == before
-            return False
-        return True
-
-    def _after_compute(self, req: Request, token: int) -> None:
-        """The model ran up to num_computed_tokens; sample a token or finish at the limit."""
-        if req.num_computed_tokens < req.num_tokens:
-            return
-        if req.num_tokens >= MAX_MODEL_LEN:
-            self._finish(req)
-        else:
-            req.append_output_token_ids(token)
-
-    def _finish(self, req: Request) -> None:
-        self.manager.free(req)
-        del self.running[req.request_id]
+        expected = self._expected_hit(req)
+        blocks, num_hit, boundary = self.lookup(req)
+        assert _snapshot(self.manager) == before  # lookups change nothing
+        assert num_hit == expected
+        if self.enable_caching:  # with caching off there are no lookups to count
+            counts = self.stats[req.num_preemptions > 0]
+            counts[0] += 1
+            counts[1] += req.num_tokens
+            counts[2] += num_hit
+        assert num_hit % self.block_size == 0 and num_hit <= req.num_tokens - 1
+        hit_blocks = blocks.blocks[0]
+        assert len(hit_blocks) == num_hit // self.block_size
+        for i, block in enumerate(hit_blocks):
+            assert block.block_hash == make_block_hash_with_group_id(req.block_hashes[i], 0)
+        self.hit_blocks[req.request_id] = {b.block_id for b in hit_blocks}
+        event(f"lookup: {'hit' if num_hit else 'miss'}{' (preempted)' * (req.num_preemptions > 0)}")
+        return blocks, num_hit, boundary
 
     def _expected_hit(self, req: Request) -> int:
         """Reference model: longest run of cached hashes, at most num_tokens - 1 tokens."""
@@ -136,92 +157,57 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------
 
-    @precondition(lambda self: self.manager is not None and len(self.waiting) < 6)
+    @precondition(lambda self: self.manager is not None and len(self.unfinished) < 8)
     @rule(
         base=st.integers(0, len(BASE_PREFIXES) - 1),
         prefix_len=st.integers(0, 14),
         suffix=st.lists(st.integers(0, 3), max_size=6),
         salt=st.sampled_from([None, None, None, "tenant"]),
+        max_tokens=st.integers(1, 8),
     )
-    def add_request(self, base: int, prefix_len: int, suffix: list[int], salt) -> None:
+    def add_request(self, base: int, prefix_len: int, suffix: list[int], salt, max_tokens) -> None:
         tokens = BASE_PREFIXES[base][:prefix_len] + suffix
         if not tokens:
             tokens = [0]
-        req = Request(f"r{self.next_id}", tokens, cache_salt=salt, block_hasher=self.hasher)
+        req = Request(
+            f"r{self.next_id}", tokens, cache_salt=salt, block_hasher=self.hasher,
+            max_tokens=max_tokens,
+        )  # fmt: skip
         self.next_id += 1
-        self.waiting.append(req)
+        self.scheduler.add_request(req)
+        self.unfinished[req.request_id] = req
 
-    @precondition(lambda self: self.waiting)
-    @rule(
-        idx=st.integers(0, 100),
-        chunk=st.integers(1, 12),
-        lookahead=st.integers(0, 3),
-        token=st.integers(0, 3),
-    )
-    def admit(self, idx: int, chunk: int, lookahead: int, token: int) -> None:
-        req = self.waiting[idx % len(self.waiting)]
-        assert req.num_computed_tokens == 0
-        before = _snapshot(self.manager)
-        blocks, num_hit, _ = self.manager.get_computed_blocks(req)
-        assert _snapshot(self.manager) == before  # lookups change nothing
-        assert num_hit == self._expected_hit(req)
-        if self.enable_caching:  # with caching off there are no lookups to count
-            counts = self.stats[req.num_preemptions > 0]
-            counts[0] += 1
-            counts[1] += req.num_tokens
-            counts[2] += num_hit
-        assert num_hit % self.block_size == 0 and num_hit <= req.num_tokens - 1
-        hit_blocks = blocks.blocks[0]
-        assert len(hit_blocks) == num_hit // self.block_size
-        for i, block in enumerate(hit_blocks):
-            assert block.block_hash == make_block_hash_with_group_id(req.block_hashes[i], 0)
-        num_new = min(chunk, req.num_tokens - num_hit)
-        before = _snapshot(self.manager)
-        new = self.manager.allocate_slots(
-            req, num_new, num_hit, blocks, num_lookahead_tokens=lookahead
-        )
-        if new is None:
-            event("admit: out of blocks")
-            assert _snapshot(self.manager) == before
-            return
-        event(f"admit: {'hit' if num_hit else 'miss'}{' (preempted)' * (req.num_preemptions > 0)}")
-        self.waiting.remove(req)
-        self.running[req.request_id] = req
-        self.hit_blocks[req.request_id] = {b.block_id for b in hit_blocks}
-        req.num_computed_tokens = num_hit + num_new
-        self._after_compute(req, token)
+    @precondition(lambda self: self.unfinished)
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=4, max_size=4))
+    def schedule_step(self, tokens: list[int]) -> None:
+        """One step: admission with prefix hits, chunked prefill, decode, preemption;
+        then the model's sampled tokens (which may finish requests)."""
+        out = self.scheduler.schedule()
+        assert out.num_scheduled_tokens <= self.scheduler.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.scheduler.config.max_num_seqs
+        freed = out.freed_block_ids
+        assert freed.dtype.name == "int32" and list(freed) == sorted(set(freed.tolist()))
+        assert 0 not in freed
+        self.clean_pages.update(freed.tolist())
+        if out.preempted_request_ids:
+            event("step: preempted")
+        running = self.running
+        for s in out.scheduled:
+            assert s.request.request_id in running
+            assert s.num_computed_tokens + s.num_new_tokens == s.request.num_computed_tokens
+        for update in self.scheduler.update_from_output(out, tokens):
+            if update.finish_reason is not None:
+                event(f"finished: {update.finish_reason}")
+                del self.unfinished[update.request.request_id]
 
-    @precondition(lambda self: self.running)
-    @rule(
-        idx=st.integers(0, 100),
-        chunk=st.integers(1, 12),
-        lookahead=st.integers(0, 3),
-        token=st.integers(0, 3),
-    )
-    def step(self, idx: int, chunk: int, lookahead: int, token: int) -> None:
-        """Chunked prefill (several tokens left) or decode (one token left)."""
-        req = list(self.running.values())[idx % len(self.running)]
-        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
-        assert num_new >= 1
-        if not self._allocate(req, num_new, lookahead):
-            return
-        req.num_computed_tokens += num_new
-        self._after_compute(req, token)
-
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: self.unfinished)
     @rule(idx=st.integers(0, 100))
-    def preempt(self, idx: int) -> None:
-        req = list(self.running.values())[idx % len(self.running)]
-        self.manager.free(req)
-        del self.running[req.request_id]
-        req.num_preemptions += 1
-        req.num_computed_tokens = 0
-        self.waiting.insert(0, req)
-
-    @precondition(lambda self: self.running)
-    @rule(idx=st.integers(0, 100))
-    def finish(self, idx: int) -> None:
-        self._finish(list(self.running.values())[idx % len(self.running)])
+    def abort(self, idx: int) -> None:
+        request_id = list(self.unfinished)[idx % len(self.unfinished)]
+        self.scheduler.abort_request(request_id)
+        del self.unfinished[request_id]
+        with pytest.raises(KeyError, match=request_id):
+            self.scheduler.abort_request(request_id)
 
     @precondition(lambda self: self.manager is not None)
     @rule()
@@ -266,6 +252,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert _snapshot(self.manager) == before
 
     # -- invariants ----------------------------------------------------------
+
+    @invariant()
+    def queues_consistent(self) -> None:
+        """Every unfinished request is waiting (computing nothing, holding nothing) xor
+        running; finished and aborted requests are gone."""
+        if self.manager is None:
+            return
+        waiting = [r.request_id for r in self.scheduler.waiting]
+        running = [r.request_id for r in self.scheduler.running]
+        assert len(set(waiting)) == len(waiting) and len(set(running)) == len(running)
+        assert not set(waiting) & set(running)
+        assert set(waiting) | set(running) == set(self.unfinished)
+        assert all(r.num_computed_tokens == 0 for r in self.scheduler.waiting)
+        assert len(running) <= self.scheduler.config.max_num_seqs
 
     @invariant()
     def pool_consistent(self) -> None:
@@ -362,10 +362,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         """No request gets a page holding someone else's KV without it being reported."""
         if self.manager is None:
             return
-        freed = self.manager.block_pool.take_freed_block_ids()
-        assert freed.dtype.name == "int32" and list(freed) == sorted(set(freed.tolist()))
-        assert 0 not in freed
-        self.clean_pages.update(freed.tolist())
         stm = self.manager.coordinator.single_type_managers[0]
         for rid in list(self.seen_blocks):
             if rid not in self.running:
@@ -386,8 +382,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.manager is None:
             return
-        for req in list(self.running.values()):
-            self._finish(req)
+        for request_id in list(self.unfinished):
+            self.scheduler.abort_request(request_id)
+        assert not self.scheduler.has_unfinished_requests()
         pool = self.manager.block_pool
         assert pool.get_num_free_blocks() == self.num_blocks - 1
         assert all(b.ref_cnt == 0 for b in pool.blocks)

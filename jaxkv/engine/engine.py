@@ -6,6 +6,13 @@ packs step N+1 while the device still runs step N, whose sampled tokens step N+1
 device. Nothing blocks on the device until a step's tokens are needed to check stop
 conditions. With `async_scheduling=False` each step waits for its own tokens. Both give
 the same tokens.
+
+On a mesh (`LLMEngine(model, config, mesh=jaxkv.device.make_mesh(data, model))`, the model
+loaded onto the same mesh), attention heads are split over the model axis and requests
+over the data axis: each data rank has its own KV cache manager and scheduler (its own
+block pool, the encoder cache shared), and a new request goes to the rank with the fewest
+unfinished requests. All ranks step together in one device call. The tokens are the same
+on any mesh.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from jaxkv.device import compilation_count
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
@@ -60,8 +68,19 @@ class EngineConfig:
 
 @dataclass
 class _InFlight:
-    output: SchedulerOutput
+    outputs: list[SchedulerOutput]  # one per data rank
     sampled: jax.Array
+
+
+def model_mesh(model) -> Mesh | None:
+    """The mesh the model's parameters are placed on (None: not on a named mesh)."""
+    from flax import nnx
+
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
 
 
 class LLMEngine:
@@ -69,9 +88,16 @@ class LLMEngine:
 
     Bad input to `add_request` raises ValueError/TypeError naming it before anything
     changes; the engine keeps serving the other requests.
+
+    `mesh` (default: the mesh the model's weights are on, else one device): a
+    `(data, model)` mesh from `jaxkv.device.make_mesh`. `schedulers[k]` and
+    `kv_cache_managers[k]` serve data rank `k`, each with `config.num_blocks` blocks;
+    `scheduler` and `kv_cache_manager` are rank 0's (the only ones on one data rank).
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None) -> None:
+    def __init__(
+        self, model, config: EngineConfig | None = None, tokenizer=None, *, mesh: Mesh | None = None
+    ) -> None:
         self.config = c = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -91,28 +117,38 @@ class LLMEngine:
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
             dtype=c.dtype, zero_freed_blocks=c.zero_freed_blocks,
             encoder_cache_size=encoder_budget.cache_size if encoder_budget else 0,
+            mesh=self._check_mesh(mesh),
         )  # fmt: skip
+        self.mesh = self.runner.mesh
         self._check_pool_holds_one_request()
-        self.kv_cache_manager = KVCacheManager(
-            kv_cache_config=self.runner.kv_cache_config,
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len,
-            enable_caching=c.enable_prefix_caching,
-            log_stats=True,
-            track_freed_block_ids=True,
+            long_prefill_token_threshold=c.long_prefill_token_threshold,
         )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            SchedulerConfig(
-                max_num_seqs=c.max_num_seqs,
-                max_num_batched_tokens=c.max_num_batched_tokens,
+        encoder_cache = EncoderCacheManager(encoder_budget.cache_size) if encoder_budget else None
+        self.kv_cache_managers = [
+            KVCacheManager(
+                kv_cache_config=self.runner.kv_cache_config,
                 max_model_len=c.max_model_len,
-                long_prefill_token_threshold=c.long_prefill_token_threshold,
-            ),  # fmt: skip
-            encoder_cache_manager=EncoderCacheManager(encoder_budget.cache_size)
-            if encoder_budget
-            else None,
-            encoder_budget=encoder_budget,
-        )
+                enable_caching=c.enable_prefix_caching,
+                log_stats=True,
+                track_freed_block_ids=True,
+            )
+            for _ in range(self.runner.dp_size)
+        ]
+        self.schedulers = [
+            Scheduler(
+                manager,
+                scheduler_config,
+                encoder_cache_manager=encoder_cache,
+                encoder_budget=encoder_budget,
+            )  # fmt: skip
+            for manager in self.kv_cache_managers
+        ]
+        self.kv_cache_manager, self.scheduler = self.kv_cache_managers[0], self.schedulers[0]
+        self._rank_of: dict[str, int] = {}  # unfinished request id -> its data rank
         hash_fn = get_hash_fn_by_name(c.hash_fn)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(
@@ -125,6 +161,20 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.num_steps = 0
+
+    def _check_mesh(self, mesh: Mesh | None) -> Mesh | None:
+        """`mesh`, or the model's; ValueError when they differ."""
+        weights_mesh = model_mesh(self.model)
+        if mesh is None:
+            return weights_mesh
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if weights_mesh is not None and weights_mesh != mesh:
+            raise ValueError(
+                f"mesh {dict(mesh.shape)} is not the mesh the model's weights are on "
+                f"({dict(weights_mesh.shape)}); load the model with the same mesh"
+            )
+        return mesh
 
     def _check_pool_holds_one_request(self) -> None:
         """ValueError unless one request of `max_model_len` tokens fits in the pool."""
@@ -226,7 +276,11 @@ class LLMEngine:
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.eos_token_ids)
-        self.scheduler.add_request(request, stop)  # validates before changing anything
+        rank = min(
+            range(len(self.schedulers)), key=lambda k: self.schedulers[k].num_unfinished_requests
+        )
+        self.schedulers[rank].add_request(request, stop)  # validates before changing anything
+        self._rank_of[request_id] = rank
         seed = sampling.seed
         if seed is None:
             seed = zlib.crc32(f"{self.config.seed}/{request_id}".encode()) & 0x7FFFFFFF
@@ -239,11 +293,14 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; KeyError naming it when no unfinished request has that id."""
-        request = self.scheduler.abort_request(request_id)
-        self._forget(request)
+        rank = self._rank_of.get(request_id)
+        if rank is None:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        self._forget(self.schedulers[rank].abort_request(request_id))
 
     def _forget(self, request: Request) -> None:
         self._sampling.pop(request.request_id, None)
+        self._rank_of.pop(request.request_id, None)
         for feature in request.mm_features:
             refs = self._image_refs[feature.identifier] - 1
             if refs:
@@ -253,7 +310,17 @@ class LLMEngine:
                 del self._images[feature.identifier]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return bool(self._rank_of) or self._in_flight is not None
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far, all data ranks."""
+        return sum(s.num_preemptions for s in self.schedulers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks, all data ranks."""
+        return sum(m.num_free_blocks for m in self.kv_cache_managers)
 
     # -- stepping ---------------------------------------------------------------------
 
@@ -261,18 +328,23 @@ class LLMEngine:
         """Run one step; returns the outputs of the requests that got a token or finished."""
         compiled = compilation_count()
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        if out.is_empty and self._in_flight is None and self.scheduler.waiting:
-            request = self.scheduler.waiting[0]
-            raise RuntimeError(
-                f"nothing can be scheduled: request {request.request_id!r} "
-                f"({request.num_tokens} tokens) does not fit the "
-                f"{self.kv_cache_manager.num_free_blocks} free KV blocks; a bug, since the "
-                "pool was checked to hold one request of max_model_len"
-            )
-        sampling = [self._sampling[s.request.request_id][1] for s in out.scheduled]
-        sampled = self.runner.execute(out, sampling, self._images)
-        current = _InFlight(out, sampled) if not out.is_empty else None
+        outs = [scheduler.schedule() for scheduler in self.schedulers]
+        empty = all(out.is_empty for out in outs)
+        if empty and self._in_flight is None:
+            for scheduler in self.schedulers:
+                if scheduler.waiting:
+                    request = scheduler.waiting[0]
+                    raise RuntimeError(
+                        f"nothing can be scheduled: request {request.request_id!r} "
+                        f"({request.num_tokens} tokens) does not fit the "
+                        f"{scheduler.kv_cache_manager.num_free_blocks} free KV blocks; a bug, "
+                        "since the pool was checked to hold one request of max_model_len"
+                    )
+        sampling = [
+            [self._sampling[s.request.request_id][1] for s in out.scheduled] for out in outs
+        ]
+        sampled = self.runner.execute(outs, sampling, self._images)
+        current = _InFlight(outs, sampled) if not empty else None
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
         wait_s = 0.0
@@ -281,9 +353,14 @@ class LLMEngine:
             t_wait = time.perf_counter()
             tokens = np.asarray(done.sampled)  # the one place the host waits for the device
             wait_s = time.perf_counter() - t_wait
-            updates = self.scheduler.update_from_output(done.output, tokens)
+            width = self.runner.max_num_seqs
+            for rank, (scheduler, out) in enumerate(
+                zip(self.schedulers, done.outputs, strict=True)
+            ):
+                rows = tokens[rank * width : (rank + 1) * width]
+                updates += scheduler.update_from_output(out, rows)
         outputs = [self._output(u) for u in updates]
-        self._record(out, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
+        self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
 
     def _output(self, update: RequestUpdate) -> RequestOutput:
@@ -303,26 +380,27 @@ class LLMEngine:
             finish_reason=None if update.finish_reason is None else str(update.finish_reason),
             text=text,
             num_preemptions=request.num_preemptions,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=update.num_cached_tokens,
         )
 
-    def _record(self, out, updates, host_s, wait_s, compiled) -> None:
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+    def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
+        """One step's stats, summed over the data ranks (KV usage: their mean)."""
+        prefix = [m.make_prefix_cache_stats() for m in self.kv_cache_managers]
         self.stats.record(
             StepStats(
                 step=self.num_steps,
-                num_scheduled_tokens=out.num_scheduled_tokens,
-                num_scheduled_requests=len(out.scheduled),
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
+                num_scheduled_tokens=sum(o.num_scheduled_tokens for o in outs),
+                num_scheduled_requests=sum(len(o.scheduled) for o in outs),
+                num_running=sum(len(s.running) for s in self.schedulers),
+                num_waiting=sum(len(s.waiting) for s in self.schedulers),
                 num_generated_tokens=sum(u.new_token_id is not None for u in updates),
-                prefix_queries=prefix.queries + prefix.preempted_queries,
-                prefix_hits=prefix.hits + prefix.preempted_hits,
-                encoder_hits=out.num_encoder_hits,
-                encoder_misses=out.num_encoder_misses,
-                kv_usage=self.kv_cache_manager.usage,
-                num_preemptions=len(out.preempted_request_ids),
-                num_freed_blocks=int(out.freed_block_ids.size),
+                prefix_queries=sum(p.queries + p.preempted_queries for p in prefix),
+                prefix_hits=sum(p.hits + p.preempted_hits for p in prefix),
+                encoder_hits=sum(o.num_encoder_hits for o in outs),
+                encoder_misses=sum(o.num_encoder_misses for o in outs),
+                kv_usage=float(np.mean([m.usage for m in self.kv_cache_managers])),
+                num_preemptions=sum(len(o.preempted_request_ids) for o in outs),
+                num_freed_blocks=sum(int(o.freed_block_ids.size) for o in outs),
                 host_s=host_s,
                 wait_s=wait_s,
                 compilations=compilation_count() - compiled,

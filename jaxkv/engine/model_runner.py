@@ -13,6 +13,12 @@ cache array, and for image models an `EncoderCacheStore`. Each step it
 4. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
    device array without waiting for them.
 
+On a mesh (`jaxkv.device.make_mesh(data, model)`), KV heads are split over the model axis
+and each data rank serves its own requests from its own block pool (block ids local to
+the rank, one scheduler per rank): `execute` takes one `SchedulerOutput` per data rank.
+The buffer then has one row per rank (its metadata and its token/sampling rows); the
+step's token rows, logits and sampled tokens are rank-major.
+
 A model follows the contract of `jaxkv.models` (see `jaxkv/engine/tiny_model.py` for the
 smallest one): `kv_cache_specs(block_size, dtype)`, `forward_paged(token_ids, kv_caches,
 ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
@@ -28,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.block_table import BlockTable
@@ -103,9 +110,10 @@ class RowSampling:
 
 
 @functools.cache
-def _shared_paged_cache(spec: KVCacheSpec, num_blocks: int) -> PagedKVCache:
-    """One `PagedKVCache` per (spec, pool size): engines built alike share compiled programs."""
-    return PagedKVCache(spec, num_blocks)
+def _shared_paged_cache(spec: KVCacheSpec, num_blocks: int, mesh: Mesh | None) -> PagedKVCache:
+    """One `PagedKVCache` per (spec, pool size, mesh): engines built alike share compiled
+    programs."""
+    return PagedKVCache(spec, num_blocks, mesh=mesh)
 
 
 @functools.partial(
@@ -120,16 +128,17 @@ def _paged_step(
     """Forward + sampling of one packed step (see `ModelRunner._pack` for the layout)."""
     model = nnx.merge(graphdef, state)
     t, r = shapes[0].num_tokens, shapes[0].num_reqs
+    dp = buffer.shape[0]
     offset, metadata = 0, []
     for shape in shapes:
         metadata.append(buffer[:, offset : offset + shape.length])
         offset += shape.length
-    row = buffer[0]
 
     def take(n: int) -> jax.Array:
+        """The next `n` entries of every rank's row, rank-major."""
         nonlocal offset
         offset += n
-        return row[offset - n : offset]
+        return buffer[:, offset - n : offset].reshape(-1)
 
     tokens, src, logits_indices = take(t), take(t), take(r)
     temperature = jax.lax.bitcast_convert_type(take(r), jnp.float32)
@@ -148,8 +157,8 @@ def _paged_step(
         rows = store.reshape(-1, store.shape[-1]).at[merge_src].get(mode="fill", fill_value=0)
         embeds = embeds.at[merge_dst].set(rows.astype(embeds.dtype), mode="drop")
     logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
-    sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters)
-    return kv_caches, jnp.zeros(max_num_seqs, jnp.int32).at[:r].set(sampled)
+    sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters).reshape(dp, r)
+    return kv_caches, jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -160,9 +169,10 @@ def _encode_images(state, pixel_values, *, graphdef):
 class ModelRunner:
     """Device state and the jitted step of one model (see the module docstring).
 
-    Invariants: `kv_caches[i]` has the shape of its group's `PagedKVCache`; the step
-    compiles once per `(token bucket, request bucket)` pair, nothing else in `execute`
-    compiles after `warm_up()`.
+    Invariants: `kv_caches[i]` has the shape of its group's `PagedKVCache`; every data
+    rank has its own block tables and block ids in `[0, num_blocks)`; the step compiles
+    once per `(token bucket, request bucket)` pair, nothing else in `execute` compiles
+    after `warm_up()`.
     """
 
     def __init__(
@@ -178,6 +188,7 @@ class ModelRunner:
         zero_freed_blocks: bool = False,
         encoder_cache_size: int = 0,
         encoder_page_size: int = 16,
+        mesh: Mesh | None = None,
     ) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
@@ -185,13 +196,15 @@ class ModelRunner:
         specs = model.kv_cache_specs(block_size, dtype)
         self.kv_cache_config, self.layer_to_group = group_kv_cache_specs(specs, num_blocks)
         groups = self.kv_cache_config.kv_cache_groups
-        self.paged = tuple(_shared_paged_cache(g.kv_cache_spec, num_blocks) for g in groups)
+        self.paged = tuple(_shared_paged_cache(g.kv_cache_spec, num_blocks, mesh) for g in groups)
+        self.mesh = self.paged[0].mesh
+        self.dp_size = self.paged[0].dp_size
         self.kv_caches: list[jax.Array] = [None] * len(self.layer_to_group)  # type: ignore
         for g, cache in enumerate(self.paged):
             layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
             for i, arr in zip(layers, cache.allocate(len(layers)), strict=True):
                 self.kv_caches[i] = arr
-        self.packers, self.tables = [], []
+        self.packers, self.tables = [], []  # tables[g][rank]
         for g in groups:
             bs = g.kv_cache_spec.block_size
             width = -(-max_model_len // bs)
@@ -204,7 +217,9 @@ class ModelRunner:
                     num_blocks=num_blocks,
                 )  # fmt: skip
             )
-            self.tables.append(BlockTable(bs, max_num_seqs, width, num_blocks))
+            self.tables.append(
+                [BlockTable(bs, max_num_seqs, width, num_blocks) for _ in range(self.dp_size)]
+            )
         self.hidden_size = int(model.config.hidden_size)
         self.encoder_store: EncoderCacheStore | None = None
         self.images = image_inputs(model)
@@ -213,14 +228,19 @@ class ModelRunner:
                 encoder_cache_size, encoder_page_size, self.images.num_image_tokens
             )
             self.encoder_store = EncoderCacheStore(
-                max(pages, 1), encoder_page_size, self.hidden_size, dtype=jnp.float32
-            )
+                max(pages, 1), encoder_page_size, self.hidden_size, dtype=jnp.float32,
+                mesh=None if mesh is None else self.mesh,
+            )  # fmt: skip
         self._graphdef, self._state = nnx.split(model)
-        # The last step's tokens, on device, placed as the step places its output (so the
-        # first step compiles the same program as the others).
-        self.sampled = self.paged[0].put(np.zeros(max_num_seqs, np.int32), P())
-        self._rows: dict[str, int] = {}  # request id -> its row in the last step
+        # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
+        # the step places its output (so the first step compiles the same program as the
+        # others).
+        self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
+        self._rows: dict[str, int] = {}  # request id -> its row of `self.sampled`
         self.num_encoded = 0
+
+    def _replicated(self, arr: np.ndarray) -> jax.Array:
+        return self.paged[0].put(arr, P())
 
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
         store = None if self.encoder_store is None else self.encoder_store.cache
@@ -230,38 +250,60 @@ class ModelRunner:
             max_num_seqs=self.max_num_seqs, shapes=shapes,
         )  # fmt: skip
 
-    def _encode(self, pixel_values: jax.Array) -> jax.Array:
-        return _encode_images(self._state, pixel_values, graphdef=self._graphdef)
+    def _encode(self, pixel_values: np.ndarray) -> jax.Array:
+        return _encode_images(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
 
     # -- host side ----------------------------------------------------------------------
 
     def _pack(
-        self, out: SchedulerOutput, sampling: Sequence[RowSampling]
+        self, outs: Sequence[SchedulerOutput], sampling: Sequence[Sequence[RowSampling]]
     ) -> tuple[np.ndarray, tuple[StepShape, ...]]:
-        scheduled = out.scheduled
-        n = len(scheduled)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], np.int64)
-        starts = np.array([s.num_computed_tokens for s in scheduled], np.int64)
-        total = int(query_lens.sum())
-        rows = np.repeat(np.arange(n), query_lens)
-        cu = np.concatenate([[0], np.cumsum(query_lens)])
-        positions = np.repeat(starts, query_lens) + (
-            np.arange(total) - np.repeat(cu[:-1], query_lens)
-        )
-        parts, shapes = [], []
-        for g, (packer, table) in enumerate(zip(self.packers, self.tables, strict=True)):
-            for i, s in enumerate(scheduled):
-                table.add_row(s.block_ids[g], i)
-            step = StepInputs(
-                block_tables=table.get_numpy_array()[:n],
-                seq_lens=starts + query_lens,
-                query_lens=query_lens,
-                slot_mapping=table.compute_slot_mapping(rows, positions),
+        """The step's `[dp, length]` buffer: per rank its groups' metadata, then its rows."""
+        ranks = []  # per rank: scheduled, query_lens, cu
+        steps_per_group: list[list[StepInputs]] = [[] for _ in self.packers]
+        for rank, out in enumerate(outs):
+            scheduled = out.scheduled
+            n = len(scheduled)
+            query_lens = np.array([s.num_new_tokens for s in scheduled], np.int64)
+            starts = np.array([s.num_computed_tokens for s in scheduled], np.int64)
+            total = int(query_lens.sum())
+            rows = np.repeat(np.arange(n), query_lens)
+            cu = np.concatenate([[0], np.cumsum(query_lens)])
+            positions = np.repeat(starts, query_lens) + (
+                np.arange(total) - np.repeat(cu[:-1], query_lens)
             )
-            metadata, shape = packer.pack(step)
-            parts.append(metadata[0])
+            for g, tables in enumerate(self.tables):
+                table = tables[rank]
+                for i, s in enumerate(scheduled):
+                    table.add_row(s.block_ids[g], i)
+                steps_per_group[g].append(
+                    StepInputs(
+                        block_tables=table.get_numpy_array()[:n],
+                        seq_lens=starts + query_lens,
+                        query_lens=query_lens,
+                        slot_mapping=table.compute_slot_mapping(rows, positions),
+                    )
+                )
+            ranks.append((scheduled, cu))
+        parts, shapes = [], []
+        for packer, steps in zip(self.packers, steps_per_group, strict=True):
+            metadata, shape = packer.pack(steps)
+            parts.append(metadata)
             shapes.append(shape)
         t, r = shapes[0].num_tokens, shapes[0].num_reqs
+        rows = [
+            self._rank_rows(rank, scheduled, cu, params, t, r, outs[rank])
+            for rank, ((scheduled, cu), params) in enumerate(zip(ranks, sampling, strict=True))
+        ]
+        parts.append(np.stack(rows))
+        return np.concatenate(parts, axis=1).astype(np.int32), tuple(shapes)
+
+    def _rank_rows(
+        self, rank: int, scheduled, cu: np.ndarray, sampling: Sequence[RowSampling], t: int,
+        r: int, out: SchedulerOutput,
+    ) -> np.ndarray:  # fmt: skip
+        """One rank's token ids, pending-token sources, logits rows (into all ranks'
+        `dp * t` token rows), sampling parameters and encoder-merge rows."""
         tokens = np.zeros(t, np.int32)
         src = np.full(t, -1, np.int32)
         for i, s in enumerate(scheduled):
@@ -276,8 +318,9 @@ class ModelRunner:
                         "a previous step that did not sample them"
                     )
                 src[lo + len(known)] = self._rows[s.request.request_id]
+        n = len(scheduled)
         logits_indices = np.zeros(r, np.int32)
-        logits_indices[:n] = cu[1:] - 1
+        logits_indices[:n] = rank * t + cu[1:] - 1
         temperature = np.zeros(r, np.float32)
         top_k, seeds, counters = (np.zeros(r, np.int32) for _ in range(3))
         top_p = np.ones(r, np.float32)
@@ -286,13 +329,17 @@ class ModelRunner:
                 p.temperature, p.top_k, p.top_p, p.seed,
             )  # fmt: skip
             counters[i] = s.num_computed_tokens + s.num_new_tokens - s.request.num_prompt_tokens
-        parts += [tokens, src, logits_indices, temperature.view(np.int32), top_k,
-                  top_p.view(np.int32), seeds, counters]  # fmt: skip
+        parts = [tokens, src, logits_indices, temperature.view(np.int32), top_k,
+                 top_p.view(np.int32), seeds, counters]  # fmt: skip
         if self.encoder_store is not None:
-            parts += self._merge_rows(out, cu, t)
-        return np.concatenate(parts)[None, :].astype(np.int32), tuple(shapes)
+            parts += self._merge_rows(rank, out, cu, t)
+        return np.concatenate(parts)
 
-    def _merge_rows(self, out: SchedulerOutput, cu: np.ndarray, t: int) -> list[np.ndarray]:
+    def _merge_rows(
+        self, rank: int, out: SchedulerOutput, cu: np.ndarray, t: int
+    ) -> list[np.ndarray]:
+        """Store rows to merge into this rank's token rows; unused entries point past all
+        `dp * t` rows (dropped)."""
         placements = [
             EmbedPlacement(f.identifier, f, s.num_computed_tokens, s.num_new_tokens, int(cu[i]))
             for i, s in enumerate(out.scheduled)
@@ -301,71 +348,101 @@ class ModelRunner:
             and f.offset + f.length > s.num_computed_tokens
         ]
         merge_src = np.zeros(t, np.int32)
-        merge_dst = np.full(t, t, np.int32)
+        merge_dst = np.full(t, self.dp_size * t, np.int32)
         if placements:
             src, dst = self.encoder_store.merge_indices(placements, t)
             count = min(len(src), t)
-            merge_src[:count], merge_dst[:count] = src[:count], dst[:count]
+            merge_src[:count] = src[:count]
+            merge_dst[:count] = np.where(dst[:count] < t, rank * t + dst[:count], self.dp_size * t)
         return [merge_src, merge_dst]
 
-    def _run_encoder(self, out: SchedulerOutput, images: Mapping[str, np.ndarray]) -> None:
+    def _run_encoder(
+        self, outs: Sequence[SchedulerOutput], images: Mapping[str, np.ndarray]
+    ) -> None:
+        """Free evicted entries (all ranks share the encoder cache), then encode new items."""
         store = self.encoder_store
-        stale = [h for h in out.freed_mm_hashes if h in store]
+        stale = [h for out in outs for h in out.freed_mm_hashes if h in store]
         if stale:
             store.free(stale)
-        for s in out.scheduled:
-            for input_id in s.encoder_input_ids:
-                mm_hash = s.request.mm_features[input_id].identifier
-                if mm_hash in store:
-                    continue  # same content already encoded (e.g. twice in one step)
-                pixels = jnp.asarray(images[mm_hash][None])
-                store.put(mm_hash, self._encode(pixels)[0])
-                self.num_encoded += 1
+        for out in outs:
+            for s in out.scheduled:
+                for input_id in s.encoder_input_ids:
+                    mm_hash = s.request.mm_features[input_id].identifier
+                    if mm_hash in store:
+                        continue  # same content already encoded (e.g. twice in one step)
+                    store.put(mm_hash, self._encode(images[mm_hash][None])[0])
+                    self.num_encoded += 1
+
+    def _zero_freed(self, outs: Sequence[SchedulerOutput]) -> None:
+        """Zero each rank's freed blocks (ranks with fewer pad with the null block 0)."""
+        freed = [out.freed_block_ids for out in outs]
+        width = max(ids.size for ids in freed)
+        if not width:
+            return
+        ids = np.zeros((len(freed), width), np.int32)
+        for rank, rank_ids in enumerate(freed):
+            ids[rank, : rank_ids.size] = rank_ids
+        self.kv_caches = [
+            self.paged[g].zero_blocks(kv, ids.reshape(-1))
+            for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
+        ]
 
     def execute(
         self,
-        out: SchedulerOutput,
-        sampling: Sequence[RowSampling],
+        outs: SchedulerOutput | Sequence[SchedulerOutput],
+        sampling: Sequence[RowSampling] | Sequence[Sequence[RowSampling]],
         images: Mapping[str, np.ndarray] | None = None,
     ) -> jax.Array:
-        """Dispatch one step; returns its sampled tokens `[max_num_seqs]` (row `i` for
-        `out.scheduled[i]`) as a device array, not waited for."""
-        if self.zero_freed_blocks and out.freed_block_ids.size:
-            self.kv_caches = [
-                self.paged[g].zero_blocks(kv, out.freed_block_ids)
-                for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
-            ]
+        """Dispatch one step: `outs[k]`, `sampling[k]` for data rank `k` (a single output
+        and its rows without data parallelism). Returns the sampled tokens
+        `[dp * max_num_seqs]` (row `k * max_num_seqs + i` for `outs[k].scheduled[i]`) as a
+        device array, not waited for."""
+        if isinstance(outs, SchedulerOutput):
+            outs, sampling = [outs], [sampling]
+        if len(outs) != self.dp_size or len(sampling) != self.dp_size:
+            raise ValueError(
+                f"got {len(outs)} scheduler outputs and {len(sampling)} sampling lists; the "
+                f"mesh has {self.dp_size} data ranks, one each"
+            )
+        if self.zero_freed_blocks:
+            self._zero_freed(outs)
         if self.encoder_store is not None:
-            self._run_encoder(out, images or {})
-        if out.is_empty:
+            self._run_encoder(outs, images or {})
+        if all(out.is_empty for out in outs):
             return self.sampled
-        buffer, shapes = self._pack(out, sampling)
+        buffer, shapes = self._pack(outs, sampling)
         self.kv_caches, self.sampled = self._step(buffer, shapes)
-        self._rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        self._rows = {
+            s.request.request_id: rank * self.max_num_seqs + i
+            for rank, out in enumerate(outs)
+            for i, s in enumerate(out.scheduled)
+        }
         return self.sampled
 
     # -- warm-up ------------------------------------------------------------------------
 
     def warm_up(self) -> int:
         """Compile every step shape and every zeroing bucket now; returns the shape count."""
+        dp = self.dp_size
         shapes_per_group = [p.all_shapes() for p in self.packers]
         for shapes in zip(*shapes_per_group, strict=True):
             t, r = shapes[0].num_tokens, shapes[0].num_reqs
-            parts = [p.empty(s)[0] for p, s in zip(self.packers, shapes, strict=True)]
-            parts += [np.zeros(t, np.int32), np.full(t, -1, np.int32)]
-            parts += [np.zeros(r, np.int32)] * 2 + [np.zeros(r, np.int32)]
-            parts += [np.ones(r, np.float32).view(np.int32)] + [np.zeros(r, np.int32)] * 2
+            parts = [p.empty(s, dp) for p, s in zip(self.packers, shapes, strict=True)]
+            rows = [np.zeros(t, np.int32), np.full(t, -1, np.int32)]
+            rows += [np.zeros(r, np.int32)] * 2 + [np.zeros(r, np.int32)]
+            rows += [np.ones(r, np.float32).view(np.int32)] + [np.zeros(r, np.int32)] * 2
             if self.encoder_store is not None:
-                parts += [np.zeros(t, np.int32), np.full(t, t, np.int32)]
-            buffer = np.concatenate(parts)[None, :].astype(np.int32)
+                rows += [np.zeros(t, np.int32), np.full(t, dp * t, np.int32)]
+            parts.append(np.tile(np.concatenate(rows), (dp, 1)))
+            buffer = np.concatenate(parts, axis=1).astype(np.int32)
             self.kv_caches, self.sampled = self._step(buffer, tuple(shapes))
         if self.encoder_store is not None:
-            pixels = jnp.zeros((1, *self.images.pixel_shape), jnp.float32)
+            pixels = np.zeros((1, *self.images.pixel_shape), np.float32)
             self.encoder_store.put("warm-up", self._encode(pixels)[0])
             self.encoder_store.free(["warm-up"])
         if self.zero_freed_blocks:
             for size in self.paged[0].id_buckets:
-                ids = np.ones(size, np.int32)
+                ids = np.ones(size * dp, np.int32)
                 self.kv_caches = [
                     self.paged[g].zero_blocks(kv, ids)
                     for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)

@@ -7,7 +7,6 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -15,9 +14,8 @@ __all__ = ["DenseReference", "image_offsets"]
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _dense_greedy(state, token_ids, embeds, *, graphdef):
-    model = nnx.merge(graphdef, state)
-    return jnp.argmax(model.forward_dense(token_ids, embeds), axis=-1)
+def _dense_logits(state, token_ids, embeds, *, graphdef):
+    return nnx.merge(graphdef, state).forward_dense(token_ids, embeds)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -34,7 +32,8 @@ def _embed_with_images(state, token_ids, pixel_values, offsets, *, graphdef):
 
 
 class DenseReference:
-    """`expected(prompt, outputs, images)`: the greedy token after every prefix.
+    """`expected(prompt, outputs, images)`: the greedy token after every prefix;
+    `logits(...)`: the logits it is chosen from.
 
     Sequences are padded to `max_len` (causal attention ignores the padding), so one
     program serves every length.
@@ -54,6 +53,16 @@ class DenseReference:
 
         `images`: `(offset, pixel_values)` of each image's placeholder run in the prompt.
         """
+        return self.logits(prompt_token_ids, output_token_ids, images).argmax(-1).tolist()
+
+    def logits(
+        self,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        images: Sequence[tuple[int, np.ndarray]] = (),
+    ) -> np.ndarray:
+        """`[len(output_token_ids), vocab]` float32: the logits after the prompt and each
+        output token but the last (the rows output token `i` is chosen from)."""
         tokens = list(prompt_token_ids) + list(output_token_ids)
         if len(tokens) > self.max_len:
             raise ValueError(f"{len(tokens)} tokens exceed the reference's max_len={self.max_len}")
@@ -66,9 +75,9 @@ class DenseReference:
             embeds = _embed_with_images(
                 self._state, padded, pixels, offsets, graphdef=self._graphdef
             )
-        predicted = np.asarray(_dense_greedy(self._state, padded, embeds, graphdef=self._graphdef))
+        logits = np.asarray(_dense_logits(self._state, padded, embeds, graphdef=self._graphdef))
         start = len(prompt_token_ids) - 1
-        return predicted[start : start + len(output_token_ids)].tolist()
+        return logits[start : start + len(output_token_ids)]
 
 
 def image_offsets(prompt_token_ids: Sequence[int], image_token_id: int, length: int) -> list[int]:

@@ -3,6 +3,14 @@
 One `schedule()` call plans one device step; `update_from_output()` applies the tokens the
 step sampled. Pure Python + numpy: no JAX, so host benchmarks and tests drive it directly.
 
+It uses only vLLM 0.33's `KVCacheManager` API (`get_computed_blocks`, `allocate_slots`,
+`free`, `get_block_ids`, `block_pool.get_num_free_blocks`, `max_model_len`,
+`coordinator.scheduler_block_size`) and request attributes both `jaxkv.Request` and vLLM's `Request`
+have, so the same class drives jaxkv's manager and vLLM's (benchmarks/bench_host.py). A
+request's `status` is set to the members of its own `RequestStatus` enum, found by name.
+jaxkv extensions are used only where present: freed block ids
+(`track_freed_block_ids=True`).
+
 Rules, in the order `schedule()` applies them:
 
 * Running requests first, oldest first, each getting the tokens it has not computed yet
@@ -11,7 +19,8 @@ Rules, in the order `schedule()` applies them:
   are freed, it is recomputed later, mostly from the prefix cache) until the request
   fits or is itself preempted.
 * Waiting requests are admitted, oldest first, from their longest cached prefix, while
-  requests, tokens and blocks last; none in a step that had to preempt.
+  requests, tokens and blocks last; none in a step that had to preempt. A request whose
+  whole remaining chunk cannot fit the free blocks is not looked up (no cache query).
 * Multimodal items: a chunk that reaches an item's placeholders needs the item's encoder
   output. A cached item (`EncoderCacheManager`) is shared, a new one is encoded once
   within the per-step encoder compute budget; the chunk is cut before an item that cannot
@@ -39,7 +48,7 @@ import numpy as np
 
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.request import Request, RequestStatus
+from jaxkv.request import Request
 
 __all__ = [
     "FinishReason",
@@ -62,26 +71,27 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step: requests, tokens, and a request's tokens per chunk (0: no cap)."""
+    """Limits of one step: requests, tokens, and a request's tokens per chunk (0: no cap);
+    `num_lookahead_tokens` extra slots reserved per scheduled request (speculative tokens)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "SchedulerConfig.long_prefill_token_threshold must be >= 0 (0: no cap), got "
-                f"{self.long_prefill_token_threshold!r}"
-            )
+        for name in ("long_prefill_token_threshold", "num_lookahead_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: positions `[num_computed_tokens, +num_new_tokens)`.
 
@@ -120,16 +130,19 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
-    """A token appended to a request (None for a request finished without one)."""
+    """A token appended to a request (None for a request finished without one).
+
+    `num_cached_tokens`: prompt tokens its first admission found in the prefix cache."""
 
     request: Request
     new_token_id: int | None
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
     stop_token_ids: frozenset[int]
@@ -137,10 +150,32 @@ class _Tracked:
     finish_reason: FinishReason | None = None
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
+    running: bool = False
+    num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+
+
+# The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
+# `FINISHED`).
+_FINISHED_STATUS = {
+    FinishReason.LENGTH: "FINISHED_LENGTH_CAPPED",
+    FinishReason.STOP: "FINISHED_STOPPED",
+    FinishReason.ABORT: "FINISHED_ABORTED",
+}
+
+
+def _set_status(request: Request, name: str) -> None:
+    """Set the member `name` of the request's own status enum (jaxkv's or vLLM's)."""
+    statuses = type(request.status)
+    request.status = statuses[name] if name in statuses.__members__ else statuses["FINISHED"]
 
 
 class Scheduler:
-    """Waiting/running queues, token budget, chunked prefill, prefix caching, preemption."""
+    """Waiting/running queues, token budget, chunked prefill, prefix caching, preemption.
+
+    `kv_cache_manager`: a jaxkv `KVCacheManager`, or vLLM's (the methods used are vLLM's).
+    `with_block_ids=False` leaves `ScheduledRequest.block_ids` empty (a host-only
+    simulation needs no block tables; gathering them costs a pass over every block).
+    """
 
     def __init__(
         self,
@@ -149,6 +184,7 @@ class Scheduler:
         *,
         encoder_cache_manager: EncoderCacheManager | None = None,
         encoder_budget: EncoderBudget | None = None,
+        with_block_ids: bool = True,
     ) -> None:
         if (encoder_cache_manager is None) != (encoder_budget is None):
             raise ValueError("give both encoder_cache_manager and encoder_budget, or neither")
@@ -161,12 +197,19 @@ class Scheduler:
         self.config = config
         self.encoder_cache_manager = encoder_cache_manager
         self.encoder_budget = encoder_budget
-        self.track_freed_blocks = kv_cache_manager.block_pool.track_freed_block_ids
+        self.track_freed_blocks = getattr(
+            kv_cache_manager.block_pool, "track_freed_block_ids", False
+        )
+        self.with_block_ids = with_block_ids
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._tracked: dict[str, _Tracked] = {}
         self._num_arrivals = 0
         self.num_preemptions = 0
+        # Over all admissions (a preempted request counts again when readmitted): tokens
+        # of the admitted requests, and how many of them the prefix cache served.
+        self.num_admitted_tokens = 0
+        self.num_admitted_hit_tokens = 0
 
     # -- requests ---------------------------------------------------------------------
 
@@ -191,7 +234,7 @@ class Scheduler:
     def add_request(self, request: Request, stop_token_ids: Iterable[int] = ()) -> None:
         """Queue a new request; stops after `request.max_tokens` outputs or a stop token."""
         self.check_request(request)
-        request.status = RequestStatus.WAITING
+        _set_status(request, "WAITING")
         self._tracked[request.request_id] = _Tracked(
             request, frozenset(stop_token_ids), arrival=self._num_arrivals
         )
@@ -224,8 +267,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step; allocates its slots and encoder-cache entries."""
+        # As vLLM's scheduler: a hit on a Mamba state cached during this step waits a step.
+        self.kv_cache_manager.new_step_starts()
         budget = self.config.max_num_batched_tokens
         encoder_budget = self.encoder_budget.compute_budget if self.encoder_budget else 0
+        lookahead = self.config.num_lookahead_tokens
+        allocate_slots = self.kv_cache_manager.allocate_slots
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
@@ -238,14 +285,15 @@ class Scheduler:
                 i += 1
                 continue
             num_new, inputs = plan
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            while allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+                if inputs:
+                    encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
                 scheduled.append(self._advance(tracked, num_new, inputs))
                 budget -= num_new
                 i += 1
@@ -268,13 +316,15 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], budget: int, encoder_budget: int, counts: list
     ) -> None:
         manager = self.kv_cache_manager
-        block_size = manager.scheduler_block_size
+        block_size = manager.coordinator.scheduler_block_size
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
             tracked = self._tracked[request.request_id]
             if tracked.num_pending:
                 break  # preempted while its last step was in flight: wait for that token
-            if manager.num_free_blocks < -(-min(request.num_tokens, budget) // block_size):
+            if manager.block_pool.get_num_free_blocks() < -(
+                -min(request.num_tokens, budget) // block_size
+            ):
                 break  # cheap pre-check, so hopeless attempts do not count as cache lookups
             hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = shared_prefix_boundary
@@ -282,42 +332,57 @@ class Scheduler:
             if plan is None:
                 break
             num_new, inputs = plan
-            if manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
+            if (
+                manager.allocate_slots(
+                    request,
+                    num_new,
+                    num_hits,
+                    hit_blocks,
+                    num_lookahead_tokens=self.config.num_lookahead_tokens,
+                )  # fmt: skip
+                is None
+            ):
                 self._release_planned(request, inputs)
                 break
             self.waiting.popleft()
+            self.num_admitted_tokens += request.num_tokens
+            self.num_admitted_hit_tokens += num_hits
             request.num_computed_tokens = num_hits
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hits
-            request.status = RequestStatus.RUNNING
+            if not request.num_preemptions:
+                tracked.num_cached_tokens = num_hits
+            _set_status(request, "RUNNING")
+            tracked.running = True
             self.running.append(request)
-            encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+            if inputs:
+                encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
             scheduled.append(self._advance(tracked, num_new, inputs))
             budget -= num_new
 
     def _plan(
         self, tracked: _Tracked, start: int, budget: int, encoder_budget: int
-    ) -> tuple[int, list[int]] | None:
+    ) -> tuple[int, Sequence[int]] | None:
         """Tokens to compute from `start` and encoder inputs they need; None: nothing now.
 
         Cached encoder entries the chunk needs are referenced here (so planning the rest
         cannot evict them); `_release_planned` undoes that when the slots are refused.
         """
         request = tracked.request
+        config = self.config
         available = request.num_tokens + tracked.num_pending
-        num_new = min(available - start, budget, self.config.max_model_len - start)
-        if self.config.long_prefill_token_threshold:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        num_new = min(available - start, budget, config.max_model_len - start)
+        cap = config.long_prefill_token_threshold
+        if cap and num_new > cap:
+            num_new = cap
         if num_new <= 0:
             return None
         if start + num_new == available and (
             request.num_output_tokens + tracked.num_pending >= request.max_tokens
         ):
             return None  # its last token is in flight; the update will finish it
-        inputs: list[int] = []
         manager = self.encoder_cache_manager
         if manager is None or not request.mm_features:
-            return num_new, inputs
+            return num_new, ()  # the hot path: a text request
+        inputs: list[int] = []
         end = start + num_new
         held = manager.get_cached_input_ids(request)
         embeds_to_schedule = 0
@@ -376,13 +441,14 @@ class Scheduler:
         inputs[:] = to_encode
         return encoded
 
-    def _advance(self, tracked: _Tracked, num_new: int, inputs: list[int]) -> ScheduledRequest:
+    def _advance(self, tracked: _Tracked, num_new: int, inputs: Sequence[int]) -> ScheduledRequest:
         request = tracked.request
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens + tracked.num_pending
+        num_tokens = request.num_tokens
+        samples = start + num_new == num_tokens + tracked.num_pending
         out = ScheduledRequest(
-            request, start, num_new, request.num_tokens, samples, tuple(inputs),
-            self.kv_cache_manager.get_block_ids(request.request_id),
+            request, start, num_new, num_tokens, samples, tuple(inputs),
+            self.kv_cache_manager.get_block_ids(request.request_id) if self.with_block_ids else (),
         )  # fmt: skip
         request.num_computed_tokens = start + num_new
         if samples:
@@ -390,11 +456,13 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request) -> None:
+        tracked = self._tracked[request.request_id]
         self.kv_cache_manager.free(request)
-        self._free_encoder_inputs(self._tracked[request.request_id])
+        self._free_encoder_inputs(tracked)
+        tracked.running = False
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.status = RequestStatus.PREEMPTED
+        _set_status(request, "PREEMPTED")
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -414,33 +482,31 @@ class Scheduler:
         preempted request keeps its token. Stop conditions are checked here.
         """
         updates: list[RequestUpdate] = []
+        all_tracked = self._tracked
+        max_model_len = self.config.max_model_len
         for row, item in enumerate(output.scheduled):
             request = item.request
-            tracked = self._tracked.get(request.request_id)
+            tracked = all_tracked.get(request.request_id)
             if tracked is None or tracked.request is not request:
                 continue  # finished or aborted while the step ran
             if item.samples:
                 tracked.num_pending -= 1
                 token = int(sampled_token_ids[row])
                 request.append_output_token_ids(token)
-                reason = self._stop_reason(tracked, token)
+                reason = None
+                if token in tracked.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif (
+                    request.num_output_tokens >= request.max_tokens
+                    or request.num_tokens >= max_model_len
+                ):
+                    reason = FinishReason.LENGTH
                 if reason is not None:
                     self._finish(tracked, reason)
-                updates.append(RequestUpdate(request, token, reason))
-            if tracked.held_inputs and request.status == RequestStatus.RUNNING:
+                updates.append(RequestUpdate(request, token, reason, tracked.num_cached_tokens))
+            if tracked.held_inputs and tracked.running:
                 self._release_done_inputs(tracked)
         return updates
-
-    def _stop_reason(self, tracked: _Tracked, token: int) -> FinishReason | None:
-        request = tracked.request
-        if token in tracked.stop_token_ids:
-            return FinishReason.STOP
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None
 
     def _release_done_inputs(self, tracked: _Tracked) -> None:
         """Encoder entries whose placeholders are all computed are no longer needed."""
@@ -453,12 +519,12 @@ class Scheduler:
 
     def _finish(self, tracked: _Tracked, reason: FinishReason) -> None:
         request = tracked.request
-        if request.status == RequestStatus.RUNNING:
+        if tracked.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
-        request.status = RequestStatus.FINISHED
+        _set_status(request, _FINISHED_STATUS[reason])
         tracked.finish_reason = reason
         del self._tracked[request.request_id]
