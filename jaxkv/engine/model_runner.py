@@ -46,6 +46,7 @@ from jaxkv.device import (
     StepMetadataPacker,
     StepShape,
 )
+from jaxkv.device.storage import from_storage
 from jaxkv.engine.sampling import sample_tokens
 from jaxkv.engine.scheduler import SchedulerOutput
 from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
@@ -118,11 +119,18 @@ def _shared_paged_cache(spec: KVCacheSpec, num_blocks: int, mesh: Mesh | None) -
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "paged", "layer_to_group", "max_num_seqs", "shapes"),
+    static_argnames=(
+        "graphdef",
+        "paged",
+        "layer_to_group",
+        "max_num_seqs",
+        "shapes",
+        "store_dtype",
+    ),
     donate_argnames="kv_caches",
 )
 def _paged_step(
-    state, kv_caches, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group,
+    state, kv_caches, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group, store_dtype,
     max_num_seqs, shapes,
 ):  # fmt: skip
     """Forward + sampling of one packed step (see `ModelRunner._pack` for the layout)."""
@@ -155,6 +163,7 @@ def _paged_step(
         merge_src, merge_dst = take(t), take(t)
         embeds = model.embed_tokens(token_ids)
         rows = store.reshape(-1, store.shape[-1]).at[merge_src].get(mode="fill", fill_value=0)
+        rows = from_storage(rows, store_dtype)  # the store may hold bf16 as uint16 bits
         embeds = embeds.at[merge_dst].set(rows.astype(embeds.dtype), mode="drop")
     logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
     sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters).reshape(dp, r)
@@ -243,11 +252,13 @@ class ModelRunner:
         return self.paged[0].put(arr, P())
 
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
-        store = None if self.encoder_store is None else self.encoder_store.cache
+        store = self.encoder_store
         return _paged_step(
-            self._state, self.kv_caches, store, self.paged[0].put(buffer), self.sampled,
+            self._state, self.kv_caches, None if store is None else store.cache,
+            self.paged[0].put(buffer), self.sampled,
             graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
             max_num_seqs=self.max_num_seqs, shapes=shapes,
+            store_dtype=None if store is None else store.dtype,
         )  # fmt: skip
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
