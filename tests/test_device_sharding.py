@@ -8,15 +8,10 @@ before JAX starts), so the rest of the suite keeps its single CPU device.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from eight_devices import call_on_8_devices
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -31,8 +26,6 @@ from jaxkv.device import (
     make_mesh,
 )
 from jaxkv.kv_cache_interface import FullAttentionSpec
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:
@@ -208,8 +201,10 @@ def layout_violations() -> list[str]:
     return bad
 
 
-def _main(seed: int) -> None:
+def sharded_results(seed: str) -> dict:
+    """Under 8 devices: every layout's step against one device, bytes, invariants."""
     assert jax.device_count() == 8, jax.devices()
+    seed = int(seed)
     results = {}
     for name, (data, model, heads, group, policy) in LAYOUTS.items():
         results[name], _ = run_layout(
@@ -217,25 +212,12 @@ def _main(seed: int) -> None:
         )
     results["bytes"] = {str(heads): bytes_by_policy(heads) for heads in (1, 2, 4)}
     results["violations"] = layout_violations()
-    print("RESULTS " + json.dumps(results))
-
-
-def results_on_8_devices(script: str, seed: int) -> dict:
-    """Run `script seed` with 8 simulated CPU devices; the JSON it prints after "RESULTS "."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, script, str(seed)], env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS ") :])
+    return results
 
 
 def test_sharded_layouts_match_single_device() -> None:
     seed = int(np.random.SeedSequence().entropy % (1 << 31))
-    results = results_on_8_devices(__file__, seed)
+    results = call_on_8_devices("test_device_sharding", "sharded_results", seed)
     by_heads = results.pop("bytes")
     assert results.pop("violations") == []
     assert set(results) == set(LAYOUTS)
@@ -259,7 +241,3 @@ def test_sharded_layouts_match_single_device() -> None:
             assert p["bytes_per_device"] == p["replication"] * p["cache_bytes"] // 8, (heads, name)
         assert policies["replicate"]["replication"] == 8
         assert policies["replicate"]["bytes_per_device"] == 8 * least
-
-
-if __name__ == "__main__":
-    _main(int(sys.argv[1]))

@@ -8,15 +8,11 @@ starts), so the rest of the suite keeps its single CPU device.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+from eight_devices import call_on_8_devices
 
-REPO = Path(__file__).resolve().parent.parent
 MESHES = [(1, 1), (1, 2), (1, 8), (2, 4)]  # (data, model)
 
 
@@ -60,19 +56,7 @@ def child(workdir: str) -> dict:
 
 
 def test_same_tokens_on_1_and_8_devices(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    code = (
-        "import json, sys, test_models_sharding as t; "
-        "print('RESULT' + json.dumps(t.child(sys.argv[1])))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    results = json.loads(line[len("RESULT") :])
+    results = call_on_8_devices("test_models_sharding", "child", tmp_path)
     one = results["1x1"]
     # 4 query heads split over 2 devices, kept whole (replicated) over 8; 128 MLP units split.
     assert "model" in results["1x2"]["q_spec"] and "model" not in results["1x8"]["q_spec"]

@@ -13,14 +13,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
-import json
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from eight_devices import call_on_8_devices
 from jax.experimental.pallas import tpu as pltpu
 from test_device_attention import (
     BATCHES,
@@ -33,7 +32,6 @@ from test_device_attention import (
     run_attention,
 )
 from test_device_quant import ATTENTION_BOUND
-from test_device_sharding import results_on_8_devices
 from test_device_step_metadata import _run_step
 
 from jaxkv.device import (
@@ -363,13 +361,13 @@ def test_sharded_step_matches_reference() -> None:
     a slice of the query heads (the kernel's `kv_head` offset comes from the axis index).
     In a subprocess with 8 simulated CPU devices (the flag must precede JAX's start)."""
     seed = int(np.random.SeedSequence().entropy % (1 << 31))
-    results = results_on_8_devices(__file__, seed)
+    results = call_on_8_devices("test_pallas_tpu", "sharded_results", seed)
     assert results["heads_sharded"]["replication"] == 1
     assert results["replicated_kv_q_split"]["replication"] == 4
     for name, r in results.items():
         assert r["model"] == 4 and r["ref_err"] < 1e-5 and r["padded_rows_zero"], (name, seed, r)
 
 
-if __name__ == "__main__":
-    found = {name: _sharded_step(*args, int(sys.argv[1])) for name, args in SHARDED.items()}
-    print("RESULTS " + json.dumps(found))
+def sharded_results(seed: str) -> dict:
+    """Under 8 devices: each sharded case's step against the reference."""
+    return {name: _sharded_step(*args, int(seed)) for name, args in SHARDED.items()}
