@@ -374,17 +374,20 @@ class BlockPool:
         Every block must be one of this pool's (checked first: TypeError/ValueError,
         nothing changed)."""
         groups = [list(group_blocks) for group_blocks in blocks]
-        pool_blocks = self.blocks
         for group_blocks in groups:
             for block in group_blocks:
-                block_id = getattr(block, "block_id", None)
-                if not (
-                    type(block_id) is int
-                    and 0 <= block_id < len(pool_blocks)
-                    and pool_blocks[block_id] is block
-                ):
+                if not self.is_own_block(block):
                     raise ValueError(f"touch takes this pool's KVCacheBlocks, got {block!r}")
         self.touch_checked(groups)
+
+    def is_own_block(self, block: object) -> bool:
+        """Whether `block` is one of this pool's `KVCacheBlock`s (the very object)."""
+        block_id = getattr(block, "block_id", None)
+        return (
+            type(block_id) is int
+            and 0 <= block_id < len(self.blocks)
+            and self.blocks[block_id] is block
+        )
 
     def touch_checked(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
         """`touch` for blocks the caller has checked are this pool's (the manager's hits)."""

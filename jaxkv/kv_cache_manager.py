@@ -652,19 +652,14 @@ class KVCacheManager:
         """Raise the ValueError naming what is wrong with group `group_id`'s hit blocks
         (not this pool's, the null block, not cached in the group, given twice); return
         if nothing is (null blocks where the attention type allows them)."""
-        pool_blocks = self.block_pool.blocks
         seen: set[int] = set()
         for block in group_hits:
-            block_id = getattr(block, "block_id", None)
-            if not (
-                type(block_id) is int
-                and 0 <= block_id < len(pool_blocks)
-                and pool_blocks[block_id] is block
-            ):
+            if not self.block_pool.is_own_block(block):
                 raise ValueError(
                     f"request {rid!r}: new_computed_blocks holds {block!r}, which is not "
                     "a block of this pool"
                 )
+            block_id = block.block_id  # type: ignore[attr-defined]
             if block.is_null:  # type: ignore[attr-defined]
                 if null_allowed:
                     continue
