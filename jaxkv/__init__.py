@@ -51,6 +51,8 @@ from jaxkv.kv_cache_interface import (
     SpecMergeError,
     TensorParallelBytes,
     UniformTypeKVCacheSpecs,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
 )
 from jaxkv.kv_cache_manager import (
     CachingMetrics,
@@ -73,6 +75,7 @@ from jaxkv.kv_cache_planning import (
     update_kv_cache_capacity,
 )
 from jaxkv.kv_cache_utils import (
+    KVCacheBlockCopy,
     eagle_proof_margin,
     partial_hash_hits_enabled,
     resolve_block_hashes,
@@ -147,13 +150,16 @@ __all__ = [
     "get_max_concurrency_for_kv_cache_config",
     "get_none_hash",
     "get_none_hash_seed",
+    "get_mamba_prefill_checkpoint_position",
     "get_request_block_hasher",
     "hash_block_tokens",
     "hash_mm_item",
     "HybridKVCacheCoordinator",
     "init_none_hash",
+    "is_mamba_prefill_checkpoint_valid",
     "kv_cache_per_device_bytes",
     "KVCacheBlock",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheCapacity",
     "KVCacheConfig",

@@ -319,6 +319,14 @@ class BlockPool:
         # Grows whenever a block loses its hash: a manager's remembered lookup result is
         # still a set of cached blocks iff this has not changed since.
         self.num_hash_removals = 0
+        # Blocks keyed by a partial entry (`cache_partial_block`): block id -> (the hash it
+        # is stamped with, the prefix length it names). An entry is current only while the
+        # block is still stamped with that very hash object (eviction leaves it stale).
+        self._partial_entries: dict[int, tuple[BlockHash, int]] = {}
+        # A block's further keys beside the one it is stamped with (vLLM keeps a set per
+        # block): block id -> [(block hash, group id)], partial entries registered on a
+        # block that already had a longer key. Dropped with the block's own key.
+        self._secondary_keys: dict[int, list[tuple[BlockHash, int]]] = {}
 
     # -- lookups -------------------------------------------------------------
 
@@ -501,6 +509,12 @@ class BlockPool:
             if block.is_null or not kept:
                 continue
             if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
+                if self._partial_entries and self.partial_entry_tokens(block) is not None:
+                    # A partial entry's block filled up: promoted to its full key.
+                    self._drop_partial_entry(block)
+                    block.try_set_hash(block_hash, kv_cache_group_id)
+                    stamped.append(block)
+                    continue
                 if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
                     for done in stamped:  # leave no state changed
                         done.reset_hash()
@@ -529,6 +543,130 @@ class BlockPool:
                     kv_cache_group_id,
                 )
             )
+
+    def partial_entry_tokens(self, block: KVCacheBlock) -> int | None:
+        """The prefix length `block`'s partial entry names (vLLM's `block_hash_num_tokens`
+        for a block keyed inside itself), or None when it has none."""
+        entry = self._partial_entries.get(block.block_id)
+        if entry is None:
+            return None
+        if entry[0] is not block._block_hash:  # evicted (and maybe re-keyed) since
+            del self._partial_entries[block.block_id]
+            return None
+        return entry[1]
+
+    def _drop_partial_entry(self, block: KVCacheBlock) -> None:
+        """Remove `block`'s partial entry from the prefix cache (a `BlockRemoved` event)."""
+        del self._partial_entries[block.block_id]
+        self._evict_cached_blocks((block,))
+
+    def cache_partial_block(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> BlockHashWithGroupId | None:
+        """Make `block` reachable from the prefix boundary `num_tokens` inside it (vLLM
+        0.33's partial entry): its key is the request's hash at that boundary.
+
+        Returns the key, or None when the block is the null block or already holds a
+        full-block key (jaxkv keeps one key per block; vLLM adds a second one). An older,
+        shorter partial entry of the block is replaced, and with
+        `replace_existing_hashes` any key (the block's contents were replaced).
+        """
+        if block.is_null:
+            return None
+        hash_block_size = self.hash_block_size or block_size
+        if num_tokens <= 0 or num_tokens % hash_block_size or block_size % hash_block_size:
+            raise ValueError(
+                f"num_tokens={num_tokens} must be a positive multiple of the hash block size "
+                f"({hash_block_size}), which must divide block_size={block_size}"
+            )
+        num_hashes = num_tokens // hash_block_size
+        if num_hashes > len(request.block_hashes):
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block hashes; "
+                f"a partial entry at {num_tokens} tokens needs {num_hashes}"
+            )
+        block_hash = request.block_hashes[num_hashes - 1]
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        secondary = self._secondary_keys.get(block.block_id, ())
+        if block._block_hash is not None:
+            if (block._block_hash == block_hash and block._group_id == kv_cache_group_id) or (
+                (block_hash, kv_cache_group_id) in secondary
+            ):
+                if not replace_existing_hashes:
+                    return key  # already keyed here
+            tokens = self.partial_entry_tokens(block)
+            if replace_existing_hashes or (tokens is not None and tokens < num_tokens):
+                if tokens is not None:
+                    del self._partial_entries[block.block_id]
+                self._evict_cached_blocks((block,))
+            else:  # the block's key names a longer prefix: this one is a further key
+                self.cached_block_hash_to_block.insert(block_hash, kv_cache_group_id, block)
+                self._secondary_keys.setdefault(block.block_id, []).append(
+                    (block_hash, kv_cache_group_id)
+                )
+                self._partial_block_stored(request, block_hash, num_tokens, kv_cache_group_id)
+                return key
+        block.set_hash(block_hash, kv_cache_group_id)
+        self.cached_block_hash_to_block.insert_stamped((block,), kv_cache_group_id)
+        self._partial_entries[block.block_id] = (block_hash, num_tokens)
+        self._partial_block_stored(request, block_hash, num_tokens, kv_cache_group_id)
+        return key
+
+    def _partial_block_stored(
+        self, request: Request, block_hash: BlockHash, num_tokens: int, kv_cache_group_id: int
+    ) -> None:
+        """The `BlockStored` event of a partial entry: its last hash unit's tokens."""
+        if not self.enable_kv_cache_events:
+            return
+        hash_block_size = self.hash_block_size or num_tokens
+        num_hashes = num_tokens // hash_block_size
+        lora = request.lora_request
+        start = num_tokens - hash_block_size
+        keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, 0)
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[block_hash],
+                parent_block_hash=request.block_hashes[num_hashes - 2] if num_hashes > 1 else None,
+                token_ids=request.all_token_ids[start:num_tokens],
+                block_size=hash_block_size,
+                lora_id=request.lora_int_id,
+                lora_name=lora.lora_name if lora is not None else None,
+                extra_keys=to_event_extra_keys([keys]),
+                group_idx=kv_cache_group_id,
+            )
+        )
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-key `src_block`'s prefix-cache entry to `dst_block` (no events: the entry stays
+        live). The request owning `src_block` keeps writing into it; the cache holds
+        `dst_block`, a private copy, under the same key instead."""
+        if dst_block._block_hash is not None or dst_block.is_null:
+            raise ValueError(f"move_block_hashes needs an unkeyed destination, got {dst_block!r}")
+        block_hash, group_id = src_block._block_hash, src_block._group_id
+        if block_hash is None:
+            return
+        partial = self._partial_entries.pop(src_block.block_id, None)
+        secondary = self._secondary_keys.pop(src_block.block_id, None)
+        cache = self.cached_block_hash_to_block
+        cache.pop_stamped((src_block,))
+        for other_hash, other_group in secondary or ():
+            cache.pop(other_hash, other_group, src_block.block_id)
+        src_block.reset_hash()
+        self.num_hash_removals += 1
+        dst_block.set_hash(block_hash, group_id)
+        cache.insert_stamped((dst_block,), group_id)
+        if secondary:
+            for other_hash, other_group in secondary:
+                cache.insert(other_hash, other_group, dst_block)
+            self._secondary_keys[dst_block.block_id] = secondary
+        if partial is not None and partial[0] is block_hash:
+            self._partial_entries[dst_block.block_id] = partial
 
     def emit_cached_block_events(
         self, request: Request, num_cached_blocks: int, block_size: int, kv_cache_group_id: int
@@ -593,6 +731,8 @@ class BlockPool:
     def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Drop cached blocks from the prefix cache (their hashes are reset)."""
         self.cached_block_hash_to_block.pop_stamped(blocks)
+        if self._secondary_keys:  # only with partial entries on full blocks
+            self._drop_secondary_keys(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids:
@@ -604,6 +744,19 @@ class BlockPool:
             )
         KVCacheBlock.reset_hashes(blocks)
         self.num_hash_removals += len(blocks)
+
+    def _drop_secondary_keys(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            secondary = self._secondary_keys.pop(block.block_id, None)
+            if secondary is None:
+                continue
+            for block_hash, group_id in secondary:
+                self.cached_block_hash_to_block.pop(block_hash, group_id, block.block_id)
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.extend(
+                    BlockRemoved(block_hashes=[block_hash], group_idx=group_id)
+                    for block_hash, group_id in secondary
+                )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix cache only (their KV turned out to be bad)."""
@@ -632,6 +785,8 @@ class BlockPool:
                 b.block_id for b in self.blocks if b._block_hash is not None
             )
         self.cached_block_hash_to_block.clear()
+        self._secondary_keys.clear()
+        self._partial_entries.clear()
         KVCacheBlock.reset_hashes(self.blocks)
         self.num_hash_removals += 1
         if self.enable_kv_cache_events:

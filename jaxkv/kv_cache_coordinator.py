@@ -26,6 +26,7 @@ from jaxkv.kv_cache_utils import eagle_proof_margin, partial_hash_hits_enabled
 from jaxkv.single_type_kv_cache_manager import (
     CrossAttentionManager,
     HitBlocks,
+    MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -160,6 +161,10 @@ class KVCacheCoordinator:
             )
             for group_id, group in enumerate(groups)
         )
+        if use_eagle:  # Mamba checkpoints follow EAGLE's replay boundary (vLLM's rule)
+            for manager in self.single_type_managers:
+                if isinstance(manager, MambaManager):
+                    manager.drop_eagle_checkpoint_block = True
         # Managers whose attention type releases blocks as a request advances.
         self.skipping_managers = tuple(m for m in self.single_type_managers if m.releases_blocks)
         self._cross_attention = tuple(
@@ -519,16 +524,17 @@ def get_kv_cache_coordinator(
     track_freed_block_ids: bool = False,
     dcp_world_size: int = 1,
     num_prefill_lookahead: int = 0,
-    allow_partial_hash_hits: bool = False,
+    allow_partial_hash_hits: bool = True,
     max_in_flight_tokens: int | None = None,
     needs_kv_cache_zeroing: bool = False,
 ) -> KVCacheCoordinator:
     """The coordinator class the configuration calls for.
 
-    `allow_partial_hash_hits` (fine-grained hits inside a block, vLLM's Mamba
-    "align" hybrids) is off by default: a hit ending inside a block needs a
-    copy-on-write of that shared block before new tokens are written into it,
-    which jaxkv's managers do not do.
+    `allow_partial_hash_hits`: fine-grained hits inside a block where vLLM 0.33
+    enables them (`partial_hash_hits_enabled`: a Mamba "align" group coarser than
+    the hash unit, every other cacheable group able to look up at hash units). A
+    hit ending inside a block is redirected to a private copy of that block (the
+    managers' copy-on-write, drained by `KVCacheManager.take_kv_cache_block_copies`).
     """
     kwargs = dict(
         scheduler_block_size=scheduler_block_size,

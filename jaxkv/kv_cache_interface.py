@@ -601,6 +601,52 @@ class MambaSpec(KVCacheSpec):
         return TensorParallelBytes(tensor_parallel_size, page // tensor_parallel_size, 1, 0)
 
 
+def get_mamba_prefill_checkpoint_position(
+    num_tokens: int,
+    hash_block_size: int,
+    drop_eagle_block: bool,
+    num_hash_lookahead_tokens: int = 0,
+) -> int:
+    """The last position of a `num_tokens`-token prefill whose Mamba state a later request
+    can reuse (vLLM 0.33): a hash boundary that leaves at least one token (or the hash
+    lookahead) to recompute for the logits; with EAGLE one hash unit lower, as its
+    attention hit drops one."""
+    proof_limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
+    position = proof_limit // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
+def is_mamba_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    mamba_block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a step computing `[query_start, query_end)` can export the state at
+    `checkpoint_position` into a spare state block (vLLM 0.33's rule): the step starts
+    on a hash boundary, the checkpoint lies strictly inside it, at least one hash unit
+    past its start and a multiple of `checkpoint_alignment` tokens from it, and its
+    column (the block before the step's last) lies past the step's initial state.
+    `checkpoint_alignment` None: the backend exports no checkpoints."""
+    if checkpoint_alignment is None:
+        return False
+    if checkpoint_alignment <= 0:
+        raise ValueError(f"checkpoint_alignment must be positive, got {checkpoint_alignment}")
+    initial_state_col = (query_start - 1) // mamba_block_size
+    checkpoint_col = _cdiv(query_end, mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_col > initial_state_col
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
+
+
 @dataclass(frozen=True)
 class UniformTypeKVCacheSpecs(KVCacheSpec):
     """Layers of one attention type with different shapes sharing one group.

@@ -17,7 +17,7 @@ from jaxkv.kv_cache_interface import (
     KVCacheSpec,
     get_kv_cache_spec_sliding_window,
 )
-from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
+from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
 from jaxkv.single_type_kv_cache_manager import FullAttentionManager
@@ -619,11 +619,18 @@ class KVCacheManager:
         for group_id, (manager, group_hits) in enumerate(
             zip(self.coordinator.single_type_managers, hits, strict=True)
         ):
+            block_size = manager.block_size
             if not manager.kv_cache_spec.prefix_cacheable:
                 expected = 0  # cross-attention never hits
             else:
-                expected = num_new_computed_tokens // manager.block_size
-            if num_new_computed_tokens % manager.block_size or len(group_hits) != expected:
+                expected = -(-num_new_computed_tokens // block_size)
+            # A hit ends on a block boundary, or inside a block on the finer hit grid of
+            # partial (sub-block) hits.
+            off_grid = num_new_computed_tokens % block_size and (
+                manager.cache_hit_alignment_tokens >= block_size
+                or num_new_computed_tokens % manager.cache_hit_alignment_tokens
+            )
+            if off_grid or len(group_hits) != expected:
                 raise ValueError(
                     f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} does "
                     f"not match new_computed_blocks' {len(group_hits)} hit blocks of group "
@@ -793,6 +800,25 @@ class KVCacheManager:
                     event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
                 )
         return events
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """(the page copies queued since the last call, their retained blocks), as vLLM 0.33.
+
+        A partial (sub-block) hit is redirected to a private copy of its shared tail
+        block; the device must run each `KVCacheBlockCopy` before the step that writes
+        into the copy. Both endpoints of every copy (`[src, dst]` per copy, in order)
+        hold one reference each, kept so that nothing frees and reuses them before the
+        copy has run: the caller releases them with `block_pool.free_blocks(retained)`
+        once the copies have run, or have been ordered before any later write (a
+        synchronous engine: right after handing the copies to the step, as
+        `jaxkv.engine.Scheduler` does).
+        """
+        pending: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        for manager in self.coordinator.single_type_managers:
+            if manager._pending_cow_copies:
+                pending.extend(manager.take_pending_cow_copies())
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pending]
+        return copies, [block for pair in pending for block in pair]
 
     def take_freed_block_ids(self) -> np.ndarray:
         return self.block_pool.take_freed_block_ids()

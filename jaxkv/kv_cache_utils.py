@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from jaxkv._checks import AssertedValueError
 from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
@@ -32,6 +32,14 @@ from jaxkv.kv_cache_interface import (
 
 if TYPE_CHECKING:
     from jaxkv.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One page copy the device runs before a step (vLLM 0.33): block `src_block_id`'s
+    contents into block `dst_block_id`, in every layer (a partial hit's copy-on-write)."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 def resolve_dcp_kv_block_size(spec: KVCacheSpec, dcp_world_size: int) -> int:

@@ -24,6 +24,7 @@ from jaxkv.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    get_mamba_prefill_checkpoint_position,
 )
 from jaxkv.kv_cache_utils import resolve_block_hashes
 
@@ -104,6 +105,13 @@ class SingleTypeKVCacheManager:
             kv_cache_spec, AttentionSpec
         )
         self.new_block_ids: list[int] = []
+        # Partial (sub-block) hits, vLLM 0.33's copy-on-write: request id -> (table index,
+        # shared block) of a hit ending inside a block, redirected to a private copy at
+        # the request's next allocation; and the (source, copy) pairs not yet handed to
+        # the device (`take_pending_cow_copies`). Both endpoints of a pending pair hold
+        # one extra reference (the retained blocks) until the copy has run.
+        self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
     # -- allocation ----------------------------------------------------------
 
@@ -142,6 +150,8 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks[start:]:
             if block.ref_cnt == 0 and not block.is_null:
                 num_new += 1
+        if new_computed_blocks and total_computed_tokens % self.block_size:
+            num_new += 1  # the private copy of a partial hit's shared tail block
         return num_new
 
     def add_local_computed_blocks(
@@ -173,6 +183,12 @@ class SingleTypeKVCacheManager:
         req_blocks = [self._null_block] * num_skipped + kept
         self.req_to_blocks[request_id] = req_blocks
         self.num_cached_block[request_id] = len(req_blocks)
+        if kept and num_local_computed_tokens % self.block_size:
+            # A partial hit: the shared tail block is copied before this request writes
+            # into it; the copy is cached once full, so it counts as not cached yet.
+            block_idx = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (block_idx, kept[-1])
+            self.num_cached_block[request_id] = block_idx
         if self.releases_blocks:
             num_nulls = num_skipped
             while num_nulls < len(req_blocks) and req_blocks[num_nulls].is_null:
@@ -189,14 +205,50 @@ class SingleTypeKVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
             self.num_cached_block.setdefault(request_id, 0)
+        cow_blocks = self._redirect_partial_hit(request_id) if self._partial_hit_reqs else []
         num_new = -(-num_tokens // self.block_size) - len(req_blocks)
         if num_new <= 0:
-            return []
+            return cow_blocks
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
         if self._record_new_block_ids:
             self.new_block_ids.extend(block.block_id for block in new_blocks)
-        return new_blocks
+        return cow_blocks + new_blocks if cow_blocks else new_blocks
+
+    def _redirect_partial_hit(self, request_id: str) -> list[KVCacheBlock]:
+        """[the private copy] replacing the request's shared partial tail block, if it has
+        one pending (its extra block was counted by `get_num_blocks_to_allocate`)."""
+        partial = self._partial_hit_reqs.pop(request_id, None)
+        if partial is None:
+            return []
+        cow_block = self.block_pool.get_new_blocks(1)[0]
+        self._apply_cow(request_id, partial[0], partial[1], cow_block)
+        if self._record_new_block_ids:
+            self.new_block_ids.append(cow_block.block_id)
+        return [cow_block]
+
+    def _apply_cow(
+        self,
+        request_id: str,
+        block_idx: int,
+        source_block: KVCacheBlock,
+        cow_block: KVCacheBlock,
+    ) -> None:
+        """Put `cow_block` in the request's table in place of `source_block` and queue the
+        copy. Both stay retained until the copy has run: `source_block` keeps the
+        request's hit reference, `cow_block` takes one beyond the request's."""
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks[block_idx] is not source_block or source_block.ref_cnt <= 0:
+            raise AssertionError(f"request {request_id!r} does not hold {source_block!r}")
+        req_blocks[block_idx] = cow_block
+        self._pending_cow_copies.append((source_block, cow_block))
+        cow_block.ref_cnt += 1
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The (source, copy) pairs queued since the last call; their retained references
+        pass to the caller (`KVCacheManager.take_kv_cache_block_copies`)."""
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        return pending
 
     @property
     def records_new_block_ids(self) -> bool:
@@ -337,6 +389,8 @@ class SingleTypeKVCacheManager:
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         self._num_null_prefix.pop(request_id, None)
+        if self._partial_hit_reqs:
+            self._partial_hit_reqs.pop(request_id, None)
         if req_blocks:
             self.block_pool.free_held_blocks(reversed(req_blocks))
 
@@ -403,11 +457,75 @@ def _spec_block_size(kv_cache_spec: KVCacheSpec, dcp_world_size: int) -> int:
     return kv_cache_spec.block_size * (dcp_world_size if kv_cache_spec.dcp_sharded else 1)
 
 
+def prompt_tail_boundary(request: Request, hash_block_size: int, use_eagle: bool) -> int:
+    """The last hash boundary of the prompt a later request can hit at (vLLM 0.33's partial
+    tail): a resend matches at most `num_prompt_tokens - 1` tokens, EAGLE reads the
+    whole prompt before dropping a hash unit."""
+    limit = request.num_prompt_tokens if use_eagle else request.num_prompt_tokens - 1
+    return min(limit // hash_block_size, len(request.block_hashes)) * hash_block_size
+
+
 class FullAttentionManager(SingleTypeKVCacheManager):
-    """Causal attention over the whole context: a hit is any cached prefix."""
+    """Causal attention over the whole context: a hit is any cached prefix.
+
+    A block coarser than the hash unit also registers the prompt's partial tail (the
+    block holding the prompt's last hash boundary, keyed at that boundary) so that a
+    fine-grained lookup can hit inside it, as vLLM 0.33 does.
+    """
 
     spec_types = (FullAttentionSpec,)
     supports_fine_grained_hash_lookup = True
+
+    def __init__(self, kv_cache_spec: FullAttentionSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        hash_block_size = self.block_pool.hash_block_size or self.block_size
+        if self.block_size != hash_block_size and self._prefix_cacheable:
+            # Only such groups pay for the partial tail: the instance's methods are the
+            # ones that also handle it (single-group managers keep the plain ones).
+            self._tail_hash_block_size = hash_block_size
+            # request id -> its prompt's partial tail boundary, until a step reaches it.
+            self._pending_tails: dict[str, int] = {}
+            self.cache_blocks = self._cache_blocks_and_partial_tail  # type: ignore[method-assign]
+            self.get_slot_state = self._get_slot_state_before_partial_tail  # type: ignore[method-assign]
+            self.free = self._free_and_forget_tail  # type: ignore[method-assign]
+
+    def _cache_blocks_and_partial_tail(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
+        """`cache_blocks`, then the prompt's partial tail once `num_tokens` reaches it."""
+        SingleTypeKVCacheManager.cache_blocks(
+            self, request, num_tokens, retention_interval, replay_boundaries
+        )
+        boundary = prompt_tail_boundary(request, self._tail_hash_block_size, self.use_eagle)
+        if boundary == 0 or boundary % self.block_size == 0:
+            return
+        if boundary > num_tokens:
+            self._pending_tails[request.request_id] = boundary
+            return
+        self._pending_tails.pop(request.request_id, None)
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = boundary // self.block_size
+        if block_idx < len(blocks):
+            self.block_pool.cache_partial_block(
+                request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size
+            )
+
+    def _get_slot_state_before_partial_tail(self, request_id: str) -> tuple[int, int, int]:
+        """`get_slot_state`, with the next caching due at the prompt's partial tail while
+        that is not registered yet (so the step reaching it caches)."""
+        capacity, next_full, release_at = SingleTypeKVCacheManager.get_slot_state(self, request_id)
+        boundary = self._pending_tails.get(request_id)
+        if boundary is not None and boundary < next_full:
+            next_full = boundary
+        return capacity, next_full, release_at
+
+    def _free_and_forget_tail(self, request_id: str) -> None:
+        self._pending_tails.pop(request_id, None)
+        SingleTypeKVCacheManager.free(self, request_id)
 
     @classmethod
     def find_longest_cache_hit(
@@ -733,9 +851,13 @@ class MambaManager(SingleTypeKVCacheManager):
     "none"/"align": only the last state is kept (earlier blocks become null and
     are freed); an allocation pads the table with null blocks and takes only
     the block the step's state lands in. "align" caches a state when a step ends
-    exactly on a block boundary; a hit is the last cached state at or below the
+    exactly on a block boundary, and, as vLLM 0.33, keys the running state when a
+    step ends at the prompt's last hit boundary inside a block (the partial tail:
+    the key moves to a copy at the request's next allocation, since the request
+    keeps updating that block). A hit is the last cached state at or below the
     candidate (found right to left), at hash-unit granularity when the
-    coordinator enables fine-grained hits. "all": every block's state is kept
+    coordinator enables fine-grained hits; a hit inside a block is copied to a
+    private block before the request writes (copy-on-write). "all": every block's state is kept
     and cached. Under sparse retention (`prefix_cache_retention_interval`) only
     the states `reachable_block_mask` keeps are cached, in both modes.
     """
@@ -762,6 +884,11 @@ class MambaManager(SingleTypeKVCacheManager):
         # None until the scheduler reports steps (`new_step_starts`): without step
         # boundaries no hit is held back.
         self.cached_blocks_this_step: set[int] | None = None
+        # Set by the coordinator under EAGLE: checkpoints follow its replay boundary.
+        self.drop_eagle_checkpoint_block = False
+        # Requests that keyed their own running state at the prompt's partial tail
+        # (`_cache_partial_tail_block`): their next allocation moves that key to a copy.
+        self._producer_tails: set[str] = set()
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
@@ -811,6 +938,10 @@ class MambaManager(SingleTypeKVCacheManager):
         num_new = max(
             num_required - max(num_local, num_required - self.num_speculative_blocks - 1), 0
         )
+        if (new_computed_blocks and total_computed_tokens % self.block_size) or (
+            self._partial_hit_reqs and request_id in self._partial_hit_reqs
+        ):
+            num_new += 1  # the copy of a state keyed inside a block
         return num_new + sum(
             1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
         )
@@ -823,14 +954,34 @@ class MambaManager(SingleTypeKVCacheManager):
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         self.num_cached_block.setdefault(request_id, 0)
         num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
-        if num_required <= len(req_blocks):
+        partial = self._partial_hit_reqs.pop(request_id, None) if self._partial_hit_reqs else None
+        if num_required <= len(req_blocks) and partial is None:
             return []
         num_nulls = num_required - self.num_speculative_blocks - 1 - len(req_blocks)
         if num_nulls > 0:
             req_blocks.extend([self._null_block] * num_nulls)
-        new_blocks = self.block_pool.get_new_blocks(num_required - len(req_blocks))
+        num_new = max(num_required - len(req_blocks), 0)
+        if partial is None:
+            new_blocks = self.block_pool.get_new_blocks(num_new)
+            req_blocks.extend(new_blocks)
+            return new_blocks
+        new_blocks = self.block_pool.get_new_blocks(num_new + 1)
+        cow_block = new_blocks.pop(0)
+        block_idx, source_block = partial
         req_blocks.extend(new_blocks)
-        return new_blocks
+        if request_id in self._producer_tails:
+            # The request's own running state was keyed at the prompt's partial tail; it
+            # keeps updating that block in place, so the key moves to the copy, which
+            # the queued copy fills before this step's forward overwrites the source.
+            self._producer_tails.discard(request_id)
+            self.block_pool.move_block_hashes(source_block, cow_block)
+            self._pending_cow_copies.append((source_block, cow_block))
+            source_block.ref_cnt += 1
+            if self.cached_blocks_this_step is not None:
+                self.cached_blocks_this_step.add(cow_block.block_id)
+            return new_blocks
+        self._apply_cow(request_id, block_idx, source_block, cow_block)
+        return [cow_block, *new_blocks]
 
     def cache_blocks(
         self,
@@ -853,12 +1004,16 @@ class MambaManager(SingleTypeKVCacheManager):
                 )
             return
         # `num_tokens` is where the step's state stands (the coordinator passes the
-        # step end); only a state exactly on a block boundary can serve a hit.
+        # step end); a state exactly on a block boundary can serve a hit, and one inside
+        # a block only at the prompt's partial tail.
         request_id = request.request_id
         end = num_tokens
         num_cached = self.num_cached_block[request_id]
         hash_block_size = self.block_pool.hash_block_size or self.block_size
-        if end % self.block_size or end > len(request.block_hashes) * hash_block_size:
+        if end > len(request.block_hashes) * hash_block_size:
+            return
+        if end % self.block_size:
+            self._cache_partial_tail_block(request, end)
             return
         num_full = end // self.block_size
         if num_full <= num_cached:
@@ -876,6 +1031,47 @@ class MambaManager(SingleTypeKVCacheManager):
             if self.cached_blocks_this_step is not None:
                 self.cached_blocks_this_step.add(blocks[num_full - 1].block_id)
         self.num_cached_block[request_id] = num_full
+
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
+        """Key the running state when a step ends exactly at the prompt's last hit
+        boundary (vLLM 0.33's partial tail, `get_mamba_prefill_checkpoint_position`).
+
+        A state inside a block is then moved to a private copy at the request's next
+        allocation (the request keeps updating its running state in place).
+        """
+        hash_block_size = self.block_pool.hash_block_size or self.block_size
+        if num_tokens % hash_block_size:
+            return
+        if num_tokens != get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block
+        ):
+            return
+        request_id = request.request_id
+        blocks = self.req_to_blocks[request_id]
+        block_idx = _cdiv(num_tokens, self.block_size) - 1
+        if block_idx >= len(blocks) or blocks[block_idx].is_null:
+            return
+        source_block = blocks[block_idx]
+        pool = self.block_pool
+        if pool.partial_entry_tokens(source_block) == num_tokens:
+            return  # keyed here already (by a hit or an earlier step)
+        if (
+            pool.cache_partial_block(
+                request, source_block, num_tokens, self.kv_cache_group_id, self.block_size
+            )
+            is None
+        ):
+            return
+        if self.cached_blocks_this_step is not None:
+            self.cached_blocks_this_step.add(source_block.block_id)
+        self._partial_hit_reqs[request_id] = (block_idx, source_block)
+        self._producer_tails.add(request_id)
+        self.num_cached_block[request_id] = block_idx
+
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
+            return 0, 0, 0  # its next step copies the keyed state: never skipped
+        return super().get_slot_state(request_id)
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step = set()
@@ -929,6 +1125,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def free(self, request_id: str) -> None:
         self._num_retired_blocks.pop(request_id, None)
+        self._producer_tails.discard(request_id)
         super().free(request_id)
 
     @classmethod

@@ -25,6 +25,12 @@ def _build_jaxkv(case: dict[str, Any]):
         common = dict(num_kv_heads=1, head_size=4, dtype="float32")
         if kind == "full":
             specs.append(jaxkv.FullAttentionSpec(block_size, **common))
+        elif kind == "mamba":
+            specs.append(
+                jaxkv.MambaSpec(
+                    block_size, shapes=((2, 4),), dtypes=("float32",), mamba_cache_mode="align"
+                )
+            )
         elif kind == "sw":
             specs.append(jaxkv.SlidingWindowSpec(block_size, **common, sliding_window=param))
         else:
@@ -39,7 +45,10 @@ def _build_jaxkv(case: dict[str, Any]):
     hash_fn = jaxkv.get_hash_fn_by_name("sha256_cbor")
     jaxkv.init_none_hash(hash_fn)
     manager = jaxkv.KVCacheManager(
-        config, case["max_model_len"], use_eagle=case.get("use_eagle", False)
+        config,
+        case["max_model_len"],
+        hash_block_size=case.get("hash_block_size"),
+        use_eagle=case.get("use_eagle", False),
     )
     hasher = jaxkv.get_request_block_hasher(manager.hash_block_size, hash_fn)
 
@@ -60,6 +69,7 @@ def _build_vllm(case: dict[str, Any]):
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.request import Request
@@ -70,6 +80,13 @@ def _build_vllm(case: dict[str, Any]):
         common = dict(block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32)
         if kind == "full":
             spec = FullAttentionSpec(**common)
+        elif kind == "mamba":
+            spec = MambaSpec(
+                block_size=block_size,
+                shapes=((2, 4),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="align",
+            )
         elif kind == "sw":
             spec = SlidingWindowSpec(**common, sliding_window=param)
         else:
@@ -79,7 +96,7 @@ def _build_vllm(case: dict[str, Any]):
     import math
 
     scheduler_block_size = math.lcm(*sizes)
-    hash_block_size = math.gcd(*sizes)
+    hash_block_size = case.get("hash_block_size") or math.gcd(*sizes)
     config = KVCacheConfig(
         num_blocks=case["num_blocks"],
         kv_cache_tensors=[],
@@ -104,6 +121,36 @@ def _build_vllm(case: dict[str, Any]):
     return manager, make_request
 
 
+def _new_ids(new) -> list | None:
+    """The ids of newly allocated blocks per group (vLLM also lists a Mamba table's null
+    padding among them, jaxkv does not: the null block is left out)."""
+    if new is None:
+        return None
+    return [[i for i in group if i != 0] for group in new.get_block_ids()]
+
+
+def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
+    """A prefill chunk from `start`. With a Mamba "align" group, chunks end where vLLM's
+    scheduler lets them (a state is written at a chunk's end): on a Mamba block boundary,
+    at the prompt's partial-tail boundary (`tail_unit`: its hash unit), or at the end."""
+    end = req.num_tokens
+    align = case.get("mamba_block_size")
+    if not align:
+        return rng.randint(1, end - start)
+    next_boundary = start // align * align + align
+    # A chunk starting inside a block stops at the block's end (vLLM's invariant: the
+    # state block of a chunk's last token then holds exactly its end state).
+    last = min(next_boundary, end) if start % align else end
+    stops = [p for p in range(next_boundary, last, align)]
+    tail_unit = case.get("tail_unit")
+    if tail_unit:
+        tail = (req.num_prompt_tokens - 1) // tail_unit * tail_unit
+        if start < tail < last:
+            stops.append(tail)
+    stops.append(last)
+    return rng.choice(sorted(set(stops))) - start
+
+
 def replay(backend: str, case: dict[str, Any]) -> list:
     """Run one case; the log holds every hit length and every block id returned or held."""
     manager, make_request = (_build_jaxkv if backend == "jaxkv" else _build_vllm)(case)
@@ -114,7 +161,10 @@ def replay(backend: str, case: dict[str, Any]) -> list:
     running: list = []
     log: list = []
     counter = 0
+    steps = case.get("report_steps", False)
     for _ in range(case["num_steps"]):
+        if steps:
+            manager.new_step_starts()
         action = rng.random()
         if action < 0.25 or not (waiting or running):
             counter += 1
@@ -134,9 +184,9 @@ def replay(backend: str, case: dict[str, Any]) -> list:
                     [list(g) for g in blocks.get_block_ids()],
                 )
             )
-            chunk = rng.randint(1, req.num_tokens - num_hit)
+            chunk = _chunk(rng, case, req, num_hit)
             new = manager.allocate_slots(req, chunk, num_hit, blocks)
-            log.append(("admit", req.request_id, None if new is None else new.get_block_ids()))
+            log.append(("admit", req.request_id, _new_ids(new)))
             if new is not None:
                 req.num_computed_tokens = num_hit + chunk
                 running.append(waiting.pop(0))
@@ -144,7 +194,7 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             req = running[rng.randrange(len(running))]
             lookahead = 0
             if req.num_computed_tokens < req.num_tokens:
-                n = rng.randint(1, req.num_tokens - req.num_computed_tokens)
+                n = _chunk(rng, case, req, req.num_computed_tokens)
             elif req.num_tokens < max_len - 1:
                 req.append_output_token_ids(rng.randrange(VOCAB))
                 n = 1
@@ -152,7 +202,7 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             else:
                 continue
             new = manager.allocate_slots(req, n, num_lookahead_tokens=lookahead)
-            log.append(("step", req.request_id, None if new is None else new.get_block_ids()))
+            log.append(("step", req.request_id, _new_ids(new)))
             if new is not None:
                 req.num_computed_tokens += n
             elif n == 1 and req.num_computed_tokens == req.num_tokens - 1:
@@ -163,6 +213,11 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             req = running.pop(rng.randrange(len(running)))
             manager.free(req)
             log.append(("finish", req.request_id))
+        if steps:  # a synchronous engine: the copies run with the step, then release
+            copies, retained = manager.take_kv_cache_block_copies()
+            if copies:
+                log.append(("copies", [list(c) for c in copies]))
+            manager.block_pool.free_blocks(retained)
         for req in running:
             held = manager.get_block_ids(req.request_id)
             log.append(("held", req.request_id, [list(g) for g in held]))

@@ -178,3 +178,25 @@ def test_padding_slots_may_repeat_and_allocate_compiles_once() -> None:
     for _ in range(3):
         cache.allocate(2)
     assert compilation_count() == before, "allocate must reuse its jitted program"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copy_blocks_all_copies_every_layer_and_drops_padding(dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    cache = _cache(dtype)
+    models = [rng.standard_normal(cache.shape).astype(cache.dtype) for _ in range(3)]
+    kvs = [jax.device_put(m.view(cache.storage_dtype), cache.sharding) for m in models]
+    # Chained pairs: every read happens before any write (5 gets 3's old contents).
+    src, dst = [3, 7, 9, 0], [5, 3, 11, cache.num_blocks]  # the last entry is padding
+    new = cache.copy_blocks_all(kvs, src, dst, allow_padding=True)
+    assert all(kv.is_deleted() for kv in kvs), "the input caches must be donated"
+    for model, kv in zip(models, new, strict=True):
+        want = model.copy()
+        want[[5, 3, 11]] = model[[3, 7, 9]]
+        assert np.asarray(kv).dtype == cache.storage_dtype  # bf16 stays uint16 on CPU
+        np.testing.assert_array_equal(_as_compute(cache, kv), want)
+    with pytest.raises(ValueError, match=r"dst block id value 24"):
+        cache.copy_blocks_all(new, [1], [cache.num_blocks])  # padding only when allowed
+    with pytest.raises(ValueError, match=r"dst block id 5 appears more than once"):
+        cache.copy_blocks_all(new, [1, 2], [5, 5], allow_padding=True)
+    assert cache.copy_blocks_all(new, [], []) == new

@@ -13,6 +13,7 @@ from jaxkv import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    KVCacheBlockCopy,
     KVCacheConfig,
     KVCacheManager,
     MambaSpec,
@@ -21,6 +22,7 @@ from jaxkv import (
     SlidingWindowSpec,
     get_hash_fn_by_name,
     get_request_block_hasher,
+    make_block_hash_with_group_id,
 )
 from jaxkv.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -88,8 +90,20 @@ def ids(m, rid):
     return m.get_block_ids(rid)
 
 
+def block_keys(pool: BlockPool, block) -> set:
+    """Every prefix-cache key of `block`: its own and the further (partial) ones."""
+    keys = {
+        make_block_hash_with_group_id(h, g) for h, g in pool._secondary_keys.get(block.block_id, ())
+    }
+    if block.block_hash is not None:
+        keys.add(block.block_hash)
+    return keys
+
+
 def check_invariants(m: KVCacheManager) -> None:
-    """Per group and over the pool: ref counts, free queue, no block in two groups."""
+    """Per group and over the pool: ref counts (the requests' tables plus both endpoints
+    of every copy not yet taken), free queue, no block in two groups, every key names a
+    block holding it."""
     pool = m.block_pool
     holders: dict[int, set[int]] = {}
     refs: dict[int, int] = {}
@@ -100,6 +114,11 @@ def check_invariants(m: KVCacheManager) -> None:
                     continue
                 holders.setdefault(b.block_id, set()).add(manager.kv_cache_group_id)
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for pair in manager._pending_cow_copies:
+            for b in pair:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for rid, (block_idx, source) in manager._partial_hit_reqs.items():
+            assert manager.req_to_blocks[rid][block_idx] is source  # still to be copied
     assert all(len(g) == 1 for g in holders.values()), holders
     free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
     for block in pool.blocks[1:]:
@@ -108,7 +127,7 @@ def check_invariants(m: KVCacheManager) -> None:
     assert pool.get_num_free_blocks() == len(free)
     for key, blocks in pool.cached_block_hash_to_block.items():
         for b in blocks:
-            assert b.block_hash == key
+            assert key in block_keys(pool, b)
 
 
 # -- sliding window ------------------------------------------------------------
@@ -256,22 +275,41 @@ def test_mamba_last_state_hits_and_align_caching():
     check_invariants(m)
 
 
-def test_mamba_coarser_block_hits_on_the_scheduler_grid():
-    # Mamba block 32, attention 16, hashed per 16. Partial (sub-block) hits need a
-    # copy-on-write of the shared tail block, so the manager keeps hits on the 32 grid.
+def test_mamba_coarser_block_hits_at_hash_units_with_copy_on_write():
+    # Mamba block 32, attention 16, hashed per 16: partial (sub-block) hits are on, as in
+    # vLLM 0.33; a hit inside a Mamba block is served from a private copy of its state.
     m = manager_for(full(16), mamba(32), num_blocks=40)
     coordinator = m.coordinator
     assert isinstance(coordinator, HybridKVCacheCoordinator)
-    assert not coordinator.enable_partial_hash_hits
-    assert coordinator.cache_hit_alignment_tokens == 32 and m.hash_block_size == 16
+    assert coordinator.enable_partial_hash_hits
+    assert coordinator.cache_hit_alignment_tokens == 16 and m.hash_block_size == 16
     a = request("a", range(64))
-    schedule(m, a, 48)  # state at 48: not on a Mamba block boundary, never cached
-    schedule(m, a, 16)  # state at 64: cached
+    # The step ends at 48, the prompt's last hit boundary: the running state (block 4)
+    # is keyed there (the partial tail).
+    assert schedule(m, a, 48) == (0, ([1, 2, 3], [4]))
+    assert m.take_kv_cache_block_copies() == ([], [])
+    # Its next step keeps updating block 4, so the key moves to a copy (block 6).
+    assert schedule(m, a, 16) == (0, ([5], []))
+    copies, retained = m.take_kv_cache_block_copies()
+    assert copies == [KVCacheBlockCopy(4, 6)] and [b.block_id for b in retained] == [4, 6]
+    assert [b.ref_cnt for b in retained] == [2, 1]  # a's reference + the retained ones
+    m.block_pool.free_blocks(retained)  # the copy ran
+    assert m.block_pool.blocks[6].ref_cnt == 0 and m.block_pool.blocks[6].block_hash
     blocks, num_hit = computed(m, request("b", [*range(64), 5]))
-    assert num_hit == 64 and [len(g) for g in blocks.get_block_ids()] == [4, 2]
-    blocks, num_hit = computed(m, request("c", [*range(56), 5]))
-    assert num_hit == 0  # only the state at 64 exists
+    assert num_hit == 64 and blocks.get_block_ids() == ([1, 2, 3, 5], [0, 4])
+    c = request("c", [*range(56), 5])
+    blocks, num_hit = computed(m, c)
+    assert num_hit == 48 and blocks.get_block_ids() == ([1, 2, 3], [0, 6])
+    # c's hit ends inside Mamba block 1: block 6 is copied to c's private block 8.
+    assert schedule(m, c) == (48, ([7], [8]))
+    assert ids(m, "c") == ([1, 2, 3, 7], [0, 8])
+    copies, retained = m.take_kv_cache_block_copies()
+    assert copies == [KVCacheBlockCopy(6, 8)] and [b.ref_cnt for b in retained] == [1, 2]
+    m.block_pool.free_blocks(retained)
     check_invariants(m)
+    m.free(a)
+    m.free(c)
+    assert m.block_pool.get_num_free_blocks() == 39
 
 
 def test_mamba_fine_grained_finder_hits_at_hash_units():

@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_hybrid_managers import check_invariants
+from test_hybrid_managers import block_keys, check_invariants
 
 from jaxkv import (
     ChunkedLocalAttentionSpec,
@@ -89,10 +89,14 @@ class HybridMachine(RuleBasedStateMachine):
             if bs != m.hash_block_size:
                 hashes = BlockHashListWithBlockSize(hashes, m.hash_block_size, bs)
             for i, block in enumerate(group_blocks):
-                if not block.is_null:
-                    assert block.block_hash == make_block_hash_with_group_id(
-                        hashes[i], manager.kv_cache_group_id
-                    )
+                if block.is_null:
+                    continue
+                if (i + 1) * bs > num_hit:  # a partial hit's block: keyed at the hit's end
+                    block_hash = req.block_hashes[num_hit // m.hash_block_size - 1]
+                else:
+                    block_hash = hashes[i]
+                key = make_block_hash_with_group_id(block_hash, manager.kv_cache_group_id)
+                assert key in block_keys(m.block_pool, block)
             if isinstance(manager, SlidingWindowManager) and num_hit:
                 need = SlidingWindowManager.contiguous_blocks_for_hit(
                     manager.sliding_window, bs, False
@@ -167,6 +171,17 @@ class HybridMachine(RuleBasedStateMachine):
         self.manager.free(req)
         self.running.remove(req)
 
+    @rule()
+    def run_copies(self):
+        """The device runs the queued copy-on-write copies; their endpoints are released."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        assert [b.block_id for b in retained] == [
+            i for c in copies for i in (c.src_block_id, c.dst_block_id)
+        ]
+        if copies:
+            event("copy-on-write")
+        self.manager.block_pool.free_blocks(retained)
+
     @rule(data=st.data())
     def evict(self, data):
         ids = data.draw(
@@ -184,6 +199,8 @@ class HybridMachine(RuleBasedStateMachine):
             return
         for req in self.running:
             self.manager.free(req)
+        check_invariants(self.manager)
+        self.run_copies()  # pending copies hold their endpoints until drained
         check_invariants(self.manager)
         pool = self.manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -204,7 +204,7 @@ class PagedKVCache:
         self._step_fns: dict[tuple, object] = {}
         self._layer_fns: dict[tuple, object] = {}
         self._alloc_fns: dict[int, object] = {}
-        self._zero_all_fns: dict[int, object] = {}
+        self._all_layer_fns: dict[tuple, object] = {}
 
     # --------------------------------------------------------------- sizing
     @property
@@ -327,16 +327,52 @@ class PagedKVCache:
     ) -> jax.Array:
         """Copy block `src[i]` onto block `dst[i]` (all reads before any write; donates `kv`)."""
         self._check_cache(kv)
-        src_ids = self._check_ids("src block id", src, 1, self.num_blocks)
-        dst_ids = self._check_ids("dst block id", dst, 1, self.num_blocks)
+        padded = self._copy_ids(src, dst)
+        if padded is None:
+            return kv
+        return self._copy(kv, *(self.put(ids, self._rank_spec) for ids in padded))
+
+    def copy_blocks_all(
+        self,
+        kvs: Sequence[jax.Array],
+        src: np.ndarray | Sequence[int],
+        dst: np.ndarray | Sequence[int],
+        *,
+        allow_padding: bool = False,
+    ) -> list[jax.Array]:
+        """`copy_blocks` in every layer's cache with one jitted call (donates all `kvs`):
+        the page copies of a partial prefix hit's copy-on-write (`KVCacheBlockCopy`),
+        run before the step that writes into the copies.
+
+        Bits are copied as stored (bf16 kept as uint16 on CPU, quantised values with
+        their scales). `allow_padding`: entries with `src` 0 and `dst` `num_blocks`
+        pad a data rank with fewer copies (dropped, like the bucket padding).
+        """
+        kvs = list(kvs)
+        for kv in kvs:
+            self._check_cache(kv)
+        padded = self._copy_ids(src, dst, allow_padding)
+        if padded is None or not kvs:
+            return kvs
+        return self._all_layers(_copy_local, kvs, padded)
+
+    def _copy_ids(
+        self,
+        src: np.ndarray | Sequence[int],
+        dst: np.ndarray | Sequence[int],
+        allow_padding: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Checked, bucket-padded (src, dst) ids; None when there is nothing to copy."""
+        src_pad, dst_pad = (0, self.num_blocks) if allow_padding else (None, None)
+        src_ids = self._check_ids("src block id", src, 1, self.num_blocks, pad=src_pad)
+        dst_ids = self._check_ids("dst block id", dst, 1, self.num_blocks, pad=dst_pad)
         if src_ids.shape != dst_ids.shape:
             raise ValueError(f"src has {src_ids.size} ids but dst has {dst_ids.size}")
-        self._check_unique("dst block id", dst_ids)
+        self._check_unique("dst block id", dst_ids, skip=dst_pad)
         if src_ids.size == 0:
-            return kv
-        src_p = self.put(self._pad_ids(src_ids, 0), self._rank_spec)
-        dst_p = self.put(self._pad_ids(dst_ids, self.num_blocks), self._rank_spec)
-        return self._copy(kv, src_p, dst_p)
+            return None
+        # A positive out-of-range destination pads (a negative index would wrap).
+        return self._pad_ids(src_ids, 0), self._pad_ids(dst_ids, self.num_blocks)
 
     def zero_blocks(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
         """Zero blocks `ids` (e.g. the pool's freed blocks; donates `kv`)."""
@@ -360,22 +396,26 @@ class PagedKVCache:
         arr = self._check_ids("block id", ids, 0, self.num_blocks)
         if arr.size == 0 or not kvs:
             return kvs
-        return self._zero_all(kvs, self._pad_ids(arr, self.num_blocks))
+        return self._all_layers(_zero_local, kvs, (self._pad_ids(arr, self.num_blocks),))
 
-    def _zero_all(self, kvs: list[jax.Array], padded_ids: np.ndarray) -> list[jax.Array]:
-        fn = self._zero_all_fns.get(len(kvs))
+    def _all_layers(
+        self, local_fn, kvs: list[jax.Array], padded_ids: Sequence[np.ndarray]
+    ) -> list[jax.Array]:
+        """`local_fn(kv, *ids)` on every layer's cache in one jitted, donating call."""
+        key = (local_fn, len(kvs))
+        fn = self._all_layer_fns.get(key)
         if fn is None:
             spec = self.layout.cache_spec
             per_layer = jax.shard_map(
-                _zero_local, mesh=self.mesh, in_specs=(spec, self._rank_spec), out_specs=spec,
-                check_vma=False,
+                local_fn, mesh=self.mesh, in_specs=(spec,) + (self._rank_spec,) * len(padded_ids),
+                out_specs=spec, check_vma=False,
             )  # fmt: skip
-            fn = self._zero_all_fns[len(kvs)] = jax.jit(
-                lambda kvs, ids: tuple(per_layer(kv, ids) for kv in kvs),
+            fn = self._all_layer_fns[key] = jax.jit(
+                lambda kvs, *ids: tuple(per_layer(kv, *ids) for kv in kvs),
                 donate_argnums=0,
                 out_shardings=(self.sharding,) * len(kvs),
             )
-        return list(fn(tuple(kvs), self.put(padded_ids, self._rank_spec)))
+        return list(fn(tuple(kvs), *(self.put(ids, self._rank_spec) for ids in padded_ids)))
 
     def warmup(
         self,
@@ -406,7 +446,8 @@ class PagedKVCache:
             )
             kvs[0], _ = self.step(kvs[0], q, k, k, buf, shape, **options)
         for size in self.id_buckets:
-            kvs = self._zero_all(kvs, np.full(self.dp_size * size, self.num_blocks, np.int32))
+            ids = np.full(self.dp_size * size, self.num_blocks, np.int32)
+            kvs = self._all_layers(_zero_local, kvs, (ids,))
         return kvs
 
     def lower_write_kv(

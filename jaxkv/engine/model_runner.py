@@ -398,6 +398,34 @@ class ModelRunner:
             for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
         ]
 
+    def _copy_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
+        """Run each rank's page copies (`kv_cache_block_copies`) in every layer, one call per
+        group. Block ids are unique over the groups, so a copy in another group's layers
+        only moves pages no request of that group reads. Ranks with fewer pad."""
+        copies = [out.kv_cache_block_copies for out in outs]
+        width = max(len(c) for c in copies)
+        if not width:
+            return
+        num_blocks = self.paged[0].num_blocks
+        src = np.zeros((len(copies), width), np.int32)
+        dst = np.full((len(copies), width), num_blocks, np.int32)
+        for rank, rank_copies in enumerate(copies):
+            for i, copy in enumerate(rank_copies):
+                src[rank, i], dst[rank, i] = copy.src_block_id, copy.dst_block_id
+        for g, paged in enumerate(self.paged):
+            layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
+            for i, kv in zip(
+                layers,
+                paged.copy_blocks_all(
+                    [self.kv_caches[i] for i in layers],
+                    src.ravel(),
+                    dst.ravel(),
+                    allow_padding=True,
+                ),
+                strict=True,
+            ):
+                self.kv_caches[i] = kv
+
     def execute(
         self,
         outs: SchedulerOutput | Sequence[SchedulerOutput],
@@ -417,6 +445,7 @@ class ModelRunner:
             )
         if self.zero_freed_blocks:
             self._zero_freed(outs)
+        self._copy_blocks(outs)  # after zeroing: a copy's destination may be a freed page
         if self.encoder_store is not None:
             self._run_encoder(outs, images or {})
         if all(out.is_empty for out in outs):

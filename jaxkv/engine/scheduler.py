@@ -9,7 +9,9 @@ It uses only vLLM 0.33's `KVCacheManager` API (`get_computed_blocks`, `allocate_
 have, so the same class drives jaxkv's manager and vLLM's (benchmarks/bench_host.py). A
 request's `status` is set to the members of its own `RequestStatus` enum, found by name.
 jaxkv extensions are used only where present: freed block ids
-(`track_freed_block_ids=True`).
+(`track_freed_block_ids=True`). Partial-hit page copies (`take_kv_cache_block_copies`,
+vLLM 0.33's) go into the step's output; their retained blocks are released at once, as
+the step that runs the copies is executed before any later step can reuse them.
 
 Rules, in the order `schedule()` applies them:
 
@@ -48,6 +50,7 @@ import numpy as np
 
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_cache_utils import KVCacheBlockCopy
 from jaxkv.request import Request
 
 __all__ = [
@@ -120,6 +123,8 @@ class SchedulerOutput:
     freed_mm_hashes: list[str]  # encoder-cache entries evicted since the last step
     num_encoder_hits: int = 0
     num_encoder_misses: int = 0
+    # Page copies to run before the step (a partial prefix hit's copy-on-write).
+    kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -197,6 +202,8 @@ class Scheduler:
         self.config = config
         self.encoder_cache_manager = encoder_cache_manager
         self.encoder_budget = encoder_budget
+        # Partial-hit copies (jaxkv's and vLLM 0.33's managers have them).
+        self.takes_block_copies = hasattr(kv_cache_manager, "take_kv_cache_block_copies")
         self.track_freed_blocks = getattr(
             kv_cache_manager.block_pool, "track_freed_block_ids", False
         )
@@ -310,7 +317,16 @@ class Scheduler:
         freed_mm = (
             self.encoder_cache_manager.get_freed_mm_hashes() if self.encoder_cache_manager else []
         )
-        return SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
+        out = SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
+        if self.takes_block_copies:
+            copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
+            if copies:
+                out.kv_cache_block_copies = copies
+            # The copies run when this step is executed, before any later step could write
+            # into a block released here: the retained endpoints are released now.
+            if retained:
+                self.kv_cache_manager.block_pool.free_blocks(retained)
+        return out
 
     def _admit(
         self, scheduled: list[ScheduledRequest], budget: int, encoder_budget: int, counts: list

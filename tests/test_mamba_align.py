@@ -1,0 +1,260 @@
+"""Mamba "align" hybrids: partial (sub-block) prefix hits with copy-on-write, exact numbers.
+
+As vLLM 0.33: where `partial_hash_hits_enabled` holds (a Mamba "align" group coarser than
+the hash unit), a hit may end inside a block; that shared block is redirected to a
+private copy before the request writes into it, and `take_kv_cache_block_copies()`
+hands the copies (and their retained endpoints) to the device side. The last test runs
+the copies through `PagedKVCache` under the engine's `Scheduler` and checks every
+request's KV against a dense reference.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_hybrid_managers import SHA, check_invariants, full, mamba
+
+from jaxkv import (
+    BlockPool,
+    KVCacheBlockCopy,
+    KVCacheConfig,
+    KVCacheManager,
+    Request,
+    get_mamba_prefill_checkpoint_position,
+    get_request_block_hasher,
+    is_mamba_prefill_checkpoint_valid,
+    make_block_hash_with_group_id,
+)
+from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
+
+pytestmark = pytest.mark.usefixtures("fixed_none_hash")
+
+PREFIX = [(7 * i) % 5 for i in range(48)]
+
+
+def manager_for(*specs, num_blocks=40, hash_block_size=16, **kwargs) -> KVCacheManager:
+    config = KVCacheConfig.from_groups([(s, (f"l{i}",)) for i, s in enumerate(specs)], num_blocks)
+    return KVCacheManager(config, 256, hash_block_size=hash_block_size, **kwargs)
+
+
+def request(rid, tokens, max_tokens=None) -> Request:
+    return Request(
+        rid, list(tokens), block_hasher=get_request_block_hasher(16, SHA), max_tokens=max_tokens
+    )
+
+
+def admit(m: KVCacheManager, req: Request, num_new: int | None = None):
+    blocks, num_hit, _ = m.get_computed_blocks(req)
+    if num_new is None:
+        num_new = req.num_tokens - num_hit
+    new = m.allocate_slots(req, num_new, num_hit, blocks)
+    assert new is not None
+    req.num_computed_tokens = num_hit + num_new
+    return num_hit, new.get_block_ids()
+
+
+def step(m: KVCacheManager, req: Request, num_new: int):
+    new = m.allocate_slots(req, num_new)
+    assert new is not None
+    req.num_computed_tokens += num_new
+    return new.get_block_ids()
+
+
+def drain(m: KVCacheManager) -> list[KVCacheBlockCopy]:
+    """Run the copies (here: nothing to run) and release their endpoints."""
+    copies, retained = m.take_kv_cache_block_copies()
+    assert [b.block_id for b in retained] == [i for c in copies for i in c]
+    m.block_pool.free_blocks(retained)
+    return copies
+
+
+def test_checkpoint_position_and_validity_rules():
+    # Leaves one token for the logits; EAGLE one hash unit lower.
+    assert get_mamba_prefill_checkpoint_position(57, 16, False) == 48
+    assert get_mamba_prefill_checkpoint_position(48, 16, False) == 32
+    assert get_mamba_prefill_checkpoint_position(57, 16, True) == 32
+    assert get_mamba_prefill_checkpoint_position(10, 16, True) == 0
+    assert get_mamba_prefill_checkpoint_position(40, 16, False, num_hash_lookahead_tokens=9) == 16
+    # A step [0, 100) on Mamba blocks of 32 can export a state at 48 (column 2 > -1).
+    assert is_mamba_prefill_checkpoint_valid(0, 100, 48, 16, 32, 16)
+    assert not is_mamba_prefill_checkpoint_valid(0, 100, 48, 16, 32, None)  # no backend
+    assert not is_mamba_prefill_checkpoint_valid(32, 60, 48, 16, 32, 16)  # no column past 32
+    assert not is_mamba_prefill_checkpoint_valid(8, 100, 48, 16, 32, 16)  # start off-grid
+    assert not is_mamba_prefill_checkpoint_valid(32, 100, 40, 16, 32, 8)  # < one hash unit in
+    assert not is_mamba_prefill_checkpoint_valid(0, 100, 48, 16, 32, 32)  # misaligned
+    with pytest.raises(ValueError, match="checkpoint_alignment must be positive"):
+        is_mamba_prefill_checkpoint_valid(0, 100, 48, 16, 32, 0)
+
+
+def test_full_attention_partial_tail_hit_is_copied_on_write():
+    # Full attention and Mamba both at block 32, hashed per 16: hits at 16-token units.
+    m = manager_for(full(32), mamba(32))
+    assert m.coordinator.enable_partial_hash_hits
+    a = request("a", [*PREFIX, 1, 1, 1, 1, 1, 1, 1, 1])  # 56 tokens: tail boundary 48
+    # A first chunk of 48 ends at the tail: attention block 2 (idx 1, holding tokens
+    # 32..47 so far) and Mamba's running state (block 3) are keyed at 48.
+    assert admit(m, a, 48) == (0, ([1, 2], [3]))
+    pool = m.block_pool
+    assert pool.partial_entry_tokens(pool.blocks[2]) == 48
+    assert pool.partial_entry_tokens(pool.blocks[3]) == 48
+    assert drain(m) == []
+    # a's next chunk fills nothing new in attention (it keeps appending to block 2) but
+    # keeps updating its Mamba state in place: that key moves to a copy (block 4).
+    assert step(m, a, 8) == ([], [])
+    assert drain(m) == [KVCacheBlockCopy(3, 4)]
+    assert pool.blocks[3].block_hash is None and pool.partial_entry_tokens(pool.blocks[4]) == 48
+
+    b = request("b", [*PREFIX, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    blocks, num_hit, boundary = m.get_computed_blocks(b)
+    assert (num_hit, boundary) == (48, 0)
+    assert blocks.get_block_ids() == ([1, 2], [0, 4])
+    # b's hit ends inside both groups' second block: both are copied before b writes.
+    assert m.allocate_slots(b, 10, 48, blocks).get_block_ids() == ([5], [6])
+    b.num_computed_tokens = 58
+    assert m.get_block_ids("b") == ([1, 5], [0, 6])
+    copies, retained = m.take_kv_cache_block_copies()
+    assert copies == [KVCacheBlockCopy(2, 5), KVCacheBlockCopy(4, 6)]
+    # Retained: 2 is a's and held for its copy; 5 and 6 are b's; 4 only for its copy.
+    assert [(blk.block_id, blk.ref_cnt) for blk in retained] == [(2, 2), (5, 2), (4, 1), (6, 2)]
+    pool.free_blocks(retained)
+    check_invariants(m)
+    # Block 5 is b's own; its prompt's tail (48) lies in it too, so it is keyed there, and
+    # under its full key once full.
+    assert pool.partial_entry_tokens(pool.blocks[5]) == 48
+    b.append_output_token_ids([3] * 6)
+    step(m, b, 6)  # 64 tokens: block 5 is full
+    assert pool.blocks[5].block_hash == make_block_hash_with_group_id(b.block_hashes[3], 0)
+    for req in (a, b):
+        m.free(req)
+    check_invariants(m)
+    assert pool.get_num_free_blocks() == 39
+
+
+def test_partial_entry_promoted_when_its_block_fills_and_kept_as_a_further_key():
+    m = manager_for(full(32), mamba(32))
+    pool = m.block_pool
+    a = request("a", [*PREFIX, 1])  # 49 tokens: tail boundary 48
+    admit(m, a)
+    assert pool.partial_entry_tokens(pool.blocks[2]) == 48
+    key48 = make_block_hash_with_group_id(a.block_hashes[2], 0)
+    assert pool.blocks[2].block_hash == key48
+    a.append_output_token_ids([0] * 15)
+    step(m, a, 15)  # 64 tokens: block 2 is full, its key now names all 64
+    assert pool.blocks[2].block_hash == make_block_hash_with_group_id(a.block_hashes[3], 0)
+    assert pool.partial_entry_tokens(pool.blocks[2]) is None
+    # The prompt's tail stays reachable: a further key of the full block (vLLM's set of
+    # keys per block), so a sibling diverging at 48 still finds block 2 there.
+    assert pool.get_one_block(key48) is pool.blocks[2]
+    d = request("d", [*PREFIX, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
+    blocks, num_hit, boundary = m.get_computed_blocks(d)
+    # Attention could serve 48, but Mamba has no state there (a's step ended at 49).
+    assert (num_hit, boundary) == (0, 48)
+    m.evict_blocks([2])  # both keys go
+    assert pool.get_one_block(key48) is None
+    assert pool.get_one_block(make_block_hash_with_group_id(a.block_hashes[3], 0)) is None
+    m.free(a)
+    check_invariants(m)
+    assert pool.get_num_free_blocks() == 39
+
+
+def test_secondary_partial_key_and_eviction():
+    pool = BlockPool(8, True, 16, enable_kv_cache_events=True)
+    req = request("r", [*PREFIX, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17])
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 0, 2, 32, 0)  # keys at 32 and 64
+    full_key = blocks[1].block_hash
+    key48 = pool.cache_partial_block(req, blocks[1], 48, 0, 32)
+    assert key48 == make_block_hash_with_group_id(req.block_hashes[2], 0)
+    assert blocks[1].block_hash == full_key  # its own key is kept
+    assert pool.get_one_block(key48) is blocks[1] and pool.get_one_block(full_key) is blocks[1]
+    assert pool.cache_partial_block(req, blocks[1], 48, 0, 32) == key48  # idempotent
+    events = pool.take_events()
+    assert [e.block_hashes for e in events][-1] == [req.block_hashes[2]]
+    pool.evict_blocks([blocks[1].block_id])
+    assert pool.get_one_block(key48) is None and pool.get_one_block(full_key) is None
+    assert len(pool.take_events()) == 2  # both keys removed
+    assert pool.cache_partial_block(req, pool.null_block, 48, 0, 32) is None
+    with pytest.raises(ValueError, match="positive multiple of the hash block size"):
+        pool.cache_partial_block(req, blocks[2], 40, 0, 32)
+    with pytest.raises(ValueError, match="needs 9"):
+        pool.cache_partial_block(req, blocks[2], 144, 0, 32)
+
+
+def test_partial_hit_of_a_request_freed_before_its_copy_ran_leaks_nothing():
+    m = manager_for(full(32), mamba(32))
+    a = request("a", [*PREFIX, 1, 1, 1])
+    admit(m, a, 48)
+    step(m, a, 3)
+    drain(m)
+    b = request("b", [*PREFIX, 2, 2])
+    num_hit, _ = admit(m, b)
+    assert num_hit == 48
+    m.free(b)  # preempted in the same step: the pending copies keep both endpoints
+    m.free(a)
+    check_invariants(m)
+    assert m.block_pool.get_num_free_blocks() < 39
+    assert len(drain(m)) == 2
+    check_invariants(m)
+    assert m.block_pool.get_num_free_blocks() == 39
+
+
+def test_partial_hits_off_without_a_coarser_mamba_group():
+    # Mamba at the hash unit: nothing is ever inside a block, no copies.
+    m = manager_for(full(16), mamba(16))
+    assert not m.coordinator.enable_partial_hash_hits
+    a = request("a", [*PREFIX, 1, 1])
+    admit(m, a)
+    assert drain(m) == []
+
+
+def test_partial_hits_through_the_scheduler_match_a_dense_reference():
+    """The engine's scheduler drives a hybrid manager; the attention group's KV lives in a
+    `PagedKVCache`, the step's copies run before its writes. Every running request's KV,
+    read back through its block table, equals a dense reference of its tokens (a shared
+    block written without its copy would corrupt the request that owns it)."""
+    from jaxkv.device import PagedKVCache
+
+    m = manager_for(full(32), mamba(32), num_blocks=24)
+    sched = Scheduler(m, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48,
+                                         max_model_len=128))  # fmt: skip
+    paged = PagedKVCache(m.kv_cache_config.kv_cache_groups[0].kv_cache_spec, 24)
+    (kv,) = paged.allocate(1)
+    bs = paged.block_size
+
+    def value(tokens, positions):
+        x = np.asarray(tokens, np.float32)[:, None, None] * 1000 + positions[:, None, None] + 1
+        return np.broadcast_to(x, (len(positions), paged.num_kv_heads, paged.head_size))
+
+    def slots(req, positions):
+        table = np.asarray(m.get_block_ids(req.request_id)[0])
+        return table[positions // bs] * bs + positions % bs
+
+    sched.add_request(request("a", [*PREFIX, 1, 1, 1, 1, 1, 1, 1, 1], max_tokens=6))
+    copies_run = []
+    for i in range(12):
+        if i == 2:  # a has moved past the shared prefix: b and c hit it
+            sched.add_request(request("b", [*PREFIX, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2], max_tokens=8))
+            sched.add_request(request("c", [*PREFIX, 3, 3, 3], max_tokens=8))
+        out = sched.schedule()
+        if out.kv_cache_block_copies:
+            src = [c.src_block_id for c in out.kv_cache_block_copies]
+            dst = [c.dst_block_id for c in out.kv_cache_block_copies]
+            (kv,) = paged.copy_blocks_all([kv], src, dst)
+            copies_run.extend(out.kv_cache_block_copies)
+        for s in out.scheduled:
+            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+            val = jnp.asarray(value(s.request.all_token_ids[pos[0] : pos[-1] + 1], pos))
+            kv = paged.write_kv(kv, val, -val, slots(s.request, pos))
+        sched.update_from_output(out, [4] * len(out.scheduled))
+        for req in sched.running:
+            pos = np.arange(req.num_computed_tokens)
+            k, v = paged.read_kv(kv, slots(req, pos))
+            want = value(req.all_token_ids[: len(pos)], pos)
+            np.testing.assert_array_equal(np.asarray(k), want, err_msg=f"{req.request_id} K")
+            np.testing.assert_array_equal(np.asarray(v), -want, err_msg=f"{req.request_id} V")
+    assert sched.num_admitted_hit_tokens == 96  # b and c hit the 48-token prefix
+    attention_copies = [c for c in copies_run if c.src_block_id == 2]  # a's block 2
+    assert len(attention_copies) == 2
+    assert not sched.has_unfinished_requests()
+    assert m.block_pool.get_num_free_blocks() == 23
