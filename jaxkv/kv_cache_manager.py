@@ -20,7 +20,7 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
-from jaxkv.single_type_kv_cache_manager import FullAttentionManager
+from jaxkv.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
@@ -168,7 +168,10 @@ class KVCacheManager:
         (`resolve_kv_cache_block_sizes`: the group block size, or the GCD of a
         hybrid's). `use_eagle` drops the last matched block of EAGLE groups;
         `num_prefill_lookahead` (multi-token MTP) keeps its re-prefilled tokens
-        out of the cache. Features jaxkv does not have (hash lookahead, context
+        out of the cache. `enable_mamba_shared_prefix_checkpoint` takes effect as in
+        vLLM (`mamba_shared_prefix_checkpoint`): with EAGLE groups, partial hits and no
+        re-prefilled tokens, a Mamba "align" state is also keyed at a request's
+        `shared_prefix_boundary`. Features jaxkv does not have (hash lookahead, context
         parallelism, a watermark) must be left at their defaults.
         """
         check_int("max_model_len", max_model_len, min_value=1)
@@ -192,13 +195,13 @@ class KVCacheManager:
         ):
             check_bool(name, value)
         check_bool("use_eagle", use_eagle)
+        check_bool("enable_mamba_shared_prefix_checkpoint", enable_mamba_shared_prefix_checkpoint)
         check_int("num_prefill_lookahead", num_prefill_lookahead, min_value=0)
         unsupported = {
             "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
             "dcp_world_size": (dcp_world_size, 1),
             "pcp_world_size": (pcp_world_size, 1),
             "watermark": (watermark, 0.0),
-            "enable_mamba_shared_prefix_checkpoint": (enable_mamba_shared_prefix_checkpoint, False),
         }
         for name, (value, default) in unsupported.items():
             if value != default or isinstance(value, bool) != isinstance(default, bool):
@@ -227,6 +230,18 @@ class KVCacheManager:
             num_prefill_lookahead=num_prefill_lookahead,
             max_in_flight_tokens=self.max_in_flight_tokens,
         )
+        coordinator = self.coordinator
+        # vLLM 0.33's narrowing: EAGLE groups, partial hits, no re-prefilled (MTP) tokens.
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint
+            and bool(coordinator.eagle_group_ids)
+            and getattr(coordinator, "enable_partial_hash_hits", False)
+            and coordinator.num_reprefillable_tokens == 0
+        )
+        if self.mamba_shared_prefix_checkpoint:
+            for manager in coordinator.single_type_managers:
+                if isinstance(manager, MambaManager):
+                    manager.shared_prefix_checkpoint = True
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
             != self.coordinator.scheduler_block_size

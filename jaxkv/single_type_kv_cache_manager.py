@@ -886,9 +886,17 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step: set[int] | None = None
         # Set by the coordinator under EAGLE: checkpoints follow its replay boundary.
         self.drop_eagle_checkpoint_block = False
+        # Set by `KVCacheManager` (`enable_mamba_shared_prefix_checkpoint`, narrowed as
+        # vLLM 0.33 does): a prefill step ending at the request's shared-prefix junction
+        # keys its state there too.
+        self.shared_prefix_checkpoint = False
         # Requests that keyed their own running state at the prompt's partial tail
         # (`_cache_partial_tail_block`): their next allocation moves that key to a copy.
         self._producer_tails: set[str] = set()
+        # request id -> the next position its state may be keyed at inside a block (the
+        # prompt's tail, or the junction), while a step has yet to end there: the slot
+        # state then has the step that reaches it cache.
+        self._pending_tails: dict[str, int] = {}
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
@@ -1010,6 +1018,7 @@ class MambaManager(SingleTypeKVCacheManager):
         end = num_tokens
         num_cached = self.num_cached_block[request_id]
         hash_block_size = self.block_pool.hash_block_size or self.block_size
+        self._note_pending_tail(request, end, hash_block_size)
         if end > len(request.block_hashes) * hash_block_size:
             return
         if end % self.block_size:
@@ -1032,9 +1041,33 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.cached_blocks_this_step.add(blocks[num_full - 1].block_id)
         self.num_cached_block[request_id] = num_full
 
+    def _tail_positions(self, request: Request, hash_block_size: int) -> tuple[int, int]:
+        """(the prompt's tail position, the junction or 0) a state may be keyed at."""
+        tail = get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block
+        )
+        junction = 0
+        if self.shared_prefix_checkpoint:
+            junction = getattr(request, "shared_prefix_boundary", 0)
+            if junction > request.num_prompt_tokens:
+                junction = 0
+        return tail, junction
+
+    def _note_pending_tail(self, request: Request, end: int, hash_block_size: int) -> None:
+        ahead = [
+            p
+            for p in self._tail_positions(request, hash_block_size)
+            if p > end and p % self.block_size
+        ]
+        if ahead:
+            self._pending_tails[request.request_id] = min(ahead)
+        elif self._pending_tails:
+            self._pending_tails.pop(request.request_id, None)
+
     def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
         """Key the running state when a step ends exactly at the prompt's last hit
-        boundary (vLLM 0.33's partial tail, `get_mamba_prefill_checkpoint_position`).
+        boundary (vLLM 0.33's partial tail, `get_mamba_prefill_checkpoint_position`), or,
+        with `shared_prefix_checkpoint`, at the request's shared-prefix junction.
 
         A state inside a block is then moved to a private copy at the request's next
         allocation (the request keeps updating its running state in place).
@@ -1042,8 +1075,11 @@ class MambaManager(SingleTypeKVCacheManager):
         hash_block_size = self.block_pool.hash_block_size or self.block_size
         if num_tokens % hash_block_size:
             return
-        if num_tokens != get_mamba_prefill_checkpoint_position(
-            request.num_prompt_tokens, hash_block_size, self.drop_eagle_checkpoint_block
+        tail, junction = self._tail_positions(request, hash_block_size)
+        # The junction a sibling was seen to stop at counts while the prompt is computed
+        # (in decode the running state changes in place before its key would hold).
+        if num_tokens != tail and not (
+            num_tokens == junction and request.num_computed_tokens < num_tokens
         ):
             return
         request_id = request.request_id
@@ -1071,7 +1107,12 @@ class MambaManager(SingleTypeKVCacheManager):
     def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
         if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
             return 0, 0, 0  # its next step copies the keyed state: never skipped
-        return super().get_slot_state(request_id)
+        capacity, next_full, release_at = super().get_slot_state(request_id)
+        if self._pending_tails:
+            pending = self._pending_tails.get(request_id)
+            if pending is not None and pending < next_full:
+                next_full = pending
+        return capacity, next_full, release_at
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step = set()
@@ -1126,6 +1167,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def free(self, request_id: str) -> None:
         self._num_retired_blocks.pop(request_id, None)
         self._producer_tails.discard(request_id)
+        self._pending_tails.pop(request_id, None)
         super().free(request_id)
 
     @classmethod

@@ -49,6 +49,7 @@ def _build_jaxkv(case: dict[str, Any]):
         case["max_model_len"],
         hash_block_size=case.get("hash_block_size"),
         use_eagle=case.get("use_eagle", False),
+        enable_mamba_shared_prefix_checkpoint=case.get("shared_prefix_checkpoint", False),
     )
     hasher = jaxkv.get_request_block_hasher(manager.hash_block_size, hash_fn)
 
@@ -112,6 +113,7 @@ def _build_vllm(case: dict[str, Any]):
         hash_block_size=hash_block_size,
         enable_caching=True,
         use_eagle=case.get("use_eagle", False),
+        enable_mamba_shared_prefix_checkpoint=case.get("shared_prefix_checkpoint", False),
     )
     hasher = get_request_block_hasher(hash_block_size, fn)
 
@@ -144,9 +146,15 @@ def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
     stops = [p for p in range(next_boundary, last, align)]
     tail_unit = case.get("tail_unit")
     if tail_unit:
-        tail = (req.num_prompt_tokens - 1) // tail_unit * tail_unit
+        if case.get("use_eagle"):
+            tail = req.num_prompt_tokens // tail_unit * tail_unit - tail_unit
+        else:
+            tail = (req.num_prompt_tokens - 1) // tail_unit * tail_unit
         if start < tail < last:
             stops.append(tail)
+    junction = getattr(req, "shared_prefix_boundary", 0)
+    if case.get("shared_prefix_checkpoint") and start < junction < last:
+        stops.append(junction)  # vLLM's scheduler stops there to checkpoint the junction
     stops.append(last)
     return rng.choice(sorted(set(stops))) - start
 

@@ -92,7 +92,7 @@ def test_random_hybrid_traces_match_vllm():
     assert num_hits > 50  # the traces exercise prefix hits, not just misses
 
 
-def mamba_cases(n: int, seed: int) -> list[dict]:
+def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
     """Full attention, sliding window and Mamba "align" mixes hashed finer than the Mamba
     block, so hits may end inside a block (partial hits, copy-on-write). Chunks end where
     vLLM's scheduler ends them for Mamba (`hybrid_trace._chunk`); every step is reported
@@ -102,6 +102,7 @@ def mamba_cases(n: int, seed: int) -> list[dict]:
     for i in range(n):
         mamba_block_size = rng.choice([8, 16])
         kinds = ["full", "mamba"] + [rng.choice(["full", "mamba", "sw"])] * rng.randint(0, 1)
+        eagle = rng.random() < eagle_share
         groups = []
         for kind in kinds:
             if kind == "mamba":
@@ -121,13 +122,16 @@ def mamba_cases(n: int, seed: int) -> list[dict]:
                 "report_steps": True,
                 "mamba_block_size": mamba_block_size,
                 "tail_unit": 4,
+                # EAGLE, and with it the Mamba state at a shared-prefix junction.
+                "use_eagle": eagle,
+                "shared_prefix_checkpoint": eagle and rng.random() < 0.8,
             }
         )
     return cases
 
 
 def test_random_mamba_align_traces_with_partial_hits_match_vllm():
-    cases = mamba_cases(30, seed=5)
+    cases = mamba_cases(24, seed=5) + mamba_cases(12, seed=6, eagle_share=1.0)
     expected = run_vllm(cases)
     num_partial_hits = num_copies = 0
     for case, want in zip(cases, expected, strict=True):

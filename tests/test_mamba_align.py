@@ -258,3 +258,42 @@ def test_partial_hits_through_the_scheduler_match_a_dense_reference():
     assert len(attention_copies) == 2
     assert not sched.has_unfinished_requests()
     assert m.block_pool.get_num_free_blocks() == 23
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_shared_prefix_checkpoint_keys_the_state_at_the_junction(enabled: bool):
+    m = manager_for(
+        full(32), mamba(32), use_eagle=True, enable_mamba_shared_prefix_checkpoint=enabled
+    )
+    assert m.mamba_shared_prefix_checkpoint == enabled
+    tail = [1] * 16
+    a = request("a", [*PREFIX, *tail, *[7] * 10])
+    admit(m, a)  # attention caches 64 tokens; Mamba keeps no state (its step ended at 74)
+    b = request("b", [*PREFIX, *tail, *[9] * 30])
+    blocks, num_hit, boundary = m.get_computed_blocks(b)
+    # Attention matches 64, drops a hash unit for EAGLE: 48; Mamba has nothing there.
+    assert (num_hit, boundary) == (0, 48)
+    b.shared_prefix_boundary = boundary
+    admit(m, b, 48)  # b's first chunk stops at the junction (as vLLM's scheduler does)
+    state = m.get_blocks("b").blocks[1][-1]
+    assert m.block_pool.partial_entry_tokens(state) == (48 if enabled else None)
+    step(m, b, 10)
+    assert drain(m) == ([KVCacheBlockCopy(7, 8)] if enabled else [])
+    assert state.block_id == 7
+    c = request("c", [*PREFIX, *tail, *[5] * 20])
+    assert m.get_computed_blocks(c)[1] == (48 if enabled else 0)
+    for req in (a, b):
+        m.free(req)
+    check_invariants(m)
+
+
+def test_shared_prefix_checkpoint_narrowed_as_vllm():
+    # Without EAGLE (or without partial hits) the flag is accepted and has no effect.
+    assert not manager_for(
+        full(32), mamba(32), enable_mamba_shared_prefix_checkpoint=True
+    ).mamba_shared_prefix_checkpoint
+    assert not manager_for(
+        full(16), mamba(16), use_eagle=True, enable_mamba_shared_prefix_checkpoint=True
+    ).mamba_shared_prefix_checkpoint
+    with pytest.raises(TypeError, match="enable_mamba_shared_prefix_checkpoint must be a bool"):
+        manager_for(full(32), mamba(32), enable_mamba_shared_prefix_checkpoint=1)
