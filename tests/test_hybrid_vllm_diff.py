@@ -51,12 +51,8 @@ def random_cases(n: int, seed: int) -> list[dict]:
                 "max_model_len": 48,
                 "seed": seed * 1000 + i,
                 "num_steps": 120,
-                # EAGLE: not with chunked local attention (vLLM asserts), and not with
-                # mixed block sizes, where vLLM also registers the prompt's partial
-                # tail block (jaxkv does not: see docs/vllm-differences.md).
-                "use_eagle": "chunked" not in kinds
-                and len({bs for _, bs, _ in groups}) == 1
-                and rng.random() < 0.4,
+                # EAGLE: not with chunked local attention (vLLM asserts).
+                "use_eagle": "chunked" not in kinds and rng.random() < 0.4,
                 "lookahead": rng.choice([0, 0, 1, 3]),
                 "retention": retention,
             }
