@@ -254,13 +254,15 @@ class KVCacheCoordinator:
                 bool(self.drop_eagle_group_ids),
             )
         for group_id, manager in enumerate(self.single_type_managers):
+            num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
             if manager.caches_at_step_end:
                 if step_end is not None and step_end != num_computed_tokens:
                     continue  # the state holds unverified tokens
-                num_tokens = num_computed_tokens
+                manager.cache_blocks(  # type: ignore[call-arg]
+                    request, num_tokens, retention_interval, boundaries, num_computed_tokens
+                )
             else:
-                num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
-            manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
+                manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
 
     # -- release and queries -------------------------------------------------
 

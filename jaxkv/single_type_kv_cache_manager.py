@@ -893,6 +893,9 @@ class MambaManager(SingleTypeKVCacheManager):
         # Requests that keyed their own running state at the prompt's partial tail
         # (`_cache_partial_tail_block`): their next allocation moves that key to a copy.
         self._producer_tails: set[str] = set()
+        # request id -> the blocks whose state is the one at their end (a step ended
+        # there), not cached yet: cached once the cacheable count passes them.
+        self._boundary_states: dict[str, set[int]] = {}
         # request id -> the next position its state may be keyed at inside a block (the
         # prompt's tail, or the junction), while a step has yet to end there: the slot
         # state then has the step that reaches it cache.
@@ -997,10 +1000,15 @@ class MambaManager(SingleTypeKVCacheManager):
         num_tokens: int,
         retention_interval: int | None = None,
         replay_boundaries: Sequence[int] = (),
+        step_end: int | None = None,
     ) -> None:
+        """vLLM's arguments; `step_end`: where the step's state stands ("align"; default
+        `num_tokens`, which is then also what may be cached)."""
         if self.mamba_cache_mode != "align":
             request_id = request.request_id
             num_cached = self.num_cached_block.get(request_id, 0)
+            if step_end is not None:
+                num_tokens = step_end  # "all" keeps every state: each block's is final
             super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
             if self.cached_blocks_this_step is not None:
                 self.cached_blocks_this_step.update(
@@ -1011,34 +1019,44 @@ class MambaManager(SingleTypeKVCacheManager):
                     if block.block_hash_only is not None
                 )
             return
-        # `num_tokens` is where the step's state stands (the coordinator passes the
-        # step end); a state exactly on a block boundary can serve a hit, and one inside
-        # a block only at the prompt's partial tail.
+        # `step_end` is where the step's state stands, `num_tokens` what may be cached (the
+        # coordinator's count: aligned to the hit grid). A state exactly on a block
+        # boundary is cached once that count passes it (while its block is held), one
+        # inside a block only at the prompt's partial tail (or the junction).
         request_id = request.request_id
-        end = num_tokens
+        end = num_tokens if step_end is None else step_end
         num_cached = self.num_cached_block[request_id]
         hash_block_size = self.block_pool.hash_block_size or self.block_size
         self._note_pending_tail(request, end, hash_block_size)
-        if end > len(request.block_hashes) * hash_block_size:
-            return
-        if end % self.block_size:
-            self._cache_partial_tail_block(request, end)
-            return
-        num_full = end // self.block_size
+        num_hashed_tokens = len(request.block_hashes) * hash_block_size
+        if end % self.block_size or end > num_hashed_tokens:
+            if num_tokens == end <= num_hashed_tokens:
+                self._cache_partial_tail_block(request, end)
+            boundary_states = self._boundary_states.get(request_id)
+            if not boundary_states:
+                return
+        else:
+            boundary_states = self._boundary_states.setdefault(request_id, set())
+            boundary_states.add(end // self.block_size - 1)
+        num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_full <= num_cached:
             return
         blocks = self.req_to_blocks[request_id]
         mask = None
         if retention_interval is not None:
             mask = self._mask_for(
-                request, num_full - 1, num_full, retention_interval, replay_boundaries
+                request, num_cached, num_full, retention_interval, replay_boundaries
             )
-        if not blocks[num_full - 1].is_null and (mask is None or mask[0]):
-            self.block_pool.cache_full_blocks(
-                request, blocks, num_full - 1, num_full, self.block_size, self.kv_cache_group_id
-            )
-            if self.cached_blocks_this_step is not None:
-                self.cached_blocks_this_step.add(blocks[num_full - 1].block_id)
+        for i in sorted(boundary_states):
+            if i < num_cached or i >= num_full:
+                continue
+            if not blocks[i].is_null and (mask is None or mask[i - num_cached]):
+                self.block_pool.cache_full_blocks(
+                    request, blocks, i, i + 1, self.block_size, self.kv_cache_group_id
+                )
+                if self.cached_blocks_this_step is not None:
+                    self.cached_blocks_this_step.add(blocks[i].block_id)
+        boundary_states.difference_update(range(num_cached, num_full))
         self.num_cached_block[request_id] = num_full
 
     def _tail_positions(self, request: Request, hash_block_size: int) -> tuple[int, int]:
@@ -1168,6 +1186,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self._num_retired_blocks.pop(request_id, None)
         self._producer_tails.discard(request_id)
         self._pending_tails.pop(request_id, None)
+        self._boundary_states.pop(request_id, None)
         super().free(request_id)
 
     @classmethod

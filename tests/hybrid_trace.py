@@ -160,7 +160,8 @@ def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
 
 
 def replay(backend: str, case: dict[str, Any]) -> list:
-    """Run one case; the log holds every hit length and every block id returned or held."""
+    """Run one case; the log holds every hit length, every block id returned or held, the
+    copies, and after each step the free queue (in eviction order) and the cached blocks."""
     manager, make_request = (_build_jaxkv if backend == "jaxkv" else _build_vllm)(case)
     rng = random.Random(case["seed"])
     max_len = case["max_model_len"]
@@ -229,7 +230,15 @@ def replay(backend: str, case: dict[str, Any]) -> list:
         for req in running:
             held = manager.get_block_ids(req.request_id)
             log.append(("held", req.request_id, [list(g) for g in held]))
-        log.append(("free", manager.block_pool.get_num_free_blocks()))
+        pool = manager.block_pool  # its free queue in eviction order, and what is cached
+        log.append(
+            (
+                "free",
+                pool.get_num_free_blocks(),
+                [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+                sorted(b.block_id for b in pool.blocks if b.block_hash is not None),
+            )
+        )
     return json.loads(json.dumps(log))
 
 

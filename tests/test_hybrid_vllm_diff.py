@@ -89,8 +89,8 @@ def test_random_hybrid_traces_match_vllm():
 
 
 def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
-    """Full attention, sliding window and Mamba "align" mixes hashed finer than the Mamba
-    block, so hits may end inside a block (partial hits, copy-on-write). Chunks end where
+    """Full attention, sliding window and Mamba "align" mixes, mostly hashed finer than the
+    Mamba block, so hits may end inside a block (partial hits, copy-on-write). Chunks end where
     vLLM's scheduler ends them for Mamba (`hybrid_trace._chunk`); every step is reported
     (`new_step_starts`) and its copies drained, as a synchronous engine does."""
     rng = random.Random(seed)
@@ -99,14 +99,18 @@ def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
         mamba_block_size = rng.choice([8, 16])
         kinds = ["full", "mamba"] + [rng.choice(["full", "mamba", "sw"])] * rng.randint(0, 1)
         eagle = rng.random() < eagle_share
+        # Hashed per Mamba block a third of the time: partial hits off, states cached on
+        # the scheduler grid.
+        hash_block_size = mamba_block_size if rng.random() < 0.3 else 4
         groups = []
         for kind in kinds:
             if kind == "mamba":
                 groups.append(("mamba", mamba_block_size, 0))
             elif kind == "full":
-                groups.append(("full", rng.choice([4, 8, mamba_block_size]), 0))
+                sizes = [4, 8, mamba_block_size] if hash_block_size == 4 else [8, 16, 32]
+                groups.append(("full", max(rng.choice(sizes), hash_block_size), 0))
             else:
-                groups.append(("sw", 4, rng.choice([5, 8])))
+                groups.append(("sw", hash_block_size, rng.choice([5, 8])))
         cases.append(
             {
                 "groups": groups,
@@ -114,10 +118,10 @@ def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
                 "max_model_len": 48,
                 "seed": seed * 1000 + i,
                 "num_steps": 120,
-                "hash_block_size": 4,
+                "hash_block_size": hash_block_size,
                 "report_steps": True,
                 "mamba_block_size": mamba_block_size,
-                "tail_unit": 4,
+                "tail_unit": hash_block_size,
                 # EAGLE, and with it the Mamba state at a shared-prefix junction.
                 "use_eagle": eagle,
                 "shared_prefix_checkpoint": eagle and rng.random() < 0.8,
