@@ -510,7 +510,11 @@ class MambaSpec(KVCacheSpec):
     `mamba_cache_mode`: "none" (not prefix-cached; only the running state is
     held), "all" (the state at every block boundary is kept and cached),
     "align" (only the latest state is kept; states landing on block boundaries
-    are cached). `tp_replicated`: every tensor-parallel rank holds the whole
+    are cached). `num_prefill_checkpoint_blocks` (> 0: on) and
+    `prefill_checkpoint_alignment` ("align", vLLM 0.33): a prefill chunk whose
+    backend can export the state at the chunk's last hit boundary (the rule of
+    `is_mamba_prefill_checkpoint_valid`) gets a spare state block for it, keyed
+    there. `tp_replicated`: every tensor-parallel rank holds the whole
     state (otherwise the state is split evenly). `page_size_padded`: the page's
     bytes when padded beyond the states (to share a page size with attention
     layers); None: no padding.
@@ -522,6 +526,8 @@ class MambaSpec(KVCacheSpec):
     num_speculative_blocks: int = 0
     tp_replicated: bool = False
     page_size_padded: int | None = field(default=None, kw_only=True)
+    num_prefill_checkpoint_blocks: int = field(default=0, kw_only=True)
+    prefill_checkpoint_alignment: int | None = field(default=None, kw_only=True)
     kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.MAMBA
 
     def __post_init__(self) -> None:
@@ -555,6 +561,19 @@ class MambaSpec(KVCacheSpec):
             raise ValueError(
                 f"MambaSpec: num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}"
             )
+        if self.num_prefill_checkpoint_blocks < 0:
+            raise ValueError(
+                "MambaSpec: num_prefill_checkpoint_blocks must be >= 0 (one is used per prefill "
+                f"chunk), got {self.num_prefill_checkpoint_blocks!r}"
+            )
+        alignment = self.prefill_checkpoint_alignment
+        if alignment is not None and (
+            isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0
+        ):
+            raise ValueError(
+                f"MambaSpec: prefill_checkpoint_alignment must be a positive int or None, got "
+                f"{alignment!r}"
+            )
         _check_page_size_padded(self, self.real_page_size_bytes)
 
     @property
@@ -583,7 +602,8 @@ class MambaSpec(KVCacheSpec):
         if self.mamba_cache_mode == "all":
             pages = _cdiv(max_model_len, self.block_size)
         elif self.mamba_cache_mode == "align":
-            pages = 2  # the running state and the one it continues from
+            # The running state, the one it continues from, and a prefill checkpoint.
+            pages = 2 + self.num_prefill_checkpoint_blocks
         else:
             pages = 1
         return (pages + self.num_speculative_blocks) * self.page_size_bytes

@@ -25,6 +25,7 @@ from jaxkv.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
 )
 from jaxkv.kv_cache_utils import resolve_block_hashes
 
@@ -893,6 +894,13 @@ class MambaManager(SingleTypeKVCacheManager):
         # Requests that keyed their own running state at the prompt's partial tail
         # (`_cache_partial_tail_block`): their next allocation moves that key to a copy.
         self._producer_tails: set[str] = set()
+        # Prefill checkpoints (vLLM 0.33): the backend exports the state at a chunk's last
+        # hit boundary into a spare block; request id -> (that position, the block's
+        # index), set by `get_num_blocks_to_allocate` for the allocation it sizes.
+        self.has_prefill_checkpoint_blocks = (
+            self.mamba_cache_mode == "align" and kv_cache_spec.num_prefill_checkpoint_blocks > 0
+        )
+        self._checkpoints: dict[str, tuple[int, int]] = {}
         # request id -> the blocks whose state is the one at their end (a step ended
         # there), not cached yet: cached once the cacheable count passes them.
         self._boundary_states: dict[str, set[int]] = {}
@@ -945,9 +953,17 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
         held = self.req_to_blocks.get(request_id)
         num_local = len(new_computed_blocks) + (len(held) if held is not None else 0)
-        # The table is padded with nulls up to the block before the state's.
+        checkpoint_block = 0
+        if self.has_prefill_checkpoint_blocks:
+            checkpoint_block = self._plan_checkpoint(
+                request_id, total_computed_tokens, num_tokens, apply_admission_cap
+            )
+        # The table is padded with nulls up to the block before the state's (before the
+        # checkpoint's, which takes the block before the state's).
         num_new = max(
-            num_required - max(num_local, num_required - self.num_speculative_blocks - 1), 0
+            num_required
+            - max(num_local, num_required - self.num_speculative_blocks - 1 - checkpoint_block),
+            0,
         )
         if (new_computed_blocks and total_computed_tokens % self.block_size) or (
             self._partial_hit_reqs and request_id in self._partial_hit_reqs
@@ -966,9 +982,11 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_cached_block.setdefault(request_id, 0)
         num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
         partial = self._partial_hit_reqs.pop(request_id, None) if self._partial_hit_reqs else None
-        if num_required <= len(req_blocks) and partial is None:
+        checkpoint_block = 1 if self._checkpoints and request_id in self._checkpoints else 0
+        if num_required <= len(req_blocks) and partial is None and not checkpoint_block:
             return []
-        num_nulls = num_required - self.num_speculative_blocks - 1 - len(req_blocks)
+        num_nulls = num_required - self.num_speculative_blocks - 1 - checkpoint_block
+        num_nulls -= len(req_blocks)
         if num_nulls > 0:
             req_blocks.extend([self._null_block] * num_nulls)
         num_new = max(num_required - len(req_blocks), 0)
@@ -1029,8 +1047,11 @@ class MambaManager(SingleTypeKVCacheManager):
         hash_block_size = self.block_pool.hash_block_size or self.block_size
         self._note_pending_tail(request, end, hash_block_size)
         num_hashed_tokens = len(request.block_hashes) * hash_block_size
+        checkpoint = self._checkpoints.get(request_id) if self._checkpoints else None
+        if checkpoint is not None:
+            self._cache_checkpoint(request, checkpoint, retention_interval)
         if end % self.block_size or end > num_hashed_tokens:
-            if num_tokens == end <= num_hashed_tokens:
+            if num_tokens == end <= num_hashed_tokens and checkpoint is None:
                 self._cache_partial_tail_block(request, end)
             boundary_states = self._boundary_states.get(request_id)
             if not boundary_states:
@@ -1058,6 +1079,85 @@ class MambaManager(SingleTypeKVCacheManager):
                     self.cached_blocks_this_step.add(blocks[i].block_id)
         boundary_states.difference_update(range(num_cached, num_full))
         self.num_cached_block[request_id] = num_full
+
+    def _plan_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, apply_admission_cap: bool
+    ) -> int:
+        """1 when the step `[query_start, query_end)` exports a prefill checkpoint into a
+        spare block (vLLM 0.33's `_needs_internal_checkpoint`), else 0; recorded for the
+        allocation unless only sizing an admission."""
+        position = get_mamba_prefill_checkpoint_position(
+            query_end, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
+        )
+        checkpoint_idx = _cdiv(query_end, self.block_size) - 2
+        blocks = self.req_to_blocks.get(request_id) or []
+        needed = (
+            checkpoint_idx >= 0
+            and is_mamba_prefill_checkpoint_valid(
+                query_start,
+                query_end,
+                position,
+                self.block_pool.hash_block_size or self.block_size,
+                self.block_size,
+                self.kv_cache_spec.prefill_checkpoint_alignment,  # type: ignore[attr-defined]
+            )
+            and (
+                checkpoint_idx >= len(blocks)
+                or blocks[checkpoint_idx].is_null
+                or checkpoint_idx >= len(blocks) - self.num_speculative_blocks
+            )
+        )
+        if not apply_admission_cap:
+            if needed:
+                self._checkpoints[request_id] = (position, checkpoint_idx)
+            else:
+                self._checkpoints.pop(request_id, None)
+        return 1 if needed else 0
+
+    def _cache_checkpoint(
+        self, request: Request, checkpoint: tuple[int, int], retention_interval: int | None
+    ) -> None:
+        """Key the checkpoint block at its position, or drop its keys when no later request
+        can resume there (vLLM 0.33: kept at the prompt's checkpoint, a retained boundary
+        or the shared-prefix junction)."""
+        position, checkpoint_idx = checkpoint
+        block = self.req_to_blocks[request.request_id][checkpoint_idx]
+        pool = self.block_pool
+        keep = position == get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens,
+            self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+        ) or position == getattr(request, "shared_prefix_boundary", 0)
+        if not keep and position % self.block_size == 0:
+            block_idx = position // self.block_size - 1
+            retained = self.reachable_block_mask(
+                block_idx,
+                block_idx + 1,
+                self.cache_hit_alignment_tokens,
+                self.kv_cache_spec,
+                self.drop_eagle_checkpoint_block,
+                retention_interval,
+            )
+            keep = retained is None or retained[0]
+        if not keep:
+            if block.block_hash_only is not None:  # a transient state: never reusable
+                pool.evict_blocks((block.block_id,))
+            return
+        if pool.partial_entry_tokens(block) == position:
+            return
+        if (
+            pool.cache_partial_block(
+                request,
+                block,
+                position,
+                self.kv_cache_group_id,
+                self.block_size,
+                replace_existing_hashes=True,
+            )
+            is not None
+            and self.cached_blocks_this_step is not None
+        ):
+            self.cached_blocks_this_step.add(block.block_id)
 
     def _tail_positions(self, request: Request, hash_block_size: int) -> tuple[int, int]:
         """(the prompt's tail position, the junction or 0) a state may be keyed at."""
@@ -1187,6 +1287,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self._producer_tails.discard(request_id)
         self._pending_tails.pop(request_id, None)
         self._boundary_states.pop(request_id, None)
+        self._checkpoints.pop(request_id, None)
         super().free(request_id)
 
     @classmethod

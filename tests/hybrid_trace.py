@@ -28,7 +28,12 @@ def _build_jaxkv(case: dict[str, Any]):
         elif kind == "mamba":
             specs.append(
                 jaxkv.MambaSpec(
-                    block_size, shapes=((2, 4),), dtypes=("float32",), mamba_cache_mode="align"
+                    block_size,
+                    shapes=((2, 4),),
+                    dtypes=("float32",),
+                    mamba_cache_mode="align",
+                    num_prefill_checkpoint_blocks=1 if case.get("checkpoint_alignment") else 0,
+                    prefill_checkpoint_alignment=case.get("checkpoint_alignment"),
                 )
             )
         elif kind == "sw":
@@ -87,6 +92,8 @@ def _build_vllm(case: dict[str, Any]):
                 shapes=((2, 4),),
                 dtypes=(torch.float32,),
                 mamba_cache_mode="align",
+                num_prefill_checkpoint_blocks=1 if case.get("checkpoint_alignment") else 0,
+                prefill_checkpoint_alignment=case.get("checkpoint_alignment"),
             )
         elif kind == "sw":
             spec = SlidingWindowSpec(**common, sliding_window=param)
@@ -121,6 +128,75 @@ def _build_vllm(case: dict[str, Any]):
         return Request(rid, tokens, SamplingParams(max_tokens=64), None, block_hasher=hasher)
 
     return manager, make_request
+
+
+def _new_ids(new) -> list | None:
+    """The ids of newly allocated blocks per group (vLLM also lists a Mamba table's null
+    padding among them, jaxkv does not: the null block is left out)."""
+    if new is None:
+        return None
+    return [[i for i in group if i != 0] for group in new.get_block_ids()]
+
+
+def _checkpoint_position(num_tokens: int, unit: int, eagle: bool) -> int:
+    """vLLM 0.33's `get_mamba_prefill_checkpoint_position` (no hash lookahead)."""
+    position = (num_tokens if eagle else num_tokens - 1) // unit * unit
+    return max(position - unit if eagle else position, 0)
+
+
+def _checkpoint_valid(start: int, end: int, position: int, unit: int, block: int, align) -> bool:
+    """vLLM 0.33's `is_mamba_prefill_checkpoint_valid`."""
+    if not align:
+        return False
+    return (
+        start % unit == 0
+        and -(-end // block) - 2 > (start - 1) // block
+        and start + unit <= position
+        and start < position < end
+        and (position - start) % align == 0
+    )
+
+
+def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
+    """A prefill chunk from `start`: a random length, clipped with a Mamba "align" group as
+    vLLM 0.33's scheduler clips it (`Scheduler._mamba_block_aligned_split`: states are
+    written at chunk ends, so chunks end on Mamba block boundaries, at the prompt's
+    partial tail, at a shared-prefix junction; a backend that exports checkpoints lets
+    the last chunk run through). 0: the request is not scheduled this step."""
+    n = rng.randint(1, req.num_tokens - start)
+    bs = case.get("mamba_block_size")
+    prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+    if not bs or start >= prefill_end:
+        return n
+    unit = case["hash_block_size"]
+    eagle = case.get("use_eagle", False)
+    partial = unit < bs
+    end = start + n
+    last_cache_position = _checkpoint_position(req.num_tokens, bs, eagle)
+    position = _checkpoint_position(prefill_end, unit if partial else bs, eagle)
+    internal = end >= prefill_end and _checkpoint_valid(
+        start, end, position, unit, bs, case.get("checkpoint_alignment")
+    )
+    if internal:
+        last_cache_position = 0
+    if end < prefill_end:
+        end = end // bs * bs
+    tail = 0
+    if partial and not internal:
+        tail = _checkpoint_position(req.num_prompt_tokens, unit, eagle)
+    junction = getattr(req, "shared_prefix_boundary", 0) or 0
+    if case.get("shared_prefix_checkpoint") and junction <= req.num_prompt_tokens:
+        junction_stop = junction
+    else:
+        junction_stop = start + (junction - start) // bs * bs
+    stops = (
+        (start // bs + 1) * bs if start % bs and not internal else 0,
+        last_cache_position,
+        tail if last_cache_position < tail < req.num_prompt_tokens else 0,
+        junction_stop if start < junction < end else 0,
+    )
+    end = min((p for p in stops if start < p < end), default=end)
+    return max(end - start, 0)
 
 
 def _new_ids(new) -> list | None:
@@ -194,6 +270,8 @@ def replay(backend: str, case: dict[str, Any]) -> list:
                 )
             )
             chunk = _chunk(rng, case, req, num_hit)
+            if chunk == 0:
+                continue  # not admitted this step
             new = manager.allocate_slots(req, chunk, num_hit, blocks)
             log.append(("admit", req.request_id, _new_ids(new)))
             if new is not None:
@@ -204,6 +282,8 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             lookahead = 0
             if req.num_computed_tokens < req.num_tokens:
                 n = _chunk(rng, case, req, req.num_computed_tokens)
+                if n == 0:
+                    continue
             elif req.num_tokens < max_len - 1:
                 req.append_output_token_ids(rng.randrange(VOCAB))
                 n = 1

@@ -54,8 +54,16 @@ def hybrid_specs(draw):
             chunk = draw(st.sampled_from([8, 12]))
             specs.append(ChunkedLocalAttentionSpec(bs, 1, 4, "float32", attention_chunk_size=chunk))
         else:
+            alignment = draw(st.sampled_from([None, 4]))  # a backend exporting checkpoints
             specs.append(
-                MambaSpec(bs, shapes=((2,),), dtypes=("float32",), mamba_cache_mode="align")
+                MambaSpec(
+                    bs,
+                    shapes=((2,),),
+                    dtypes=("float32",),
+                    mamba_cache_mode="align",
+                    num_prefill_checkpoint_blocks=0 if alignment is None else 1,
+                    prefill_checkpoint_alignment=alignment,
+                )
             )
     return specs
 

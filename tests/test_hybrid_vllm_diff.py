@@ -90,7 +90,8 @@ def test_random_hybrid_traces_match_vllm():
 
 def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
     """Full attention, sliding window and Mamba "align" mixes, mostly hashed finer than the
-    Mamba block, so hits may end inside a block (partial hits, copy-on-write). Chunks end where
+    Mamba block, so hits may end inside a block (partial hits, copy-on-write), with and
+    without prefill checkpoint blocks. Chunks end where
     vLLM's scheduler ends them for Mamba (`hybrid_trace._chunk`); every step is reported
     (`new_step_starts`) and its copies drained, as a synchronous engine does."""
     rng = random.Random(seed)
@@ -125,6 +126,8 @@ def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
                 # EAGLE, and with it the Mamba state at a shared-prefix junction.
                 "use_eagle": eagle,
                 "shared_prefix_checkpoint": eagle and rng.random() < 0.8,
+                # A backend exporting prefill checkpoints (a spare state block per chunk).
+                "checkpoint_alignment": rng.choice([None, hash_block_size, 2 * hash_block_size]),
             }
         )
     return cases

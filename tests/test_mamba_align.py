@@ -20,6 +20,7 @@ from jaxkv import (
     KVCacheBlockCopy,
     KVCacheConfig,
     KVCacheManager,
+    MambaSpec,
     Request,
     get_mamba_prefill_checkpoint_position,
     get_request_block_hasher,
@@ -297,3 +298,74 @@ def test_shared_prefix_checkpoint_narrowed_as_vllm():
     ).mamba_shared_prefix_checkpoint
     with pytest.raises(TypeError, match="enable_mamba_shared_prefix_checkpoint must be a bool"):
         manager_for(full(32), mamba(32), enable_mamba_shared_prefix_checkpoint=1)
+
+
+def mamba_with_checkpoints(alignment, bs=32):
+    return MambaSpec(
+        bs,
+        shapes=((4, 8),),
+        dtypes=("float32",),
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=alignment,
+    )
+
+
+@pytest.mark.parametrize("alignment", [16, 32])
+def test_prefill_checkpoint_block_keyed_at_the_prompts_last_boundary(alignment: int):
+    m = manager_for(full(32), mamba_with_checkpoints(alignment))
+    a = request("a", [*PREFIX, *[1] * 9])  # 57 tokens: the prompt's checkpoint is 48
+    exported = alignment == 16  # 48 tokens from the step's start: a multiple of 16 only
+    # One step computes the whole prompt; the backend exports the state at 48 into a
+    # spare block (Mamba block 3, the column before the state's) when it can.
+    assert admit(m, a) == (0, ([1, 2], [3, 4] if exported else [3]))
+    assert m.get_block_ids("a")[1] == ([3, 4] if exported else [0, 3])
+    pool = m.block_pool
+    if exported:
+        assert pool.partial_entry_tokens(pool.blocks[3]) == 48
+        assert pool.blocks[4].block_hash is None  # the running state at 57
+    b = request("b", [*PREFIX, 2, 2, 2, 2, 2])
+    blocks, num_hit, boundary = m.get_computed_blocks(b)
+    if not exported:  # attention could serve 48, Mamba has no state there
+        assert (num_hit, boundary) == (0, 48)
+        return
+    assert (num_hit, boundary) == (48, 0) and blocks.get_block_ids() == ([1, 2], [0, 3])
+    assert m.allocate_slots(b, 5, 48, blocks).get_block_ids() == ([5], [6])
+    assert drain(m) == [KVCacheBlockCopy(2, 5), KVCacheBlockCopy(3, 6)]
+    # a's next step: the checkpoint block (before the state) is released, still cached.
+    a.append_output_token_ids([0])
+    step(m, a, 1)
+    assert m.get_block_ids("a")[1] == [0, 4]
+    assert pool.blocks[3].ref_cnt == 0 and pool.partial_entry_tokens(pool.blocks[3]) == 48
+    m.free(a)
+    m.free(b)
+    check_invariants(m)
+    assert pool.get_num_free_blocks() == 39
+
+
+def test_transient_checkpoint_is_not_cached():
+    # A chunk ending before the prompt's end exports its own last boundary's state; it is
+    # kept only where a later request can resume (the prompt's checkpoint, a retained
+    # block boundary, the junction).
+    m = manager_for(full(32), mamba_with_checkpoints(16))
+    a = request("a", [*PREFIX, *PREFIX, 1])  # 97 tokens: prompt checkpoint 96
+    admit(m, a, 90)  # exports the state at 80 (inside a block) into block idx 1
+    ckpt = m.get_blocks("a").blocks[1][1]
+    assert not ckpt.is_null and ckpt.block_hash is None
+    assert m.block_pool.get_one_block(make_block_hash_with_group_id(a.block_hashes[4], 1)) is None
+    b = request("b", [*PREFIX, *PREFIX, 2])
+    admit(m, b, 80)  # the state at 64 ends a block: retained (dense retention), keyed
+    ckpt = m.get_blocks("b").blocks[1][1]
+    assert m.block_pool.partial_entry_tokens(ckpt) == 64
+    m.free(a)
+    m.free(b)
+    check_invariants(m)
+
+
+def test_checkpoint_spec_fields_are_checked():
+    spec = mamba_with_checkpoints(16)
+    assert spec.max_memory_usage_bytes(256, 64) == 3 * spec.page_size_bytes
+    with pytest.raises(ValueError, match="num_prefill_checkpoint_blocks must be >= 0"):
+        MambaSpec(32, shapes=((2,),), dtypes=("float32",), num_prefill_checkpoint_blocks=-1)
+    with pytest.raises(ValueError, match="prefill_checkpoint_alignment must be a positive int"):
+        MambaSpec(32, shapes=((2,),), dtypes=("float32",), prefill_checkpoint_alignment=0)
