@@ -361,7 +361,10 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
-            cached = [block for block in blocks if block._block_hash is not None]
+            cached = []
+            for block in blocks:  # a loop, not a comprehension: no extra frame per call
+                if block._block_hash is not None:
+                    cached.append(block)
             if cached:
                 self._evict_cached_blocks(cached)
         for block in blocks:
@@ -486,30 +489,17 @@ class BlockPool:
                 f"{block_size} but {num_full_blocks} full blocks to cache; give the request a "
                 "block hasher with the manager's hash block size"
             )
-        stamped: list[KVCacheBlock] = []
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
-        if block_mask is None:
-            block_mask = [True] * len(new_blocks)
-        elif len(block_mask) != len(new_blocks):
-            raise ValueError(
-                f"block_mask has {len(block_mask)} entries for {len(new_blocks)} blocks "
-                f"[{num_cached_blocks}, {num_full_blocks})"
-            )
-        for block, block_hash, kept in zip(
-            new_blocks, block_hashes[num_cached_blocks:num_full_blocks], block_mask, strict=True
-        ):
-            if block.is_null or not kept:
-                continue
-            if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
-                if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
-                    for done in stamped:  # leave no state changed
-                        done.reset_hash()
-                    raise ValueError(
-                        f"block {block.block_id} is already cached under another hash; "
-                        "cannot re-stamp it"
-                    )
-                continue
-            stamped.append(block)
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        if block_mask is not None:
+            if len(block_mask) != len(new_blocks):
+                raise ValueError(
+                    f"block_mask has {len(block_mask)} entries for {len(new_blocks)} blocks "
+                    f"[{num_cached_blocks}, {num_full_blocks})"
+                )
+            new_blocks = [block for block, kept in zip(new_blocks, block_mask, strict=True) if kept]
+            new_hashes = [h for h, kept in zip(new_hashes, block_mask, strict=True) if kept]
+        stamped = KVCacheBlock.try_set_hashes(new_blocks, new_hashes, kv_cache_group_id)
         if not stamped:
             return
         self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)
