@@ -353,12 +353,11 @@ class SingleTypeKVCacheManager:
         return (
             len(blocks) * block_size,
             (self.num_cached_block[request_id] + 1) * block_size,
-            self._release_threshold(request_id, blocks) if self.releases_blocks else _NEVER,
+            # The first held block is the one after the table's null prefix.
+            self.release_threshold_for_block(self._num_null_prefix.get(request_id, 0))
+            if self.releases_blocks
+            else _NEVER,
         )
-
-    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
-        """Smallest computed-token count at which the first held block leaves the window."""
-        return self.release_threshold_for_block(self._num_null_prefix.get(request_id, 0))
 
     def release_threshold_for_block(self, block_index: int) -> int:
         """Smallest computed-token count whose skipped tokens cover block `block_index`."""
@@ -804,10 +803,16 @@ class MambaManager(SingleTypeKVCacheManager):
             return 0
         return num_computed_tokens - 1
 
-    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        capacity, next_full, _ = super().get_slot_state(request_id)
+        return capacity, next_full, self._release_threshold(request_id)
+
+    def _release_threshold(self, request_id: str) -> int:
+        """Smallest computed-token count at which the first held state leaves the window."""
         if self.mamba_cache_mode == "all":
             return _NEVER
         # Null gaps sit between states: the first held block after the retired ones.
+        blocks = self.req_to_blocks[request_id]
         for i in range(self._num_retired_blocks.get(request_id, 0), len(blocks)):
             if not blocks[i].is_null:
                 return (i + 1) * self.block_size + 1
