@@ -828,10 +828,14 @@ class KVCacheManager:
         synchronous engine: right after handing the copies to the step, as
         `jaxkv.engine.Scheduler` does).
         """
-        pending: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        pending: list[tuple[KVCacheBlock, KVCacheBlock]] | None = None
         for manager in self.coordinator.single_type_managers:
-            if manager._pending_cow_copies:
+            if manager._pending_cow_copies:  # most steps: none anywhere
+                if pending is None:
+                    pending = []
                 pending.extend(manager.take_pending_cow_copies())
+        if pending is None:
+            return [], []
         copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pending]
         return copies, [block for pair in pending for block in pair]
 
