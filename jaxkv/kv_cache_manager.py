@@ -333,31 +333,9 @@ class KVCacheManager:
         does, store it in `request.shared_prefix_boundary`: sparse retention
         then keeps the blocks ending there, so the junction stays reusable.
         """
-        self._check_request(request)
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
-        else:
-            check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        blocks, num_hit_tokens, num_uncached = self._find_hits(request, max_cache_hit_length)
+        if blocks is None:
             return self.empty_kv_cache_blocks, 0, 0
-        sole = self._sole_manager
-        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
-            # The unitary coordinator's answer when one request hash covers one block
-            # and no block is dropped for EAGLE: the leading cached blocks.
-            block_hashes = request.block_hashes
-            num_blocks = max_cache_hit_length // sole.block_size
-            if num_blocks > len(block_hashes):
-                num_blocks = len(block_hashes)
-            blocks = (
-                self.block_pool.cached_block_hash_to_block.get_leading_blocks(
-                    block_hashes, 0, num_blocks
-                ),
-            )
-            num_hit_tokens, num_uncached = len(blocks[0]) * sole.block_size, 0
-        else:
-            blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
-                request.block_hashes, max_cache_hit_length
-            )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
@@ -366,6 +344,38 @@ class KVCacheManager:
         if num_hit_tokens:
             self._last_lookup = (hits, num_hit_tokens, self.block_pool.num_hash_removals)
         return hits, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
+
+    def get_num_cached_prefix_tokens(self, request: Request) -> int:
+        """The hit length `get_computed_blocks(request)` would return now; changes nothing
+        (no prefix-cache stats, no lookup remembered for `allocate_slots`). A router asks
+        each data rank's manager where a new request's prefix is cached."""
+        return self._find_hits(request, None)[1]
+
+    def _find_hits(
+        self, request: Request, max_cache_hit_length: int | None
+    ) -> tuple[tuple[list[KVCacheBlock], ...] | None, int, int]:
+        """(hit blocks per group or None when the request reads no cached prefix, hit
+        tokens, uncached tokens of a longer shared prefix some group holds)."""
+        self._check_request(request)
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        else:
+            check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return None, 0, 0
+        sole = self._sole_manager
+        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
+            # The unitary coordinator's answer when one request hash covers one block
+            # and no block is dropped for EAGLE: the leading cached blocks.
+            block_hashes = request.block_hashes
+            num_blocks = max_cache_hit_length // sole.block_size
+            if num_blocks > len(block_hashes):
+                num_blocks = len(block_hashes)
+            leading = self.block_pool.cached_block_hash_to_block.get_leading_blocks(
+                block_hashes, 0, num_blocks
+            )
+            return (leading,), len(leading) * sole.block_size, 0
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
 
     def allocate_slots(
         self,
