@@ -24,19 +24,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# Group kinds: full, sliding-window, chunked-local, R-SWA, sink full attention, circular buffer.
+KINDS = ["full", "sw", "chunked", "rswa", "sink", "circ"]
+
+
 def random_cases(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     cases = []
     for i in range(n):
         num_groups = rng.randint(1, 4)
-        kinds = [rng.choice(["full", "sw", "chunked"]) for _ in range(num_groups)]
+        kinds = [rng.choice(KINDS) for _ in range(num_groups)]
+        if num_groups > 1 and all(kind == "circ" for kind in kinds):
+            kinds[0] = "full"  # a hybrid needs a prefix-cacheable group
         same_size = "chunked" in kinds  # chunked local needs hits on its own block size
         groups = []
         for kind in kinds:
             block_size = 4 if same_size else rng.choice([4, 8])
             param = {
                 "full": 0,
+                "circ": 0,
                 "sw": rng.choice([3, 5, 8, 13, 20]),
+                "rswa": rng.choice([3, 8, 13]),
+                "sink": block_size * rng.choice([1, 2]),
                 "chunked": rng.choice([8, 12, 16]),
             }[kind]
             groups.append((kind, block_size, param))
