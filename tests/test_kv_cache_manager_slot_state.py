@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from jaxkv import (
     CircularBufferSpec,
@@ -29,7 +29,7 @@ FN = get_hash_fn_by_name("sha256")
 SPECS = {
     "full": FullAttentionSpec(BLOCK, 1, 8, "float32"),
     "sink": SinkFullAttentionSpec(BLOCK, 1, 8, "float32", sink_len=BLOCK),
-    "rswa": RSWASpec(BLOCK, 1, 8, "float32", rswa_window=5),
+    "rswa": RSWASpec(BLOCK, 1, 8, "float32", rswa_window=1),  # a gap after few decodes
     "ring": CircularBufferSpec(BLOCK, 1, 8, "float32"),
 }
 
@@ -67,9 +67,19 @@ operations = st.lists(
 )
 
 
+# Long decodes of one request: random lists rarely reach R-SWA's gap release.
+LONG_DECODES = (
+    [("admit", 0, 0, False)]
+    + [("decode", 0, 0, False)] * 14
+    + [("admit", 1, 3, True)]
+    + [("decode", 1, 1, False), ("decode", 1, 0, True)] * 6
+)
+
+
 @pytest.mark.parametrize("kind", list(SPECS))
 @settings(max_examples=100, deadline=None)
 @given(ops=operations)
+@example(ops=LONG_DECODES)
 def test_slot_state_changes_no_result(kind, ops):
     init_none_hash(FN, "slot-state")
     hasher = get_request_block_hasher(BLOCK, FN)
