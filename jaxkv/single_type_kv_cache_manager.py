@@ -47,7 +47,9 @@ class SingleTypeKVCacheManager:
 
     Invariants: `req_to_blocks[r]` is request r's block table for this group,
     append-only while r runs except that entries turn into the null block when
-    the attention type no longer reads them (those blocks go back to the pool);
+    the attention type no longer reads them (those blocks go back to the pool):
+    before the window (sliding window, chunked local, Mamba's earlier states)
+    or, for R-SWA, in the gap between the prompt's blocks and the window's;
     `num_cached_block[r]` leading entries have been offered to the prefix cache;
     every non-null block listed holds one reference for r.
     """
