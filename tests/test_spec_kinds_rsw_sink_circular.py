@@ -214,6 +214,28 @@ def test_rswa_releases_the_gap_between_prompt_and_window():
     assert m.num_free_blocks == 31
 
 
+def test_rswa_manager_gap_range():
+    """vLLM's rule on the manager itself: without `num_prompt_tokens` nothing goes; the
+    gap's blocks go tail first, the walk stopping at the first null block."""
+    pool = BlockPool(16, True, 4)
+    manager = RSWAManager(rswa(window=8), pool, True, 0)
+    blocks = pool.get_new_blocks(10)
+    manager.req_to_blocks["r"] = list(blocks)
+    manager.num_cached_block["r"] = 0
+    manager.remove_skipped_blocks("r", 28)
+    assert [b.block_id for b in manager.req_to_blocks["r"]] == list(range(1, 11))
+    manager.remove_skipped_blocks("r", 28, num_prompt_tokens=16)  # gap [16, 20): block 4
+    assert [b.block_id for b in manager.req_to_blocks["r"]] == [1, 2, 3, 4, 0, 6, 7, 8, 9, 10]
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()][:1] == [5]
+    assert manager.get_slot_state("r")[2] == 6 * 4 + 8  # block 5 leaves at 32 computed
+    manager.remove_skipped_blocks("r", 36, num_prompt_tokens=16)  # gap [16, 28)
+    assert [b.block_id for b in manager.req_to_blocks["r"]] == [1, 2, 3, 4, 0, 0, 0, 8, 9, 10]
+    # Tail first: block 7 (tokens 24..27) is evicted before block 6.
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()][:3] == [7, 6, 5]
+    manager.free("r")
+    assert pool.get_num_free_blocks() == 15 and not manager._gap_end
+
+
 def test_rswa_release_is_the_same_with_and_without_the_slot_state():
     """The fast path skips steps only below the next release (`get_slot_state`)."""
     results = []
