@@ -319,6 +319,13 @@ class FullAttentionSpec(AttentionSpec):
                 f"{cls.__name__}.merge: every layer must be a FullAttentionSpec (not MLA), "
                 f"got {[type(s).__name__ for s in specs]}"
             )
+        types = {type(s) for s in specs}
+        if len(types) > 1 and types & {RSWASpec, SinkFullAttentionSpec}:
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: R-SWA and sink layers keep other blocks or keys than "
+                f"full attention and merge only with their own kind, got "
+                f"{sorted(t.__name__ for t in types)}"
+            )
         windows: dict[str, int | None] = {}
         for name in ("sliding_window", "attention_chunk_size"):
             values = {getattr(s, name) for s in specs} - {None}

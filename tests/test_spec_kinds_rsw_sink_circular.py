@@ -117,6 +117,10 @@ def test_rswa_spec_bad_input():
         RSWASpec.merge([rswa(8), rswa(16)])
     with pytest.raises(SpecMergeError, match="every layer must be an RSWASpec"):
         RSWASpec.merge([rswa(8), full()])
+    # vLLM's FullAttentionSpec.merge would fold them into plain full attention.
+    for mixed in ([full(), rswa(8)], [full(), sink(4)], [sink(4), rswa(8)]):
+        with pytest.raises(SpecMergeError, match="merge only with their own kind"):
+            FullAttentionSpec.merge(mixed)
     with pytest.raises(SpecMergeError, match="same attention spec"):
         RSWASpec.merge([rswa(8), rswa(8, heads=2)])
 
