@@ -105,17 +105,13 @@ class BlockHashToBlockMap:
         if block is None:
             block, group_id = group_id, get_group_id(key)  # type: ignore[assignment]
             key = get_block_hash(key)  # type: ignore[arg-type]
-        self._insert_all((block,), group_id, key)  # type: ignore[arg-type]
+        self.insert_stamped((block,), group_id, key)  # type: ignore[arg-type]
 
-    def insert_stamped(self, blocks: Iterable[KVCacheBlock], group_id: int) -> None:
-        """`insert` each block of group `group_id` under the hash it is stamped with."""
-        self._insert_all(blocks, group_id)
-
-    def _insert_all(
+    def insert_stamped(
         self, blocks: Iterable[KVCacheBlock], group_id: int, block_hash: BlockHash | None = None
     ) -> None:
-        """Insert `blocks` under the hashes they are stamped with, or all under `block_hash`
-        (`insert`: a block need not be stamped with its key)."""
+        """`insert` each block of group `group_id` under the hash it is stamped with, or all
+        under `block_hash` (`insert`: a block need not be stamped with its key)."""
         # Each block's key is read off the block in this loop: a generator of keys would
         # resume a Python frame per block (the hot path of every caching step).
         group_map = self._maps.get(group_id)
@@ -151,18 +147,15 @@ class BlockHashToBlockMap:
             same = self._duplicates.get(group_id, {}).get(block_hash)
             block = same.get(block_id) if same is not None else None
         if block is not None:
-            self._pop_all((block,), (block_hash, group_id))
+            self.pop_stamped((block,), (block_hash, group_id))
         return block
 
-    def pop_stamped(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """`pop` each block under the key it is stamped with (`_block_hash`, `_group_id`)."""
-        self._pop_all(blocks)
-
-    def _pop_all(
+    def pop_stamped(
         self, blocks: Iterable[KVCacheBlock], key: tuple[BlockHash, int] | None = None
     ) -> None:
-        """Remove `blocks` from the keys they are stamped with, or all from `key` (`pop`)."""
-        # Keys are read off the blocks here, as in `_insert_all`; a group's dicts are looked
+        """`pop` each block under the key it is stamped with (`_block_hash`, `_group_id`), or
+        all from `key` (`pop`)."""
+        # Keys are read off the blocks here, as in `insert_stamped`; a group's dicts are looked
         # up again only when the group changes (`is not` on the small-int ids: a miss only
         # looks them up again). A group's duplicates dict is dropped once empty, so most
         # blocks cost one `pop` from their group's map.
@@ -361,7 +354,10 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
-            cached = [block for block in blocks if block._block_hash is not None]
+            cached = []
+            for block in blocks:  # a loop, not a comprehension: no extra frame per call
+                if block._block_hash is not None:
+                    cached.append(block)
             if cached:
                 self._evict_cached_blocks(cached)
         for block in blocks:
@@ -479,37 +475,28 @@ class BlockPool:
             check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
         if num_cached_blocks >= num_full_blocks:
             return
-        block_hashes = self._block_hashes_at(request, block_size)
+        block_hashes = (
+            request.block_hashes  # the common case, without a call
+            if block_size == self.hash_block_size
+            else self._block_hashes_at(request, block_size)
+        )
         if len(block_hashes) < num_full_blocks:
             raise ValueError(
                 f"request {request.request_id!r} has {len(block_hashes)} block hashes of size "
                 f"{block_size} but {num_full_blocks} full blocks to cache; give the request a "
                 "block hasher with the manager's hash block size"
             )
-        stamped: list[KVCacheBlock] = []
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
-        if block_mask is None:
-            block_mask = [True] * len(new_blocks)
-        elif len(block_mask) != len(new_blocks):
-            raise ValueError(
-                f"block_mask has {len(block_mask)} entries for {len(new_blocks)} blocks "
-                f"[{num_cached_blocks}, {num_full_blocks})"
-            )
-        for block, block_hash, kept in zip(
-            new_blocks, block_hashes[num_cached_blocks:num_full_blocks], block_mask, strict=True
-        ):
-            if block.is_null or not kept:
-                continue
-            if not block.try_set_hash(block_hash, kv_cache_group_id):  # already cached
-                if block._block_hash != block_hash or block._group_id != kv_cache_group_id:
-                    for done in stamped:  # leave no state changed
-                        done.reset_hash()
-                    raise ValueError(
-                        f"block {block.block_id} is already cached under another hash; "
-                        "cannot re-stamp it"
-                    )
-                continue
-            stamped.append(block)
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        if block_mask is not None:
+            if len(block_mask) != len(new_blocks):
+                raise ValueError(
+                    f"block_mask has {len(block_mask)} entries for {len(new_blocks)} blocks "
+                    f"[{num_cached_blocks}, {num_full_blocks})"
+                )
+            new_blocks = [block for block, kept in zip(new_blocks, block_mask, strict=True) if kept]
+            new_hashes = [h for h, kept in zip(new_hashes, block_mask, strict=True) if kept]
+        stamped = KVCacheBlock.try_set_hashes(new_blocks, new_hashes, kv_cache_group_id)
         if not stamped:
             return
         self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)

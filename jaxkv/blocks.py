@@ -76,6 +76,34 @@ class KVCacheBlock:
         self._group_id = group_id
         return True
 
+    @staticmethod
+    def try_set_hashes(
+        blocks: Iterable[KVCacheBlock], block_hashes: Iterable[BlockHash], group_id: int
+    ) -> list[KVCacheBlock]:
+        """`try_set_hash` of each block with its hash (one call for a caching step's
+        blocks; null blocks are skipped); the blocks this call stamped, in order.
+
+        A block already stamped with this key stays as it is; one stamped with
+        another key is a ValueError, raised after this call's stamps are undone.
+        """
+        stamped: list[KVCacheBlock] = []
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block._block_hash is None:
+                if block.is_null:
+                    continue
+                block._block_hash = block_hash
+                block._group_id = group_id
+                stamped.append(block)
+            elif block._block_hash != block_hash or block._group_id != group_id:
+                if block.is_null:
+                    continue
+                KVCacheBlock.reset_hashes(stamped)
+                raise ValueError(
+                    f"block {block.block_id} is already cached under another hash; "
+                    "cannot re-stamp it"
+                )
+        return stamped
+
     @property
     def block_hash_only(self) -> BlockHash | None:
         """The block hash without the group id (None when the block is not cached)."""

@@ -218,12 +218,17 @@ class KVCacheCoordinator:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
     ) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(
-            manager.allocate_new_blocks(
-                request_id, num_encoder_tokens if self._cross_attention[i] else num_tokens
+        # A loop, not a generator: resuming a generator frame per group costs more here.
+        new_blocks = []
+        for manager, cross_attention in zip(
+            self.single_type_managers, self._cross_attention, strict=True
+        ):
+            new_blocks.append(
+                manager.allocate_new_blocks(
+                    request_id, num_encoder_tokens if cross_attention else num_tokens
+                )
             )
-            for i, manager in enumerate(self.single_type_managers)
-        )
+        return tuple(new_blocks)
 
     # -- caching -------------------------------------------------------------
 

@@ -448,13 +448,14 @@ def test_free_queue_sentinels_have_vllms_names():
 
 def test_blocks_are_stamped_through_the_blocks_api(monkeypatch):
     calls = []
-    original = KVCacheBlock.try_set_hash
+    original = KVCacheBlock.try_set_hashes
 
-    def spy(self, block_hash, group_id):
-        calls.append(self.block_id)
-        return original(self, block_hash, group_id)
+    def spy(blocks, block_hashes, group_id):
+        stamped = original(blocks, block_hashes, group_id)
+        calls.extend(block.block_id for block in stamped)
+        return stamped
 
-    monkeypatch.setattr(KVCacheBlock, "try_set_hash", spy)
+    monkeypatch.setattr(KVCacheBlock, "try_set_hashes", staticmethod(spy))
     m = make_manager()
     admit(m, make_request("a", range(9)))
     assert calls == [1, 2]
