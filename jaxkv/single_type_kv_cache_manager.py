@@ -590,7 +590,13 @@ class RSWAManager(FullAttentionManager):
         if freed:
             self.block_pool.free_held_blocks(freed)
 
-    def _release_threshold(self, request_id: str, blocks: list[KVCacheBlock]) -> int:
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        capacity, next_full, _ = super().get_slot_state(request_id)
+        return capacity, next_full, self._release_threshold(request_id)
+
+    def _release_threshold(self, request_id: str) -> int:
+        """Smallest computed-token count at which the next gap block leaves (the gap's
+        blocks are null; the prompt's and the window's are not)."""
         num_prompt_tokens = self._num_prompt_tokens.get(request_id)
         if num_prompt_tokens is None:  # never told the prompt: nothing is released
             return _NEVER
