@@ -92,7 +92,6 @@ from jaxkv.request import (
     PlaceholderRange,
     Request,
     RequestStatus,
-    SamplingParams,
 )
 from jaxkv.request_hashing import (
     BlockHashMemo,
@@ -100,6 +99,7 @@ from jaxkv.request_hashing import (
     generate_block_hash_extra_keys,
     get_request_block_hasher,
 )
+from jaxkv.sampling_params import SamplingParams
 from jaxkv.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CircularBufferManager,

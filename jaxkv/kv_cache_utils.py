@@ -200,6 +200,9 @@ def resolve_block_hashes(
     Fine-grained lookups (alignment below the block, dividing it) keep the raw
     hash-unit list so interior boundaries can be probed.
     """
+    if block_size == hash_block_size and type(block_hashes) is list:
+        return block_hashes  # a request's own hashes (checked first: `isinstance` with an
+        # abstract base class costs more than the rest of a lookup's setup)
     if isinstance(block_hashes, BlockHashListWithBlockSize):
         view_block_size = hash_block_size * block_hashes.scale_factor
         if view_block_size != block_size:

@@ -170,34 +170,6 @@ class AllTokenIds(Sequence[int]):
         return f"AllTokenIds({list(self)!r})"
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """The part of vLLM's `SamplingParams` the cache managers read.
-
-    Any object with these attributes may be passed as `Request(sampling_params=...)`.
-    As in vLLM, `skip_reading_prefix_cache` left at None becomes True exactly when
-    `prompt_logprobs` is requested (a prefix-cache hit would skip the prompt
-    positions whose logprobs are asked for).
-    """
-
-    max_tokens: int = 16
-    skip_reading_prefix_cache: bool | None = None
-    prompt_logprobs: int | None = None
-    eos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.skip_reading_prefix_cache is None:
-            object.__setattr__(self, "skip_reading_prefix_cache", self.prompt_logprobs is not None)
-
-    def update_from_generation_config(
-        self, generation_config: dict[str, Any], eos_token_id: int | None = None
-    ) -> None:
-        """vLLM's hook for a model's generation config; only `eos_token_id` is kept
-        (the cache managers read no stop tokens)."""
-        if eos_token_id is not None:
-            object.__setattr__(self, "eos_token_id", eos_token_id)
-
-
 class Request:
     """A request as the cache managers see it.
 

@@ -618,6 +618,8 @@ def _rightmost_run(cached: list[KVCacheBlock | None], need: int) -> tuple[int, i
     searched gap by gap (`list.index`) instead of entry by entry.
     """
     num = len(cached)
+    if all(cached):  # no gap (the common case; blocks are truthy, None is not)
+        return (num - need, num) if num >= need else (0, num)
     reversed_cached = cached[::-1]
     reversed_cached.append(None)  # a sentinel gap left of entry 0
     pos = 0  # entries [num - pos, num) lie right of the run being looked at

@@ -105,6 +105,23 @@ def test_update_from_generation_config_keeps_only_the_eos_token():
     assert params.eos_token_id == 100 and params.max_tokens == 3
 
 
+def test_one_sampling_params_for_the_managers_and_the_engine():
+    import jaxkv.engine
+
+    assert jaxkv.engine.SamplingParams is SamplingParams
+    params = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, prompt_logprobs=0)
+    assert params.skip_reading_prefix_cache is True and not params.greedy
+    assert request("a", range(20), sampling_params=params).max_tokens == 4
+    for field, value in [
+        ("prompt_logprobs", -1),
+        ("skip_reading_prefix_cache", 1),
+        ("eos_token_id", -2),
+        ("ignore_eos", "yes"),
+    ]:
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
+            SamplingParams(**{field: value})
+
+
 # -- specs ---------------------------------------------------------------------------
 
 

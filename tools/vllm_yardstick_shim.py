@@ -45,7 +45,7 @@ MODULE_MAP: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.encoder_cache_manager": ("jaxkv.encoder_cache_manager",),
     "vllm.v1.kv_cache_interface": ("jaxkv.kv_cache_interface",),
     "vllm.v1.request": ("jaxkv.request",),
-    "vllm.sampling_params": ("jaxkv.request",),
+    "vllm.sampling_params": ("jaxkv.sampling_params",),
     "vllm.lora.request": ("jaxkv.request",),
     "vllm.multimodal.inputs": ("jaxkv.request",),
     "vllm.distributed.kv_events": ("jaxkv.kv_events",),
