@@ -36,6 +36,7 @@ from jaxkv.kv_cache_coordinator import (
 )
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -46,6 +47,8 @@ from jaxkv.kv_cache_interface import (
     KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     SpecMergeError,
@@ -99,10 +102,13 @@ from jaxkv.request_hashing import (
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
     SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
@@ -122,6 +128,8 @@ __all__ = [
     "check_enough_kv_cache_memory",
     "ChunkedLocalAttentionManager",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferManager",
+    "CircularBufferSpec",
     "compute_encoder_budget",
     "CrossAttentionManager",
     "CrossAttentionSpec",
@@ -185,8 +193,12 @@ __all__ = [
     "resolve_dcp_kv_block_size",
     "resolve_dcp_kv_cache_spec",
     "resolve_kv_cache_block_sizes",
+    "RSWAManager",
+    "RSWASpec",
     "SamplingParams",
     "SingleTypeKVCacheManager",
+    "SinkFullAttentionManager",
+    "SinkFullAttentionSpec",
     "SlidingWindowManager",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",

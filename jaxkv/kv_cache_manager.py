@@ -20,7 +20,7 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
-from jaxkv.single_type_kv_cache_manager import FullAttentionManager
+from jaxkv.single_type_kv_cache_manager import FullAttentionManager, SinkFullAttentionManager
 
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
@@ -236,15 +236,16 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
-        # A single full-attention group with nothing hybrid about it (no retention
-        # thinning, no re-prefilled tokens): its manager, which lookups, allocations,
-        # the slot state and `free` call directly, skipping the coordinator's per-group
-        # loops (same results: tests/test_kv_cache_manager_slot_state.py). None otherwise.
+        # A single full-attention (or sink full-attention) group with nothing hybrid
+        # about it (no retention thinning, no re-prefilled tokens): its manager, which
+        # lookups, allocations, the slot state and `free` call directly, skipping the
+        # coordinator's per-group loops (same results:
+        # tests/test_kv_cache_manager_slot_state.py). None otherwise.
         managers = self.coordinator.single_type_managers
         self._sole_manager: FullAttentionManager | None = (
             managers[0]
             if len(managers) == 1
-            and type(managers[0]) is FullAttentionManager
+            and type(managers[0]) in (FullAttentionManager, SinkFullAttentionManager)
             and self.coordinator.retention_interval is None
             and not self.coordinator.num_reprefillable_tokens
             else None
@@ -511,7 +512,9 @@ class KVCacheManager:
             # As vLLM, before counting: blocks that left the attention window are
             # released even when the allocation then fails (they are never read again).
             # Below `state[2]` no group would release one.
-            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+            coordinator.remove_skipped_blocks(
+                request_id, num_computed_tokens, request.num_prompt_tokens
+            )
         sole = self._sole_manager
         if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
             num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
@@ -640,8 +643,11 @@ class KVCacheManager:
                     f"{group_id} (block size {manager.block_size}); pass what "
                     "get_computed_blocks returned"
                 )
-            # Only attention types that skip blocks may hold the null block in a hit.
-            null_allowed = manager in self.coordinator.skipping_managers
+            # Only attention types whose hits skip blocks may hold the null block in a hit
+            # (R-SWA releases blocks but hits as full attention: never a null).
+            null_allowed = manager in self.coordinator.skipping_managers and not isinstance(
+                manager, FullAttentionManager
+            )
             try:
                 for block in group_hits:  # the common case in one pass; errors below
                     if pool_blocks[block.block_id] is not block or (
