@@ -36,6 +36,7 @@ from jaxkv.kv_cache_coordinator import (
 )
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -46,6 +47,8 @@ from jaxkv.kv_cache_interface import (
     KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     SpecMergeError,
@@ -102,10 +105,13 @@ from jaxkv.request_hashing import (
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
     SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
@@ -125,6 +131,8 @@ __all__ = [
     "check_enough_kv_cache_memory",
     "ChunkedLocalAttentionManager",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferManager",
+    "CircularBufferSpec",
     "compute_encoder_budget",
     "CrossAttentionManager",
     "CrossAttentionSpec",
@@ -191,8 +199,12 @@ __all__ = [
     "resolve_dcp_kv_block_size",
     "resolve_dcp_kv_cache_spec",
     "resolve_kv_cache_block_sizes",
+    "RSWAManager",
+    "RSWASpec",
     "SamplingParams",
     "SingleTypeKVCacheManager",
+    "SinkFullAttentionManager",
+    "SinkFullAttentionSpec",
     "SlidingWindowManager",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",

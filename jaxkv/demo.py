@@ -3,8 +3,9 @@
 Two built-in tiny models with random weights: a Gemma-style text decoder serving
 multi-turn chats over shared system prompts (each turn's prompt is the previous turn's
 prompt, its answer and a new user message, so it hits the prefix cache), and a
-LLaVA-style model answering questions about a few images that keep coming back (each
-image is encoded once; repeats are served from the encoder cache). The KV pool is small
+LLaVA-style model answering questions about a few images that keep coming back after
+one of two instructions (each image is encoded once, repeats are served from the encoder
+cache, and a repeated instruction and image hit the prefix cache). The KV pool is small
 on purpose, so requests get preempted and recomputed. Every generated token is then
 re-derived by a dense forward pass (no paging, no cache, no batching) and must match.
 """
@@ -62,13 +63,15 @@ def image_jobs(num: int, rng: np.random.Generator, model: TinyCausalLM) -> list[
         rng.standard_normal((c.num_channels, c.image_size, c.image_size)).astype(np.float32)
         for _ in range(3)
     ]
+    # Two one-block instructions: a repeat of (instruction, image) hits the prefix cache
+    # through the image's block too (its key includes the image's hash).
+    instructions = [rng.integers(3, c.vocab_size, 16).tolist() for _ in range(2)]
     jobs = []
     for i in range(num):
-        before = rng.integers(3, c.vocab_size, int(rng.integers(2, 8))).tolist()
         question = rng.integers(3, c.vocab_size, int(rng.integers(3, 20))).tolist()
         jobs.append(
             Job(
-                before + [c.image_token_id] + question,
+                instructions[i % 2] + [c.image_token_id] + question,
                 images=[pictures[int(rng.integers(0, 3)) if i >= 3 else i]],
                 sampling=SamplingParams(max_tokens=int(rng.integers(6, 14)), ignore_eos=True),
             )

@@ -280,9 +280,12 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.new_step_starts()
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Release what every group no longer reads (`num_prompt_tokens`: for R-SWA's gap)."""
         for manager in self.skipping_managers:
-            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+            manager.remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     def holds_blocks(self, request_id: str) -> bool:
         for manager in self.single_type_managers:

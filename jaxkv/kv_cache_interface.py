@@ -69,6 +69,7 @@ class KVCacheSpecKind(enum.StrEnum):
     SLIDING_WINDOW_MLA = "sliding_window_mla"
     MAMBA = "mamba"
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
     CROSS_ATTENTION = "cross_attention"
     UNKNOWN = "unknown"
 
@@ -318,6 +319,13 @@ class FullAttentionSpec(AttentionSpec):
                 f"{cls.__name__}.merge: every layer must be a FullAttentionSpec (not MLA), "
                 f"got {[type(s).__name__ for s in specs]}"
             )
+        types = {type(s) for s in specs}
+        if len(types) > 1 and types & {RSWASpec, SinkFullAttentionSpec}:
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: R-SWA and sink layers keep other blocks or keys than "
+                f"full attention and merge only with their own kind, got "
+                f"{sorted(t.__name__ for t in types)}"
+            )
         windows: dict[str, int | None] = {}
         for name in ("sliding_window", "attention_chunk_size"):
             values = {getattr(s, name) for s in specs} - {None}
@@ -363,6 +371,77 @@ class MLAAttentionSpec(FullAttentionSpec):
                 f"got {[type(s).__name__ for s in specs]}"
             )
         return _merge_equal_specs(cls, specs)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (R-SWA): the prompt stays visible to every
+    later token, generated tokens only within the last `rswa_window`.
+
+    Paged and prefix-cached as full attention (its kind is FULL_ATTENTION, as
+    vLLM 0.33 reports it), and sized as full attention: a request can hold its
+    whole prompt plus the window. The manager (`RSWAManager`) releases the gap
+    blocks between the prompt's last block and the decode window.
+    """
+
+    rswa_window: int = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive("rswa_window", self.rswa_window, "RSWASpec")
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> RSWASpec:
+        """R-SWA layers sharing one `rswa_window` merge as full attention does
+        (`SpecMergeError` for a layer of another type or another window)."""
+        if not specs or not all(isinstance(s, RSWASpec) for s in specs):
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: every layer must be an RSWASpec, "
+                f"got {[type(s).__name__ for s in specs]}"
+            )
+        windows = sorted({s.rswa_window for s in specs})  # type: ignore[attr-defined]
+        if len(windows) > 1:
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: layers of one KV cache group must share rswa_window, "
+                f"got {windows}"
+            )
+        return super().merge(specs)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with `sink_len` static sink tokens whose K/V the model supplies
+    (vLLM's `StaticSinkAttention`): every query also attends to the sinks.
+
+    Paged, cached and sized as full attention; the sinks' K/V live outside the
+    request's block table. `sink_len` None (vLLM's default) describes the
+    layer but cannot be served: its manager needs a whole number of blocks.
+    """
+
+    sink_len: int | None = field(default=None, kw_only=True)
+    kind: ClassVar[KVCacheSpecKind] = KVCacheSpecKind.SINK_FULL_ATTENTION
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sink_len is not None:
+            _check_positive("sink_len", self.sink_len, "SinkFullAttentionSpec")
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> SinkFullAttentionSpec:
+        """Sink layers sharing one `sink_len` merge as full attention does
+        (`SpecMergeError` for a layer of another type or another `sink_len`)."""
+        if not specs or not all(isinstance(s, SinkFullAttentionSpec) for s in specs):
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: every layer must be a SinkFullAttentionSpec, "
+                f"got {[type(s).__name__ for s in specs]}"
+            )
+        sink_lens = {s.sink_len for s in specs}  # type: ignore[attr-defined]
+        if len(sink_lens) > 1:
+            raise SpecMergeError(
+                f"{cls.__name__}.merge: layers of one KV cache group must share sink_len, "
+                f"got {sorted(sink_lens, key=str)}"
+            )
+        return super().merge(specs)  # type: ignore[return-value]
 
 
 def _check_latent_layout(spec: MLAAttentionSpec | SlidingWindowMLASpec) -> None:
@@ -483,6 +562,29 @@ class CrossAttentionSpec(AttentionSpec):
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return _cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class CircularBufferSpec(AttentionSpec):
+    """One ring block per request, for the whole request: the raw keys of the token
+    group a layer is still compressing (vLLM 0.33's circular buffer).
+
+    `block_size` is the ring's capacity in tokens. Never prefix-cached (per-request
+    scratch), never zeroed on allocation, and a request holds exactly one page
+    however long it grows. Its kind is UNKNOWN, as vLLM 0.33 reports it.
+    """
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        """The ring is written by position modulo its size, not through a slot mapping."""
+        return False
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return self.page_size_bytes
 
 
 MAMBA_CACHE_MODES = ("none", "all", "align")
@@ -754,6 +856,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                 key += (spec.attention_chunk_size,)
             elif isinstance(spec, CrossAttentionSpec):
                 key += (spec.max_num_encoder_input_tokens,)
+            elif isinstance(spec, RSWASpec):
+                key += (spec.rswa_window,)
+            elif isinstance(spec, SinkFullAttentionSpec):
+                key += (spec.sink_len,)
             elif isinstance(spec, MambaSpec):
                 key += (
                     spec.mamba_cache_mode,

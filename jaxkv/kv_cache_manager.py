@@ -20,7 +20,11 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
-from jaxkv.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from jaxkv.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    MambaManager,
+    SinkFullAttentionManager,
+)
 
 # `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
 # False and numpy zeros are other objects). Where it is False for a zero, the general
@@ -251,15 +255,16 @@ class KVCacheManager:
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
         self.block_pool = self.coordinator.block_pool
-        # A single full-attention group with nothing hybrid about it (no retention
-        # thinning, no re-prefilled tokens): its manager, which lookups, allocations,
-        # the slot state and `free` call directly, skipping the coordinator's per-group
-        # loops (same results: tests/test_kv_cache_manager_slot_state.py). None otherwise.
+        # A single full-attention (or sink full-attention) group with nothing hybrid
+        # about it (no retention thinning, no re-prefilled tokens): its manager, which
+        # lookups, allocations, the slot state and `free` call directly, skipping the
+        # coordinator's per-group loops (same results:
+        # tests/test_kv_cache_manager_slot_state.py). None otherwise.
         managers = self.coordinator.single_type_managers
         self._sole_manager: FullAttentionManager | None = (
             managers[0]
             if len(managers) == 1
-            and type(managers[0]) is FullAttentionManager
+            and type(managers[0]) in (FullAttentionManager, SinkFullAttentionManager)
             and self.coordinator.retention_interval is None
             and not self.coordinator.num_reprefillable_tokens
             else None
@@ -348,31 +353,9 @@ class KVCacheManager:
         does, store it in `request.shared_prefix_boundary`: sparse retention
         then keeps the blocks ending there, so the junction stays reusable.
         """
-        self._check_request(request)
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
-        else:
-            check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        blocks, num_hit_tokens, num_uncached = self._find_hits(request, max_cache_hit_length)
+        if blocks is None:
             return self.empty_kv_cache_blocks, 0, 0
-        sole = self._sole_manager
-        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
-            # The unitary coordinator's answer when one request hash covers one block
-            # and no block is dropped for EAGLE: the leading cached blocks.
-            block_hashes = request.block_hashes
-            num_blocks = max_cache_hit_length // sole.block_size
-            if num_blocks > len(block_hashes):
-                num_blocks = len(block_hashes)
-            blocks = (
-                self.block_pool.cached_block_hash_to_block.get_leading_blocks(
-                    block_hashes, 0, num_blocks
-                ),
-            )
-            num_hit_tokens, num_uncached = len(blocks[0]) * sole.block_size, 0
-        else:
-            blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
-                request.block_hashes, max_cache_hit_length
-            )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
@@ -381,6 +364,38 @@ class KVCacheManager:
         if num_hit_tokens:
             self._last_lookup = (hits, num_hit_tokens, self.block_pool.num_hash_removals)
         return hits, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
+
+    def get_num_cached_prefix_tokens(self, request: Request) -> int:
+        """The hit length `get_computed_blocks(request)` would return now; changes nothing
+        (no prefix-cache stats, no lookup remembered for `allocate_slots`). A router asks
+        each data rank's manager where a new request's prefix is cached."""
+        return self._find_hits(request, None)[1]
+
+    def _find_hits(
+        self, request: Request, max_cache_hit_length: int | None
+    ) -> tuple[tuple[list[KVCacheBlock], ...] | None, int, int]:
+        """(hit blocks per group or None when the request reads no cached prefix, hit
+        tokens, uncached tokens of a longer shared prefix some group holds)."""
+        self._check_request(request)
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        else:
+            check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return None, 0, 0
+        sole = self._sole_manager
+        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
+            # The unitary coordinator's answer when one request hash covers one block
+            # and no block is dropped for EAGLE: the leading cached blocks.
+            block_hashes = request.block_hashes
+            num_blocks = max_cache_hit_length // sole.block_size
+            if num_blocks > len(block_hashes):
+                num_blocks = len(block_hashes)
+            leading = self.block_pool.cached_block_hash_to_block.get_leading_blocks(
+                block_hashes, 0, num_blocks
+            )
+            return (leading,), len(leading) * sole.block_size, 0
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
 
     def allocate_slots(
         self,
@@ -516,7 +531,9 @@ class KVCacheManager:
             # As vLLM, before counting: blocks that left the attention window are
             # released even when the allocation then fails (they are never read again).
             # Below `state[2]` no group would release one.
-            coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+            coordinator.remove_skipped_blocks(
+                request_id, num_computed_tokens, request.num_prompt_tokens
+            )
         sole = self._sole_manager
         if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
             num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
@@ -652,8 +669,11 @@ class KVCacheManager:
                     f"{group_id} (block size {manager.block_size}); pass what "
                     "get_computed_blocks returned"
                 )
-            # Only attention types that skip blocks may hold the null block in a hit.
-            null_allowed = manager in self.coordinator.skipping_managers
+            # Only attention types whose hits skip blocks may hold the null block in a hit
+            # (R-SWA releases blocks but hits as full attention: never a null).
+            null_allowed = manager in self.coordinator.skipping_managers and not isinstance(
+                manager, FullAttentionManager
+            )
             try:
                 for block in group_hits:  # the common case in one pass; errors below
                     if pool_blocks[block.block_id] is not block or (

@@ -19,10 +19,13 @@ from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
 from jaxkv.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_mamba_prefill_checkpoint_position,
@@ -75,7 +78,9 @@ class SingleTypeKVCacheManager:
 
     Invariants: `req_to_blocks[r]` is request r's block table for this group,
     append-only while r runs except that entries turn into the null block when
-    the attention type no longer reads them (those blocks go back to the pool);
+    the attention type no longer reads them (those blocks go back to the pool):
+    before the window (sliding window, chunked local, Mamba's earlier states)
+    or, for R-SWA, in the gap between the prompt's blocks and the window's;
     `num_cached_block[r]` leading entries have been offered to the prefix cache;
     every non-null block listed holds one reference for r.
     """
@@ -434,8 +439,14 @@ class SingleTypeKVCacheManager:
         """Leading tokens this attention type no longer reads (none for full attention)."""
         return 0
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Turn blocks wholly outside the attention window into the null block, freeing them."""
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Turn blocks wholly outside the attention window into the null block, freeing them.
+
+        `num_prompt_tokens` (vLLM's argument): only R-SWA, which releases the gap
+        between the prompt and the decode window, reads it.
+        """
         num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
         blocks = self.req_to_blocks.get(request_id)
         if num_skipped_tokens <= 0 or not blocks:
@@ -516,8 +527,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         super().__init__(kv_cache_spec, *args, **kwargs)
         hash_block_size = self.block_pool.hash_block_size or self.block_size
         if self.block_size != hash_block_size and self._prefix_cacheable:
-            # Only such groups pay for the partial tail: the instance's methods are the
-            # ones that also handle it (single-group managers keep the plain ones).
+            # Only such groups pay for the partial tail: the instance's methods wrap the
+            # class's (a subclass's own included) with it; single-group managers keep
+            # the plain ones.
             self._tail_hash_block_size = hash_block_size
             # request id -> its prompt's partial tail boundary, until a step reaches it.
             self._pending_tails: dict[str, int] = {}
@@ -533,9 +545,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         replay_boundaries: Sequence[int] = (),
     ) -> None:
         """`cache_blocks`, then the prompt's partial tail once `num_tokens` reaches it."""
-        SingleTypeKVCacheManager.cache_blocks(
-            self, request, num_tokens, retention_interval, replay_boundaries
-        )
+        type(self).cache_blocks(self, request, num_tokens, retention_interval, replay_boundaries)
         boundary = prompt_tail_boundary(request, self._tail_hash_block_size, self.use_eagle)
         if boundary == 0 or boundary % self.block_size == 0:
             return
@@ -553,7 +563,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def _get_slot_state_before_partial_tail(self, request_id: str) -> tuple[int, int, int]:
         """`get_slot_state`, with the next caching due at the prompt's partial tail while
         that is not registered yet (so the step reaching it caches)."""
-        capacity, next_full, release_at = SingleTypeKVCacheManager.get_slot_state(self, request_id)
+        capacity, next_full, release_at = type(self).get_slot_state(self, request_id)
         boundary = self._pending_tails.get(request_id)
         if boundary is not None and boundary < next_full:
             next_full = boundary
@@ -561,7 +571,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     def _free_and_forget_tail(self, request_id: str) -> None:
         self._pending_tails.pop(request_id, None)
-        SingleTypeKVCacheManager.free(self, request_id)
+        type(self).free(self, request_id)
 
     @classmethod
     def find_longest_cache_hit(
@@ -627,6 +637,95 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         for group_blocks in computed:
             del group_blocks[num_blocks:]
         return computed, hit_length
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """Full attention with static sink tokens: full attention's rules unchanged (the
+    sinks' K/V are the model's, outside the request's blocks); the sinks must fill
+    whole blocks (`sink_len` a multiple of the block size), as vLLM 0.33 requires."""
+
+    spec_types = (SinkFullAttentionSpec,)
+
+    def __init__(self, kv_cache_spec: SinkFullAttentionSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        sink_len = kv_cache_spec.sink_len
+        if sink_len is None or sink_len % self.block_size:
+            raise ValueError(
+                f"SinkFullAttentionManager: sink_len={sink_len!r} must be a positive multiple "
+                f"of the block size ({self.block_size}); the sink tokens fill whole blocks"
+            )
+        self.sink_len = sink_len
+
+
+class RSWAManager(FullAttentionManager):
+    """Reference sliding-window attention: full attention's hits, allocation and caching;
+    the decode blocks between the prompt and the window are released.
+
+    `remove_skipped_blocks(request, c, num_prompt_tokens=P)` nulls and frees the
+    blocks wholly inside the gap `[ceil(P / block) * block, max(P, c - rswa_window))`,
+    walking down from the gap's end and stopping at the first null block (vLLM
+    0.33's rule). Without `num_prompt_tokens` nothing is released. The table then
+    holds null blocks between the prompt's blocks and the window's, not only at
+    its front; the released gap only grows while the request runs.
+    """
+
+    spec_types = (RSWASpec,)
+    releases_blocks = True
+
+    def __init__(self, kv_cache_spec: RSWASpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self.rswa_window = kv_cache_spec.rswa_window
+        # Per running request, from its latest `remove_skipped_blocks` with a prompt
+        # length: that length, and the end of the released gap (its blocks
+        # [ceil(prompt / block), end) are null).
+        self._num_prompt_tokens: dict[str, int] = {}
+        self._gap_end: dict[str, int] = {}
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        if num_prompt_tokens is None:
+            return
+        self._num_prompt_tokens[request_id] = num_prompt_tokens
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        block_size = self.block_size
+        first = _cdiv(num_prompt_tokens, block_size)
+        window_start = max(num_prompt_tokens, num_computed_tokens - self.rswa_window)
+        last = min(window_start // block_size, len(blocks))
+        if last <= self._gap_end.get(request_id, first):
+            return
+        self._gap_end[request_id] = last
+        null = self._null_block
+        freed = []
+        for i in range(last - 1, first - 1, -1):  # tail first: the later blocks evict first
+            block = blocks[i]
+            if block.is_null:
+                break
+            freed.append(block)
+            blocks[i] = null
+        if freed:
+            self.block_pool.free_held_blocks(freed)
+
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        capacity, next_full, _ = super().get_slot_state(request_id)
+        return capacity, next_full, self._release_threshold(request_id)
+
+    def _release_threshold(self, request_id: str) -> int:
+        """Smallest computed-token count at which the next gap block leaves (the gap's
+        blocks are null; the prompt's and the window's are not)."""
+        num_prompt_tokens = self._num_prompt_tokens.get(request_id)
+        if num_prompt_tokens is None:  # never told the prompt: nothing is released
+            return _NEVER
+        first = _cdiv(num_prompt_tokens, self.block_size)
+        next_block = max(first, self._gap_end.get(request_id, first))
+        return (next_block + 1) * self.block_size + self.rswa_window
+
+    def free(self, request_id: str) -> None:
+        self._num_prompt_tokens.pop(request_id, None)
+        self._gap_end.pop(request_id, None)
+        super().free(request_id)
 
 
 def _rightmost_run(cached: list[KVCacheBlock | None], need: int) -> tuple[int, int]:
@@ -1373,22 +1472,22 @@ class MambaManager(SingleTypeKVCacheManager):
         return computed, 0
 
 
-class CrossAttentionManager(SingleTypeKVCacheManager):
-    """Cross-attention: a fixed allocation by encoder length, never cached.
-
-    The coordinator passes the request's encoder token count as `num_tokens`.
-    """
-
-    spec_types = (CrossAttentionSpec,)
+class _ScratchManager(SingleTypeKVCacheManager):
+    """Blocks private to one request: never cached, so never hit, and a fixed
+    allocation that decoding never changes (`get_slot_state` is never)."""
 
     def add_local_computed_blocks(
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
     ) -> None:
         if new_computed_blocks:
-            raise ValueError("cross-attention blocks are never cached, so never hit")
+            raise ValueError(
+                f"{type(self).__name__}: its blocks are never cached, so never hit; got "
+                f"{len(new_computed_blocks)} hit blocks"
+            )
 
     def cache_blocks(
         self,
@@ -1400,7 +1499,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return
 
     def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
-        return _NEVER, _NEVER, _NEVER  # a fixed allocation: decoding never changes it
+        return _NEVER, _NEVER, _NEVER
 
     @classmethod
     def find_longest_cache_hit(
@@ -1417,12 +1516,66 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return tuple([] for _ in kv_cache_group_ids), 0
 
 
+class CrossAttentionManager(_ScratchManager):
+    """Cross-attention: a fixed allocation by encoder length, never cached.
+
+    The coordinator passes the request's encoder token count as `num_tokens`.
+    """
+
+    spec_types = (CrossAttentionSpec,)
+
+
+class CircularBufferManager(_ScratchManager):
+    """A circular buffer: one ring block per request, claimed at its first allocation
+    and held until it finishes, whatever `num_tokens` asks; never cached and never
+    recorded for zeroing (vLLM 0.33's rules)."""
+
+    spec_types = (CircularBufferSpec,)
+
+    def __init__(self, kv_cache_spec: CircularBufferSpec, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        self._record_new_block_ids = False
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
+        if self.req_to_blocks.get(request_id):
+            return []
+        ring = self.block_pool.get_new_blocks(1)
+        self.req_to_blocks[request_id] = list(ring)
+        self.num_cached_block.setdefault(request_id, 0)
+        return ring
+
+    def get_num_common_prefix_blocks(
+        self, running_request_id: str, num_running_requests: int = 0
+    ) -> int:
+        """0: a ring block is never shared."""
+        return 0
+
+
+# Subclasses before their bases: the first class whose `spec_types` match serves a spec.
 SPEC_MANAGER_TYPES: tuple[type[SingleTypeKVCacheManager], ...] = (
+    RSWAManager,
+    SinkFullAttentionManager,
     FullAttentionManager,
     SlidingWindowManager,
     ChunkedLocalAttentionManager,
     MambaManager,
     CrossAttentionManager,
+    CircularBufferManager,
 )
 
 

@@ -38,6 +38,12 @@ def _build_jaxkv(case: dict[str, Any]):
             )
         elif kind == "sw":
             specs.append(jaxkv.SlidingWindowSpec(block_size, **common, sliding_window=param))
+        elif kind == "rswa":
+            specs.append(jaxkv.RSWASpec(block_size, **common, rswa_window=param))
+        elif kind == "sink":
+            specs.append(jaxkv.SinkFullAttentionSpec(block_size, **common, sink_len=param))
+        elif kind == "circ":
+            specs.append(jaxkv.CircularBufferSpec(block_size, **common))
         else:
             specs.append(
                 jaxkv.ChunkedLocalAttentionSpec(block_size, **common, attention_chunk_size=param)
@@ -72,16 +78,20 @@ def _build_vllm(case: dict[str, Any]):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        RSWASpec,
+        SinkFullAttentionSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.request import Request
 
     groups = []
     sizes = []
+    cacheable_sizes = []
     for i, (kind, block_size, param) in enumerate(case["groups"]):
         common = dict(block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32)
         if kind == "full":
@@ -97,14 +107,31 @@ def _build_vllm(case: dict[str, Any]):
             )
         elif kind == "sw":
             spec = SlidingWindowSpec(**common, sliding_window=param)
+        elif kind == "rswa":
+            spec = RSWASpec(**common, rswa_window=param)
+        elif kind == "sink":
+            # vLLM 0.33's coordinator cannot build its SinkFullAttentionManager (its
+            # __init__ refuses `needs_kv_cache_zeroing`: TypeError), which adds nothing
+            # to FullAttentionManager but the sink_len check: run the group as the
+            # full attention it is on the host side (the spec is still checked).
+            assert SinkFullAttentionSpec(**common, sink_len=param).sink_len == param
+            spec = FullAttentionSpec(**common)
+        elif kind == "circ":
+            spec = CircularBufferSpec(**common)
         else:
             spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=param)
         groups.append(KVCacheGroupSpec([f"l{i}"], spec))
         sizes.append(block_size)
+        if spec.prefix_cacheable:
+            cacheable_sizes.append(block_size)
     import math
 
     scheduler_block_size = math.lcm(*sizes)
-    hash_block_size = case.get("hash_block_size") or math.gcd(*sizes)
+    # vLLM's resolve_kv_cache_block_sizes: one group hashes at its block size, several
+    # at the GCD of the prefix-cacheable groups' sizes.
+    hash_block_size = case.get("hash_block_size") or (
+        sizes[0] if len(sizes) == 1 else math.gcd(*(cacheable_sizes or sizes))
+    )
     config = KVCacheConfig(
         num_blocks=case["num_blocks"],
         kv_cache_tensors=[],

@@ -35,6 +35,8 @@ from jaxkv import (
     KVCacheManager,
     MultiModalFeatureSpec,
     Request,
+    RSWASpec,
+    SinkFullAttentionSpec,
     compute_encoder_budget,
     get_hash_fn_by_name,
     get_request_block_hasher,
@@ -435,6 +437,18 @@ CASES: dict[str, Case] = {
         good=lambda _o: {"block_size": 4, "num_kv_heads": 2, "head_size": 8},
         bad={"block_size": bad_int(1), "num_kv_heads": bad_int(1), "head_size": bad_int(1)},
         names={"num_kv_heads": "num_kv_heads", "head_size": "head_size"},
+    ),
+    "RSWASpec": Case(
+        make=lambda: None,
+        call=lambda _o, **kw: RSWASpec(**kw),
+        good=lambda _o: {"block_size": 4, "rswa_window": 8},
+        bad={"rswa_window": bad_int(1)},
+    ),
+    "SinkFullAttentionSpec": Case(
+        make=lambda: None,
+        call=lambda _o, **kw: SinkFullAttentionSpec(**kw),
+        good=lambda _o: {"block_size": 4, "sink_len": 4},
+        bad={"sink_len": bad_int(1).filter(lambda v: v is not None)},  # None: vLLM's default
     ),
     "get_request_block_hasher": Case(
         make=lambda: None,

@@ -25,6 +25,7 @@ def test_quick_demo_serves_everything_correctly(tmp_path) -> None:
     assert chats["preemptions"] > 0, "the quick run is sized so the pool runs dry"
     assert chats["requests"] > 6, "follow-up turns were served"
     assert images["encoder_cache_hit_rate"] > 0 and images["images_encoded"] == 3
+    assert images["prefix_cache_hit_rate"] > 0, "a repeated instruction and image hit"
     assert plot.stat().st_size > 10_000
 
 

@@ -1,12 +1,15 @@
 """Hypothesis state machine over hybrid KV-cache configs.
 
-Random mixes of full-attention, sliding-window, chunked-local and Mamba groups
-over one small pool; random admit / chunked prefill / decode / preempt /
-finish / evict sequences with prompts from a tiny vocabulary (prefixes collide,
-blocks are shared, released, cached, evicted and re-hit). After every step:
+Random mixes of full-attention, sliding-window, chunked-local, Mamba, R-SWA,
+sink full-attention and circular-buffer groups (one to four) over one small pool; random
+admit / chunked prefill / decode / preempt / finish / evict sequences with
+prompts from a tiny vocabulary (prefixes collide, blocks are shared, released,
+cached, evicted and re-hit). After every step:
 per-group ref counts and free queue, no block id held by two groups, every hit
-block carries the hash of the position it serves, and nothing is leaked when
-all requests end.
+block carries the hash of the position it serves, each group's table has the
+shape its attention type allows (R-SWA: null blocks exactly on the released
+gap between the prompt and the decode window; a circular buffer: one uncached
+block), and nothing is leaked when all requests end.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from test_hybrid_managers import block_keys, check_invariants
 
 from jaxkv import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheManager,
     MambaSpec,
     Request,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     get_hash_fn_by_name,
     get_request_block_hasher,
@@ -30,7 +36,12 @@ from jaxkv import (
     make_block_hash_with_group_id,
 )
 from jaxkv.hashing import BlockHashListWithBlockSize
-from jaxkv.single_type_kv_cache_manager import SlidingWindowManager
+from jaxkv.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    RSWAManager,
+    SlidingWindowManager,
+)
 
 MAX_MODEL_LEN = 40
 PREFIXES = ([0, 1, 2, 3] * 10, [1, 1, 0, 0] * 10, [2, 3, 2, 3, 0] * 8)
@@ -39,8 +50,14 @@ PREFIXES = ([0, 1, 2, 3] * 10, [1, 1, 0, 0] * 10, [2, 3, 2, 3, 0] * 8)
 @st.composite
 def hybrid_specs(draw):
     kinds = draw(
-        st.lists(st.sampled_from(["full", "sw", "chunked", "mamba"]), min_size=2, max_size=4)
+        st.lists(
+            st.sampled_from(["full", "sw", "chunked", "mamba", "rswa", "sink", "circ"]),
+            min_size=1,  # one group: the unitary coordinator (or the sole-manager path)
+            max_size=4,
+        )
     )
+    if len(kinds) > 1 and all(kind == "circ" for kind in kinds):
+        kinds[0] = "rswa"  # a hybrid needs a prefix-cacheable group
     uniform = "chunked" in kinds  # chunked local needs hits on its own block size
     specs = []
     for kind in kinds:
@@ -53,6 +70,13 @@ def hybrid_specs(draw):
         elif kind == "chunked":
             chunk = draw(st.sampled_from([8, 12]))
             specs.append(ChunkedLocalAttentionSpec(bs, 1, 4, "float32", attention_chunk_size=chunk))
+        elif kind == "rswa":
+            window = draw(st.sampled_from([2, 5, 8]))
+            specs.append(RSWASpec(bs, 1, 4, "float32", rswa_window=window))
+        elif kind == "sink":
+            specs.append(SinkFullAttentionSpec(bs, 1, 4, "float32", sink_len=bs))
+        elif kind == "circ":
+            specs.append(CircularBufferSpec(bs, 1, 4, "float32"))
         else:
             alignment = draw(st.sampled_from([None, 4]))  # a backend exporting checkpoints
             specs.append(
@@ -74,6 +98,10 @@ class HybridMachine(RuleBasedStateMachine):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.counter = 0
+        # Running request id -> the computed-token count its latest allocate_slots saw
+        # (where blocks left the attention window were released); 0 at admission, where
+        # the release runs before the hits are added.
+        self.released_at: dict[str, int] = {}
 
     @initialize(specs=hybrid_specs(), num_blocks=st.integers(8, 24))
     def setup(self, specs, num_blocks):
@@ -88,10 +116,14 @@ class HybridMachine(RuleBasedStateMachine):
 
     def _check_hits(self, req: Request, blocks, num_hit: int) -> None:
         m = self.manager
-        assert num_hit % m.coordinator.cache_hit_alignment_tokens == 0
+        alignment = getattr(m.coordinator, "cache_hit_alignment_tokens", m.scheduler_block_size)
+        assert num_hit % alignment == 0
         for manager, group_blocks in zip(
             m.coordinator.single_type_managers, blocks.blocks, strict=True
         ):
+            if not manager.kv_cache_spec.prefix_cacheable:  # a circular buffer never hits
+                assert not group_blocks
+                continue
             bs = manager.block_size
             hashes = req.block_hashes
             if bs != m.hash_block_size:
@@ -138,13 +170,26 @@ class HybridMachine(RuleBasedStateMachine):
         if m.allocate_slots(req, chunk, num_hit, blocks) is None:
             return
         req.num_computed_tokens = num_hit + chunk
+        self.released_at[req.request_id] = 0
         self.waiting.pop(0)
         self.running.append(req)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def step_running(self, data):
+        self._step(data.draw(st.sampled_from(self.running)), data)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), num_steps=st.integers(2, 16))
+    def run_steps(self, data, num_steps):
+        """Several steps of one request: long decodes reach R-SWA's gap."""
         req = data.draw(st.sampled_from(self.running))
+        for _ in range(num_steps):
+            if req not in self.running:
+                return
+            self._step(req, data)
+
+    def _step(self, req: Request, data) -> None:
         m = self.manager
         if req.num_computed_tokens < req.num_tokens:  # chunked prefill
             n = data.draw(st.integers(1, req.num_tokens - req.num_computed_tokens))
@@ -153,6 +198,7 @@ class HybridMachine(RuleBasedStateMachine):
                 return
             req.append_output_token_ids(data.draw(st.integers(0, 3)))
             n = 1
+        self.released_at[req.request_id] = req.num_computed_tokens
         if m.allocate_slots(req, n) is None:
             if req.num_tokens > req.num_computed_tokens + n:
                 return
@@ -164,6 +210,7 @@ class HybridMachine(RuleBasedStateMachine):
     def _preempt(self, req: Request) -> None:
         self.manager.free(req)
         self.running.remove(req)
+        del self.released_at[req.request_id]
         req.num_computed_tokens = 0
         self.waiting.append(req)
 
@@ -178,6 +225,7 @@ class HybridMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.running))
         self.manager.free(req)
         self.running.remove(req)
+        del self.released_at[req.request_id]
 
     @rule()
     def run_copies(self):
@@ -202,17 +250,47 @@ class HybridMachine(RuleBasedStateMachine):
         if hasattr(self, "manager"):
             check_invariants(self.manager)
 
+    @invariant()
+    def tables_have_their_attention_type_shape(self):
+        if not hasattr(self, "manager"):
+            return
+        for manager in self.manager.coordinator.single_type_managers:
+            for req in self.running:
+                table = manager.req_to_blocks[req.request_id]
+                if isinstance(manager, CircularBufferManager):
+                    assert len(table) == 1 and table[0].block_hash is None
+                elif isinstance(manager, RSWAManager):
+                    self._check_rswa_table(manager, req, table)
+                elif isinstance(manager, FullAttentionManager):
+                    assert not any(b.is_null for b in table)
+
+    def _check_rswa_table(self, manager: RSWAManager, req: Request, table) -> None:
+        """Null exactly on the gap released so far: [ceil(prompt / block), end of the
+        gap at the last release), held before it (the prompt) and after it (the window)."""
+        bs = manager.block_size
+        prompt = req.num_prompt_tokens
+        first = -(-prompt // bs)
+        released = max(prompt, self.released_at[req.request_id] - manager.rswa_window)
+        gap_end = max(first, min(released // bs, len(table)))
+        nulls = [i for i, b in enumerate(table) if b.is_null]
+        assert nulls == list(range(first, gap_end)), (nulls, first, gap_end)
+        if nulls:
+            event("rswa gap released")
+
     def teardown(self):
         if not hasattr(self, "manager"):
             return
-        for req in self.running:
+        for req in self.running + self.waiting:  # a waiting one may have been refused
             self.manager.free(req)
         check_invariants(self.manager)
         self.run_copies()  # pending copies hold their endpoints until drained
         check_invariants(self.manager)
         pool = self.manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-        assert all(not m.req_to_blocks for m in self.manager.coordinator.single_type_managers)
+        for manager in self.manager.coordinator.single_type_managers:
+            assert not manager.req_to_blocks and not manager.num_cached_block
+            if isinstance(manager, RSWAManager):
+                assert not manager._num_prompt_tokens and not manager._gap_end
 
 
 TestHybridMachine = HybridMachine.TestCase

@@ -24,19 +24,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# Group kinds: full, sliding-window, chunked-local, R-SWA, sink full attention, circular buffer.
+KINDS = ["full", "sw", "chunked", "rswa", "sink", "circ"]
+
+
 def random_cases(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     cases = []
     for i in range(n):
         num_groups = rng.randint(1, 4)
-        kinds = [rng.choice(["full", "sw", "chunked"]) for _ in range(num_groups)]
+        kinds = [rng.choice(KINDS) for _ in range(num_groups)]
+        if num_groups > 1 and all(kind == "circ" for kind in kinds):
+            kinds[0] = "full"  # a hybrid needs a prefix-cacheable group
         same_size = "chunked" in kinds  # chunked local needs hits on its own block size
         groups = []
         for kind in kinds:
             block_size = 4 if same_size else rng.choice([4, 8])
             param = {
                 "full": 0,
+                "circ": 0,
                 "sw": rng.choice([3, 5, 8, 13, 20]),
+                "rswa": rng.choice([3, 8, 13]),
+                "sink": block_size * rng.choice([1, 2]),
                 "chunked": rng.choice([8, 12, 16]),
             }[kind]
             groups.append((kind, block_size, param))
@@ -75,15 +84,23 @@ def run_vllm(cases: list[dict]) -> list:
     return json.loads(out.stdout)
 
 
-def test_random_hybrid_traces_match_vllm():
-    cases = random_cases(60, seed=11)
+def assert_traces_match(cases: list[dict]) -> list[list]:
+    """Replay `cases` in both; every log entry must match. Returns jaxkv's logs."""
     expected = run_vllm(cases)
-    num_hits = 0
+    logs = []
     for case, want in zip(cases, expected, strict=True):
         got = replay("jaxkv", case)
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g == w, f"case {case} diverges at log entry {i}: jaxkv {g} vs vLLM {w}"
         assert len(got) == len(want)
+        logs.append(got)
+    return logs
+
+
+def test_random_hybrid_traces_match_vllm():
+    cases = random_cases(60, seed=11)
+    num_hits = 0
+    for got in assert_traces_match(cases):
         num_hits += sum(1 for e in got if e[0] == "hit" and e[2] > 0)
     assert num_hits > 50  # the traces exercise prefix hits, not just misses
 
@@ -135,15 +152,30 @@ def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
 
 def test_random_mamba_align_traces_with_partial_hits_match_vllm():
     cases = mamba_cases(24, seed=5) + mamba_cases(12, seed=6, eagle_share=1.0)
-    expected = run_vllm(cases)
     num_partial_hits = num_copies = 0
-    for case, want in zip(cases, expected, strict=True):
-        got = replay("jaxkv", case)
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert g == w, f"case {case} diverges at log entry {i}: jaxkv {g} vs vLLM {w}"
-        assert len(got) == len(want)
+    for case, got in zip(cases, assert_traces_match(cases), strict=True):
         mamba_block_size = case["mamba_block_size"]
         num_partial_hits += sum(1 for e in got if e[0] == "hit" and e[2] % mamba_block_size)
         num_copies += sum(len(e[1]) for e in got if e[0] == "copies")
     # The traces exercise hits inside Mamba blocks and their copies.
     assert num_partial_hits > 20 and num_copies > 40
+
+
+def test_long_rswa_traces_match_vllm():
+    """Longer decodes with an R-SWA group in every case: its gap releases (null blocks
+    between the prompt's and the window's) must match vLLM's block for block."""
+    cases = []
+    for i, case in enumerate(random_cases(30, seed=12)):
+        case["groups"][0] = ("rswa", case["groups"][0][1], (3, 8, 13)[i % 3])
+        if not any(kind == "sw" for kind, _, _ in case["groups"]):
+            case["retention"] = None  # retention needs a sliding-window group
+        case.update(max_model_len=96, num_steps=200, num_blocks=2 * case["num_blocks"])
+        cases.append(case)
+    num_gaps = 0
+    for case, got in zip(cases, assert_traces_match(cases), strict=True):
+        rswa_groups = [i for i, g in enumerate(case["groups"]) if g[0] == "rswa"]
+        for entry in got:
+            if entry[0] == "held":
+                tables = [entry[2][i] for i in rswa_groups]
+                num_gaps += any(0 in t and t[0] != 0 for t in tables)
+    assert num_gaps > 50  # the traces release gaps, not just prompts

@@ -1,13 +1,24 @@
 """The per-request slot state and the single-group path (the sole manager called
 directly, not through the coordinator) are pure shortcuts: with them on or off, every
-call agrees."""
+call agrees; for full attention, sink full attention (both take the single-group path),
+R-SWA (its release threshold) and a circular buffer (never a new block after the first)."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 
-from jaxkv import FullAttentionSpec, KVCacheManager, Request, get_hash_fn_by_name
+from jaxkv import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheManager,
+    KVCacheSpec,
+    Request,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    get_hash_fn_by_name,
+)
 from jaxkv.hashing import init_none_hash
 from jaxkv.request_hashing import get_request_block_hasher
 
@@ -15,10 +26,21 @@ BLOCK = 4
 FN = get_hash_fn_by_name("sha256")
 
 
-def _manager(use_slot_state: bool, single_group_path: bool = True) -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype="float32")
+SPECS = {
+    "full": FullAttentionSpec(BLOCK, 1, 8, "float32"),
+    "sink": SinkFullAttentionSpec(BLOCK, 1, 8, "float32", sink_len=BLOCK),
+    "rswa": RSWASpec(BLOCK, 1, 8, "float32", rswa_window=1),  # a gap after few decodes
+    "ring": CircularBufferSpec(BLOCK, 1, 8, "float32"),
+}
+
+
+def _manager(
+    spec: KVCacheSpec, use_slot_state: bool, single_group_path: bool = True
+) -> KVCacheManager:
     manager = KVCacheManager.from_spec(spec, 24, 64, enable_kv_cache_events=True)
-    assert manager._sole_manager is not None  # a plain single group takes that path
+    # A plain (or sink) full-attention group takes that path; the others never do.
+    takes_sole_path = type(spec) in (FullAttentionSpec, SinkFullAttentionSpec)
+    assert (manager._sole_manager is not None) == takes_sole_path
     manager._use_slot_state = use_slot_state
     if not single_group_path:
         manager._sole_manager = None  # every step goes through the coordinator
@@ -45,12 +67,28 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+# Long decodes of one request: random lists rarely reach R-SWA's gap release.
+LONG_DECODES = (
+    [("admit", 0, 0, False)]
+    + [("decode", 0, 0, False)] * 14
+    + [("admit", 1, 3, True)]
+    + [("decode", 1, 1, False), ("decode", 1, 0, True)] * 6
+)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+@settings(max_examples=100, deadline=None)
 @given(ops=operations)
-def test_slot_state_changes_no_result(ops):
+@example(ops=LONG_DECODES)
+def test_slot_state_changes_no_result(kind, ops):
     init_none_hash(FN, "slot-state")
     hasher = get_request_block_hasher(BLOCK, FN)
-    managers = [_manager(True), _manager(False), _manager(True, single_group_path=False)]
+    spec = SPECS[kind]
+    managers = [
+        _manager(spec, True),
+        _manager(spec, False),
+        _manager(spec, True, single_group_path=False),
+    ]
     requests: list[dict[int, Request]] = [{}, {}, {}]
     for kind, index, extra, delay in ops:
         results = []

@@ -61,7 +61,21 @@ from jaxkv.device.storage import (
     resolve_storage_dtype,
     to_storage,
 )
-from jaxkv.kv_cache_interface import AttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec
+from jaxkv.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+
+# Specs whose layers attend to keys no `[lo, hi)` interval of one block table describes.
+_UNSERVED_MASKS = {
+    RSWASpec: "the prompt plus the last rswa_window generated tokens (two key intervals)",
+    SinkFullAttentionSpec: "static sink tokens ahead of the request's own keys",
+    CircularBufferSpec: "a per-request ring written by position modulo its size",
+}
 
 
 def _write_local(
@@ -117,6 +131,13 @@ class PagedKVCache:
     ) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        for unserved, keys in _UNSERVED_MASKS.items():
+            if isinstance(spec, unserved):
+                raise ValueError(
+                    f"PagedKVCache cannot serve {type(spec).__name__}: its layers attend to "
+                    f"{keys}, which the device attention does not implement (host-side "
+                    "block management only; docs/vllm-differences.md)"
+                )
         num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(

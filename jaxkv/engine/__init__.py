@@ -11,6 +11,7 @@ from jaxkv._lazy import lazy_getattr
 _EXPORTS = {
     "EngineConfig": "engine",
     "LLMEngine": "engine",
+    "choose_data_rank": "engine",
     "ModelRunner": "model_runner",
     "RowSampling": "model_runner",
     "group_kv_cache_specs": "model_runner",

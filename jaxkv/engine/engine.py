@@ -10,8 +10,9 @@ the same tokens.
 On a mesh (`LLMEngine(model, config, mesh=jaxkv.device.make_mesh(data, model))`, the model
 loaded onto the same mesh), attention heads are split over the model axis and requests
 over the data axis: each data rank has its own KV cache manager and scheduler (its own
-block pool, the encoder cache shared), and a new request goes to the rank with the fewest
-unfinished requests. All ranks step together in one device call. The tokens are the same
+block pool, the encoder cache shared), and a new request goes to the rank holding its
+longest cached prefix among the ranks not much busier than the least loaded
+(`choose_data_rank`). All ranks step together in one device call. The tokens are the same
 on any mesh.
 """
 
@@ -42,7 +43,7 @@ from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
 from jaxkv.request_hashing import get_request_block_hasher
 
-__all__ = ["EngineConfig", "LLMEngine"]
+__all__ = ["EngineConfig", "LLMEngine", "choose_data_rank"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,24 @@ def model_mesh(model) -> Mesh | None:
         if isinstance(sharding, NamedSharding):
             return sharding.mesh
     return None
+
+
+def choose_data_rank(
+    loads: Sequence[int], num_cached_tokens: Callable[[int], int], slack: int
+) -> int:
+    """The data rank for a new request: of the ranks at most `slack` unfinished requests
+    above the least loaded, the one holding the longest cached prefix of it (the least
+    loaded of those on a tie; the lowest rank after that).
+
+    Prefix affinity keeps a shared prompt's requests where it is cached; the slack bounds
+    how much queueing a hit may cost (a rank far busier than another would delay the
+    request more than recomputing its prefix elsewhere).
+    """
+    least = min(loads)
+    candidates = [k for k, load in enumerate(loads) if load <= least + slack]
+    if len(candidates) == 1:
+        return candidates[0]
+    return max(candidates, key=lambda k: (num_cached_tokens(k), -loads[k], -k))
 
 
 class LLMEngine:
@@ -276,9 +295,13 @@ class LLMEngine:
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.eos_token_ids)
-        rank = min(
-            range(len(self.schedulers)), key=lambda k: self.schedulers[k].num_unfinished_requests
-        )
+        rank = 0
+        if len(self.schedulers) > 1:
+            rank = choose_data_rank(
+                [s.num_unfinished_requests for s in self.schedulers],
+                lambda k: self.kv_cache_managers[k].get_num_cached_prefix_tokens(request),
+                max(1, self.config.max_num_seqs // 4) if self.config.enable_prefix_caching else 0,
+            )
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
         self._rank_of[request_id] = rank
         seed = sampling.seed
