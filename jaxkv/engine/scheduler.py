@@ -283,16 +283,22 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
+        # Bound once: the loop below runs once per running request every step.
+        running, all_tracked, plan_tokens, advance = (
+            self.running, self._tracked, self._plan, self._advance,
+        )  # fmt: skip
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            tracked = self._tracked[request.request_id]
-            plan = self._plan(tracked, request.num_computed_tokens, budget, encoder_budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            tracked = all_tracked[request.request_id]
+            plan = plan_tokens(tracked, request.num_computed_tokens, budget, encoder_budget)
             if plan is None:
                 i += 1
                 continue
             num_new, inputs = plan
-            while allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
+            # Positional (vLLM 0.33's order): a keyword argument would keep CPython from
+            # specializing this call.
+            while allocate_slots(request, num_new, 0, None, lookahead) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -301,7 +307,7 @@ class Scheduler:
             else:
                 if inputs:
                     encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-                scheduled.append(self._advance(tracked, num_new, inputs))
+                scheduled.append(advance(tracked, num_new, inputs))
                 budget -= num_new
                 i += 1
                 continue
@@ -385,7 +391,11 @@ class Scheduler:
         request = tracked.request
         config = self.config
         available = request.num_tokens + tracked.num_pending
-        num_new = min(available - start, budget, config.max_model_len - start)
+        num_new = available - start  # capped below by the budget, the model length, a chunk
+        if num_new > budget:
+            num_new = budget
+        if num_new > config.max_model_len - start:
+            num_new = config.max_model_len - start
         cap = config.long_prefill_token_threshold
         if cap and num_new > cap:
             num_new = cap
@@ -463,7 +473,8 @@ class Scheduler:
         num_tokens = request.num_tokens
         samples = start + num_new == num_tokens + tracked.num_pending
         out = ScheduledRequest(
-            request, start, num_new, num_tokens, samples, tuple(inputs),
+            request, start, num_new, num_tokens, samples,
+            inputs if type(inputs) is tuple else tuple(inputs),
             self.kv_cache_manager.get_block_ids(request.request_id) if self.with_block_ids else (),
         )  # fmt: skip
         request.num_computed_tokens = start + num_new
