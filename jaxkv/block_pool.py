@@ -360,16 +360,9 @@ class BlockPool:
             raise ValueError(
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
-        if self.enable_caching:
-            cached = []
-            for block in blocks:  # a loop, not a comprehension: no extra frame per call
-                if block._block_hash is not None:
-                    cached.append(block)
-            if cached:
-                self._evict_cached_blocks(cached)
-        for block in blocks:
-            block.ref_cnt = 1
+        blocks, stamped = self.free_block_queue.popleft_n_for_holders(num_blocks)
+        if stamped:
+            self._evict_cached_blocks(stamped, were_free=True)
         return blocks
 
     def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
@@ -437,15 +430,9 @@ class BlockPool:
     def free_held_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """`free_blocks` for blocks the caller holds a reference on (a manager freeing its
         own table, null blocks skipped), without the checks that guard outside callers."""
-        unhashed: list[KVCacheBlock] = []
-        hashed: list[KVCacheBlock] = []
-        for block in ordered_blocks:
-            if block.is_null:
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (unhashed if block._block_hash is None else hashed).append(block)
-        self._queue_freed(unhashed, hashed)
+        unhashed = self.free_block_queue.release_held(ordered_blocks)
+        if unhashed and self.track_freed_block_ids:
+            self._freed_block_ids.update(b.block_id for b in unhashed)
 
     def _queue_freed(self, unhashed: list[KVCacheBlock], hashed: list[KVCacheBlock]) -> None:
         """Queue blocks that reached `ref_cnt` 0: unhashed at the head, hashed at the tail."""
@@ -713,15 +700,16 @@ class BlockPool:
             group_idx=kv_cache_group_id,
         )
 
-    def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Drop cached blocks from the prefix cache (their hashes are reset)."""
+    def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock], were_free: bool = False) -> None:
+        """Drop cached blocks from the prefix cache (their hashes are reset). `were_free`:
+        they were all free pages (taken for allocation), so their contents are garbage."""
         self.cached_block_hash_to_block.pop_stamped(blocks)
         if self._secondary_keys:  # only with partial entries on full blocks
             self._drop_secondary_keys(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids:
-            self._freed_block_ids.update(b.block_id for b in blocks if b.ref_cnt == 0)
+            self._freed_block_ids.update(b.block_id for b in blocks if were_free or b.ref_cnt == 0)
         if self.enable_kv_cache_events:
             self.kv_event_queue.extend(
                 BlockRemoved(block_hashes=[b._block_hash], group_idx=b._group_id)  # type: ignore[list-item]

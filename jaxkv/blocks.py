@@ -178,22 +178,38 @@ class FreeKVCacheBlockQueue:
         return first
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        return self.popleft_n_for_holders(n, 0)[0]
+
+    def popleft_n_for_holders(
+        self, n: int, new_refs: int = 1
+    ) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+        """Pop `n` blocks from the head for new holders: each block's `ref_cnt` rises by
+        `new_refs`. Returns (the blocks in order, those among them still stamped with a
+        hash key: the caller evicts them from the prefix cache).
+
+        One pass does what allocation otherwise does in three (unlink, take the
+        reference, find the stamped blocks): it runs for every block allocated.
+        """
         if type(n) is not int or n < 0 or n > self.num_free_blocks:
             check_int("n", n)
             raise ValueError(f"cannot pop {n} blocks: {self.num_free_blocks} are free")
+        popped: list[KVCacheBlock] = []
+        stamped: list[KVCacheBlock] = []
         if n == 0:
-            return []
-        popped = []
+            return popped, stamped
         block = self.head.next_free_block
         for _ in range(n):
-            popped.append(block)
+            popped.append(block)  # type: ignore[arg-type]
             nxt = block.next_free_block  # type: ignore[union-attr]
             block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]
+            block.ref_cnt += new_refs  # type: ignore[union-attr]
+            if block._block_hash is not None:  # type: ignore[union-attr]
+                stamped.append(block)  # type: ignore[arg-type]
             block = nxt
         self.head.next_free_block = block
         block.prev_free_block = self.head  # type: ignore[union-attr]
         self.num_free_blocks -= n
-        return popped
+        return popped, stamped
 
     def remove(self, block: KVCacheBlock) -> None:
         if not isinstance(block, KVCacheBlock):
@@ -217,6 +233,39 @@ class FreeKVCacheBlockQueue:
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put `blocks` at the head, in order (the first one is evicted first)."""
         self.num_free_blocks += self._link_after(self.head, blocks, self.head.next_free_block)
+
+    def release_held(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Drop one reference from each block, each of which its caller holds (unchecked;
+        the null block is skipped). Blocks reaching 0 join the queue: stamped ones at the
+        tail as they reach 0, unhashed ones at the head in order (nothing to lose by
+        evicting them first). Returns the unhashed ones.
+
+        One pass frees and links the stamped blocks: it runs for every block freed.
+        """
+        unhashed: list[KVCacheBlock] = []
+        tail = self.tail
+        last = tail.prev_free_block
+        count = 0
+        try:
+            for block in blocks:
+                if block.is_null:
+                    continue
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    if block._block_hash is None:
+                        unhashed.append(block)
+                    else:
+                        last.next_free_block = block  # type: ignore[union-attr]
+                        block.prev_free_block = last
+                        last = block
+                        count += 1
+        finally:  # the links made so far stay consistent whatever happens
+            last.next_free_block = tail  # type: ignore[union-attr]
+            tail.prev_free_block = last
+            self.num_free_blocks += count
+        if unhashed:
+            self.prepend_n(unhashed)
+        return unhashed
 
     @staticmethod
     def _link_after(

@@ -287,15 +287,34 @@ class Scheduler:
         running, all_tracked, plan_tokens, advance = (
             self.running, self._tracked, self._plan, self._advance,
         )  # fmt: skip
+        text_only = self.encoder_cache_manager is None
+        with_block_ids = self.with_block_ids
+        max_model_len = self.config.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             tracked = all_tracked[request.request_id]
-            plan = plan_tokens(tracked, request.num_computed_tokens, budget, encoder_budget)
-            if plan is None:
-                i += 1
-                continue
-            num_new, inputs = plan
+            start = request.num_computed_tokens
+            # A text request's decode step, the hot path, skips `_plan` and `_advance`
+            # (a call each per running request per step): it computes one token, which
+            # no cap can cut below the model length, and none while its last token is in
+            # flight.
+            decode = (
+                text_only
+                and request.num_tokens + tracked.num_pending == start + 1
+                and start < max_model_len
+            )
+            if decode:
+                if request.num_output_tokens + tracked.num_pending >= request.max_tokens:
+                    i += 1
+                    continue
+                num_new, inputs = 1, ()
+            else:
+                plan = plan_tokens(tracked, start, budget, encoder_budget)
+                if plan is None:
+                    i += 1
+                    continue
+                num_new, inputs = plan
             # Positional (vLLM 0.33's order): a keyword argument would keep CPython from
             # specializing this call.
             while allocate_slots(request, num_new, 0, None, lookahead) is None:
@@ -305,9 +324,21 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                if inputs:
-                    encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-                scheduled.append(advance(tracked, num_new, inputs))
+                if decode:  # `_advance` of one token, which samples
+                    block_ids = (
+                        self.kv_cache_manager.get_block_ids(request.request_id)
+                        if with_block_ids
+                        else ()
+                    )
+                    scheduled.append(
+                        ScheduledRequest(request, start, 1, request.num_tokens, True, (), block_ids)
+                    )
+                    request.num_computed_tokens = start + 1
+                    tracked.num_pending += 1
+                else:
+                    if inputs:
+                        encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+                    scheduled.append(advance(tracked, num_new, inputs))
                 budget -= num_new
                 i += 1
                 continue
@@ -511,6 +542,12 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         all_tracked = self._tracked
         max_model_len = self.config.max_model_len
+        # One conversion of a device array, rather than an `int()` per row.
+        sampled = (
+            sampled_token_ids.tolist()
+            if isinstance(sampled_token_ids, np.ndarray)
+            else sampled_token_ids
+        )
         for row, item in enumerate(output.scheduled):
             request = item.request
             tracked = all_tracked.get(request.request_id)
@@ -518,7 +555,9 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             if item.samples:
                 tracked.num_pending -= 1
-                token = int(sampled_token_ids[row])
+                token = sampled[row]
+                if type(token) is not int:
+                    token = int(token)
                 request.append_output_token_ids(token)
                 reason = None
                 if token in tracked.stop_token_ids:
