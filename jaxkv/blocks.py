@@ -20,7 +20,9 @@ class KVCacheBlock:
     `ref_cnt` counts the requests holding the block; a block with `ref_cnt == 0`
     (other than the null block) sits in the free queue. The hash key (block hash
     and KV cache group) is set once when the block becomes full and is cleared
-    only by `reset_hash` on eviction.
+    only by `reset_hash` on eviction. `prev_same_key`/`next_same_key` belong to
+    the prefix-cache map (`BlockHashToBlockMap`): they chain the blocks cached
+    under one key.
     """
 
     __slots__ = (
@@ -30,6 +32,8 @@ class KVCacheBlock:
         "_group_id",
         "prev_free_block",
         "next_free_block",
+        "prev_same_key",
+        "next_same_key",
         "is_null",
     )
 
@@ -41,6 +45,8 @@ class KVCacheBlock:
         self._group_id = 0
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
+        self.prev_same_key: KVCacheBlock | None = None
+        self.next_same_key: KVCacheBlock | None = None
         self.is_null = False
 
     @property

@@ -135,6 +135,41 @@ def test_queue_popleft_n():
     _check_links(q)
 
 
+def test_queue_popleft_n_for_holders_takes_references_and_finds_stamped_blocks():
+    blocks, q = _queue(6)
+    blocks[1].set_hash(_h(1), 0)
+    blocks[3].set_hash(_h(3), 1)
+    popped, stamped = q.popleft_n_for_holders(4)
+    assert _ids(popped) == [0, 1, 2, 3] and _ids(stamped) == [1, 3]
+    assert [b.ref_cnt for b in popped] == [1, 1, 1, 1]
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in popped)
+    assert q.popleft_n_for_holders(0) == ([], [])
+    with pytest.raises(ValueError, match="cannot pop 3 blocks: 2 are free"):
+        q.popleft_n_for_holders(3)
+    assert _ids(q.get_all_free_blocks()) == [4, 5] and q.num_free_blocks == 2
+    assert [b.ref_cnt for b in q.popleft_n(2)] == [0, 0]  # popleft_n takes no reference
+    _check_links(q)
+
+
+def test_queue_release_held_queues_blocks_reaching_zero():
+    """Stamped blocks join the tail as they reach 0, unhashed ones the head in order;
+    blocks still held elsewhere and the null block stay out."""
+    blocks, q = _queue(7)
+    held, _ = q.popleft_n_for_holders(6)  # blocks 0-5; block 6 stays free
+    null = KVCacheBlock(99)
+    null.is_null = True
+    held[1].set_hash(_h(1), 0)
+    held[4].set_hash(_h(4), 0)
+    held[3].ref_cnt = 2  # another request holds it too
+    unhashed = q.release_held([held[4], null, held[0], held[3], held[1], held[2], held[5]])
+    assert _ids(unhashed) == [0, 2, 5]
+    assert _ids(q.get_all_free_blocks()) == [0, 2, 5, 6, 4, 1]
+    assert q.num_free_blocks == 6 and held[3].ref_cnt == 1 and null.ref_cnt == 0
+    assert _ids(q.release_held([held[3]])) == [3]
+    assert _ids(q.get_all_free_blocks()) == [3, 0, 2, 5, 6, 4, 1]
+    _check_links(q)
+
+
 def test_queue_remove_middle_head_tail():
     blocks, q = _queue(5)
     q.remove(blocks[2])
@@ -580,47 +615,89 @@ def test_evicting_a_held_block_does_not_report_it_for_zeroing():
     assert pool.take_freed_block_ids().tolist() == [blocks[0].block_id]
 
 
-@settings(max_examples=150, deadline=None)
+_MAP_OPS = ("stamp_insert", "stamp_api_insert", "foreign_insert", "pop", "pop_stamped", "clear")
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.booleans(), st.integers(0, 2), st.integers(0, 1), st.integers(1, 6)),
+        st.tuples(
+            st.sampled_from(_MAP_OPS),
+            st.integers(0, 2),
+            st.integers(0, 1),
+            st.lists(st.integers(0, 6), min_size=1, max_size=3),
+        ),
         max_size=60,
     )
 )
 def test_hash_map_with_duplicates_matches_a_list_model(ops):
-    """Random inserts and pops (single and batched) against lists in insertion order:
-    lookups give the earliest block, items and counts agree, nothing is left over."""
+    """Random inserts (under a block's own key, as the pool does, or under any key, as
+    vLLM's `insert` allows), pops (single and batched) and clears against lists in
+    insertion order: lookups give the earliest block, items and counts agree, a block
+    is chained only while it shares its own key, nothing is left over."""
     cache_map = BlockHashToBlockMap()
     blocks = [KVCacheBlock(i) for i in range(7)]
     model: dict[tuple[bytes, int], list[KVCacheBlock]] = {}
-    where: dict[int, tuple[bytes, int]] = {}
-    for insert, hash_index, group, block_id in ops:
-        block, key = blocks[block_id], (_h(hash_index), group)
-        if insert and block_id not in where:
+
+    def own_key(block):
+        return (block.block_hash_only, block.group_id)
+
+    def drop(block, key):
+        model[key].remove(block)
+        if not model[key]:
+            del model[key]
+
+    for op, hash_index, group, block_ids in ops:
+        key = (_h(hash_index), group)
+        block = blocks[block_ids[0]]
+        if op in ("stamp_insert", "stamp_api_insert") and block.block_hash is None:
             block.set_hash(*key)
-            if hash_index % 2:
-                cache_map.insert(key[0], group, block)
-            else:
+            if op == "stamp_insert":
                 cache_map.insert_stamped([block], group)
-            model.setdefault(key, []).append(block)
-            where[block_id] = key
-        elif not insert and block_id in where:
-            key = where.pop(block_id)
-            if hash_index % 2:
-                assert cache_map.pop(key[0], key[1], block_id) is block
             else:
-                cache_map.pop_stamped([block])
-            block.reset_hash()
-            model[key].remove(block)
-            if not model[key]:
-                del model[key]
+                cache_map.insert(key[0], group, block)
+            if block not in model.get(key, []):  # a block is under a key once
+                model.setdefault(key, []).append(block)
+        elif op == "foreign_insert" and (block.block_hash is None or own_key(block) != key):
+            cache_map.insert(key[0], group, block)
+            if block not in model.get(key, []):
+                model.setdefault(key, []).append(block)
+        elif op == "pop":
+            expected = block if block in model.get(key, []) else None
+            assert cache_map.pop(key[0], group, block.block_id) is expected
+            if expected is not None:
+                drop(block, key)
+                if own_key(block) == key:
+                    block.reset_hash()
+        elif op == "pop_stamped":
+            batch = [blocks[i] for i in dict.fromkeys(block_ids)]
+            batch = [
+                b for b in batch if b.block_hash is not None and b in model.get(own_key(b), [])
+            ]
+            cache_map.pop_stamped(batch)
+            for popped in batch:
+                drop(popped, own_key(popped))
+                popped.reset_hash()
+        elif op == "clear":
+            cache_map.clear()
+            model.clear()
+            KVCacheBlock.reset_hashes(blocks)
         for (block_hash, group_id), listed in model.items():
             assert cache_map.get_one_block(block_hash, group_id) is listed[0]
+            assert cache_map.blocks_of(block_hash, group_id) == listed
         assert cache_map.num_blocks() == sum(map(len, model.values()))
         assert len(cache_map) == len(model)
         assert sorted((k, _ids(v)) for k, v in cache_map.items()) == sorted(
             (make_block_hash_with_group_id(*k), _ids(v)) for k, v in model.items()
         )
+        for b in blocks:  # chain links only on blocks sharing their own key
+            if b.prev_same_key is not None or b.next_same_key is not None:
+                assert b.block_hash is not None and len(model[own_key(b)]) >= 2
+    for key, listed in list(model.items()):
+        for b in list(listed):
+            assert cache_map.pop(key[0], key[1], b.block_id) is b
+    assert cache_map.num_blocks() == 0 and len(cache_map) == 0
+    assert all(b.prev_same_key is None and b.next_same_key is None for b in blocks)
     assert cache_map.pop(_h(99), 0, 1) is None
 
 

@@ -23,6 +23,8 @@ class FreeQueueMachine(RuleBasedStateMachine):
         self.blocks = [KVCacheBlock(i) for i in range(NUM_BLOCKS)]
         self.queue = FreeKVCacheBlockQueue(self.blocks)
         self.model: list[KVCacheBlock] = list(self.blocks)  # head first
+        for block in self.blocks[::3]:  # some blocks carry a hash key (a cached page)
+            block.set_hash(bytes([block.block_id]) * 32, 0)
 
     def _outside(self) -> list[KVCacheBlock]:
         return [b for b in self.blocks if b not in self.model]
@@ -43,6 +45,29 @@ class FreeQueueMachine(RuleBasedStateMachine):
             return
         assert self.queue.popleft_n(n) == self.model[:n]
         del self.model[:n]
+
+    @rule(n=st.integers(-1, NUM_BLOCKS + 1))
+    def popleft_n_for_holders(self, n: int) -> None:
+        if not 0 <= n <= len(self.model):
+            with pytest.raises(ValueError, match=f"cannot pop {n} blocks"):
+                self.queue.popleft_n_for_holders(n)
+            return
+        refs = [b.ref_cnt for b in self.model[:n]]
+        popped, stamped = self.queue.popleft_n_for_holders(n)
+        assert popped == self.model[:n]
+        assert stamped == [b for b in popped if b.block_hash is not None]
+        assert [b.ref_cnt for b in popped] == [r + 1 for r in refs]
+        del self.model[:n]
+
+    @rule(data=st.data())
+    def release_held(self, data: st.DataObject) -> None:
+        held = [b for b in self._outside() if b.ref_cnt > 0]
+        chosen = data.draw(st.permutations(held)) if held else []
+        chosen = chosen[: data.draw(st.integers(0, len(chosen)))]
+        freed = [b for b in chosen if b.ref_cnt == 1]
+        unhashed = [b for b in freed if b.block_hash is None]
+        assert self.queue.release_held(iter(chosen)) == unhashed
+        self.model = unhashed + self.model + [b for b in freed if b.block_hash is not None]
 
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
