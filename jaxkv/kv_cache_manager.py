@@ -278,6 +278,12 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups
         )
         self.num_kv_cache_groups = self.coordinator.num_groups
+        # A running request's steps need at most this many blocks per `smallest block size`
+        # tokens beyond its capacity (every group allocates by capacity), or None.
+        self._blocks_per_missing_block: int | None = (
+            self.num_kv_cache_groups if all(m.allocates_by_capacity for m in managers) else None
+        )
+        self._min_block_size = min(m.block_size for m in managers)
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = 0
         # The last hit `get_computed_blocks` returned: (blocks, tokens, the pool's
@@ -535,8 +541,20 @@ class KVCacheManager:
                 request_id, num_computed_tokens, request.num_prompt_tokens
             )
         sole = self._sole_manager
-        if plain_counts and state is not None and num_tokens_need_slot <= state[0]:
-            num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+        num_blocks_to_allocate = -1  # not known yet
+        if plain_counts and state is not None:
+            missing = num_tokens_need_slot - state[0]
+            if missing <= 0:
+                num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
+            elif self._blocks_per_missing_block is not None:
+                # A running request: a group lacks at most cdiv(missing, its block size)
+                # blocks, `missing` being the tokens beyond the smallest capacity
+                # (`state[0]`). With that many free, no group needs counting.
+                bound = -(-missing // self._min_block_size) * self._blocks_per_missing_block
+                if bound <= free_block_queue.num_free_blocks:
+                    num_blocks_to_allocate = bound
+        if num_blocks_to_allocate >= 0:
+            pass
         elif sole is not None:
             num_blocks_to_allocate = sole.get_num_blocks_to_allocate(
                 request_id, num_tokens_need_slot, hits_or_none[0], num_computed_tokens

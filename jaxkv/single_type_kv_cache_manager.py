@@ -99,6 +99,9 @@ class SingleTypeKVCacheManager:
     # Whether cache_blocks must be given the step's exact end (a recurrent state
     # describes one position), not the count aligned to the hit grid.
     caches_at_step_end: ClassVar[bool] = False
+    # Whether a running request needs exactly the blocks its table lacks to hold
+    # `num_tokens` (what `get_num_blocks_to_allocate` counts without hits).
+    allocates_by_capacity: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -1004,6 +1007,7 @@ class MambaManager(SingleTypeKVCacheManager):
     releases_blocks = True
     caches_at_step_end = True
     sparse_hits = True  # dense_hit_grid: thinned only under sparse retention
+    allocates_by_capacity = False  # pads with nulls, takes spare state blocks
 
     def __init__(self, kv_cache_spec: MambaSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -1531,6 +1535,7 @@ class CircularBufferManager(_ScratchManager):
     recorded for zeroing (vLLM 0.33's rules)."""
 
     spec_types = (CircularBufferSpec,)
+    allocates_by_capacity = False  # one ring block, whatever the tokens
 
     def __init__(self, kv_cache_spec: CircularBufferSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)

@@ -1,7 +1,9 @@
-"""The per-request slot state and the single-group path (the sole manager called
-directly, not through the coordinator) are pure shortcuts: with them on or off, every
-call agrees; for full attention, sink full attention (both take the single-group path),
-R-SWA (its release threshold) and a circular buffer (never a new block after the first)."""
+"""The per-request slot state (with the allocation bound it gives a running request) and
+the single-group path (the sole manager called directly, not through the coordinator)
+are pure shortcuts: with them on or off, every call agrees; for full attention, sink
+full attention (both take the single-group path), R-SWA (its release threshold), a
+circular buffer (never a new block after the first) and a hybrid of full attention and
+a sliding window with different block sizes."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from hypothesis import example, given, settings
 from jaxkv import (
     CircularBufferSpec,
     FullAttentionSpec,
+    KVCacheConfig,
     KVCacheManager,
     KVCacheSpec,
     Request,
     RSWASpec,
     SinkFullAttentionSpec,
+    SlidingWindowSpec,
     get_hash_fn_by_name,
 )
 from jaxkv.hashing import init_none_hash
@@ -31,17 +35,29 @@ SPECS = {
     "sink": SinkFullAttentionSpec(BLOCK, 1, 8, "float32", sink_len=BLOCK),
     "rswa": RSWASpec(BLOCK, 1, 8, "float32", rswa_window=1),  # a gap after few decodes
     "ring": CircularBufferSpec(BLOCK, 1, 8, "float32"),
+    "hybrid": (
+        FullAttentionSpec(2 * BLOCK, 1, 8, "float32"),
+        SlidingWindowSpec(BLOCK, 1, 8, "float32", sliding_window=6),
+    ),
 }
 
 
 def _manager(
-    spec: KVCacheSpec, use_slot_state: bool, single_group_path: bool = True
+    spec: KVCacheSpec | tuple[KVCacheSpec, ...],
+    use_slot_state: bool,
+    single_group_path: bool = True,
 ) -> KVCacheManager:
-    manager = KVCacheManager.from_spec(spec, 24, 64, enable_kv_cache_events=True)
+    if isinstance(spec, tuple):
+        config = KVCacheConfig.from_groups([(s, (f"layer.{i}",)) for i, s in enumerate(spec)], 24)
+        manager = KVCacheManager(config, 64, enable_kv_cache_events=True)
+    else:
+        manager = KVCacheManager.from_spec(spec, 24, 64, enable_kv_cache_events=True)
     # A plain (or sink) full-attention group takes that path; the others never do.
     takes_sole_path = type(spec) in (FullAttentionSpec, SinkFullAttentionSpec)
     assert (manager._sole_manager is not None) == takes_sole_path
     manager._use_slot_state = use_slot_state
+    if not use_slot_state:
+        manager._blocks_per_missing_block = None  # every allocation is counted per group
     if not single_group_path:
         manager._sole_manager = None  # every step goes through the coordinator
     return manager
@@ -82,8 +98,8 @@ LONG_DECODES = (
 @example(ops=LONG_DECODES)
 def test_slot_state_changes_no_result(kind, ops):
     init_none_hash(FN, "slot-state")
-    hasher = get_request_block_hasher(BLOCK, FN)
     spec = SPECS[kind]
+    hasher = get_request_block_hasher(BLOCK, FN)  # the hybrid hashes at the smaller size
     managers = [
         _manager(spec, True),
         _manager(spec, False),
@@ -131,3 +147,41 @@ def test_slot_state_changes_no_result(kind, ops):
             assert other.take_events() == events
             for request_id in map(str, range(4)):
                 assert managers[0].get_block_ids(request_id) == other.get_block_ids(request_id)
+
+
+def test_running_hybrid_request_takes_the_last_free_block_its_groups_lack():
+    """The allocation bound of a running request (2 groups x 1 block here) is only a
+    shortcut: with fewer blocks free than the bound, the groups' needs are counted, and
+    the one block the sliding-window group lacks is the last free one."""
+    init_none_hash(FN, "slot-state")
+    manager = _manager(SPECS["hybrid"], True)
+    request = Request("a", list(range(8)), block_hasher=get_request_block_hasher(BLOCK, FN))
+    assert manager.allocate_slots(request, 8) is not None
+    request.num_computed_tokens = 8
+    request.append_output_token_ids(100)
+    assert [len(g) for g in manager.allocate_slots(request, 1).get_block_ids()] == [1, 1]
+    request.num_computed_tokens = 9
+    for token in range(101, 104):  # up to 12 tokens: both groups' blocks hold them
+        request.append_output_token_ids(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    pool = manager.block_pool
+    held_elsewhere = pool.get_new_blocks(pool.get_num_free_blocks() - 1)
+    request.append_output_token_ids(104)  # token 13: full attention holds 16, the window 12
+    before = _pool_state(manager)
+    new_blocks = manager.allocate_slots(request, 1)
+    assert new_blocks is not None and [len(g) for g in new_blocks.get_block_ids()] == [0, 1]
+    assert pool.get_num_free_blocks() == 0 and _pool_state(manager) != before
+    request.num_computed_tokens = 13
+    for token in range(105, 108):
+        request.append_output_token_ids(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    request.append_output_token_ids(108)  # token 17: both groups lack a block
+    assert pool.get_num_free_blocks() == 1  # the window released one since
+    before = _pool_state(manager)
+    assert manager.allocate_slots(request, 1) is None
+    assert _pool_state(manager) == before
+    pool.free_blocks(held_elsewhere)
+    manager.free(request)
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
