@@ -185,20 +185,31 @@ class KVCacheCoordinator:
         num_encoder_tokens: int = 0,
         total_computed_tokens: int = 0,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+        num_tokens_main_model: int | None = None,
     ) -> int:
         """Free blocks all groups together need; cross-attention takes the encoder length.
-        `apply_admission_cap`: window groups count only what a request holds at once."""
+        `apply_admission_cap`: window groups count only what a request holds at once.
+        `prefill_end`: where the request's prefill ends; with `retention_interval` 0 a
+        Mamba group reserves a prefill checkpoint only on the chunk reaching it (ignored
+        otherwise: every chunk's checkpoint may be kept). `num_tokens_main_model`:
+        `num_tokens` less the lookahead tokens, which a Mamba "align" group gets no slot
+        for (None: no lookahead)."""
+        if prefill_end and self.retention_interval != 0:
+            prefill_end = 0
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if self._cross_attention[i]:
                 total += manager.get_num_blocks_to_allocate(request_id, num_encoder_tokens, ())
-            elif apply_admission_cap:
+            elif apply_admission_cap or prefill_end or num_tokens_main_model is not None:
                 total += manager.get_num_blocks_to_allocate(
                     request_id,
                     num_tokens,
                     new_computed_blocks[i],
                     total_computed_tokens,
-                    apply_admission_cap=True,
+                    num_tokens_main_model=num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap,
+                    prefill_end=prefill_end,
                 )
             else:
                 total += manager.get_num_blocks_to_allocate(
@@ -221,18 +232,23 @@ class KVCacheCoordinator:
             manager.add_local_computed_blocks(request_id, hits, num_local_computed_tokens)
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
         # A loop, not a generator: resuming a generator frame per group costs more here.
         new_blocks = []
         for manager, cross_attention in zip(
             self.single_type_managers, self._cross_attention, strict=True
         ):
-            new_blocks.append(
-                manager.allocate_new_blocks(
-                    request_id, num_encoder_tokens if cross_attention else num_tokens
+            if cross_attention:
+                new_blocks.append(manager.allocate_new_blocks(request_id, num_encoder_tokens))
+            else:
+                new_blocks.append(
+                    manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
                 )
-            )
         return tuple(new_blocks)
 
     # -- caching -------------------------------------------------------------

@@ -284,6 +284,17 @@ class KVCacheManager:
             self.num_kv_cache_groups if all(m.allocates_by_capacity for m in managers) else None
         )
         self._min_block_size = min(m.block_size for m in managers)
+        # With `prefix_cache_retention_interval` 0 a Mamba group reserves a prefill
+        # checkpoint only on the chunk reaching the prefill's end (vLLM 0.33), which the
+        # counts are then told.
+        self._checkpoints_at_prefill_end = self.coordinator.retention_interval == 0 and any(
+            getattr(m, "has_prefill_checkpoint_blocks", False) for m in managers
+        )
+        # A Mamba "align" group gets no state slots for lookahead tokens (vLLM 0.33), so
+        # the counts are told the tokens without them.
+        self._some_group_ignores_lookahead = any(
+            getattr(m, "mamba_cache_mode", None) == "align" for m in managers
+        )
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = 0
         # The last hit `get_computed_blocks` returned: (blocks, tokens, the pool's
@@ -516,6 +527,9 @@ class KVCacheManager:
                 )
         hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
         free_block_queue = self.block_pool.free_block_queue
+        prefill_end = 0
+        if self._checkpoints_at_prefill_end:  # as the scheduler splits chunks against it
+            prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, max_model_len)
             # Window groups release blocks as the request advances: each needs at most
@@ -527,12 +541,16 @@ class KVCacheManager:
                 num_encoder_tokens,
                 num_computed_tokens,
                 apply_admission_cap=True,
+                prefill_end=prefill_end,
             )
             if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
                 return None
         num_tokens_need_slot = num_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
+        num_tokens_main_model = (
+            num_tokens if num_lookahead_tokens and self._some_group_ignores_lookahead else None
+        )
         if coordinator.skipping_managers and (state is None or num_computed_tokens >= state[2]):
             # As vLLM, before counting: blocks that left the attention window are
             # released even when the allocation then fails (they are never read again).
@@ -566,6 +584,8 @@ class KVCacheManager:
                 hits_or_none,
                 num_encoder_tokens,
                 num_computed_tokens,
+                prefill_end=prefill_end,
+                num_tokens_main_model=num_tokens_main_model,
             )
         if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
             return None
@@ -579,7 +599,7 @@ class KVCacheManager:
             new_blocks = (sole.allocate_new_blocks(request_id, num_tokens_need_slot),)
         else:
             new_blocks = coordinator.allocate_new_blocks(
-                request_id, num_tokens_need_slot, num_encoder_tokens
+                request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
             )
         # A running request's `state` says when its next block fills: below that, caching
         # would stamp nothing (half the steps that allocate a block).

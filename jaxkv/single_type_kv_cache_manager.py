@@ -1102,13 +1102,19 @@ class MambaManager(SingleTypeKVCacheManager):
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks, total_computed_tokens
             )
+        if num_tokens_main_model is not None and self.mamba_cache_mode == "align":
+            num_tokens = num_tokens_main_model  # no state slots for lookahead tokens (vLLM)
         num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
         held = self.req_to_blocks.get(request_id)
         num_local = len(new_computed_blocks) + (len(held) if held is not None else 0)
         checkpoint_block = 0
         if self.has_prefill_checkpoint_blocks:
             checkpoint_block = self._plan_checkpoint(
-                request_id, total_computed_tokens, num_tokens, apply_admission_cap
+                request_id,
+                total_computed_tokens,
+                num_tokens,
+                apply_admission_cap,
+                prefill_end,
             )
         # The table is padded with nulls up to the block before the state's (before the
         # checkpoint's, which takes the block before the state's).
@@ -1130,6 +1136,8 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> list[KVCacheBlock]:
         if not self._keeps_last_state_only():
             return super().allocate_new_blocks(request_id, num_tokens)
+        if num_tokens_main_model is not None and self.mamba_cache_mode == "align":
+            num_tokens = num_tokens_main_model
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         self.num_cached_block.setdefault(request_id, 0)
         num_required = _cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
@@ -1195,22 +1203,48 @@ class MambaManager(SingleTypeKVCacheManager):
         # inside a block only at the prompt's partial tail (or the junction).
         request_id = request.request_id
         end = num_tokens if step_end is None else step_end
-        num_cached = self.num_cached_block[request_id]
         hash_block_size = self.block_pool.hash_block_size or self.block_size
         self._note_pending_tail(request, end, hash_block_size)
         num_hashed_tokens = len(request.block_hashes) * hash_block_size
         checkpoint = self._checkpoints.get(request_id) if self._checkpoints else None
         if checkpoint is not None:
             self._cache_checkpoint(request, checkpoint, retention_interval)
-        if end % self.block_size or end > num_hashed_tokens:
-            if num_tokens == end <= num_hashed_tokens and checkpoint is None:
-                self._cache_partial_tail_block(request, end)
-            boundary_states = self._boundary_states.get(request_id)
-            if not boundary_states:
-                return
-        else:
+        ends_on_tail = num_tokens == end <= num_hashed_tokens and checkpoint is None
+        on_boundary = end % self.block_size == 0 and end <= num_hashed_tokens
+        if on_boundary:
             boundary_states = self._boundary_states.setdefault(request_id, set())
             boundary_states.add(end // self.block_size - 1)
+        else:
+            if ends_on_tail:
+                self._cache_partial_tail_block(request, end)
+            boundary_states = self._boundary_states.get(request_id)
+        if boundary_states:
+            self._cache_boundary_states(
+                request,
+                num_tokens,
+                num_hashed_tokens,
+                boundary_states,
+                retention_interval,
+                replay_boundaries,
+            )
+        if on_boundary and ends_on_tail:
+            # A tail (or junction) state on a block boundary is keyed even where sparse
+            # retention dropped its block (vLLM 0.33); kept already, it is left alone.
+            self._cache_partial_tail_block(request, end)
+
+    def _cache_boundary_states(
+        self,
+        request: Request,
+        num_tokens: int,
+        num_hashed_tokens: int,
+        boundary_states: set[int],
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Cache the held states of `boundary_states` (block indices a step ended at) that
+        the cacheable count `num_tokens` has passed, as retention keeps them."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block[request_id]
         num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_full <= num_cached:
             return
@@ -1233,11 +1267,17 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_cached_block[request_id] = num_full
 
     def _plan_checkpoint(
-        self, request_id: str, query_start: int, query_end: int, apply_admission_cap: bool
+        self,
+        request_id: str,
+        query_start: int,
+        query_end: int,
+        apply_admission_cap: bool,
+        prefill_end: int,
     ) -> int:
         """1 when the step `[query_start, query_end)` exports a prefill checkpoint into a
-        spare block (vLLM 0.33's `_needs_internal_checkpoint`), else 0; recorded for the
-        allocation unless only sizing an admission."""
+        spare block (vLLM 0.33's `_needs_internal_checkpoint`: only a step reaching
+        `prefill_end`), else 0; recorded for the allocation unless only sizing an
+        admission."""
         position = get_mamba_prefill_checkpoint_position(
             query_end, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block
         )
@@ -1245,6 +1285,7 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks.get(request_id) or []
         needed = (
             checkpoint_idx >= 0
+            and query_end >= prefill_end
             and is_mamba_prefill_checkpoint_valid(
                 query_start,
                 query_end,
@@ -1361,6 +1402,9 @@ class MambaManager(SingleTypeKVCacheManager):
         pool = self.block_pool
         if pool.partial_entry_tokens(source_block) == num_tokens:
             return  # keyed here already (by a hit or an earlier step)
+        on_boundary = num_tokens % self.block_size == 0
+        if on_boundary and source_block.block_hash_only is not None:
+            return  # cached as a whole block (its key is this boundary's)
         if (
             pool.cache_partial_block(
                 request, source_block, num_tokens, self.kv_cache_group_id, self.block_size
@@ -1370,6 +1414,8 @@ class MambaManager(SingleTypeKVCacheManager):
             return
         if self.cached_blocks_this_step is not None:
             self.cached_blocks_this_step.add(source_block.block_id)
+        if on_boundary:
+            return  # the state is final: no copy, no producer
         self._partial_hit_reqs[request_id] = (block_idx, source_block)
         self._producer_tails.add(request_id)
         self.num_cached_block[request_id] = block_idx

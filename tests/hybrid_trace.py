@@ -217,49 +217,17 @@ def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
     else:
         junction_stop = start + (junction - start) // bs * bs
     stops = (
-        (start // bs + 1) * bs if start % bs and not internal else 0,
+        # vLLM lets a chunk exporting a checkpoint run on from inside a block, then keys
+        # that block's state (the state at the chunk's start) at the block's end, a stale
+        # state jaxkv does not cache (docs/vllm-differences.md). The traces stop there,
+        # as a token budget may.
+        (start // bs + 1) * bs if start % bs else 0,
         last_cache_position,
         tail if last_cache_position < tail < req.num_prompt_tokens else 0,
         junction_stop if start < junction < end else 0,
     )
     end = min((p for p in stops if start < p < end), default=end)
     return max(end - start, 0)
-
-
-def _new_ids(new) -> list | None:
-    """The ids of newly allocated blocks per group (vLLM also lists a Mamba table's null
-    padding among them, jaxkv does not: the null block is left out)."""
-    if new is None:
-        return None
-    return [[i for i in group if i != 0] for group in new.get_block_ids()]
-
-
-def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
-    """A prefill chunk from `start`. With a Mamba "align" group, chunks end where vLLM's
-    scheduler lets them (a state is written at a chunk's end): on a Mamba block boundary,
-    at the prompt's partial-tail boundary (`tail_unit`: its hash unit), or at the end."""
-    end = req.num_tokens
-    align = case.get("mamba_block_size")
-    if not align:
-        return rng.randint(1, end - start)
-    next_boundary = start // align * align + align
-    # A chunk starting inside a block stops at the block's end (vLLM's invariant: the
-    # state block of a chunk's last token then holds exactly its end state).
-    last = min(next_boundary, end) if start % align else end
-    stops = [p for p in range(next_boundary, last, align)]
-    tail_unit = case.get("tail_unit")
-    if tail_unit:
-        if case.get("use_eagle"):
-            tail = req.num_prompt_tokens // tail_unit * tail_unit - tail_unit
-        else:
-            tail = (req.num_prompt_tokens - 1) // tail_unit * tail_unit
-        if start < tail < last:
-            stops.append(tail)
-    junction = getattr(req, "shared_prefix_boundary", 0)
-    if case.get("shared_prefix_checkpoint") and start < junction < last:
-        stops.append(junction)  # vLLM's scheduler stops there to checkpoint the junction
-    stops.append(last)
-    return rng.choice(sorted(set(stops))) - start
 
 
 def replay(backend: str, case: dict[str, Any]) -> list:

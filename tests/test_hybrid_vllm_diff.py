@@ -8,6 +8,7 @@ is absent. Every hit length and every block id returned or held must match.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -105,10 +106,13 @@ def test_random_hybrid_traces_match_vllm():
     assert num_hits > 50  # the traces exercise prefix hits, not just misses
 
 
-def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
+def mamba_cases(
+    n: int, seed: int, eagle_share: float = 0.4, sparse_retention: bool = False
+) -> list[dict]:
     """Full attention, sliding window and Mamba "align" mixes, mostly hashed finer than the
     Mamba block, so hits may end inside a block (partial hits, copy-on-write), with and
-    without prefill checkpoint blocks. Chunks end where
+    without prefill checkpoint blocks, with and without lookahead tokens; with `sparse_retention`, a
+    `prefix_cache_retention_interval` of 0, one or two scheduler blocks. Chunks end where
     vLLM's scheduler ends them for Mamba (`hybrid_trace._chunk`); every step is reported
     (`new_step_starts`) and its copies drained, as a synchronous engine does."""
     rng = random.Random(seed)
@@ -145,20 +149,38 @@ def mamba_cases(n: int, seed: int, eagle_share: float = 0.4) -> list[dict]:
                 "shared_prefix_checkpoint": eagle and rng.random() < 0.8,
                 # A backend exporting prefill checkpoints (a spare state block per chunk).
                 "checkpoint_alignment": rng.choice([None, hash_block_size, 2 * hash_block_size]),
+                # Lookahead slots: attention groups get them, Mamba "align" does not.
+                "lookahead": rng.choice([0, 0, 1, 3]),
             }
         )
+        if sparse_retention:
+            scheduler_block_size = math.lcm(*(block_size for _, block_size, _ in groups))
+            cases[-1]["retention"] = scheduler_block_size * rng.choice([0, 1, 2])
     return cases
 
 
 def test_random_mamba_align_traces_with_partial_hits_match_vllm():
-    cases = mamba_cases(24, seed=5) + mamba_cases(12, seed=6, eagle_share=1.0)
+    cases = mamba_cases(48, seed=5) + mamba_cases(24, seed=6, eagle_share=1.0)
     num_partial_hits = num_copies = 0
     for case, got in zip(cases, assert_traces_match(cases), strict=True):
         mamba_block_size = case["mamba_block_size"]
         num_partial_hits += sum(1 for e in got if e[0] == "hit" and e[2] % mamba_block_size)
         num_copies += sum(len(e[1]) for e in got if e[0] == "copies")
     # The traces exercise hits inside Mamba blocks and their copies.
-    assert num_partial_hits > 20 and num_copies > 40
+    assert num_partial_hits > 40 and num_copies > 80
+
+
+def test_random_mamba_align_traces_with_sparse_retention_match_vllm():
+    """Sparse retention over Mamba "align": with an interval of 0 a prefill checkpoint is
+    reserved only on the chunk reaching the prefill end; a state at the prompt's tail (or
+    a junction) on a block boundary is keyed even where the retention mask drops its
+    block."""
+    cases = mamba_cases(48, seed=15, sparse_retention=True)
+    num_thinned = 0
+    for case, got in zip(cases, assert_traces_match(cases), strict=True):
+        num_thinned += got != replay("jaxkv", dict(case, retention=None))
+    # In most traces retention changes what is cached (and so what later hits).
+    assert num_thinned > len(cases) // 3
 
 
 def test_long_rswa_traces_match_vllm():

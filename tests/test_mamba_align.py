@@ -369,3 +369,103 @@ def test_checkpoint_spec_fields_are_checked():
         MambaSpec(32, shapes=((2,),), dtypes=("float32",), num_prefill_checkpoint_blocks=-1)
     with pytest.raises(ValueError, match="prefill_checkpoint_alignment must be a positive int"):
         MambaSpec(32, shapes=((2,),), dtypes=("float32",), prefill_checkpoint_alignment=0)
+
+
+def retention_manager(retention: int | None, *specs, hash_block_size=16, **kwargs):
+    config = KVCacheConfig.from_groups(
+        [(s, (f"l{i}",)) for i, s in enumerate(specs)], 40, retention
+    )
+    return KVCacheManager(config, 256, hash_block_size=hash_block_size, **kwargs)
+
+
+@pytest.mark.parametrize("retention", [None, 0])
+def test_retention_zero_reserves_a_checkpoint_only_on_the_chunk_reaching_the_prefill_end(
+    retention: int | None,
+):
+    # vLLM 0.33: with `prefix_cache_retention_interval` 0 only the reachable states are
+    # kept, so a chunk short of the prefill's end exports no checkpoint and reserves no
+    # spare block; the chunk reaching it still does.
+    m = retention_manager(retention, full(32), mamba_with_checkpoints(16))
+    a = request("a", [*PREFIX, *PREFIX, 1])  # 97 tokens: prompt checkpoint 96
+    admit(m, a, 64 + 16)  # [0, 80): could export the state at 64 into Mamba block idx 1
+    mamba_table = m.get_block_ids("a")[1]
+    assert mamba_table[1] != 0 if retention is None else mamba_table[1] == 0
+    assert len(mamba_table) == 3 and mamba_table[0] == 0
+    m.free(a)
+    b = request("b", [*PREFIX, *PREFIX, 1])
+    blocks, num_hit, _ = m.get_computed_blocks(b)
+    assert num_hit == (64 if retention is None else 0)
+    m.free(b)
+    c = request("c", [(3 * i) % 7 for i in range(97)])  # no hit
+    assert admit(m, c, 64)[0] == 0
+    step(m, c, 33)  # [64, 97) reaches the prefill end: its checkpoint at 96 (idx 2)
+    table = m.get_block_ids("c")[1]
+    assert table[2] != 0 and m.block_pool.partial_entry_tokens(m.block_pool.blocks[table[2]]) == 96
+    m.free(c)
+    check_invariants(m)
+    assert m.block_pool.get_num_free_blocks() == 39
+
+
+def test_tail_state_on_a_block_boundary_is_kept_where_retention_drops_its_block():
+    # EAGLE, hash unit 4, Mamba block 8, retention 32: a 20-token prompt's tail state (16:
+    # one hash unit below its last boundary) ends Mamba block 1, which the mask drops (its
+    # segment ends at 32, the replay boundary is 8). vLLM 0.33 keys it anyway.
+    m = retention_manager(32, full(8), mamba(8), hash_block_size=4, use_eagle=True)
+    hasher = get_request_block_hasher(4, SHA)
+    a = Request("a", PREFIX[:20], block_hasher=hasher)
+    admit(m, a, 16)  # the scheduler stops at the tail
+    step(m, a, 4)
+    pool = m.block_pool
+    state_16 = pool.blocks[m.get_block_ids("a")[1][1]]
+    assert pool.partial_entry_tokens(state_16) == 16
+    m.free(a)
+    b = Request("b", [*PREFIX[:20], 3], block_hasher=hasher)
+    _, num_hit, _ = m.get_computed_blocks(b)
+    assert num_hit == 16  # EAGLE drops one unit of the 20 that match
+    check_invariants(m)
+
+
+def test_a_chunk_running_on_from_inside_a_block_leaves_that_block_uncached():
+    # b resumes at 4 (a copy of a's state there, in Mamba block 0) and one chunk exporting
+    # a checkpoint runs on to its prompt's end. Block 0 then still holds the state at 4:
+    # keyed as the state at 8 (vLLM 0.33 does so) it would resume a later request wrongly.
+    m = retention_manager(
+        None, full(8), mamba_with_checkpoints(4, bs=8), hash_block_size=4, use_eagle=True
+    )
+    hasher = get_request_block_hasher(4, SHA)
+    a = Request("a", PREFIX[:9], block_hasher=hasher)
+    admit(m, a, 4)  # the scheduler stops at the prompt's tail, 4 (EAGLE)
+    step(m, a, 4)
+    step(m, a, 1)
+    b = Request("b", [*PREFIX[:8], *[3] * 10], block_hasher=hasher)
+    assert admit(m, b)[0] == 4  # [4, 18): exports the state at 12 into Mamba block 1
+    drain(m)
+    pool = m.block_pool
+    cow_block, checkpoint, _ = (pool.blocks[i] for i in m.get_block_ids("b")[1])
+    assert cow_block.block_hash is None
+    assert pool.partial_entry_tokens(checkpoint) == 12
+    c = Request("c", [*PREFIX[:8], *[3] * 10, 1], block_hasher=hasher)
+    assert m.get_computed_blocks(c)[1] == 12  # from the checkpoint, not a stale 8
+    m.free(a)
+    m.free(b)
+    check_invariants(m)
+
+
+def test_lookahead_tokens_get_attention_slots_but_no_mamba_state_slot():
+    # vLLM 0.33: draft models have no Mamba layers, so a Mamba "align" group allocates for
+    # the main model's tokens only; attention groups hold the lookahead slots too.
+    m = manager_for(full(32), mamba(32))
+    a = request("a", PREFIX[:60])
+    new = m.allocate_slots(a, 60, num_lookahead_tokens=8)
+    assert new.get_block_ids() == ([1, 2, 3], [4])  # 68 attention slots; state at 60
+    assert m.get_block_ids("a") == ([1, 2, 3], [0, 4])
+    a.num_computed_tokens = 60
+    a.append_output_token_ids([1] * 4)
+    # 64 tokens end Mamba block 1 (the state stays there); attention already holds 96.
+    assert m.allocate_slots(a, 4, num_lookahead_tokens=8).get_block_ids() == ([], [])
+    a.num_computed_tokens = 64
+    a.append_output_token_ids([1])
+    assert m.allocate_slots(a, 1, num_lookahead_tokens=8).get_block_ids() == ([], [5])
+    assert m.get_block_ids("a") == ([1, 2, 3], [0, 4, 5])
+    m.free(a)
+    check_invariants(m)
