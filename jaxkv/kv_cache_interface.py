@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from jaxkv._checks import AssertedValueError, check_int
+from jaxkv._checks import AssertedValueError, check_bool, check_int
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -923,16 +923,23 @@ class KVCacheGroupSpec:
 
     `is_eagle_group`: the group belongs to an EAGLE/MTP drafter and gets the
     last-block drop. `host_resident`: the group's pages come from a separate
-    host pool (`KVCacheConfig.host_num_blocks`).
+    host pool (`KVCacheConfig.host_num_blocks`). `enable_kv_transfer`: the group
+    is part of the KV state a connector moves (vLLM 0.33's field; jaxkv has no
+    connector, the config's `transfer_*` views read it).
     """
 
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
     is_eagle_group: bool = False
     host_resident: bool = False
+    enable_kv_transfer: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        for name in ("is_eagle_group", "host_resident", "enable_kv_transfer"):
+            object.__setattr__(
+                self, name, check_bool(f"KVCacheGroupSpec.{name}", getattr(self, name))
+            )
 
 
 @dataclass(frozen=True)
@@ -1015,6 +1022,49 @@ class KVCacheConfig:
             if isinstance(s, AttentionSpec)
         }
         return len(dtypes) > 1
+
+    @property
+    def transfer_group_ids(self) -> tuple[int, ...]:
+        """Ids of the groups a KV connector transfers (`enable_kv_transfer`)."""
+        return tuple(i for i, g in enumerate(self.kv_cache_groups) if g.enable_kv_transfer)
+
+    @property
+    def transfer_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return tuple(self.kv_cache_groups[i] for i in self.transfer_group_ids)
+
+    @property
+    def transfer_group_index_by_layer(self) -> dict[str, int]:
+        """Layer name -> index of its group in `transfer_groups`."""
+        return {
+            name: index
+            for index, group in enumerate(self.transfer_groups)
+            for name in group.layer_names
+        }
+
+    @property
+    def prefix_cacheable_group_ids(self) -> tuple[int, ...]:
+        """Transferred groups whose blocks a hash-addressed store may keep (no scratch
+        state such as cross-attention or a circular buffer)."""
+        return tuple(
+            i
+            for i in self.transfer_group_ids
+            if self.kv_cache_groups[i].kv_cache_spec.prefix_cacheable
+        )
+
+    @property
+    def prefix_cacheable_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return tuple(self.kv_cache_groups[i] for i in self.prefix_cacheable_group_ids)
+
+    def select_transfer_block_ids(
+        self, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[Sequence[int], ...]:
+        """The entries of per-group `block_ids` that belong to transferred groups."""
+        if len(block_ids) != len(self.kv_cache_groups):
+            raise ValueError(
+                f"select_transfer_block_ids: expected block ids for {len(self.kv_cache_groups)} "
+                f"KV cache groups, got {len(block_ids)}"
+            )
+        return tuple(block_ids[i] for i in self.transfer_group_ids)
 
     @property
     def needs_kv_cache_zeroing(self) -> bool:

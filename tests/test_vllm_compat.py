@@ -18,6 +18,7 @@ from jaxkv import (
     BlockPool,
     BlockStored,
     CachingMetrics,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheBlock,
     KVCacheBlocks,
@@ -692,3 +693,27 @@ def test_attention_specs_are_dcp_sharded_by_default_as_in_vllm():
     assert resolve_dcp_kv_cache_spec(unsharded, 4) is unsharded
     # Without decode context parallelism (jaxkv's managers: dcp 1) nothing changes.
     assert manager_for(attn).coordinator.single_type_managers[0].block_size == 16
+
+
+def test_kv_cache_config_names_the_groups_a_connector_transfers():
+    # vLLM 0.33's `enable_kv_transfer` and the config's views over it, which KV connectors
+    # read: transferred groups, their per-layer index, their block ids, and the ones a
+    # hash-addressed store may keep (scratch state such as cross-attention excluded).
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
+    groups = [
+        KVCacheGroupSpec(["a"], spec),
+        KVCacheGroupSpec(["b"], spec, enable_kv_transfer=False),
+        KVCacheGroupSpec(["c", "d"], spec),
+        KVCacheGroupSpec(["x"], CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)),
+    ]
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert config.transfer_group_ids == (0, 2, 3)
+    assert config.transfer_groups == (groups[0], groups[2], groups[3])
+    assert config.transfer_group_index_by_layer == {"a": 0, "c": 1, "d": 1, "x": 2}
+    assert config.select_transfer_block_ids(([1], [2], [3, 4], [5])) == ([1], [3, 4], [5])
+    assert config.prefix_cacheable_group_ids == (0, 2)
+    assert config.prefix_cacheable_groups == (groups[0], groups[2])
+    with pytest.raises(ValueError, match="expected block ids for 4 KV cache groups, got 2"):
+        config.select_transfer_block_ids(([1], [2]))
+    with pytest.raises(TypeError, match="enable_kv_transfer must be a bool"):
+        KVCacheGroupSpec(["a"], spec, enable_kv_transfer=1)

@@ -131,6 +131,9 @@ def run_pytest(workdir: Path, python: str, target: str, junit: Path, extra: list
         "import sys; sys.path.append(sys.argv.pop(1)); import pytest; "
         "sys.exit(pytest.main(sys.argv[1:]))"
     )
+    # pytest runs in `workdir`: a relative interpreter path is taken from here, not there
+    # (abspath, not resolve: a venv's python is a symlink that must keep its venv).
+    python = os.path.abspath(python) if os.sep in python else shutil.which(python) or python
     cmd = [
         python,
         "-c",
