@@ -187,8 +187,11 @@ class KVCacheCoordinator:
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
         num_tokens_main_model: int | None = None,
+        num_local_computed_tokens: int | None = None,
     ) -> int:
         """Free blocks all groups together need; cross-attention takes the encoder length.
+        `total_computed_tokens`: hits plus KV-connector tokens; `num_local_computed_tokens`:
+        the hits alone (None: the same).
         `apply_admission_cap`: window groups count only what a request holds at once.
         `prefill_end`: where the request's prefill ends; with `retention_interval` 0 a
         Mamba group reserves a prefill checkpoint only on the chunk reaching it (ignored
@@ -207,13 +210,18 @@ class KVCacheCoordinator:
                     num_tokens,
                     new_computed_blocks[i],
                     total_computed_tokens,
+                    num_local_computed_tokens,
                     num_tokens_main_model=num_tokens_main_model,
                     apply_admission_cap=apply_admission_cap,
                     prefill_end=prefill_end,
                 )
             else:
                 total += manager.get_num_blocks_to_allocate(
-                    request_id, num_tokens, new_computed_blocks[i], total_computed_tokens
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_local_computed_tokens,
                 )
         return total
 
@@ -222,14 +230,30 @@ class KVCacheCoordinator:
         request_id: str,
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         num_local_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> None:
-        """Add the hits to a newly scheduled request, every group's before any new block.
+        """Add the hits, and blocks for the tokens a KV connector computed, to a newly
+        scheduled request, every group's hits before any new block.
 
         Two-phase: every group touches its hits before any group takes new
         blocks, so one group's allocation cannot evict another group's hit.
+        `skip_zeroing_group_ids`: groups whose external-token blocks the
+        connector's load writes (not reported for zeroing).
         """
-        for manager, hits in zip(self.single_type_managers, new_computed_blocks, strict=True):
-            manager.add_local_computed_blocks(request_id, hits, num_local_computed_tokens)
+        managers = self.single_type_managers
+        for manager, hits in zip(managers, new_computed_blocks, strict=True):
+            manager.add_local_computed_blocks(
+                request_id, hits, num_local_computed_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens:
+            for group_id, manager in enumerate(managers):
+                manager.allocate_external_computed_blocks(
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    group_id not in skip_zeroing_group_ids,
+                )
 
     def allocate_new_blocks(
         self,

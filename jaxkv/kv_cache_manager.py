@@ -438,7 +438,12 @@ class KVCacheManager:
         `delay_cache_blocks`. `full_sequence_must_fit` admits only when the
         whole request fits; `reserved_blocks` stay free for others.
         `num_encoder_tokens` sizes cross-attention groups (encoder-decoder
-        models). `num_external_computed_tokens` (KV connector) must be 0.
+        models). `num_external_computed_tokens`: tokens after the hits whose KV a
+        KV connector supplies (a request's first allocation only, no Mamba group):
+        they get blocks inside each group's window before the new tokens do, count
+        as computed, and are cached like computed tokens; `num_new_tokens` may then
+        be 0 (an async load), and `skip_zeroing_group_ids` names the groups whose
+        external-token blocks the load writes (not reported for zeroing).
 
         Hybrid models: blocks a sliding-window, chunked-local or Mamba group no
         longer reads are released first (as vLLM does), even when the
@@ -481,6 +486,7 @@ class KVCacheManager:
                 num_external_computed_tokens,
                 num_encoder_tokens,
                 reserved_blocks,
+                skip_zeroing_group_ids,
             )
         # Every other step. A request is checked at its first allocation (one with a
         # `state` holds blocks under exactly this object, and was checked then).
@@ -506,11 +512,13 @@ class KVCacheManager:
         )
         max_model_len = self.max_model_len
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens = num_computed_tokens + num_new_tokens
+        # Local hits plus the tokens a KV connector computed (0 but at a first allocation).
+        total_computed_tokens = num_computed_tokens + num_external_computed_tokens
+        num_tokens = total_computed_tokens + num_new_tokens
         if num_tokens > max_model_len:
             raise ValueError(
-                f"request {request_id!r}: {num_computed_tokens} computed + {num_new_tokens} new "
-                f"tokens exceed max_model_len={max_model_len}"
+                f"request {request_id!r}: {total_computed_tokens} computed + {num_new_tokens} "
+                f"new tokens exceed max_model_len={max_model_len}"
             )
         num_tokens_to_cache = request.num_tokens
         if num_tokens < num_tokens_to_cache:  # never unverified (speculative) tokens
@@ -539,9 +547,10 @@ class KVCacheManager:
                 num_full,
                 hits_or_none,
                 num_encoder_tokens,
-                num_computed_tokens,
+                total_computed_tokens,
                 apply_admission_cap=True,
                 prefill_end=prefill_end,
+                num_local_computed_tokens=num_computed_tokens,
             )
             if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
                 return None
@@ -556,7 +565,7 @@ class KVCacheManager:
             # released even when the allocation then fails (they are never read again).
             # Below `state[2]` no group would release one.
             coordinator.remove_skipped_blocks(
-                request_id, num_computed_tokens, request.num_prompt_tokens
+                request_id, total_computed_tokens, request.num_prompt_tokens
             )
         sole = self._sole_manager
         num_blocks_to_allocate = -1  # not known yet
@@ -575,7 +584,11 @@ class KVCacheManager:
             pass
         elif sole is not None:
             num_blocks_to_allocate = sole.get_num_blocks_to_allocate(
-                request_id, num_tokens_need_slot, hits_or_none[0], num_computed_tokens
+                request_id,
+                num_tokens_need_slot,
+                hits_or_none[0],
+                total_computed_tokens,
+                num_computed_tokens,
             )
         else:
             num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
@@ -583,15 +596,22 @@ class KVCacheManager:
                 num_tokens_need_slot,
                 hits_or_none,
                 num_encoder_tokens,
-                num_computed_tokens,
+                total_computed_tokens,
                 prefill_end=prefill_end,
                 num_tokens_main_model=num_tokens_main_model,
+                num_local_computed_tokens=num_computed_tokens,
             )
         if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
             return None
-        if hit_blocks is not None:
+        if hit_blocks is not None or num_external_computed_tokens:
             # Two-phase: every group takes its hits before any group takes new blocks.
-            coordinator.allocate_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
+            coordinator.allocate_new_computed_blocks(
+                request_id,
+                hits_or_none,
+                num_computed_tokens,
+                num_external_computed_tokens,
+                skip_zeroing_group_ids,
+            )
         # Nothing to allocate in any group (most decode steps): skip the per-group calls.
         if not num_blocks_to_allocate:
             new_blocks = None
@@ -624,6 +644,7 @@ class KVCacheManager:
         num_external_computed_tokens: int,
         num_encoder_tokens: int,
         reserved_blocks: int,
+        skip_zeroing_group_ids: Sequence[int],
     ) -> None:
         rid = request.request_id
         check_int("num_new_tokens", num_new_tokens)
@@ -631,15 +652,44 @@ class KVCacheManager:
         check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
         check_int("reserved_blocks", reserved_blocks, min_value=0)
         check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
-        if num_new_tokens <= 0:
+        num_external = check_int(
+            "num_external_computed_tokens", num_external_computed_tokens, min_value=0
+        )
+        # An async KV-connector load may adopt its tokens in a step computing none.
+        if num_new_tokens < 0 or (num_new_tokens == 0 and not num_external):
             raise ValueError(
-                f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), "
-                f"got {num_new_tokens}"
+                f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), or 0 "
+                f"with num_external_computed_tokens > 0; got {num_new_tokens}"
             )
-        if check_int("num_external_computed_tokens", num_external_computed_tokens, min_value=0):
+        if num_external:
+            self._check_external_tokens(request, skip_zeroing_group_ids)
+
+    def _check_external_tokens(self, request: Request, skip_zeroing_group_ids: object) -> None:
+        """Tokens a KV connector computed come with a request's first allocation, for
+        attention and scratch groups (a Mamba state loaded from outside is not handled)."""
+        rid = request.request_id
+        try:
+            holds = rid in self._running or self.coordinator.holds_blocks(rid)
+        except TypeError:  # an unhashable id: refused with its own message later
+            holds = False
+        if holds:
             raise ValueError(
-                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
-                "by jaxkv (no KV connector); it must be 0"
+                f"request {rid!r} already holds blocks; num_external_computed_tokens (KV "
+                "connector) can only be given at a request's first allocation"
+            )
+        for group_id, manager in enumerate(self.coordinator.single_type_managers):
+            if isinstance(manager, MambaManager):
+                raise ValueError(
+                    f"num_external_computed_tokens with a Mamba group (group {group_id}) is not "
+                    "supported by jaxkv: a connector's Mamba state is not handled; give 0"
+                )
+        if not isinstance(skip_zeroing_group_ids, (tuple, list, set, frozenset)) or any(
+            type(g) is not int or not 0 <= g < self.num_kv_cache_groups
+            for g in skip_zeroing_group_ids
+        ):
+            raise ValueError(
+                f"skip_zeroing_group_ids must be KV cache group ids in "
+                f"[0, {self.num_kv_cache_groups}), got {skip_zeroing_group_ids!r}"
             )
 
     def _check_hits(

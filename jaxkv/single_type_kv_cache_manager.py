@@ -164,7 +164,7 @@ class SingleTypeKVCacheManager:
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int = 0,
-        num_local_computed_tokens: int = 0,
+        num_local_computed_tokens: int | None = None,
         num_tokens_main_model: int | None = None,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
@@ -172,12 +172,13 @@ class SingleTypeKVCacheManager:
         """Free blocks needed to give the request `num_tokens` slots.
 
         Hits that sit in the free queue count (touching them takes them out of
-        it); hits wholly outside the attention window do not (they become the
-        null block). `apply_admission_cap` (admitting a whole request): a group
-        that releases blocks as the request advances needs at most
-        `max_admission_blocks_per_request` at once. vLLM 0.33's arguments;
-        `num_local_computed_tokens`, `num_tokens_main_model` and `prefill_end`
-        change nothing here.
+        it); hits wholly outside the window that ends after `total_computed_tokens`
+        (hits plus KV-connector tokens) do not (they become the null block). A hit
+        ending inside a block (`num_local_computed_tokens`, None: the total) needs
+        one more for its private copy. `apply_admission_cap` (admitting a whole
+        request): a group that releases blocks as the request advances needs at
+        most `max_admission_blocks_per_request` at once. vLLM 0.33's arguments;
+        `num_tokens_main_model` and `prefill_end` change nothing here.
         """
         num_required = -(-num_tokens // self.block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
@@ -193,7 +194,9 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks[start:]:
             if block.ref_cnt == 0 and not block.is_null:
                 num_new += 1
-        if new_computed_blocks and total_computed_tokens % self.block_size:
+        if num_local_computed_tokens is None:
+            num_local_computed_tokens = total_computed_tokens
+        if new_computed_blocks and num_local_computed_tokens % self.block_size:
             num_new += 1  # the private copy of a partial hit's shared tail block
         return num_new
 
@@ -206,20 +209,18 @@ class SingleTypeKVCacheManager:
     ) -> None:
         """Start the request's table with its hits (first scheduling only).
 
-        Hits wholly outside the window are not touched: their slots are null.
-        KV connectors are not supported: `num_external_computed_tokens` must be 0.
+        Hits wholly outside the window that ends after the local and external
+        (KV-connector) computed tokens are not touched: their slots are null.
         """
-        if num_external_computed_tokens:
-            raise ValueError(
-                f"num_external_computed_tokens={num_external_computed_tokens} is not supported "
-                "(no KV connector; 0 only)"
-            )
         if self.req_to_blocks.get(request_id):
             raise ValueError(
                 f"request {request_id!r} already holds blocks; cache hits can only be "
                 "added when a request is first scheduled"
             )
-        num_skipped = self.get_num_skipped_tokens(num_local_computed_tokens) // self.block_size
+        num_skipped = (
+            self.get_num_skipped_tokens(num_local_computed_tokens + num_external_computed_tokens)
+            // self.block_size
+        )
         kept = list(new_computed_blocks[num_skipped:])
         if kept:
             self.block_pool.touch_checked((kept,))
@@ -238,6 +239,38 @@ class SingleTypeKVCacheManager:
                 num_nulls += 1  # a hit's own leading nulls (the blocks before its run)
             if num_nulls:
                 self._num_null_prefix[request_id] = num_nulls
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        """Blocks for the tokens a KV connector computed, after the local hits (vLLM 0.33).
+
+        Runs after every group's `add_local_computed_blocks`, so no group's new blocks can
+        evict another group's hits. Only the external tokens inside the attention window
+        get blocks; `record_for_zeroing` False: the connector's load writes them, so they
+        are not reported for zeroing.
+        """
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped = self.get_num_skipped_tokens(num_total)
+        if num_skipped > 0:
+            num_external_computed_tokens = min(
+                num_total - num_skipped, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        self.num_cached_block.setdefault(request_id, 0)
+        num_new = -(-num_total // self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids.extend(block.block_id for block in new_blocks)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
@@ -1084,7 +1117,7 @@ class MambaManager(SingleTypeKVCacheManager):
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int = 0,
-        num_local_computed_tokens: int = 0,
+        num_local_computed_tokens: int | None = None,
         num_tokens_main_model: int | None = None,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
@@ -1548,6 +1581,17 @@ class _ScratchManager(SingleTypeKVCacheManager):
     ) -> None:
         return
 
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        """Nothing: a connector loads no scratch blocks (the ring is claimed as a request's
+        first allocation claims it)."""
+        return
+
     def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
         return _NEVER, _NEVER, _NEVER
 
@@ -1593,7 +1637,7 @@ class CircularBufferManager(_ScratchManager):
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int = 0,
-        num_local_computed_tokens: int = 0,
+        num_local_computed_tokens: int | None = None,
         num_tokens_main_model: int | None = None,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
@@ -1609,6 +1653,17 @@ class CircularBufferManager(_ScratchManager):
         self.req_to_blocks[request_id] = list(ring)
         self.num_cached_block.setdefault(request_id, 0)
         return ring
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        """The ring is claimed here when a connector loads computed tokens (vLLM 0.33's
+        order: before any group's new blocks)."""
+        self.allocate_new_blocks(request_id, 0)
 
     def get_num_common_prefix_blocks(
         self, running_request_id: str, num_running_requests: int = 0

@@ -264,13 +264,17 @@ def replay(backend: str, case: dict[str, Any]) -> list:
                     [list(g) for g in blocks.get_block_ids()],
                 )
             )
-            chunk = _chunk(rng, case, req, num_hit)
+            # Tokens after the hit whose KV a connector supplies (`external` cases only).
+            external = 0
+            if case.get("external") and rng.random() < 0.6:
+                external = rng.randrange(req.num_tokens - num_hit)
+            chunk = _chunk(rng, case, req, num_hit + external)
             if chunk == 0:
                 continue  # not admitted this step
-            new = manager.allocate_slots(req, chunk, num_hit, blocks)
-            log.append(("admit", req.request_id, _new_ids(new)))
+            new = manager.allocate_slots(req, chunk, num_hit, blocks, 0, external)
+            log.append(("admit", req.request_id, external, _new_ids(new)))
             if new is not None:
-                req.num_computed_tokens = num_hit + chunk
+                req.num_computed_tokens = num_hit + external + chunk
                 running.append(waiting.pop(0))
         elif action < 0.85 and running:
             req = running[rng.randrange(len(running))]

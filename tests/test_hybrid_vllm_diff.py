@@ -106,6 +106,18 @@ def test_random_hybrid_traces_match_vllm():
     assert num_hits > 50  # the traces exercise prefix hits, not just misses
 
 
+def test_random_traces_with_kv_connector_tokens_match_vllm():
+    """Admissions whose tokens after the hit come partly from a KV connector
+    (`num_external_computed_tokens`): the blocks each group gets for them (only inside
+    its window), the new blocks after them, what is cached and the free queue all match
+    vLLM 0.33's two-phase allocation."""
+    cases = [dict(case, external=True) for case in random_cases(40, seed=21)]
+    num_external = 0
+    for got in assert_traces_match(cases):
+        num_external += sum(1 for e in got if e[0] == "admit" and e[2] and e[3] is not None)
+    assert num_external > 100  # admitted with connector tokens, across the mixes
+
+
 def mamba_cases(
     n: int, seed: int, eagle_share: float = 0.4, sparse_retention: bool = False
 ) -> list[dict]:

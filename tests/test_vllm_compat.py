@@ -316,12 +316,18 @@ def test_new_attention_block_ids_are_recorded_for_zeroing():
     assert not mamba.records_new_block_ids  # a state block is not attention KV
 
 
-def test_external_computed_tokens_are_refused_by_the_managers():
-    pool = BlockPool(8, enable_caching=True, hash_block_size=2)
-    manager = FullAttentionManager(full(bs=2), pool, True, 0)
-    with pytest.raises(ValueError, match="num_external_computed_tokens"):
-        manager.add_local_computed_blocks("r", [], 0, num_external_computed_tokens=2)
-    assert "r" not in manager.req_to_blocks
+def test_single_type_managers_take_connector_tokens_in_vllms_form():
+    # vLLM 0.33's `allocate_external_computed_blocks(request_id, num_local, num_external)`:
+    # blocks up to the connector's tokens, none when the request already holds more (a
+    # speculative allocation may have), so the free count never goes up.
+    pool = BlockPool(10, enable_caching=False, hash_block_size=4)
+    manager = FullAttentionManager(full(bs=4), pool, False, 0)
+    manager.allocate_new_blocks("r", 12)
+    num_free = pool.get_num_free_blocks()
+    manager.allocate_external_computed_blocks("r", 0, 4)
+    assert pool.get_num_free_blocks() == num_free and len(manager.req_to_blocks["r"]) == 3
+    manager.allocate_external_computed_blocks("r", 4, 16)
+    assert pool.get_num_free_blocks() == num_free - 2 and len(manager.req_to_blocks["r"]) == 5
 
 
 # -- Mamba states written in the current step ----------------------------------------
