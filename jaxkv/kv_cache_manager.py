@@ -662,12 +662,26 @@ class KVCacheManager:
                 f"with num_external_computed_tokens > 0; got {num_new_tokens}"
             )
         if num_external:
-            self._check_external_tokens(request, skip_zeroing_group_ids)
+            num_local = request.num_computed_tokens + num_new_computed_tokens
+            self._check_external_tokens(request, num_local, num_external, skip_zeroing_group_ids)
 
-    def _check_external_tokens(self, request: Request, skip_zeroing_group_ids: object) -> None:
-        """Tokens a KV connector computed come with a request's first allocation, for
-        attention and scratch groups (a Mamba state loaded from outside is not handled)."""
+    def _check_external_tokens(
+        self,
+        request: Request,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        skip_zeroing_group_ids: object,
+    ) -> None:
+        """Tokens a KV connector computed come with a request's first allocation, are
+        tokens of the request, and are for attention and scratch groups (a Mamba state
+        loaded from outside is not handled)."""
         rid = request.request_id
+        if num_local_computed_tokens + num_external_computed_tokens > request.num_tokens:
+            raise ValueError(
+                f"request {rid!r}: num_external_computed_tokens={num_external_computed_tokens} "
+                f"after {num_local_computed_tokens} computed tokens passes its "
+                f"{request.num_tokens} tokens"
+            )
         try:
             holds = rid in self._running or self.coordinator.holds_blocks(rid)
         except TypeError:  # an unhashable id: refused with its own message later

@@ -176,7 +176,7 @@ MANAGER_ALLOC = {
     "num_new_tokens": bad_int(1),
     "num_new_computed_tokens": bad_int(0),
     "num_lookahead_tokens": bad_int(0),
-    "num_external_computed_tokens": bad_int(0, 0),
+    "num_external_computed_tokens": bad_int(0, 0),  # a running request: none (see admission)
     "num_encoder_tokens": bad_int(0),  # sizes cross-attention groups; ignored without one
     "reserved_blocks": bad_int(0),
     "request": NOT_REQUEST,
@@ -222,6 +222,8 @@ CASES: dict[str, Case] = {
         good=lambda o: {"request": o[2], "num_new_tokens": 9},
         bad={
             **MANAGER_ALLOC,
+            # A KV connector's tokens are tokens of the request (9 here).
+            "num_external_computed_tokens": bad_int(0, 9),
             "new_computed_blocks": st.one_of(
                 st.just(KVCacheBlocks(([KVCacheBlock(1), KVCacheBlock(2)],))),
                 st.integers(),

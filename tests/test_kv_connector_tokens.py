@@ -95,6 +95,10 @@ def test_connector_tokens_after_a_local_hit_and_an_async_load():
             dict(num_external_computed_tokens=4, skip_zeroing_group_ids=(2,)),
             r"skip_zeroing_group_ids must be KV cache group ids in \[0, 2\)",
         ),
+        (
+            dict(num_external_computed_tokens=13),
+            "num_external_computed_tokens=13 after 0 computed tokens passes its 12 tokens",
+        ),
     ],
 )
 def test_bad_connector_arguments_are_refused_and_change_nothing(kwargs, message):
