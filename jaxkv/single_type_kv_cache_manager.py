@@ -265,12 +265,19 @@ class SingleTypeKVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         self.num_cached_block.setdefault(request_id, 0)
         num_new = -(-num_total // self.block_size) - len(req_blocks)
-        if num_new <= 0:
-            return
+        if num_new > 0:
+            self._append_new_blocks(req_blocks, num_new, record_for_zeroing)
+
+    def _append_new_blocks(
+        self, req_blocks: list[KVCacheBlock], num_new: int, record_for_zeroing: bool = True
+    ) -> list[KVCacheBlock]:
+        """`num_new` blocks from the pool, appended to `req_blocks` (and reported for
+        zeroing when this group records new ids)."""
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
         if self._record_new_block_ids and record_for_zeroing:
             self.new_block_ids.extend(block.block_id for block in new_blocks)
+        return new_blocks
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
@@ -285,10 +292,7 @@ class SingleTypeKVCacheManager:
         num_new = -(-num_tokens // self.block_size) - len(req_blocks)
         if num_new <= 0:
             return cow_blocks
-        new_blocks = self.block_pool.get_new_blocks(num_new)
-        req_blocks.extend(new_blocks)
-        if self._record_new_block_ids:
-            self.new_block_ids.extend(block.block_id for block in new_blocks)
+        new_blocks = self._append_new_blocks(req_blocks, num_new)
         return cow_blocks + new_blocks if cow_blocks else new_blocks
 
     def _redirect_partial_hit(self, request_id: str) -> list[KVCacheBlock]:

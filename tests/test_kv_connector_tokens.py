@@ -68,7 +68,7 @@ def test_connector_tokens_after_a_local_hit_and_an_async_load():
     first = request("first", range(9))
     m.allocate_slots(first, 9)
     first.num_computed_tokens = 9
-    m.free(first)  # blocks 1, 2 (full) and 5, 6 (window, the others null or partial)
+    m.free(first)  # its two full blocks stay cached in each group: 1, 2 and 4, 5
     a = request("a", range(24))
     hits, num_hit, _ = m.get_computed_blocks(a)
     assert num_hit == 8
