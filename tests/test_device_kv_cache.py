@@ -71,8 +71,9 @@ def test_bf16_storage_keeps_bits_and_defaults_to_uint16_on_cpu() -> None:
     np.testing.assert_array_equal(stored[1::2], -np.asarray(k)[0])
 
 
-def test_bf16_bits_input_writes_the_same_cache_without_a_temporary() -> None:
-    """K/V handed over as stored bits land exactly like bf16 K/V, with no K/V-sized temp."""
+def test_bf16_bits_input_writes_the_same_cache_with_token_sized_temporaries() -> None:
+    """K/V handed over as stored bits land exactly like bf16 K/V; either way the write's
+    temporaries are a few times the step's K/V bytes, never the cache's."""
     cache = _cache("bfloat16", num_blocks=512)
     rng = np.random.default_rng()
     k, v = (jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.bfloat16) for _ in range(2))
@@ -87,7 +88,7 @@ def test_bf16_bits_input_writes_the_same_cache_without_a_temporary() -> None:
     payload = 2 * 64 * 2 * 8 * 2  # K and V bytes of 64 tokens
     temp_bf16 = cache.lower_write_kv(64).compile().memory_analysis().temp_size_in_bytes
     temp_bits = cache.lower_write_kv(64, "uint16").compile().memory_analysis().temp_size_in_bytes
-    assert temp_bits < payload // 2 and temp_bf16 >= payload, (temp_bits, temp_bf16)
+    assert temp_bits <= 2 * payload and temp_bf16 <= 2 * payload, (temp_bits, temp_bf16)
 
 
 def test_allocate_creates_sharded_zeroed_layers() -> None:
@@ -186,17 +187,36 @@ def test_copy_blocks_all_copies_every_layer_and_drops_padding(dtype: str) -> Non
     cache = _cache(dtype)
     models = [rng.standard_normal(cache.shape).astype(cache.dtype) for _ in range(3)]
     kvs = [jax.device_put(m.view(cache.storage_dtype), cache.sharding) for m in models]
-    # Chained pairs: every read happens before any write (5 gets 3's old contents).
-    src, dst = [3, 7, 9, 0], [5, 3, 11, cache.num_blocks]  # the last entry is padding
+    src, dst = [3, 7, 9, 0], [5, 4, 11, cache.num_blocks]  # the last entry is padding
     new = cache.copy_blocks_all(kvs, src, dst, allow_padding=True)
     assert all(kv.is_deleted() for kv in kvs), "the input caches must be donated"
     for model, kv in zip(models, new, strict=True):
         want = model.copy()
-        want[[5, 3, 11]] = model[[3, 7, 9]]
+        want[[5, 4, 11]] = model[[3, 7, 9]]
         assert np.asarray(kv).dtype == cache.storage_dtype  # bf16 stays uint16 on CPU
         np.testing.assert_array_equal(_as_compute(cache, kv), want)
     with pytest.raises(ValueError, match=r"dst block id value 24"):
         cache.copy_blocks_all(new, [1], [cache.num_blocks])  # padding only when allowed
     with pytest.raises(ValueError, match=r"dst block id 5 appears more than once"):
         cache.copy_blocks_all(new, [1, 2], [5, 5], allow_padding=True)
+    with pytest.raises(ValueError, match=r"block 3 is both a copy source and a destination"):
+        cache.copy_blocks_all(new, [3, 7], [5, 3])  # a chain: its order would matter
     assert cache.copy_blocks_all(new, [], []) == new
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copies_and_zeroing_of_many_blocks_run_in_chunks_like_one_scatter(dtype: str) -> None:
+    """More ids than one chunk (`_IDS_PER_CHUNK`): the chunked loop copies and zeroes
+    exactly what one scatter would, padding included."""
+    rng = np.random.default_rng(5)
+    cache = _cache(dtype, num_blocks=400)
+    model = rng.standard_normal(cache.shape).astype(cache.dtype)
+    (kv,) = [jax.device_put(model.view(cache.storage_dtype), cache.sharding)]
+    blocks = rng.permutation(np.arange(1, cache.num_blocks))
+    src, dst = blocks[:150], blocks[150:300]
+    (kv,) = cache.copy_blocks_all([kv], src, dst)
+    model[dst] = model[src]
+    zero = blocks[200:330]
+    kv = cache.zero_blocks(kv, zero)
+    model[zero] = 0
+    np.testing.assert_array_equal(_as_compute(cache, kv), model)

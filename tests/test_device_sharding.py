@@ -78,8 +78,9 @@ def run_layout(
         qs.append(qp)
         ks.append(np.concatenate([k, pad]))
         vs.append(np.concatenate([v, pad]))
-    src = np.concatenate([rng.permutation(np.arange(1, num_blocks))[:3] for _ in range(dp)])
-    dst = np.concatenate([rng.permutation(np.arange(1, num_blocks))[:3] for _ in range(dp)])
+    pairs = [rng.permutation(np.arange(1, num_blocks))[:6] for _ in range(dp)]  # disjoint
+    src = np.concatenate([p[:3] for p in pairs])
+    dst = np.concatenate([p[3:] for p in pairs])
     zero = np.concatenate([rng.permutation(np.arange(num_blocks))[:2] for _ in range(dp)])
 
     initial = np.concatenate([np.asarray(c.kv) for c in cases])

@@ -362,15 +362,19 @@ def _blockwise(
     keys_per_chunk = pages_per_chunk * block_size
     padded_width = -(-width // pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    cache5 = kv_cache.reshape(num_blocks, block_size, combined // 2, 2, kv_cache.shape[-1])
     key_offsets = jnp.arange(keys_per_chunk, dtype=jnp.int32)
 
     def load(pages: jax.Array, lane: int) -> jax.Array:
-        """K (lane 0) or V (lane 1) of `pages [..., P]` as `[..., keys, heads, D]`."""
+        """K (lane 0) or V (lane 1) of `pages [..., P]` as `[..., keys, heads, D]`.
+
+        The gather reads the cache in its own 4-D shape (see `PagedKVCache`'s write):
+        only the gathered pages are reshaped.
+        """
         if kv_head is None:
-            x = cache5[pages, :, :, lane, :]
+            x = kv_cache[pages]  # [..., P, bs, 2H, D]
+            x = x.reshape(*x.shape[:-2], combined // 2, 2, x.shape[-1])[..., lane, :]
         else:
-            x = cache5[pages, :, kv_head, lane, :][..., None, :]
+            x = kv_cache[pages, :, 2 * kv_head + lane, :][..., None, :]
         x = dequantize(x, kv_quant, acc) if kv_quant else from_storage(x, compute).astype(acc)
         return x.reshape(*pages.shape[:-1], keys_per_chunk, heads, head_size)
 

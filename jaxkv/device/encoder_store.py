@@ -313,6 +313,15 @@ class EncoderCacheStore:
         padded_pages = pad_to_bucket(pages, bucket, self.num_pages)
         return self._write(cache, padded_pages, self._pad_rows(embeds, bucket * self.page_size))
 
+    def lower_write(self, num_pages: int = 1) -> tuple[jax.stages.Lowered, jax.ShapeDtypeStruct]:
+        """The lowered `write` program for an item of `num_pages` pages, and the store
+        buffer it donates (as an abstract value)."""
+        bucket = _bucket(check_int("num_pages", num_pages))
+        store = jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding)
+        pages = jax.ShapeDtypeStruct((bucket,), np.int32)
+        rows = jax.ShapeDtypeStruct((bucket * self.page_size, self.hidden_size), self.dtype)
+        return self._write.lower(store, pages, rows), store
+
     @staticmethod
     def _pad_rows(embeds: jax.Array | np.ndarray, rows: int) -> jax.Array | np.ndarray:
         """`embeds` with zero rows appended up to `rows`, without a program per item size."""

@@ -81,24 +81,60 @@ _UNSERVED_MASKS = {
 def _write_local(
     kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage, kv_quant=None
 ):
+    """Scatter the step's K/V rows into `kv`, addressed in the cache's own 4-D shape.
+
+    Every program that touches the cache indexes it as `[blocks, block_size, 2H, D]`:
+    an update written through one reshape of the buffer and read through another makes
+    XLA materialise the buffer in both shapes, a copy of the whole cache per step.
+    K and V go straight into their lanes (combined heads `2h` and `2h+1`): no interleaved
+    temporary of the step's K/V.
+    """
     nb, bs, combined, d = kv.shape
 
     def stored(x):
         return quantize(x, kv_quant) if kv_quant else to_storage(x, compute, storage)
 
-    # Two scatters straight into the K and V lanes: no interleaved temporary.
-    flat = kv.reshape(nb * bs, combined // 2, 2, d)
-    flat = flat.at[slots, :, 0].set(stored(k), mode="drop")
-    flat = flat.at[slots, :, 1].set(stored(v), mode="drop")
-    return flat.reshape(kv.shape)
+    # The padding slot `nb * bs` lands on block `nb`: out of range, dropped.
+    blocks, offsets = (slots // bs)[:, None], (slots % bs)[:, None]
+    k_lanes = 2 * jnp.arange(combined // 2, dtype=slots.dtype)[None, :]
+    kv = kv.at[blocks, offsets, k_lanes].set(stored(k), mode="drop")
+    return kv.at[blocks, offsets, k_lanes + 1].set(stored(v), mode="drop")
+
+
+# Block copies and zeroing run over their ids this many at a time, so a call's
+# temporaries are one chunk of blocks however many ids it takes (a bucket may hold as
+# many ids as the pool has blocks: one scatter would materialise a cache-sized update).
+_IDS_PER_CHUNK = 64
+
+
+def _in_chunks(update, kv: jax.Array, ids: Sequence[jax.Array], fills: Sequence[int]):
+    """`update(kv, *ids)` over `_IDS_PER_CHUNK` ids at a time (padding with `fills`)."""
+    n = ids[0].shape[0]
+    if n <= _IDS_PER_CHUNK:
+        return update(kv, *ids)
+    chunks = -(-n // _IDS_PER_CHUNK)
+    padded = [
+        jnp.pad(x, (0, chunks * _IDS_PER_CHUNK - n), constant_values=fill).reshape(chunks, -1)
+        for x, fill in zip(ids, fills, strict=True)
+    ]
+    return jax.lax.fori_loop(0, chunks, lambda i, kv: update(kv, *(x[i] for x in padded)), kv)
 
 
 def _copy_local(kv: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    return kv.at[dst].set(kv[src], mode="drop")
+    """Block `src[i]` onto `dst[i]`; sources and destinations are disjoint (checked on the
+    host), so the chunk order cannot matter. Destination `num_blocks` pads (dropped)."""
+
+    def copy(kv, src, dst):
+        return kv.at[dst].set(kv[src], mode="drop")
+
+    return _in_chunks(copy, kv, (src, dst), (0, kv.shape[0]))
 
 
 def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
-    return kv.at[ids].set(jnp.zeros((), kv.dtype), mode="drop")
+    def zero(kv, ids):
+        return kv.at[ids].set(jnp.zeros((), kv.dtype), mode="drop")
+
+    return _in_chunks(zero, kv, (ids,), (kv.shape[0],))
 
 
 def _read_local(
@@ -346,7 +382,8 @@ class PagedKVCache:
     def copy_blocks(
         self, kv: jax.Array, src: np.ndarray | Sequence[int], dst: np.ndarray | Sequence[int]
     ) -> jax.Array:
-        """Copy block `src[i]` onto block `dst[i]` (all reads before any write; donates `kv`)."""
+        """Copy block `src[i]` onto block `dst[i]` (sources and destinations disjoint;
+        donates `kv`)."""
         self._check_cache(kv)
         padded = self._copy_ids(src, dst)
         if padded is None:
@@ -390,6 +427,15 @@ class PagedKVCache:
         if src_ids.shape != dst_ids.shape:
             raise ValueError(f"src has {src_ids.size} ids but dst has {dst_ids.size}")
         self._check_unique("dst block id", dst_ids, skip=dst_pad)
+        for rank, (s_row, d_row) in enumerate(
+            zip(src_ids.reshape(self.dp_size, -1), dst_ids.reshape(self.dp_size, -1), strict=True)
+        ):
+            both = np.intersect1d(s_row[d_row != dst_pad], d_row[d_row != dst_pad])
+            if both.size:
+                raise ValueError(
+                    f"block {int(both[0])} is both a copy source and a destination (data rank "
+                    f"{rank}); sources and destinations of one call must be disjoint"
+                )
         if src_ids.size == 0:
             return None
         # A positive out-of-range destination pads (a negative index would wrap).
@@ -423,20 +469,42 @@ class PagedKVCache:
         self, local_fn, kvs: list[jax.Array], padded_ids: Sequence[np.ndarray]
     ) -> list[jax.Array]:
         """`local_fn(kv, *ids)` on every layer's cache in one jitted, donating call."""
-        key = (local_fn, len(kvs))
+        fn = self._all_layers_fn(local_fn, len(kvs), len(padded_ids))
+        return list(fn(tuple(kvs), *(self.put(ids, self._rank_spec) for ids in padded_ids)))
+
+    def _all_layers_fn(self, local_fn, num_layers: int, num_id_args: int):
+        key = (local_fn, num_layers)
         fn = self._all_layer_fns.get(key)
         if fn is None:
             spec = self.layout.cache_spec
             per_layer = jax.shard_map(
-                local_fn, mesh=self.mesh, in_specs=(spec,) + (self._rank_spec,) * len(padded_ids),
+                local_fn, mesh=self.mesh, in_specs=(spec,) + (self._rank_spec,) * num_id_args,
                 out_specs=spec, check_vma=False,
             )  # fmt: skip
             fn = self._all_layer_fns[key] = jax.jit(
                 lambda kvs, *ids: tuple(per_layer(kv, *ids) for kv in kvs),
                 donate_argnums=0,
-                out_shardings=(self.sharding,) * len(kvs),
+                out_shardings=(self.sharding,) * num_layers,
             )
-        return list(fn(tuple(kvs), *(self.put(ids, self._rank_spec) for ids in padded_ids)))
+        return fn
+
+    def cache_struct(self) -> jax.ShapeDtypeStruct:
+        """One layer's cache as an abstract value (shape, storage dtype, sharding)."""
+        return jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding)
+
+    def lower_blocks_all(
+        self, op: str, num_layers: int, num_ids: int | None = None
+    ) -> jax.stages.Lowered:
+        """The lowered `zero_blocks_all` (`op="zero"`) or `copy_blocks_all` (`op="copy"`)
+        program over `num_layers` caches, for the id bucket holding `num_ids` ids per data
+        rank (default: the largest bucket)."""
+        local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
+        size = pick_bucket(num_ids or self.id_buckets[-1], self.id_buckets)
+        ids = jax.ShapeDtypeStruct(
+            (self.dp_size * size,), np.int32, sharding=NamedSharding(self.mesh, self._rank_spec)
+        )
+        fn = self._all_layers_fn(local_fn, num_layers, num_id_args)
+        return fn.lower((self.cache_struct(),) * num_layers, *(ids,) * num_id_args)
 
     def warmup(
         self,
@@ -487,7 +555,7 @@ class PagedKVCache:
             sharding=NamedSharding(self.mesh, self._token_spec),
         )
         return self._write.lower(
-            jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding),
+            self.cache_struct(),
             tokens,
             tokens,
             jax.ShapeDtypeStruct(

@@ -49,7 +49,9 @@ __all__ = ["EngineConfig", "LLMEngine", "choose_data_rank"]
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes of the engine. `encoder_cache_size` / `encoder_compute_budget` count image
-    embeddings (None: room for `max_num_batched_tokens`, at least one image)."""
+    embeddings (None: room for `max_num_batched_tokens`, at least one image).
+    `kv_cache_dtype` "int8" / "fp8" stores the KV cache quantised, a float32 scale per
+    token and head (`jaxkv.device.storage`); "auto" stores it in `dtype`."""
 
     block_size: int = 16
     num_blocks: int = 128
@@ -65,6 +67,7 @@ class EngineConfig:
     hash_fn: str = "sha256"
     seed: int = 0
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (= dtype), "int8" or "fp8" (e4m3)
 
 
 @dataclass
@@ -118,6 +121,10 @@ class LLMEngine:
         self, model, config: EngineConfig | None = None, tokenizer=None, *, mesh: Mesh | None = None
     ) -> None:
         self.config = c = config or EngineConfig()
+        if c.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {c.kv_cache_dtype!r}"
+            )
         self.model = model
         self.tokenizer = tokenizer
         mcfg = model.config
@@ -134,7 +141,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks=c.num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-            dtype=c.dtype, zero_freed_blocks=c.zero_freed_blocks,
+            dtype=c.dtype, kv_quant=None if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
+            zero_freed_blocks=c.zero_freed_blocks,
             encoder_cache_size=encoder_budget.cache_size if encoder_budget else 0,
             mesh=self._check_mesh(mesh),
         )  # fmt: skip

@@ -46,7 +46,7 @@ from jaxkv.device import (
     StepMetadataPacker,
     StepShape,
 )
-from jaxkv.device.storage import from_storage
+from jaxkv.device.storage import check_kv_quant, from_storage
 from jaxkv.engine.sampling import sample_tokens
 from jaxkv.engine.scheduler import SchedulerOutput
 from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
@@ -111,10 +111,12 @@ class RowSampling:
 
 
 @functools.cache
-def _shared_paged_cache(spec: KVCacheSpec, num_blocks: int, mesh: Mesh | None) -> PagedKVCache:
-    """One `PagedKVCache` per (spec, pool size, mesh): engines built alike share compiled
-    programs."""
-    return PagedKVCache(spec, num_blocks, mesh=mesh)
+def _shared_paged_cache(
+    spec: KVCacheSpec, num_blocks: int, mesh: Mesh | None, kv_quant: str | None
+) -> PagedKVCache:
+    """One `PagedKVCache` per (spec, pool size, mesh, quantisation): engines built alike
+    share compiled programs."""
+    return PagedKVCache(spec, num_blocks, mesh=mesh, kv_quant=kv_quant)
 
 
 @functools.partial(
@@ -194,6 +196,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         dtype: str = "float32",
+        kv_quant: str | None = None,
         zero_freed_blocks: bool = False,
         encoder_cache_size: int = 0,
         encoder_page_size: int = 16,
@@ -205,7 +208,10 @@ class ModelRunner:
         specs = model.kv_cache_specs(block_size, dtype)
         self.kv_cache_config, self.layer_to_group = group_kv_cache_specs(specs, num_blocks)
         groups = self.kv_cache_config.kv_cache_groups
-        self.paged = tuple(_shared_paged_cache(g.kv_cache_spec, num_blocks, mesh) for g in groups)
+        self.paged = tuple(
+            _shared_paged_cache(g.kv_cache_spec, num_blocks, mesh, check_kv_quant(kv_quant))
+            for g in groups
+        )
         self.mesh = self.paged[0].mesh
         self.dp_size = self.paged[0].dp_size
         self.kv_caches: list[jax.Array] = [None] * len(self.layer_to_group)  # type: ignore
@@ -461,21 +467,60 @@ class ModelRunner:
 
     # -- warm-up ------------------------------------------------------------------------
 
+    def _empty_buffer(self, shapes: Sequence[StepShape]) -> np.ndarray:
+        """An all-padding step buffer of `shapes`: it changes no cache entry."""
+        dp = self.dp_size
+        t, r = shapes[0].num_tokens, shapes[0].num_reqs
+        parts = [p.empty(s, dp) for p, s in zip(self.packers, shapes, strict=True)]
+        rows = [np.zeros(t, np.int32), np.full(t, -1, np.int32)]
+        rows += [np.zeros(r, np.int32)] * 2 + [np.zeros(r, np.int32)]
+        rows += [np.ones(r, np.float32).view(np.int32)] + [np.zeros(r, np.int32)] * 2
+        if self.encoder_store is not None:
+            rows += [np.zeros(t, np.int32), np.full(t, dp * t, np.int32)]
+        parts.append(np.tile(np.concatenate(rows), (dp, 1)))
+        return np.concatenate(parts, axis=1).astype(np.int32)
+
+    def lowered_programs(self) -> dict[str, tuple[jax.stages.Lowered, list]]:
+        """Every kind of program `execute` runs on the donated caches, lowered (not run):
+        name -> (lowered program, the cache buffers it donates, as abstract values).
+
+        The step for the smallest and the largest step shape, block zeroing and block
+        copies per KV-cache group at their largest id bucket, and the encoder store's
+        write. `jaxkv.device.in_place.check_in_place` says whether each updates its
+        caches in place.
+        """
+        programs: dict[str, tuple[jax.stages.Lowered, list]] = {}
+        caches = [jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding)
+                  for kv in self.kv_caches]  # fmt: skip
+        all_shapes = list(zip(*[p.all_shapes() for p in self.packers], strict=True))
+        store = self.encoder_store
+        for shapes in (all_shapes[0], all_shapes[-1]):
+            lowered = _paged_step.lower(
+                self._state, caches, None if store is None else store.cache,
+                self.paged[0].put(self._empty_buffer(shapes)), self.sampled,
+                graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
+                max_num_seqs=self.max_num_seqs, shapes=tuple(shapes),
+                store_dtype=None if store is None else store.dtype,
+            )  # fmt: skip
+            programs[f"step tokens={shapes[0].num_tokens} reqs={shapes[0].num_reqs}"] = (
+                lowered, caches,
+            )  # fmt: skip
+        for g, paged in enumerate(self.paged):
+            group_caches = [c for c, lg in zip(caches, self.layer_to_group, strict=True) if lg == g]
+            for op in ("zero", "copy"):
+                lowered = paged.lower_blocks_all(op, len(group_caches))
+                programs[f"{op}_blocks group={g}"] = (lowered, group_caches)
+        if store is not None:
+            lowered, store_struct = store.lower_write()
+            programs["encoder_store write"] = (lowered, [store_struct])
+        return programs
+
     def warm_up(self) -> int:
         """Compile every step shape and every zeroing bucket now; returns the shape count."""
         dp = self.dp_size
         shapes_per_group = [p.all_shapes() for p in self.packers]
         for shapes in zip(*shapes_per_group, strict=True):
-            t, r = shapes[0].num_tokens, shapes[0].num_reqs
-            parts = [p.empty(s, dp) for p, s in zip(self.packers, shapes, strict=True)]
-            rows = [np.zeros(t, np.int32), np.full(t, -1, np.int32)]
-            rows += [np.zeros(r, np.int32)] * 2 + [np.zeros(r, np.int32)]
-            rows += [np.ones(r, np.float32).view(np.int32)] + [np.zeros(r, np.int32)] * 2
-            if self.encoder_store is not None:
-                rows += [np.zeros(t, np.int32), np.full(t, dp * t, np.int32)]
-            parts.append(np.tile(np.concatenate(rows), (dp, 1)))
-            buffer = np.concatenate(parts, axis=1).astype(np.int32)
-            self.kv_caches, self.sampled = self._step(buffer, tuple(shapes))
+            self.kv_caches, self.sampled = self._step(self._empty_buffer(shapes), tuple(shapes))
         if self.encoder_store is not None:
             pixels = np.zeros((1, *self.images.pixel_shape), np.float32)
             self.encoder_store.put("warm-up", self._encode(pixels)[0])
