@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import jaxkv.hashing as hashing
+
+# The suite counts compilations: programs come from XLA, never from a persistent cache
+# a previous run left (tests of the cache give their own directory, in a subprocess).
+os.environ["JAXKV_COMPILATION_CACHE"] = "none"
 
 
 @pytest.fixture(autouse=True)

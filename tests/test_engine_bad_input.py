@@ -12,7 +12,7 @@ from jaxkv.engine.reference import DenseReference
 from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
 
 CONFIG = EngineConfig(
-    block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=192
+    block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=184
 )
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -42,7 +42,7 @@ PICTURE = np.zeros((3, 32, 32), np.float32)
     ("kwargs", "error", "match"),
     [
         (dict(prompt=[]), ValueError, "prompt is empty"),
-        (dict(prompt=list(range(3, 196))), ValueError, "max_model_len=192"),
+        (dict(prompt=list(range(3, 196))), ValueError, "max_model_len=184"),
         (dict(prompt=[3, 600]), ValueError, r"token id 600 is out of range \[0, 512\)"),
         (dict(prompt=[3, 4.5]), TypeError, "must be ints"),
         (dict(prompt="hello"), TypeError, "no tokenizer"),

@@ -19,7 +19,6 @@ on any mesh.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -30,20 +29,38 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxkv.device import compilation_count
+from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
-from jaxkv.engine.model_runner import ModelRunner, RowSampling, image_inputs
+from jaxkv.engine.model_runner import ModelRunner, RequestStepError, RowSampling, image_inputs
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import SamplingParams
-from jaxkv.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxkv.engine.scheduler import (
+    FinishReason,
+    RequestUpdate,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.kv_cache_planning import get_max_concurrency_for_kv_cache_config
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
 from jaxkv.request_hashing import get_request_block_hasher
 
-__all__ = ["EngineConfig", "LLMEngine", "choose_data_rank"]
+__all__ = ["EngineConfig", "LLMEngine", "choose_data_rank", "fold_seed"]
+
+_INT32_SEEDS = 2**31
+
+
+def fold_seed(seed: int) -> int:
+    """A request's seed as the int32 the step samples with: a seed in `[0, 2**31)` as
+    given; any other int (vLLM takes any) folded deterministically by CRC-32 of its
+    decimal form into that range. Two folded seeds collide with probability 2**-31."""
+    seed = int(seed)
+    if 0 <= seed < _INT32_SEEDS:
+        return seed
+    return zlib.crc32(str(seed).encode()) % _INT32_SEEDS
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,7 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (= dtype), "int8" or "fp8" (e4m3)
+    compilation_cache_dir: str | None = "auto"  # jaxkv.device.compilation_cache
 
 
 @dataclass
@@ -127,6 +145,7 @@ class LLMEngine:
             )
         self.model = model
         self.tokenizer = tokenizer
+        self.compilation_cache_dir = enable_compilation_cache(c.compilation_cache_dir)
         mcfg = model.config
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (getattr(mcfg, "eos_token_ids", ()) or ()))
@@ -185,6 +204,9 @@ class LLMEngine:
         self._images: dict[str, np.ndarray] = {}
         self._image_refs: dict[str, int] = {}
         self._in_flight: _InFlight | None = None
+        self._salt_of: dict[str, str | None] = {}  # unfinished request id -> its cache salt
+        self._num_cached: dict[str, int] = {}  # its prefix-cache hit tokens, once admitted
+        self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.num_steps = 0
@@ -204,18 +226,23 @@ class LLMEngine:
         return mesh
 
     def _check_pool_holds_one_request(self) -> None:
-        """ValueError unless one request of `max_model_len` tokens fits in the pool."""
+        """ValueError unless one request of `max_model_len` tokens fits in the pool.
+
+        Counts the usable blocks: block 0 is the null block, never handed out. A request
+        takes its peak blocks from every KV-cache group, all from the one pool.
+        """
         c = self.config
-        concurrency = get_max_concurrency_for_kv_cache_config(
-            self.runner.kv_cache_config, c.max_model_len, c.max_num_batched_tokens
+        per_request = sum(
+            group.kv_cache_spec.max_num_blocks_per_req(c.max_model_len, c.max_num_batched_tokens)
+            for group in self.runner.kv_cache_config.kv_cache_groups
         )
-        if concurrency < 1:
-            needed = math.ceil((c.num_blocks - 1) / max(concurrency, 1e-9)) + 1
+        if per_request > c.num_blocks - 1:
             raise ValueError(
                 f"num_blocks={c.num_blocks} cannot hold one request of max_model_len="
-                f"{c.max_model_len} tokens over the model's "
-                f"{len(self.runner.kv_cache_config.kv_cache_groups)} KV-cache groups; give "
-                f"num_blocks >= {needed} or a smaller max_model_len"
+                f"{c.max_model_len} tokens: it takes {per_request} blocks over the model's "
+                f"{len(self.runner.kv_cache_config.kv_cache_groups)} KV-cache groups and "
+                f"block 0 is the null block; give num_blocks >= {per_request + 1} or a "
+                "smaller max_model_len"
             )
 
     # -- requests ---------------------------------------------------------------------
@@ -284,25 +311,49 @@ class LLMEngine:
         images: Sequence[np.ndarray] | None = None,
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_request: object | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises (changing nothing) on bad input."""
+        """Queue a request; returns its id. Raises (changing nothing) on bad input.
+
+        `cache_salt` (vLLM's meaning): requests share prefix-cache blocks only with
+        requests of the same salt; `""` is the same as no salt. A tenant's salt keeps
+        other tenants from learning, through cache hits, which prompts it sent.
+        `lora_request`: the engine serves no LoRA adapters, so anything but None is
+        refused (vLLM's behaviour without `enable_lora`).
+        """
         if sampling is None:
             sampling = SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._sampling:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        if lora_request is not None:
+            raise ValueError("lora_request must be None: this engine serves no LoRA adapters")
+        if sampling.prompt_logprobs is not None:
+            raise ValueError(
+                "SamplingParams.prompt_logprobs must be None: the engine returns no logprobs"
+            )
         ids = self._token_ids(prompt)
         features, pixels = [], []
         if images:
             ids, features, pixels = self._image_features(request_id, ids, images)
         request = Request(
-            request_id, ids, sampling, mm_features=features, block_hasher=self._block_hasher
-        )
+            request_id, ids, sampling, mm_features=features, block_hasher=self._block_hasher,
+            cache_salt=cache_salt or None,
+        )  # fmt: skip
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.eos_token_ids)
+            if sampling.eos_token_id is not None:
+                stop.add(int(sampling.eos_token_id))
         rank = 0
         if len(self.schedulers) > 1:
             rank = choose_data_rank(
@@ -312,26 +363,55 @@ class LLMEngine:
             )
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
         self._rank_of[request_id] = rank
-        seed = sampling.seed
-        if seed is None:
-            seed = zlib.crc32(f"{self.config.seed}/{request_id}".encode()) & 0x7FFFFFFF
-        row = RowSampling(float(sampling.temperature), sampling.top_k, float(sampling.top_p), seed)
-        self._sampling[request_id] = (sampling, row)
+        self._sampling[request_id] = (sampling, self._row_sampling(sampling, request_id))
+        self._salt_of[request_id] = cache_salt or None
         for feature, image in zip(features, pixels, strict=True):
             self._images.setdefault(feature.identifier, image)
             self._image_refs[feature.identifier] = self._image_refs.get(feature.identifier, 0) + 1
         return request_id
 
+    def _row_sampling(self, sampling: SamplingParams, request_id: str) -> RowSampling:
+        """The request's sampling row as the step's int32/float32 buffer holds it: the seed
+        folded (`fold_seed`), top-k disabled (0) for `-1` or any k covering the vocabulary."""
+        seed = sampling.seed
+        if seed is None:
+            seed = zlib.crc32(f"{self.config.seed}/{request_id}".encode()) & 0x7FFFFFFF
+        top_k = int(sampling.top_k)
+        if top_k < 0 or top_k >= self.vocab_size:
+            top_k = 0
+        return RowSampling(
+            float(sampling.temperature), top_k, float(sampling.top_p), fold_seed(seed)
+        )
+
     def abort(self, request_id: str) -> None:
-        """Stop a request now; KeyError naming it when no unfinished request has that id."""
+        """Stop a request now; KeyError naming it when no unfinished request has that id.
+        Its final output (`finish_reason="abort"`) comes with the next `step()`."""
         rank = self._rank_of.get(request_id)
         if rank is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
-        self._forget(self.schedulers[rank].abort_request(request_id))
+        request = self.schedulers[rank].abort_request(request_id)
+        self._finish_now(request, FinishReason.ABORT)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        """Finish one request with `finish_reason="error"`; the others go on."""
+        rank = self._rank_of[request_id]
+        request = self.schedulers[rank].finish_request(request_id, FinishReason.ERROR)
+        self._finish_now(request, FinishReason.ERROR, error)
+
+    def _finish_now(self, request: Request, reason: FinishReason, error: str | None = None):
+        """Queue the final output of a request finished outside a step's token update."""
+        self._final_outputs.append(
+            self._request_output(request, None, reason, self._num_cached.get(request.request_id, 0))
+        )
+        if error is not None:
+            self._final_outputs[-1].error = error
+        self._forget(request)
 
     def _forget(self, request: Request) -> None:
         self._sampling.pop(request.request_id, None)
         self._rank_of.pop(request.request_id, None)
+        self._salt_of.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
         for feature in request.mm_features:
             refs = self._image_refs[feature.identifier] - 1
             if refs:
@@ -341,7 +421,7 @@ class LLMEngine:
                 del self._images[feature.identifier]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rank_of) or self._in_flight is not None
+        return bool(self._rank_of) or self._in_flight is not None or bool(self._final_outputs)
 
     @property
     def num_preemptions(self) -> int:
@@ -356,25 +436,20 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that got a token or finished."""
+        """Run one step; returns the outputs of the requests that got a token or finished.
+
+        One request never fails the step for the others: a request whose part of the step
+        cannot be prepared or applied on the host finishes with `finish_reason="error"`
+        (its blocks and encoder entries freed) and the step goes on without it.
+        """
         compiled = compilation_count()
         t0 = time.perf_counter()
         outs = [scheduler.schedule() for scheduler in self.schedulers]
         empty = all(out.is_empty for out in outs)
         if empty and self._in_flight is None:
-            for scheduler in self.schedulers:
-                if scheduler.waiting:
-                    request = scheduler.waiting[0]
-                    raise RuntimeError(
-                        f"nothing can be scheduled: request {request.request_id!r} "
-                        f"({request.num_tokens} tokens) does not fit the "
-                        f"{scheduler.kv_cache_manager.num_free_blocks} free KV blocks; a bug, "
-                        "since the pool was checked to hold one request of max_model_len"
-                    )
-        sampling = [
-            [self._sampling[s.request.request_id][1] for s in out.scheduled] for out in outs
-        ]
-        sampled = self.runner.execute(outs, sampling, self._images)
+            self._fail_unschedulable()
+        sampled = self._execute(outs)
+        empty = all(out.is_empty for out in outs)
         current = _InFlight(outs, sampled) if not empty else None
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
@@ -390,28 +465,79 @@ class LLMEngine:
             ):
                 rows = tokens[rank * width : (rank + 1) * width]
                 updates += scheduler.update_from_output(out, rows)
-        outputs = [self._output(u) for u in updates]
+        outputs, self._final_outputs = self._final_outputs, []
+        outputs += [self._output(u) for u in updates]
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
 
+    def _fail_unschedulable(self) -> None:
+        """With nothing running or in flight, a waiting request that still cannot be
+        scheduled never will be: it finishes with an error instead of stalling the engine."""
+        for scheduler in self.schedulers:
+            if scheduler.waiting and not scheduler.running:
+                request = scheduler.waiting[0]
+                self._fail(
+                    request.request_id,
+                    f"{request.num_tokens} tokens do not fit the "
+                    f"{scheduler.kv_cache_manager.num_free_blocks} free KV blocks",
+                )
+
+    def _execute(self, outs: list[SchedulerOutput]) -> jax.Array:
+        """Dispatch the step; a request whose rows cannot be prepared is failed and taken
+        out of `outs` (in place), and the step is packed again without it."""
+        while True:
+            sampling = [
+                [self._sampling[s.request.request_id][1] for s in out.scheduled] for out in outs
+            ]
+            try:
+                return self.runner.execute(outs, sampling, self._images)
+            except RequestStepError as error:
+                self._fail(error.request_id, str(error))
+                for out in outs:
+                    out.scheduled = [
+                        s for s in out.scheduled if s.request.request_id != error.request_id
+                    ]
+
     def _output(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
-        finished = update.finish_reason is not None
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-        if finished:
+        if request.num_output_tokens == 1 and update.new_token_id is not None:
+            self._num_cached[request.request_id] = update.num_cached_tokens
+            self.stats.record_admission(
+                self._salt_of.get(request.request_id),
+                request.num_prompt_tokens,
+                update.num_cached_tokens,
+            )
+        output = self._request_output(
+            request, update.new_token_id, update.finish_reason, update.num_cached_tokens
+        )
+        if output.finished:
             self._forget(request)
+        return output
+
+    def _request_output(
+        self,
+        request: Request,
+        new_token_id: int | None,
+        reason: FinishReason | None,
+        num_cached_tokens: int,
+    ) -> RequestOutput:
+        text, error = None, None
+        if self.tokenizer is not None:
+            try:
+                text = self.tokenizer.decode(request.output_token_ids)
+            except Exception as failure:  # a tokenizer that cannot decode: tokens still count
+                error = f"the tokenizer could not decode the output: {failure}"
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
-            new_token_ids=[] if update.new_token_id is None else [update.new_token_id],
+            new_token_ids=[] if new_token_id is None else [new_token_id],
             output_token_ids=list(request.output_token_ids),
-            finished=finished,
-            finish_reason=None if update.finish_reason is None else str(update.finish_reason),
+            finished=reason is not None,
+            finish_reason=None if reason is None else str(reason),
             text=text,
             num_preemptions=request.num_preemptions,
-            num_cached_tokens=update.num_cached_tokens,
+            error=error,
+            num_cached_tokens=num_cached_tokens,
         )
 
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
@@ -445,11 +571,14 @@ class LLMEngine:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         images: Sequence[Sequence[np.ndarray] | None] | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Serve `prompts` to completion; one final output per prompt, in order.
 
         A prompt the engine cannot accept gets an output with `error` set; the others
-        are served. `on_step` sees each step's streamed outputs.
+        are served. `on_step` sees each step's streamed outputs. `cache_salt`: every
+        prompt's (see `add_request`).
         """
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
@@ -464,7 +593,7 @@ class LLMEngine:
         order: list[str | RequestOutput] = []
         for prompt, params, imgs in zip(prompts, sampling, images, strict=True):
             try:
-                order.append(self.add_request(prompt, imgs, params))
+                order.append(self.add_request(prompt, imgs, params, cache_salt=cache_salt))
             except (ValueError, TypeError) as error:
                 ids = list(prompt) if not isinstance(prompt, str) else []
                 order.append(RequestOutput("", ids, [], [], True, error=str(error)))

@@ -26,8 +26,9 @@ ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -48,12 +49,19 @@ from jaxkv.device import (
 )
 from jaxkv.device.storage import check_kv_quant, from_storage
 from jaxkv.engine.sampling import sample_tokens
-from jaxkv.engine.scheduler import SchedulerOutput
+from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
 from jaxkv.kv_cache_planning import get_kv_cache_groups
 from jaxkv.models.base import PagedContext
 
-__all__ = ["ImageInputs", "ModelRunner", "RowSampling", "group_kv_cache_specs", "image_inputs"]
+__all__ = [
+    "ImageInputs",
+    "ModelRunner",
+    "RequestStepError",
+    "RowSampling",
+    "group_kv_cache_specs",
+    "image_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,17 @@ def group_kv_cache_specs(
     )
     config = KVCacheConfig(num_blocks, tensors, tuple(groups))
     return config, tuple(group_of[name] for name in specs)
+
+
+class RequestStepError(Exception):
+    """Preparing one request's part of a step failed on the host (`cause`); nothing of the
+    step has run on the device yet beyond idempotent page zeroing, copies and encoding,
+    so the step can be packed again without that request."""
+
+    def __init__(self, request_id: str, cause: Exception) -> None:
+        super().__init__(f"request {request_id!r}: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -170,6 +189,16 @@ def _paged_step(
     logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
     sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters).reshape(dp, r)
     return kv_caches, jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
+
+
+@contextlib.contextmanager
+def _attributed_to(scheduled: ScheduledRequest) -> Iterator[None]:
+    """Re-raise a failure while preparing `scheduled`'s rows as that request's
+    `RequestStepError`."""
+    try:
+        yield
+    except Exception as error:
+        raise RequestStepError(scheduled.request.request_id, error) from error
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -292,7 +321,8 @@ class ModelRunner:
             for g, tables in enumerate(self.tables):
                 table = tables[rank]
                 for i, s in enumerate(scheduled):
-                    table.add_row(s.block_ids[g], i)
+                    with _attributed_to(s):
+                        table.add_row(s.block_ids[g], i)
                 steps_per_group[g].append(
                     StepInputs(
                         block_tables=table.get_numpy_array()[:n],
@@ -323,18 +353,6 @@ class ModelRunner:
         `dp * t` token rows), sampling parameters and encoder-merge rows."""
         tokens = np.zeros(t, np.int32)
         src = np.full(t, -1, np.int32)
-        for i, s in enumerate(scheduled):
-            lo, end = int(cu[i]), s.num_computed_tokens + s.num_new_tokens
-            known_end = min(end, s.num_known_tokens)
-            known = s.request.all_token_ids[s.num_computed_tokens : known_end]
-            tokens[lo : lo + len(known)] = known
-            if end > known_end:  # the token sampled by the previous step, still on device
-                if end - known_end != 1 or s.request.request_id not in self._rows:
-                    raise RuntimeError(
-                        f"request {s.request.request_id!r} needs {end - known_end} tokens from "
-                        "a previous step that did not sample them"
-                    )
-                src[lo + len(known)] = self._rows[s.request.request_id]
         n = len(scheduled)
         logits_indices = np.zeros(r, np.int32)
         logits_indices[:n] = rank * t + cu[1:] - 1
@@ -342,10 +360,22 @@ class ModelRunner:
         top_k, seeds, counters = (np.zeros(r, np.int32) for _ in range(3))
         top_p = np.ones(r, np.float32)
         for i, (s, p) in enumerate(zip(scheduled, sampling, strict=True)):
-            temperature[i], top_k[i], top_p[i], seeds[i] = (
-                p.temperature, p.top_k, p.top_p, p.seed,
-            )  # fmt: skip
-            counters[i] = s.num_computed_tokens + s.num_new_tokens - s.request.num_prompt_tokens
+            with _attributed_to(s):
+                lo, end = int(cu[i]), s.num_computed_tokens + s.num_new_tokens
+                known_end = min(end, s.num_known_tokens)
+                known = s.request.all_token_ids[s.num_computed_tokens : known_end]
+                tokens[lo : lo + len(known)] = known
+                if end > known_end:  # the token sampled by the previous step, on device
+                    if end - known_end != 1 or s.request.request_id not in self._rows:
+                        raise RuntimeError(
+                            f"needs {end - known_end} tokens from a previous step that did "
+                            "not sample them"
+                        )
+                    src[lo + len(known)] = self._rows[s.request.request_id]
+                temperature[i], top_k[i], top_p[i], seeds[i] = (
+                    p.temperature, p.top_k, p.top_p, p.seed,
+                )  # fmt: skip
+                counters[i] = end - s.request.num_prompt_tokens
         parts = [tokens, src, logits_indices, temperature.view(np.int32), top_k,
                  top_p.view(np.int32), seeds, counters]  # fmt: skip
         if self.encoder_store is not None:
@@ -357,13 +387,22 @@ class ModelRunner:
     ) -> list[np.ndarray]:
         """Store rows to merge into this rank's token rows; unused entries point past all
         `dp * t` rows (dropped)."""
-        placements = [
-            EmbedPlacement(f.identifier, f, s.num_computed_tokens, s.num_new_tokens, int(cu[i]))
-            for i, s in enumerate(out.scheduled)
-            for f in s.request.mm_features
-            if f.offset < s.num_computed_tokens + s.num_new_tokens
-            and f.offset + f.length > s.num_computed_tokens
-        ]
+        placements = []
+        for i, s in enumerate(out.scheduled):
+            with _attributed_to(s):
+                for f in s.request.mm_features:
+                    end = s.num_computed_tokens + s.num_new_tokens
+                    if f.offset < end and f.offset + f.length > s.num_computed_tokens:
+                        self.encoder_store.pages_of(f.identifier)  # stored, or this fails
+                        placements.append(
+                            EmbedPlacement(
+                                f.identifier,
+                                f,
+                                s.num_computed_tokens,
+                                s.num_new_tokens,
+                                int(cu[i]),
+                            )  # fmt: skip
+                        )
         merge_src = np.zeros(t, np.int32)
         merge_dst = np.full(t, self.dp_size * t, np.int32)
         if placements:

@@ -10,8 +10,9 @@ class RequestOutput:
     """A request's progress: the tokens new in this step and all of its tokens so far.
 
     `finished` is True exactly once, on the last output of a request; `finish_reason`
-    is then "length", "stop" or "abort". `error` is set (and nothing else happens) for a
-    request `generate` could not accept.
+    is then "length", "stop", "abort" or "error". `error` says what went wrong: for a
+    request `generate` could not accept (nothing else happened), or one whose part of a
+    step failed (`finish_reason="error"`; the other requests were served).
     """
 
     request_id: str

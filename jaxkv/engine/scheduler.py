@@ -67,6 +67,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens reached, or max_model_len
     STOP = "stop"  # an EOS or stop token id
     ABORT = "abort"
+    ERROR = "error"  # preparing or applying the request's part of a step failed
 
     def __str__(self) -> str:
         return self.value
@@ -165,6 +166,7 @@ _FINISHED_STATUS = {
     FinishReason.LENGTH: "FINISHED_LENGTH_CAPPED",
     FinishReason.STOP: "FINISHED_STOPPED",
     FinishReason.ABORT: "FINISHED_ABORTED",
+    FinishReason.ERROR: "FINISHED_ERROR",
 }
 
 
@@ -250,10 +252,16 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> Request:
         """Finish a waiting or running request now; KeyError naming it when it is unknown."""
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request:
+        """Finish a waiting or running request now with `reason` (its blocks and encoder
+        entries are freed; a token of it still in flight is dropped); KeyError naming it
+        when it is unknown."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
-        self._finish(tracked, FinishReason.ABORT)
+        self._finish(tracked, reason)
         return tracked.request
 
     def has_unfinished_requests(self) -> bool:

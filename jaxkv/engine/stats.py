@@ -42,13 +42,34 @@ class StepStats:
 
 
 @dataclass
+class TenantStats:
+    """Prefix-cache use of the requests of one cache salt, counted at first admission."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
 class EngineStats:
-    """Totals over every step since the engine started (or since `reset`)."""
+    """Totals over every step since the engine started, and per cache
+    salt (`by_salt[None]`: requests without a salt) the prefix-cache use of its requests."""
 
     steps: list[StepStats] = field(default_factory=list)
+    by_salt: dict[str | None, TenantStats] = field(default_factory=dict)
 
     def record(self, step: StepStats) -> None:
         self.steps.append(step)
+
+    def record_admission(self, salt: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+        tenant = self.by_salt.setdefault(salt, TenantStats())
+        tenant.requests += 1
+        tenant.prompt_tokens += prompt_tokens
+        tenant.cached_tokens += cached_tokens
 
     def total(self, name: str) -> float:
         return sum(getattr(s, name) for s in self.steps)
