@@ -23,15 +23,30 @@ class AssertedValueError(ValueError, AssertionError):
     expects one still catches it."""
 
 
+def as_int(value: Any) -> int | None:
+    """`value` as a Python int when it is an integer, else None.
+
+    The one definition of an integer argument: a Python int or a numpy integer
+    (np.int8 .. np.uint64), never a bool (Python's or numpy's) or a float. Entry
+    points convert with this (or `check_int`), so inner layers see Python ints only.
+    """
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
 def check_int(
     name: str, value: Any, *, min_value: int | None = None, max_value: int | None = None
 ) -> int:
-    """`value` as a Python int; TypeError unless it is an integer (bool is not), ValueError
+    """`value` as a Python int (see `as_int`); TypeError unless it is an integer, ValueError
     unless `min_value <= value <= max_value`."""
     if type(value) is not int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        converted = as_int(value)
+        if converted is None:
             raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-        value = int(value)
+        value = converted
     if (min_value is not None and value < min_value) or (
         max_value is not None and value > max_value
     ):
@@ -42,6 +57,15 @@ def check_int(
         else:
             allowed = f"in [{min_value}, {max_value}]"
         raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_num_blocks(name: str, value: Any) -> int:
+    """A pool's block count as a Python int: an integer >= 2 (block 0 is the null block,
+    never handed out), else TypeError/ValueError naming `name` and the minimum."""
+    value = check_int(name, value)
+    if value < 2:
+        raise ValueError(f"{name} must be >= 2 (block 0 is the null block), got {value}")
     return value
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int
+from jaxkv._checks import check_bool, check_int, check_num_blocks
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.hashing import (
     BlockHash,
@@ -338,11 +338,12 @@ class BlockPool:
         track_freed_block_ids: bool = False,
     ) -> None:
         """vLLM 0.33's positional order; `metrics_collector` and `medium` are accepted and
-        unused, `num_hash_lookahead_tokens` must be 0."""
-        check_int("num_gpu_blocks", num_gpu_blocks, min_value=2)  # block 0 is the null block
+        unused, `num_hash_lookahead_tokens` must be 0. Integer arguments may be numpy
+        integers (stored as ints)."""
+        num_gpu_blocks = check_num_blocks("num_gpu_blocks", num_gpu_blocks)
         check_bool("enable_caching", enable_caching)
         if hash_block_size is not None:
-            check_int("hash_block_size", hash_block_size, min_value=1)
+            hash_block_size = check_int("hash_block_size", hash_block_size, min_value=1)
         check_bool("enable_kv_cache_events", enable_kv_cache_events)
         if check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, min_value=0):
             raise ValueError(
@@ -406,9 +407,11 @@ class BlockPool:
     # -- allocation ----------------------------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop `num_blocks` from the head of the free queue, evicting their old hashes."""
+        """Pop `num_blocks` from the head of the free queue, evicting their old hashes.
+
+        `num_blocks` may be a numpy integer; a refusal (more than are free) changes nothing."""
         if type(num_blocks) is not int:
-            check_int("num_blocks", num_blocks)
+            num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks > self.free_block_queue.num_free_blocks or num_blocks < 0:
             raise ValueError(
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} are free"
@@ -418,12 +421,24 @@ class BlockPool:
             self._evict_cached_blocks(stamped, were_free=True)
         return blocks
 
-    def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
-        """Take a reference on cache hits (one list per group); free ones leave the queue.
+    def touch(self, blocks: Sequence[KVCacheBlock] | Iterable[Sequence[KVCacheBlock]]) -> None:
+        """Take a reference on cache hits; free ones leave the queue.
 
-        Every block must be one of this pool's (checked first: TypeError/ValueError,
-        nothing changed)."""
-        groups = [list(group_blocks) for group_blocks in blocks]
+        `blocks` is vLLM 0.33's flat sequence of blocks, or one sequence per KV cache
+        group (the form the managers use): the flat form is the one whose first element
+        is a `KVCacheBlock`. Every block must be one of this pool's (checked first:
+        TypeError/ValueError, nothing changed)."""
+        items = list(blocks)
+        if items and isinstance(items[0], KVCacheBlock):
+            groups = [items]
+        else:
+            try:
+                groups = [list(group_blocks) for group_blocks in items]
+            except TypeError:
+                raise TypeError(
+                    "touch takes a sequence of KVCacheBlocks or one sequence of them per "
+                    f"KV cache group, got {items!r}"
+                ) from None
         for group_blocks in groups:
             for block in group_blocks:
                 if not self.is_own_block(block):
@@ -512,15 +527,20 @@ class BlockPool:
 
         `block_mask` (one entry per block in that range): blocks marked False are
         skipped like null blocks (a sliding-window group caches only the blocks
-        that can end a hit).
+        that can end a hit). The integer arguments may be numpy integers.
         """
         if not (
             type(num_cached_blocks) is type(num_full_blocks) is int
             and 0 <= num_cached_blocks
             and 0 <= num_full_blocks <= len(blocks)
         ):
-            check_int("num_cached_blocks", num_cached_blocks, min_value=0)
-            check_int("num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks))
+            num_cached_blocks = check_int("num_cached_blocks", num_cached_blocks, min_value=0)
+            num_full_blocks = check_int(
+                "num_full_blocks", num_full_blocks, min_value=0, max_value=len(blocks)
+            )
+        if type(block_size) is not int or type(kv_cache_group_id) is not int:
+            block_size = check_int("block_size", block_size)
+            kv_cache_group_id = check_int("kv_cache_group_id", kv_cache_group_id)
         if num_cached_blocks >= num_full_blocks:
             return
         block_hashes = (
@@ -604,6 +624,9 @@ class BlockPool:
         """
         if block.is_null:
             return None
+        num_tokens = check_int("num_tokens", num_tokens)
+        kv_cache_group_id = check_int("kv_cache_group_id", kv_cache_group_id)
+        block_size = check_int("block_size", block_size)
         hash_block_size = self.hash_block_size or block_size
         if num_tokens <= 0 or num_tokens % hash_block_size or block_size % hash_block_size:
             raise ValueError(
@@ -700,8 +723,12 @@ class BlockPool:
         the prefix cache, so routers learn of reused blocks; no block changes (vLLM's)."""
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
+        block_size = check_int("block_size", block_size)
+        kv_cache_group_id = check_int("kv_cache_group_id", kv_cache_group_id)
         block_hashes = self._block_hashes_at(request, block_size)
-        check_int("num_cached_blocks", num_cached_blocks, min_value=0, max_value=len(block_hashes))
+        num_cached_blocks = check_int(
+            "num_cached_blocks", num_cached_blocks, min_value=0, max_value=len(block_hashes)
+        )
         self.kv_event_queue.append(
             self._block_stored_event(
                 request,

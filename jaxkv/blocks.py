@@ -22,7 +22,8 @@ class KVCacheBlock:
     and KV cache group) is set once when the block becomes full and is cleared
     only by `reset_hash` on eviction. `prev_same_key`/`next_same_key` belong to
     the prefix-cache map (`BlockHashToBlockMap`): they chain the blocks cached
-    under one key.
+    under one key. `block_id` and the group id are Python ints (numpy integers
+    given to the constructor or a `set_hash` are converted).
     """
 
     __slots__ = (
@@ -38,6 +39,8 @@ class KVCacheBlock:
     )
 
     def __init__(self, block_id: int) -> None:
+        if type(block_id) is not int:
+            block_id = check_int("block_id", block_id)
         self.block_id = block_id
         self.ref_cnt = 0
         # The key is kept as its two parts; `block_hash` joins them as vLLM's key.
@@ -76,6 +79,8 @@ class KVCacheBlock:
     def try_set_hash(self, block_hash: BlockHash, group_id: int) -> bool:
         """`set_hash` unless the block already has a hash (then nothing changes); whether it
         was stamped."""
+        if type(group_id) is not int:
+            group_id = check_int("group_id", group_id)
         if self._block_hash is not None:
             return False
         self._block_hash = block_hash
@@ -92,6 +97,8 @@ class KVCacheBlock:
         A block already stamped with this key stays as it is; one stamped with
         another key is a ValueError, raised after this call's stamps are undone.
         """
+        if type(group_id) is not int:
+            group_id = check_int("group_id", group_id)
         stamped: list[KVCacheBlock] = []
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             if block._block_hash is None:
@@ -195,10 +202,15 @@ class FreeKVCacheBlockQueue:
 
         One pass does what allocation otherwise does in three (unlink, take the
         reference, find the stamped blocks): it runs for every block allocated.
+        `n` and `new_refs` may be numpy integers (converted first); a refusal
+        changes nothing.
         """
-        if type(n) is not int or n < 0 or n > self.num_free_blocks:
-            check_int("n", n)
+        if type(n) is not int:
+            n = check_int("n", n)
+        if n < 0 or n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks: {self.num_free_blocks} are free")
+        if type(new_refs) is not int or new_refs < 0:
+            new_refs = check_int("new_refs", new_refs, min_value=0)
         popped: list[KVCacheBlock] = []
         stamped: list[KVCacheBlock] = []
         if n == 0:

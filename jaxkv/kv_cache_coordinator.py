@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from jaxkv._checks import check_num_blocks
 from jaxkv.block_pool import BlockPool
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.hashing import BlockHash
@@ -104,7 +105,9 @@ class KVCacheCoordinator:
     ) -> None:
         """`max_in_flight_tokens` (default `max_model_len`): tokens scheduled but not yet
         computed; it bounds what a window group holds per request (admission cap).
-        `needs_kv_cache_zeroing`: managers record new attention blocks' ids."""
+        `needs_kv_cache_zeroing`: managers record new attention blocks' ids.
+        `kv_cache_config.num_blocks` must be at least 2 (block 0 is the null block)."""
+        num_blocks = check_num_blocks("kv_cache_config.num_blocks", kv_cache_config.num_blocks)
         groups = kv_cache_config.kv_cache_groups
         block_sizes = [
             g.kv_cache_spec.block_size * (dcp_world_size if g.kv_cache_spec.dcp_sharded else 1)
@@ -141,7 +144,7 @@ class KVCacheCoordinator:
             self.retention_interval, scheduler_block_size, kv_cache_config
         )
         self.block_pool = BlockPool(
-            max(kv_cache_config.num_blocks, 2),
+            num_blocks,
             enable_caching,
             hash_block_size,
             enable_kv_cache_events,

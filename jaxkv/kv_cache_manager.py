@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int, check_str
+from jaxkv._checks import as_int, check_bool, check_int, check_num_blocks, check_str
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
 from jaxkv.kv_cache_interface import (
@@ -100,7 +100,7 @@ class CachingMetrics:
     """
 
     def __init__(self, max_recent_requests: int = 1000) -> None:
-        check_int("max_recent_requests", max_recent_requests, min_value=1)
+        max_recent_requests = check_int("max_recent_requests", max_recent_requests, min_value=1)
         self.max_recent_requests = max_recent_requests
         self.query_queue: deque[tuple[int, int, int]] = deque()
         self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
@@ -176,9 +176,10 @@ class KVCacheManager:
         vLLM (`mamba_shared_prefix_checkpoint`): with EAGLE groups, partial hits and no
         re-prefilled tokens, a Mamba "align" state is also keyed at a request's
         `shared_prefix_boundary`. Features jaxkv does not have (hash lookahead, context
-        parallelism, a watermark) must be left at their defaults.
+        parallelism, a watermark) must be left at their defaults. Integer arguments may
+        be numpy integers (they are converted before anything is built).
         """
-        check_int("max_model_len", max_model_len, min_value=1)
+        max_model_len = check_int("max_model_len", max_model_len, min_value=1)
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
         if not kv_cache_config.kv_cache_groups:
@@ -188,9 +189,11 @@ class KVCacheManager:
         )
         if hash_block_size is None:
             hash_block_size = default_hash_block_size
-        check_int("hash_block_size", hash_block_size, min_value=1)
+        hash_block_size = check_int("hash_block_size", hash_block_size, min_value=1)
         if max_in_flight_tokens is not None:
-            check_int("max_in_flight_tokens", max_in_flight_tokens, min_value=1)
+            max_in_flight_tokens = check_int(
+                "max_in_flight_tokens", max_in_flight_tokens, min_value=1
+            )
         for name, value in (
             ("enable_caching", enable_caching),
             ("log_stats", log_stats),
@@ -200,7 +203,9 @@ class KVCacheManager:
             check_bool(name, value)
         check_bool("use_eagle", use_eagle)
         check_bool("enable_mamba_shared_prefix_checkpoint", enable_mamba_shared_prefix_checkpoint)
-        check_int("num_prefill_lookahead", num_prefill_lookahead, min_value=0)
+        num_prefill_lookahead = check_int(
+            "num_prefill_lookahead", num_prefill_lookahead, min_value=0
+        )
         unsupported = {
             "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
             "dcp_world_size": (dcp_world_size, 1),
@@ -319,7 +324,9 @@ class KVCacheManager:
     def from_spec(
         cls, kv_cache_spec: KVCacheSpec, num_blocks: int, max_model_len: int, **kwargs
     ) -> KVCacheManager:
-        """The common case: one group of layers sharing `kv_cache_spec`, `num_blocks` pages."""
+        """The common case: one group of layers sharing `kv_cache_spec`, `num_blocks` pages
+        (at least 2: block 0 is the null block)."""
+        num_blocks = check_num_blocks("num_blocks", num_blocks)
         return cls(KVCacheConfig.single_group(kv_cache_spec, num_blocks), max_model_len, **kwargs)
 
     # -- properties ----------------------------------------------------------
@@ -397,7 +404,9 @@ class KVCacheManager:
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         else:
-            check_int("max_cache_hit_length", max_cache_hit_length, min_value=0)
+            max_cache_hit_length = check_int(
+                "max_cache_hit_length", max_cache_hit_length, min_value=0
+            )
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return None, 0, 0
         sole = self._sole_manager
@@ -478,7 +487,16 @@ class KVCacheManager:
         elif not (
             plain_counts and type(num_new_computed_tokens) is int and num_new_computed_tokens > 0
         ):
-            self._check_counts(
+            # From here on every count is a Python int (numpy integers are converted).
+            (
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
+                skip_zeroing_group_ids,
+            ) = self._check_counts(
                 request,
                 num_new_tokens,
                 num_new_computed_tokens,
@@ -645,13 +663,19 @@ class KVCacheManager:
         num_encoder_tokens: int,
         reserved_blocks: int,
         skip_zeroing_group_ids: Sequence[int],
-    ) -> None:
+    ) -> tuple[int, int, int, int, int, int, tuple[int, ...]]:
+        """`allocate_slots`' counts checked, in its order, as Python ints (numpy integers
+        converted), then `skip_zeroing_group_ids` as a tuple of ints: checked with
+        KV-connector tokens, the only time it takes effect, else (). Raises before
+        anything changes."""
         rid = request.request_id
-        check_int("num_new_tokens", num_new_tokens)
-        check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
-        check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
-        check_int("reserved_blocks", reserved_blocks, min_value=0)
-        check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
+        num_new_tokens = check_int("num_new_tokens", num_new_tokens)
+        num_new_computed_tokens = check_int(
+            "num_new_computed_tokens", num_new_computed_tokens, min_value=0
+        )
+        num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
+        reserved_blocks = check_int("reserved_blocks", reserved_blocks, min_value=0)
+        num_encoder_tokens = check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
         num_external = check_int(
             "num_external_computed_tokens", num_external_computed_tokens, min_value=0
         )
@@ -661,9 +685,21 @@ class KVCacheManager:
                 f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), or 0 "
                 f"with num_external_computed_tokens > 0; got {num_new_tokens}"
             )
+        skipped_group_ids: tuple[int, ...] = ()
         if num_external:
             num_local = request.num_computed_tokens + num_new_computed_tokens
-            self._check_external_tokens(request, num_local, num_external, skip_zeroing_group_ids)
+            skipped_group_ids = self._check_external_tokens(
+                request, num_local, num_external, skip_zeroing_group_ids
+            )
+        return (
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external,
+            num_encoder_tokens,
+            reserved_blocks,
+            skipped_group_ids,
+        )
 
     def _check_external_tokens(
         self,
@@ -671,10 +707,11 @@ class KVCacheManager:
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
         skip_zeroing_group_ids: object,
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Tokens a KV connector computed come with a request's first allocation, are
         tokens of the request, and are for attention and scratch groups (a Mamba state
-        loaded from outside is not handled)."""
+        loaded from outside is not handled). Returns `skip_zeroing_group_ids` as a tuple
+        of ints (numpy integers converted)."""
         rid = request.request_id
         if num_local_computed_tokens + num_external_computed_tokens > request.num_tokens:
             raise ValueError(
@@ -697,14 +734,19 @@ class KVCacheManager:
                     f"num_external_computed_tokens with a Mamba group (group {group_id}) is not "
                     "supported by jaxkv: a connector's Mamba state is not handled; give 0"
                 )
-        if not isinstance(skip_zeroing_group_ids, (tuple, list, set, frozenset)) or any(
-            type(g) is not int or not 0 <= g < self.num_kv_cache_groups
-            for g in skip_zeroing_group_ids
-        ):
-            raise ValueError(
-                f"skip_zeroing_group_ids must be KV cache group ids in "
-                f"[0, {self.num_kv_cache_groups}), got {skip_zeroing_group_ids!r}"
-            )
+        if isinstance(skip_zeroing_group_ids, (tuple, list, set, frozenset)):
+            group_ids: list[int] = []
+            for given in skip_zeroing_group_ids:
+                skipped = as_int(given)
+                if skipped is None or not 0 <= skipped < self.num_kv_cache_groups:
+                    break
+                group_ids.append(skipped)
+            else:
+                return tuple(group_ids)
+        raise ValueError(
+            f"skip_zeroing_group_ids must be KV cache group ids in "
+            f"[0, {self.num_kv_cache_groups}), got {skip_zeroing_group_ids!r}"
+        )
 
     def _check_hits(
         self,
@@ -860,7 +902,7 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the full blocks of the first `num_computed_tokens` (after a delayed allocation)."""
         self._check_request(request)
-        check_int("num_computed_tokens", num_computed_tokens, min_value=0)
+        num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, min_value=0)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
             if request in self._slot_state:
@@ -899,7 +941,7 @@ class KVCacheManager:
         holds; `num_running_requests` defaults to the number of requests holding blocks."""
         if num_running_requests is None:
             num_running_requests = len(self._running)
-        check_int("num_running_requests", num_running_requests, min_value=0)
+        num_running_requests = check_int("num_running_requests", num_running_requests, min_value=0)
         return self.coordinator.get_num_common_prefix_blocks(
             running_request_id, num_running_requests
         )

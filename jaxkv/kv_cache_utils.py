@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from jaxkv._checks import AssertedValueError
+from jaxkv._checks import AssertedValueError, as_int
 from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
 from jaxkv.kv_cache_interface import (
     KVCacheConfig,
@@ -122,14 +122,15 @@ def resolve_kv_cache_block_sizes(
     `block_size` stands in for vLLM's `cache_config.block_size` when the config
     has no group (attention-free models); otherwise the groups' sizes are used.
     Every `prefix_match_unit` that cannot apply is a `ValueError` naming the
-    rule and the numbers.
+    rule and the numbers; it may be a numpy integer (not a bool).
     """
-    if prefix_match_unit is not None and (
-        not isinstance(prefix_match_unit, int) or prefix_match_unit <= 0
-    ):
-        raise ValueError(
-            f"Invalid prefix_match_unit={prefix_match_unit!r}; it must be a positive integer"
-        )
+    if prefix_match_unit is not None:
+        unit = as_int(prefix_match_unit)
+        if unit is None or unit <= 0:
+            raise ValueError(
+                f"Invalid prefix_match_unit={prefix_match_unit!r}; it must be a positive integer"
+            )
+        prefix_match_unit = unit
     if dcp_world_size <= 0:
         raise ValueError(f"dcp_world_size must be positive, got {dcp_world_size}")
     groups = kv_cache_config.kv_cache_groups

@@ -91,8 +91,8 @@ class MultiModalFeatureSpec:
                 f"multimodal item {self.identifier!r}: offset and length (or mm_position) "
                 "are required"
             )
-        check_int("offset", self.offset)
-        check_int("length", self.length)
+        self.offset = check_int("offset", self.offset)
+        self.length = check_int("length", self.length)
         if self.offset < 0 or self.length <= 0:
             raise ValueError(
                 f"multimodal item {self.identifier!r}: offset must be >= 0 and length > 0, "
@@ -232,7 +232,7 @@ class Request:
             else:
                 max_tokens = 16
         if type(max_tokens) is not int or max_tokens < 0:
-            check_int("max_tokens", max_tokens, min_value=0)
+            max_tokens = check_int("max_tokens", max_tokens, min_value=0)
         self.max_tokens = max_tokens
         if skip_reading_prefix_cache is None:
             for params in (sampling_params, pooling_params):
@@ -370,8 +370,9 @@ class Request:
             raise type(error)(f"request {self.request_id!r}: {error}") from None
 
     def get_num_encoder_embeds(self, input_id: int) -> int:
-        if type(input_id) is not int or not 0 <= input_id < len(self.mm_features):
-            check_int("input_id", input_id)
+        if type(input_id) is not int:
+            input_id = check_int("input_id", input_id)
+        if not 0 <= input_id < len(self.mm_features):
             raise ValueError(
                 f"request {self.request_id!r} has {len(self.mm_features)} multimodal "
                 f"inputs; input_id {input_id} is out of range"

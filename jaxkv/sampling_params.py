@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv._checks import as_int
+
 __all__ = ["SamplingParams"]
 
 
@@ -23,14 +25,20 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Sampling is greedy when `temperature == 0` (jaxkv's default; vLLM's is 1.0);
-    `top_k=0` and `top_p=1.0` disable those filters; `seed=None` draws from the
-    engine's seed and the request's arrival number. The request stops after
-    `max_tokens` outputs, on an EOS token of the model (unless `ignore_eos`), or on any
-    of `stop_token_ids` (kept in the output, as vLLM does for stop token ids).
+    `top_k=0` and `top_p=1.0` disable those filters (`top_k=-1`, vLLM's other "disabled",
+    is stored as 0); `seed=None` draws from the engine's seed and the request's arrival
+    number; any other int is the seed, except -1, which means None as in vLLM. The
+    request stops after `max_tokens` outputs, on an EOS token of the model (unless
+    `ignore_eos`), or on any of `stop_token_ids` (kept in the output, as vLLM does for
+    stop token ids).
 
     As in vLLM, `skip_reading_prefix_cache` left at None becomes True exactly when
     `prompt_logprobs` is requested (a prefix-cache hit would skip the prompt positions
     whose logprobs are asked for).
+
+    Integer fields accept numpy integers, and float fields numpy floats and integers (a
+    bool is neither); once built, every field holds Python values (ints, floats, a tuple
+    of ints).
     """
 
     max_tokens: int = 16
@@ -46,48 +54,53 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(
-                f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}"
-            )
+            return _bad(name, getattr(self, name), allowed)
 
-        def is_int(value: object) -> bool:
-            return not isinstance(value, bool | np.bool_) and isinstance(value, int | np.integer)
-
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        max_tokens = as_int(self.max_tokens)
+        if max_tokens is None or max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
-        if not isinstance(self.temperature, int | float) or not (
-            math.isfinite(self.temperature) and self.temperature >= 0
-        ):
+        temperature = _as_float(self.temperature)
+        if temperature is None or not (math.isfinite(temperature) and temperature >= 0):
             raise bad("temperature", "a finite float >= 0 (0 means greedy)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "an int >= 0 (0 disables top-k)")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+        top_k = as_int(self.top_k)
+        if top_k is None or top_k < -1:
+            raise bad("top_k", "an int >= -1 (0 and -1 disable top-k)")
+        top_p = _as_float(self.top_p)
+        if top_p is None or not 0 < top_p <= 1:
             raise bad("top_p", "a float in (0, 1] (1 disables top-p)")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
-        ):
-            raise bad("seed", "None or an int >= 0")
+        seed = None if self.seed is None else as_int(self.seed)
+        if seed is None and self.seed is not None:
+            raise bad("seed", "None or an int (-1 means None)")
         stop = self.stop_token_ids
         if isinstance(stop, int | str | bytes) or not isinstance(stop, Sequence | set | frozenset):
             raise bad("stop_token_ids", "a sequence of token ids >= 0")
-        if any(not is_int(t) or t < 0 for t in stop):
-            raise bad("stop_token_ids", "a sequence of token ids >= 0")
+        stop_token_ids = []
+        for given in stop:
+            token_id = as_int(given)
+            if token_id is None or token_id < 0:
+                raise bad("stop_token_ids", "a sequence of token ids >= 0")
+            stop_token_ids.append(token_id)
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
-        if self.prompt_logprobs is not None and (
-            not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
-        ):
+        prompt_logprobs = None if self.prompt_logprobs is None else as_int(self.prompt_logprobs)
+        if self.prompt_logprobs is not None and (prompt_logprobs is None or prompt_logprobs < 0):
             raise bad("prompt_logprobs", "None or an int >= 0")
         if self.skip_reading_prefix_cache is not None and not isinstance(
             self.skip_reading_prefix_cache, bool
         ):
             raise bad("skip_reading_prefix_cache", "None or a bool")
-        if self.eos_token_id is not None and (
-            not is_int(self.eos_token_id) or self.eos_token_id < 0
+        eos_token_id = None if self.eos_token_id is None else _check_eos(self.eos_token_id)
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("temperature", temperature),
+            ("top_k", 0 if top_k == -1 else top_k),  # -1: vLLM's other "disabled"
+            ("top_p", top_p),
+            ("seed", None if seed == -1 else seed),  # -1: vLLM's "no seed"
+            ("stop_token_ids", tuple(stop_token_ids)),
+            ("prompt_logprobs", prompt_logprobs),
+            ("eos_token_id", eos_token_id),
         ):
-            raise bad("eos_token_id", "None or a token id >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
-        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+            object.__setattr__(self, name, value)
         if self.skip_reading_prefix_cache is None:
             object.__setattr__(self, "skip_reading_prefix_cache", self.prompt_logprobs is not None)
 
@@ -98,6 +111,30 @@ class SamplingParams:
     def update_from_generation_config(
         self, generation_config: dict[str, Any], eos_token_id: int | None = None
     ) -> None:
-        """vLLM's hook for a model's generation config; only `eos_token_id` is kept."""
+        """vLLM's hook for a model's generation config; only `eos_token_id` is kept (checked
+        as the field is, before anything changes)."""
         if eos_token_id is not None:
-            object.__setattr__(self, "eos_token_id", eos_token_id)
+            object.__setattr__(self, "eos_token_id", _check_eos(eos_token_id))
+
+
+def _bad(name: str, value: object, allowed: str) -> ValueError:
+    """The error for field `name`: what it must be and the value given."""
+    return ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def _as_float(value: object) -> float | None:
+    """`value` as a Python float when it is a real number (a Python or numpy integer or
+    float, not a bool), else None."""
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, int | float | np.integer | np.floating
+    ):
+        return None
+    return float(value)
+
+
+def _check_eos(eos_token_id: object) -> int:
+    """`eos_token_id` as a Python int token id, else the field's ValueError."""
+    token_id = as_int(eos_token_id)
+    if token_id is None or token_id < 0:
+        raise _bad("eos_token_id", eos_token_id, "None or a token id >= 0")
+    return token_id

@@ -250,7 +250,7 @@ def test_float_token_ids_are_rejected_everywhere():
     "call,name",
     [
         (lambda: BlockPool(8.5), "num_gpu_blocks"),
-        (lambda: KVCacheManager.from_spec(FullAttentionSpec(4), 8.5, 64), "num_gpu_blocks"),
+        (lambda: KVCacheManager.from_spec(FullAttentionSpec(4), 8.5, 64), "num_blocks"),
         (lambda: FullAttentionSpec(block_size="4"), "block_size"),
         (lambda: FullAttentionSpec(block_size=4.0), "block_size"),
         (lambda: KVCacheManager.from_spec(FullAttentionSpec(4), 8, 64.0), "max_model_len"),
