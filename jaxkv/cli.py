@@ -1,12 +1,19 @@
-"""The `jaxkv` command: `demo`, `generate`, `plan` (also `python -m jaxkv`)."""
+"""The `jaxkv` command: `demo`, `generate`, `plan` (also `python -m jaxkv`).
+
+Bad input (a flag, a file, a checkpoint) is one line on stderr, `jaxkv: error: ...`,
+naming the flag or file, and exit status 2, as argparse reports its own errors; other
+exceptions are bugs and keep their traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main", "parse_memory"]
 
@@ -18,12 +25,21 @@ def parse_memory(text: str) -> int:
     """Bytes in `text` such as `16GiB`, `512MiB`, `2e9` or `8GB`; ValueError otherwise."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
+    size = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else math.nan
+    if not math.isfinite(size):
         raise ValueError(
-            f"--memory {text!r} is not a size; use a number with an optional unit "
+            f"--memory {text!r} is not a size; use a finite number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(size)
+
+
+def _check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """ValueError naming the first of `flags` (e.g. "--max-model-len") given a value < 1."""
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
 
 
 def _token_ids(text: str) -> list[int]:
@@ -48,12 +64,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 
+    _check_positive(
+        args, "--max-tokens", "--max-model-len", "--max-num-batched-tokens",
+        "--tensor-parallel-size", "--data-parallel-size",
+    )  # fmt: skip
     try:
         from jaxkv import models
     except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
         raise SystemExit(f"jaxkv generate needs jaxkv.models: {error}") from None
     mesh = _mesh(args.data_parallel_size, args.tensor_parallel_size)
-    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
+    # The small inputs first, so that a bad one is reported before the weights are read.
     tokenizer = models.load_tokenizer(args.model)
     if args.prompt is not None and tokenizer is None:
         raise ValueError(
@@ -63,13 +83,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = list(tokenizer.encode(args.prompt).ids)
     else:
         prompt = _token_ids(args.prompt_token_ids)
-    images = None
-    if args.image:
-        images = [_load_image(args.model, args.image)]
+    images = [_load_image(args.model, args.image)] if args.image else None
+    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
+    if images:
         image_token_id = getattr(model.config, "image_token_id", None)
         if image_token_id is not None and image_token_id not in prompt:
             prompt = [image_token_id] + prompt  # the image goes before the text
-    max_len = args.max_model_len or getattr(model.config, "max_position_embeddings", 4096)
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = getattr(model.config, "max_position_embeddings", 4096)
     engine = LLMEngine(
         model,
         EngineConfig(
@@ -111,27 +133,26 @@ def _mesh(data: int, model: int):
     from jaxkv.device import make_mesh
 
     devices = jax.devices()
-    if data < 1 or model < 1 or data * model > len(devices):
+    if data * model > len(devices):
         raise ValueError(
             f"--data-parallel-size {data} x --tensor-parallel-size {model} needs "
-            f"{data * model} devices; {len(devices)} available (each size must be >= 1)"
+            f"{data * model} devices; {len(devices)} available"
         )
     return make_mesh(data, model, devices[: data * model])
 
 
 def _load_image(model_dir: str, image_path: str):
     """The image as pixel values `[C, H, W]`, preprocessed as the checkpoint says."""
-    from pathlib import Path
-
-    from PIL import Image
-
-    from jaxkv import models
+    from jaxkv.models.checkpoint import read_json
+    from jaxkv.models.image import load_image, preprocess_image
 
     config_path = Path(model_dir) / "preprocessor_config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"--image needs {config_path} (how to preprocess images)")
-    with Image.open(image_path) as image:
-        return models.preprocess_image(image.convert("RGB"), json.loads(config_path.read_text()))
+        raise ValueError(f"--image needs {config_path} (how to preprocess images)")
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: not a JSON object")
+    return preprocess_image(load_image(image_path).convert("RGB"), config)
 
 
 def read_kv_cache_specs(model_dir: str, block_size: int, dtype: str) -> dict:
@@ -140,14 +161,10 @@ def read_kv_cache_specs(model_dir: str, block_size: int, dtype: str) -> dict:
 
     from jaxkv.models.base import CausalLM
     from jaxkv.models.checkpoint import read_config
-    from jaxkv.models.config import model_type_of, parse_decoder_config, parse_llava_config
+    from jaxkv.models.config import LlavaConfig, parse_model_config
 
-    where = f"{model_dir}/config.json"
-    cfg = read_config(model_dir)
-    if model_type_of(cfg, where) == "llava":
-        decoder = parse_llava_config(cfg, where).text
-    else:
-        decoder = parse_decoder_config(cfg, where)
+    config = parse_model_config(read_config(model_dir), f"{Path(model_dir) / 'config.json'}")
+    decoder = config.text if isinstance(config, LlavaConfig) else config
     # The specs follow from the decoder config only: no weights are read.
     return CausalLM.kv_cache_specs(SimpleNamespace(config=decoder), block_size, dtype)
 
@@ -200,6 +217,10 @@ def format_plan(plan: dict) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    _check_positive(
+        args, "--max-model-len", "--max-num-batched-tokens", "--block-size",
+        "--tensor-parallel-size",
+    )  # fmt: skip
     memory = parse_memory(args.memory)
     specs = read_kv_cache_specs(args.model, args.block_size, args.dtype)
     plan = capacity_plan(
@@ -263,8 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
-        print(f"jaxkv {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # bad input; anything else is a bug
+        print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2
 
 

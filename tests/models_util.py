@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from jaxkv.models import tiny_configs
 REPO = Path(__file__).resolve().parent.parent
 HF_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_reference.py"
+HF_SAVE_SCRIPT = Path(__file__).resolve().parent / "hf_save.py"
 
 
 def family_configs() -> dict[str, dict]:
@@ -42,6 +44,15 @@ def family_configs() -> dict[str, dict]:
     }
 
 
+def _run_peer(script: Path, *args: object) -> None:
+    """Run `script` under the peer env's python (AssertionError with its stderr on failure)."""
+    proc = subprocess.run(
+        [str(HF_PYTHON), str(script), *map(str, args)], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{script.name} failed under {HF_PYTHON}:\n{proc.stderr[-4000:]}")
+
+
 def run_hf(ckpt: Path, input_ids, num_new: int, pixel_values=None) -> dict | None:
     """transformers' logits and greedy tokens on `ckpt` (None when the peer env is absent)."""
     if not HF_PYTHON.exists():
@@ -51,11 +62,15 @@ def run_hf(ckpt: Path, input_ids, num_new: int, pixel_values=None) -> dict | Non
         inputs["pixel_values"] = np.asarray(pixel_values, np.float32)
     np.savez(ckpt / "hf_in.npz", **inputs)
     out_file = ckpt / "hf_out.npz"
-    proc = subprocess.run(
-        [str(HF_PYTHON), str(HF_SCRIPT), str(ckpt), str(ckpt / "hf_in.npz"), str(out_file)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise AssertionError(f"transformers reference failed:\n{proc.stderr[-4000:]}")
+    _run_peer(HF_SCRIPT, ckpt, ckpt / "hf_in.npz", out_file)
     with np.load(out_file) as out:
         return {k: out[k] for k in out.files}
+
+
+def save_with_transformers(config: dict, path: Path, seed: int) -> None:
+    """A random checkpoint of `config` in directory `path`, written by transformers'
+    own `save_pretrained` in the peer env (`tests/hf_save.py`)."""
+    path.mkdir(parents=True, exist_ok=True)
+    config_file = path.parent / f"{path.name}-config.json"
+    config_file.write_text(json.dumps(config))
+    _run_peer(HF_SAVE_SCRIPT, config_file, path, seed)

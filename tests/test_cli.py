@@ -41,7 +41,10 @@ def test_generate_json_matches_the_dense_reference(checkpoint, capsys) -> None:
             ["--prompt-token-ids", "1", "--tensor-parallel-size", "2"],
             "needs 2 devices; 1 available",
         ),
-        (["--prompt-token-ids", "1", "--data-parallel-size", "0"], "must be >= 1"),
+        (
+            ["--prompt-token-ids", "1", "--data-parallel-size", "0"],
+            "--data-parallel-size must be a positive integer, got 0",
+        ),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(checkpoint, capsys, argv, message) -> None:

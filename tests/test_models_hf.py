@@ -1,6 +1,7 @@
 """Equivalence with transformers: the same tiny random checkpoint gives the same logits and
 greedy tokens in transformers' own model (Gemma, Gemma2, Gemma3ForCausalLM, Llama, LLaVA)
-and in ours.
+and in ours, whether jaxkv wrote it (every tensor layout) or transformers' own
+`save_pretrained` did.
 
 transformers + torch live only in the peer env `REPO_ROOT/.venv-vllm` (no JAX there): a
 subprocess under its python runs `tests/hf_reference.py` and writes the logits and greedy
@@ -12,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models_util import HF_PYTHON, family_configs, run_hf
+from models_util import HF_PYTHON, family_configs, run_hf, save_with_transformers
 from test_models_checkpoint import gemma3_v4_config
 
 from jaxkv.models import load_model, save_random_checkpoint, tiny_configs
@@ -48,16 +49,20 @@ def check_equivalent(prompt, hf, dense, prompt_embeds=None) -> None:
     assert tokens == hf["generated"].tolist()
 
 
+def check_decoder(path) -> None:
+    prompt = np.random.default_rng(0).integers(3, 256, 21).tolist()  # > the window (8)
+    hf = run_hf(path, prompt, NUM_NEW)
+    check_equivalent(prompt, hf, load_model(path).dense_fn())
+
+
 @pytest.mark.parametrize("name", sorted(hf_configs()))
 def test_decoder_matches_transformers(tmp_path, name):
     save_random_checkpoint(tmp_path, hf_configs()[name], seed=4)
-    prompt = np.random.default_rng(0).integers(3, 256, 21).tolist()  # > the window (8)
-    hf = run_hf(tmp_path, prompt, NUM_NEW)
-    check_equivalent(prompt, hf, load_model(tmp_path).dense_fn())
+    check_decoder(tmp_path)
 
 
-def llava_configs() -> dict[str, tuple[dict, bool]]:
-    """(config, 4.x tensor names) of the LLaVA variants: CLIP + Llama, and SigLIP + Gemma 3."""
+def llava_configs() -> dict[str, tuple[dict, str]]:
+    """(config, tensor layout) of the LLaVA variants: CLIP + Llama, and SigLIP + Gemma 3."""
     clip_llama = tiny_configs()["llava-tiny"]
     siglip_gemma = {
         **clip_llama,
@@ -75,19 +80,33 @@ def llava_configs() -> dict[str, tuple[dict, bool]]:
         },
     }
     return {
-        "clip-llama": (clip_llama, False),
-        "clip-llama-4.x-names": (clip_llama, True),
-        "siglip-gemma3": (siglip_gemma, False),
+        "clip-llama": (clip_llama, "model"),
+        "clip-llama-4.x-names": (clip_llama, "4.x"),
+        "clip-llama-5.x-names": (clip_llama, "5.x"),
+        "siglip-gemma3": (siglip_gemma, "model"),
     }
+
+
+def check_llava(path) -> None:
+    model = load_model(path)
+    prompt = model.expand_image_tokens([2, 17, 255, 30, 31, 32, 33, 34, 35])
+    px = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    hf = run_hf(path, prompt, NUM_NEW, px)
+    embeds = model.multimodal_embeddings(jnp.asarray(prompt, jnp.int32), jnp.asarray(px))
+    check_equivalent(prompt, hf, model.dense_fn(), embeds)
 
 
 @pytest.mark.parametrize("name", sorted(llava_configs()))
 def test_llava_matches_transformers(tmp_path, name):
-    config, legacy = llava_configs()[name]
-    save_random_checkpoint(tmp_path, config, seed=9, legacy_names=legacy)
-    model = load_model(tmp_path)
-    prompt = model.expand_image_tokens([2, 17, 255, 30, 31, 32, 33, 34, 35])
-    px = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
-    hf = run_hf(tmp_path, prompt, NUM_NEW, px)
-    embeds = model.multimodal_embeddings(jnp.asarray(prompt, jnp.int32), jnp.asarray(px))
-    check_equivalent(prompt, hf, model.dense_fn(), embeds)
+    config, layout = llava_configs()[name]
+    save_random_checkpoint(tmp_path, config, seed=9, layout=layout)
+    check_llava(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["llama", "llava"])
+def test_checkpoints_saved_by_transformers_load(tmp_path, name):
+    """The tensor names and config.json this transformers' own `save_pretrained` writes
+    (for LLaVA in 5.x: `language_model.model.`, `vision_tower.` with no `vision_model.`)."""
+    config = llava_configs()["clip-llama"][0] if name == "llava" else family_configs()[name]
+    save_with_transformers(config, tmp_path / "ckpt", seed=3)
+    (check_llava if name == "llava" else check_decoder)(tmp_path / "ckpt")

@@ -1,5 +1,5 @@
 """LLaVA: paged serving with image features merged in gives the dense reference's tokens;
-4.x and 5.x checkpoint layouts load the same model; the feature/placeholder contract."""
+every tensor layout loads the same model; the feature/placeholder contract."""
 
 from __future__ import annotations
 
@@ -78,23 +78,30 @@ def test_paged_with_images_matches_dense(model, chunk_size):
                            dense(jnp.asarray(prompts[0]), jnp.asarray(embeds[0])))  # fmt: skip
 
 
-def test_4x_and_5x_layouts_load_the_same_model(tmp_path):
+def test_every_layout_loads_the_same_model(tmp_path):
+    """transformers 5.x module names, 4.x save_pretrained (sharded) and 5.x save_pretrained."""
     cfg = tiny_configs()["llava-tiny"]
-    v5 = save_random_checkpoint(tmp_path / "v5", cfg, seed=8)
-    v4 = save_random_checkpoint(tmp_path / "v4", cfg, seed=8, legacy_names=True, num_shards=2)
-    assert "language_model.model.embed_tokens.weight" in v4
-    assert "vision_tower.vision_model.embeddings.class_embedding" in v4
-    assert "language_model.lm_head.weight" in v4 and "lm_head.weight" in v5
-    a, b = load_model(tmp_path / "v5"), load_model(tmp_path / "v4")
+    saved = {
+        "model": save_random_checkpoint(tmp_path / "model", cfg, seed=8),
+        "4.x": save_random_checkpoint(tmp_path / "4.x", cfg, seed=8, layout="4.x", num_shards=2),
+        "5.x": save_random_checkpoint(tmp_path / "5.x", cfg, seed=8, layout="5.x"),
+    }
+    assert "lm_head.weight" in saved["model"]
+    assert "language_model.model.embed_tokens.weight" in saved["4.x"]
+    assert "language_model.lm_head.weight" in saved["4.x"]
+    assert "vision_tower.vision_model.embeddings.class_embedding" in saved["4.x"]
+    assert "vision_tower.embeddings.class_embedding" in saved["5.x"]
+    models = {layout: load_model(tmp_path / layout) for layout in saved}
     px = jnp.asarray(pixels(3))
-    np.testing.assert_array_equal(a.encode_images(px), b.encode_images(px))
-    np.testing.assert_array_equal(a.decoder.lm_head[...], b.decoder.lm_head[...])
+    for model in models.values():
+        np.testing.assert_array_equal(model.encode_images(px), models["model"].encode_images(px))
+        np.testing.assert_array_equal(model.decoder.lm_head[...], saved["model"]["lm_head.weight"])
 
 
 def test_llava_bad_config(tmp_path):
     cfg = tiny_configs()["llava-tiny"]
     cfg["vision_feature_layer"] = [-2, -1]
-    with pytest.raises(ValueError, match="only one layer is supported"):
+    with pytest.raises(ValueError, match=r"vision_feature_layer \[-2, -1\] must be one layer"):
         save_random_checkpoint(tmp_path, cfg)
     cfg = tiny_configs()["llava-tiny"]
     cfg["vision_config"]["model_type"] = "dinov2"

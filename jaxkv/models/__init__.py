@@ -21,6 +21,7 @@ _EXPORTS = {
     "load_tokenizer": "jaxkv.models.loading",
     "LlavaForConditionalGeneration": "jaxkv.models.llava",
     "merge_image_features": "jaxkv.models.llava",
+    "load_image": "jaxkv.models.image",
     "preprocess_image": "jaxkv.models.image",
     "save_random_checkpoint": "jaxkv.models.testing",
     "tiny_configs": "jaxkv.models.testing",

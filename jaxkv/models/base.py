@@ -6,11 +6,14 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
   local Hugging Face checkpoint (`config.json` + `*.safetensors`, sharded through
   `model.safetensors.index.json`), dispatching on `architectures[0]` (else `model_type`):
   `GemmaForCausalLM`, `Gemma2ForCausalLM`, `Gemma3ForCausalLM`, `LlamaForCausalLM`,
-  `LlavaForConditionalGeneration`; transformers 4.x and 5.x config fields and LLaVA
-  tensor layouts. Unknown architecture, missing or misshapen tensor, unsupported field
-  value: `ValueError` naming it. Weights go onto `mesh` (`jaxkv.device.make_mesh`):
-  attention projections split over the model axis in whole heads, MLP/vocab rows in
-  whole units, where the axis size divides them, else replicated; replicated over data.
+  `LlavaForConditionalGeneration`; transformers 4.x and 5.x config fields and every
+  tensor layout transformers' `from_pretrained` accepts (`jaxkv.models.loading.PARTS`).
+  Bad input (unknown architecture, config field out of range, unreadable file, missing,
+  misshapen or non-float tensor): a one-line `ValueError` naming the file and the field
+  or tensor, config fields checked before any tensor is read. Weights go onto `mesh`
+  (`jaxkv.device.make_mesh`): attention projections split over the model axis in whole
+  heads, MLP/vocab rows in whole units, where the axis size divides them, else
+  replicated; replicated over data.
 - `CausalLM.config` is the text decoder's `DecoderConfig` (family, vocab_size,
   hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
   layer_types, sliding_window, window_of(i), sm_scale, attn/final soft-caps,
@@ -43,11 +46,12 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
   `merge_image_features(token_ids, embeds, features [M, hidden], image_token_id)` puts
   features into the placeholder rows in order; `multimodal_embeddings(ids, pixels)` does
   both for one prompt.
-- `jaxkv.models.preprocess_image(pil_image, preprocessor_config) -> [C, H, W]` float32.
+- `jaxkv.models.preprocess_image(pil_image, preprocessor_config) -> [C, H, W]` float32;
+  `jaxkv.models.load_image(path)` reads an image file (ValueError naming a bad one).
 - `jaxkv.models.load_tokenizer(path)`: `tokenizers.Tokenizer` of `tokenizer.json` or None.
 - Tests and examples: `jaxkv.models.tiny_configs()` ("gemma3-tiny", "llama-tiny",
   "llava-tiny": HF config dicts), `save_random_checkpoint(path, config, seed,
-  num_shards=1, legacy_names=False)`, `jaxkv.models.paged_generate.PagedGenerator` (a
+  num_shards=1, layout="model")`, `jaxkv.models.paged_generate.PagedGenerator` (a
   minimal paged greedy loop, one or per-spec KV-cache groups) and `dense_greedy`.
 """
 

@@ -188,20 +188,91 @@ class LlavaConfig:
 
 
 # --------------------------------------------------------------------------- parsing
+#
+# Every field is checked as it is read: a bad value is a ValueError naming `where` (the
+# config file and section), the field, the value and what is allowed.
+
+_REQUIRED = object()  # `default` of a field that must be present
 
 
-def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"{where}: config field {key!r} is missing")
-    return cfg[key]
-
-
-def _as_int_tuple(value: Any) -> tuple[int, ...]:
+def _value(cfg: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
+    """`cfg[key]`, or `default` when absent or null (ValueError when `_REQUIRED`)."""
+    value = cfg.get(key)
     if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+        if default is _REQUIRED:
+            raise ValueError(f"{where}: config field {key!r} is missing")
+        return default
+    return value
+
+
+def _int(
+    cfg: Mapping[str, Any], key: str, where: str, default: Any = _REQUIRED, *, minimum: int = 1
+) -> int:
+    """Integer field `key` (not a bool, not a float), at least `minimum`."""
+    value = _value(cfg, key, where, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{where}: {key} must be {allowed}, got {value!r}")
+    return value
+
+
+def _float(
+    cfg: Mapping[str, Any],
+    key: str,
+    where: str,
+    default: Any = _REQUIRED,
+    *,
+    positive: bool = False,
+) -> float:
+    """Finite number field `key` (int or float, not a bool), > 0 when `positive`, else >= 0."""
+    value = _value(cfg, key, where, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        allowed = "a positive number" if positive else "a number >= 0"
+        raise ValueError(f"{where}: {key} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _optional_float(
+    cfg: Mapping[str, Any], key: str, where: str, default: float | None
+) -> float | None:
+    """A positive number, or None when the field is null or 0 (switched off)."""
+    value = cfg.get(key, default)
+    return None if value in (None, 0) else _float({key: value}, key, where, positive=True)
+
+
+def _bool(cfg: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = _value(cfg, key, where, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(
+    cfg: Mapping[str, Any], key: str, where: str, default: Any = _REQUIRED
+) -> Mapping[str, Any]:
+    value = _value(cfg, key, where, default)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: {key} must be a JSON object, got {value!r}")
+    return value
+
+
+def _token_ids(cfg: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
+    """Token id field `key`: an integer >= 0, a list of them, or null (no ids)."""
+    value = cfg.get(key)
+    ids = () if value is None else value if isinstance(value, list) else [value]
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(
+                f"{where}: {key} must be a token id (an integer >= 0) or a list of them, "
+                f"got {value!r}"
+            )
+    return tuple(ids)
 
 
 def _rope_from_dict(params: Mapping[str, Any], default_theta: float, where: str) -> RopeConfig:
@@ -209,34 +280,38 @@ def _rope_from_dict(params: Mapping[str, Any], default_theta: float, where: str)
     if kind not in ("default", "linear", "llama3"):
         raise ValueError(f"{where}: rope_type {kind!r} is not supported (default, linear, llama3)")
     return RopeConfig(
-        theta=float(params.get("rope_theta", default_theta)),
+        theta=_float(params, "rope_theta", where, default_theta, positive=True),
         kind=kind,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=_float(params, "factor", where, 1.0, positive=True),
+        low_freq_factor=_float(params, "low_freq_factor", where, 1.0, positive=True),
+        high_freq_factor=_float(params, "high_freq_factor", where, 4.0, positive=True),
+        original_max_position_embeddings=_int(
+            params, "original_max_position_embeddings", where, 8192
+        ),
     )
 
 
 def _parse_rope(cfg: Mapping[str, Any], family: str, where: str) -> dict[str, RopeConfig]:
     """Per-layer-type RoPE from 5.x `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
-    params = cfg.get("rope_parameters")
+    params = _mapping(cfg, "rope_parameters", where, {})
     global_default = 1_000_000.0 if family == "gemma3" else 10_000.0
-    if isinstance(params, Mapping) and any(t in params for t in LAYER_TYPES):
+    if any(t in params for t in LAYER_TYPES):
         out = {}
         for t in LAYER_TYPES:
-            p = params.get(t) or {}
             default = global_default if t == FULL_ATTENTION else 10_000.0
+            p = _mapping(params, t, f"{where} rope_parameters", {})
             out[t] = _rope_from_dict(p, default, f"{where} rope_parameters[{t!r}]")
         return out
-    if isinstance(params, Mapping) and params:  # one dict for every layer (5.x)
-        rope = _rope_from_dict(params, float(cfg.get("rope_theta", global_default)), where)
+    if params:  # one dict for every layer (5.x)
+        theta = _float(cfg, "rope_theta", where, global_default, positive=True)
+        rope = _rope_from_dict(params, theta, f"{where} rope_parameters")
         return {t: rope for t in LAYER_TYPES}
-    scaling = cfg.get("rope_scaling") or {}
-    full = _rope_from_dict({**scaling, "rope_theta": cfg.get("rope_theta", global_default)},
-                           global_default, f"{where} rope_scaling")  # fmt: skip
+    scaling = _mapping(cfg, "rope_scaling", where, {})
+    theta = _float(cfg, "rope_theta", where, global_default, positive=True)
+    full = _rope_from_dict({**scaling, "rope_theta": theta}, theta, f"{where} rope_scaling")
     if family == "gemma3":  # 4.x: local layers use rope_local_base_freq, unscaled
-        local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
+        local_theta = _float(cfg, "rope_local_base_freq", where, 10_000.0, positive=True)
+        local = RopeConfig(theta=local_theta)
         return {FULL_ATTENTION: full, SLIDING_ATTENTION: local}
     return {t: full for t in LAYER_TYPES}
 
@@ -244,22 +319,29 @@ def _parse_rope(cfg: Mapping[str, Any], family: str, where: str) -> dict[str, Ro
 def _parse_layer_types(cfg: Mapping[str, Any], family: str, n: int, where: str) -> tuple[str, ...]:
     types = cfg.get("layer_types")
     if types is not None:
-        types = tuple(types)
-        if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        if (
+            not isinstance(types, list)
+            or len(types) != n
+            or any(t not in LAYER_TYPES for t in types)
+        ):
             raise ValueError(
-                f"{where}: layer_types {list(types)} must list {n} entries from {list(LAYER_TYPES)}"
+                f"{where}: layer_types {types!r} must list {n} entries from {list(LAYER_TYPES)}"
             )
-        return types
+        return tuple(types)
     if family == "gemma2":  # even layers slide (1:1)
         return tuple(SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n))
     if family == "gemma3":  # every `sliding_window_pattern`-th layer is global (5:1 by default)
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        pattern = _int(cfg, "sliding_window_pattern", where, 6)
         return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n))
     return (FULL_ATTENTION,) * n
 
 
 def parse_decoder_config(cfg: Mapping[str, Any], where: str = "config.json") -> DecoderConfig:
-    """A `DecoderConfig` from a Gemma/Gemma2/Gemma3-text/Llama `config.json` dict."""
+    """A `DecoderConfig` from a Gemma/Gemma2/Gemma3-text/Llama `config.json` dict.
+
+    Every field it reads is checked (positive sizes, heads dividing, a positive even
+    head_dim, integer token ids, ...): ValueError naming `where` and the field.
+    """
     model_type = cfg.get("model_type")
     if model_type not in DECODER_MODEL_TYPES:
         raise ValueError(
@@ -267,16 +349,23 @@ def parse_decoder_config(cfg: Mapping[str, Any], where: str = "config.json") -> 
             f"({', '.join(DECODER_MODEL_TYPES)})"
         )
     family = DECODER_MODEL_TYPES[model_type]
-    hidden = int(_require(cfg, "hidden_size", where))
-    heads = int(_require(cfg, "num_attention_heads", where))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = _int(cfg, "hidden_size", where)
+    heads = _int(cfg, "num_attention_heads", where)
+    kv_heads = _int(cfg, "num_key_value_heads", where, heads)
     if heads % kv_heads:
         raise ValueError(
             f"{where}: num_attention_heads {heads} is not a multiple of "
             f"num_key_value_heads {kv_heads}"
         )
-    n = int(_require(cfg, "num_hidden_layers", where))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    n = _int(cfg, "num_hidden_layers", where)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        head_dim = hidden // heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(
+            f"{where}: head_dim must be a positive even integer (RoPE rotates pairs), got "
+            f"{head_dim!r}" + ("" if "head_dim" in cfg else " (hidden_size // num_attention_heads)")
+        )
     default_act = "silu" if family == "llama" else "gelu_pytorch_tanh"
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or default_act
     if family == "gemma" and act == "gelu":  # legacy Gemma configs mean the tanh approximation
@@ -284,44 +373,52 @@ def parse_decoder_config(cfg: Mapping[str, Any], where: str = "config.json") -> 
     if act not in ACTIVATIONS:
         raise ValueError(f"{where}: activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
     layer_types = _parse_layer_types(cfg, family, n, where)
-    window = cfg.get("sliding_window") if family in ("gemma2", "gemma3") else None
-    if family in ("gemma2", "gemma3") and window is None:
-        window = 4096
+    window = None
+    if family in ("gemma2", "gemma3"):
+        window = _int(cfg, "sliding_window", where, 4096)
     if SLIDING_ATTENTION in layer_types and not window:
         raise ValueError(f"{where}: sliding_attention layers need a positive sliding_window")
-    if family == "gemma3" and cfg.get("use_bidirectional_attention"):
+    if family == "gemma3" and _bool(cfg, "use_bidirectional_attention", where, False):
         raise ValueError(f"{where}: use_bidirectional_attention=True is not supported")
-    softcap_defaults = (50.0, 30.0) if family == "gemma2" else (None, None)
-    attn_cap = cfg.get("attn_logit_softcapping", softcap_defaults[0])
-    final_cap = cfg.get("final_logit_softcapping", softcap_defaults[1])
-    qpas = cfg.get("query_pre_attn_scalar", 256 if family in ("gemma2", "gemma3") else None)
+    gemma2 = family == "gemma2"
+    sandwich = family in ("gemma2", "gemma3")
+    bos = _token_ids(cfg, "bos_token_id", where)
+    if len(bos) > 1:
+        raise ValueError(f"{where}: bos_token_id must be one token id, got {list(bos)}")
     return DecoderConfig(
         family=family,
-        vocab_size=int(_require(cfg, "vocab_size", where)),
+        vocab_size=_int(cfg, "vocab_size", where),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size", where)),
+        intermediate_size=_int(cfg, "intermediate_size", where),
         num_hidden_layers=n,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", where, 1e-6),
         hidden_act=act,
         layer_types=layer_types,
         rope=tuple(_parse_rope(cfg, family, where).items()),
-        sliding_window=int(window) if window else None,
-        query_pre_attn_scalar=float(qpas) if qpas is not None else None,
-        attn_logit_softcapping=float(attn_cap) if attn_cap else None,
-        final_logit_softcapping=float(final_cap) if final_cap else None,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family != "llama")),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        eos_token_ids=_as_int_tuple(cfg.get("eos_token_id")),
-        bos_token_id=cfg.get("bos_token_id"),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        sliding_window=window,
+        query_pre_attn_scalar=_optional_float(
+            cfg, "query_pre_attn_scalar", where, 256 if sandwich else None
+        ),
+        attn_logit_softcapping=_optional_float(
+            cfg, "attn_logit_softcapping", where, 50.0 if gemma2 else None
+        ),
+        final_logit_softcapping=_optional_float(
+            cfg, "final_logit_softcapping", where, 30.0 if gemma2 else None
+        ),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", where, family != "llama"),
+        attention_bias=_bool(cfg, "attention_bias", where, False),
+        mlp_bias=_bool(cfg, "mlp_bias", where, False),
+        eos_token_ids=_token_ids(cfg, "eos_token_id", where),
+        bos_token_id=bos[0] if bos else None,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", where, 8192),
     )
 
 
 def parse_vision_config(cfg: Mapping[str, Any], where: str) -> VisionConfig:
+    """A `VisionConfig` from a LLaVA `vision_config` (CLIP or SigLIP), every field checked."""
     model_type = cfg.get("model_type", "clip_vision_model")
     kinds = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
     if model_type not in kinds:
@@ -332,45 +429,56 @@ def parse_vision_config(cfg: Mapping[str, Any], where: str) -> VisionConfig:
     act = cfg.get("hidden_act", "quick_gelu" if kind == "clip" else "gelu_pytorch_tanh")
     if act not in ACTIVATIONS:
         raise ValueError(f"{where}: vision hidden_act {act!r} is not supported")
-    hidden = int(_require(cfg, "hidden_size", where))
-    heads = int(_require(cfg, "num_attention_heads", where))
+    hidden = _int(cfg, "hidden_size", where)
+    heads = _int(cfg, "num_attention_heads", where)
     if hidden % heads:
         raise ValueError(f"{where}: vision hidden_size {hidden} is not a multiple of heads {heads}")
+    image_size, patch_size = _int(cfg, "image_size", where), _int(cfg, "patch_size", where)
+    if image_size % patch_size:
+        raise ValueError(
+            f"{where}: image_size {image_size} must be a multiple of patch_size {patch_size}"
+        )
     return VisionConfig(
         kind=kind,
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size", where)),
-        num_hidden_layers=int(_require(cfg, "num_hidden_layers", where)),
+        intermediate_size=_int(cfg, "intermediate_size", where),
+        num_hidden_layers=_int(cfg, "num_hidden_layers", where),
         num_attention_heads=heads,
-        num_channels=int(cfg.get("num_channels", 3)),
-        image_size=int(_require(cfg, "image_size", where)),
-        patch_size=int(_require(cfg, "patch_size", where)),
+        num_channels=_int(cfg, "num_channels", where, 3),
+        image_size=image_size,
+        patch_size=patch_size,
         hidden_act=act,
-        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5 if kind == "clip" else 1e-6)),
+        layer_norm_eps=_float(cfg, "layer_norm_eps", where, 1e-5 if kind == "clip" else 1e-6),
     )
 
 
 def parse_llava_config(cfg: Mapping[str, Any], where: str = "config.json") -> LlavaConfig:
-    text_cfg = dict(_require(cfg, "text_config", where))
-    text_cfg.setdefault("model_type", "llama")
-    image_token_id = cfg.get("image_token_id", cfg.get("image_token_index", 32000))
-    text = dataclasses.replace(
-        parse_decoder_config(text_cfg, f"{where} text_config"),
-        image_token_id=int(image_token_id),
-        tie_word_embeddings=bool(
-            cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
-        ),
-    )
-    if not text.eos_token_ids and cfg.get("eos_token_id") is not None:
-        text = dataclasses.replace(text, eos_token_ids=_as_int_tuple(cfg["eos_token_id"]))
-    vision = parse_vision_config(_require(cfg, "vision_config", where), f"{where} vision_config")
-    layer = cfg.get("vision_feature_layer", -2)
-    if not isinstance(layer, int):
-        raise ValueError(f"{where}: vision_feature_layer {layer!r}: only one layer is supported")
-    if not -vision.num_hidden_layers - 1 <= layer <= vision.num_hidden_layers:
+    """A `LlavaConfig` from a LLaVA `config.json` dict, every field checked (as
+    `parse_decoder_config` checks the text config); the image token lies in the vocabulary."""
+    text_cfg = {"model_type": "llama", **_mapping(cfg, "text_config", where)}
+    text = parse_decoder_config(text_cfg, f"{where} text_config")
+    image_key = "image_token_id" if cfg.get("image_token_id") is not None else "image_token_index"
+    image_token_id = _int(cfg, image_key, where, 32000, minimum=0)
+    if image_token_id >= text.vocab_size:
         raise ValueError(
-            f"{where}: vision_feature_layer {layer} is outside the "
-            f"{vision.num_hidden_layers + 1} hidden states of the vision tower"
+            f"{where}: {image_key} {image_token_id} is outside the vocabulary "
+            f"(text_config vocab_size {text.vocab_size})"
+        )
+    text = dataclasses.replace(
+        text,
+        image_token_id=image_token_id,
+        tie_word_embeddings=_bool(
+            cfg, "tie_word_embeddings", where, _bool(text_cfg, "tie_word_embeddings", where, False)
+        ),
+        eos_token_ids=text.eos_token_ids or _token_ids(cfg, "eos_token_id", where),
+    )
+    vision = parse_vision_config(_mapping(cfg, "vision_config", where), f"{where} vision_config")
+    n = vision.num_hidden_layers
+    layer = _value(cfg, "vision_feature_layer", where, -2)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not -n - 1 <= layer <= n:
+        raise ValueError(
+            f"{where}: vision_feature_layer {layer!r} must be one layer, an integer in "
+            f"[{-n - 1}, {n}] (an index into the vision tower's {n + 1} hidden states)"
         )
     strategy = cfg.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
@@ -383,17 +491,19 @@ def parse_llava_config(cfg: Mapping[str, Any], where: str = "config.json") -> Ll
     return LlavaConfig(
         text=text,
         vision=vision,
-        image_token_id=int(image_token_id),
-        vision_feature_layer=int(layer),
+        image_token_id=image_token_id,
+        vision_feature_layer=layer,
         vision_feature_select_strategy=strategy,
         projector_hidden_act=act,
-        multimodal_projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+        multimodal_projector_bias=_bool(cfg, "multimodal_projector_bias", where, True),
     )
 
 
 def model_type_of(cfg: Mapping[str, Any], where: str = "config.json") -> str:
     """The `model_type` a config describes, checked against `architectures[0]` when given."""
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ValueError(f"{where}: architectures must be a list of class names, got {archs!r}")
     if archs:
         if archs[0] not in ARCHITECTURES:
             raise ValueError(
@@ -406,3 +516,16 @@ def model_type_of(cfg: Mapping[str, Any], where: str = "config.json") -> str:
             f"{where}: model_type {model_type!r} is not supported and no architectures"
         )
     return model_type
+
+
+def parse_model_config(
+    cfg: Mapping[str, Any], where: str = "config.json"
+) -> DecoderConfig | LlavaConfig:
+    """The config of any supported architecture (dispatching as `model_type_of` says),
+    every field checked; ValueError naming `where` and the field otherwise."""
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where}: not a JSON object")
+    model_type = model_type_of(cfg, where)
+    if model_type == "llava":
+        return parse_llava_config(cfg, where)
+    return parse_decoder_config({**cfg, "model_type": model_type}, where)

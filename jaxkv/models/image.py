@@ -1,5 +1,6 @@
 """`preprocess_image`: a PIL image -> `[C, H, W]` float32 pixels, as a checkpoint's
-`preprocessor_config.json` says (the steps of Hugging Face's CLIP/SigLIP image processors).
+`preprocessor_config.json` says (the steps of Hugging Face's CLIP/SigLIP image processors);
+`load_image`: an image file, decoded in full (ValueError naming the file otherwise).
 
 Steps, each switched by its `do_*` field: convert to RGB; resize (`size.shortest_edge`:
 the short side to that length, the long side scaled and truncated; `size.height/width`:
@@ -10,6 +11,7 @@ exactly that size) with the PIL filter `resample` (bicubic by default); center c
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,24 @@ def _size(value: Any, name: str) -> dict[str, int]:
         f"preprocessor_config {name}={value!r}: expected an int, "
         "{'shortest_edge': N} or {'height': H, 'width': W}"
     )
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """The image in file `path`, decoded in full (so a truncated file fails here).
+
+    ValueError naming the file when it is missing, a directory, or not an image PIL reads
+    in full (PNG, JPEG, ...).
+    """
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        # PIL: UnidentifiedImageError / "image file is truncated" (OSError), "broken PNG
+        # file" (SyntaxError); the OS: FileNotFoundError, IsADirectoryError.
+        raise ValueError(
+            f"{path}: not an image file PIL can read in full, e.g. a PNG or JPEG ({error})"
+        ) from None
 
 
 def resized_size(height: int, width: int, size: Mapping[str, int]) -> tuple[int, int]:

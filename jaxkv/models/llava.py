@@ -13,6 +13,8 @@ feature, in order); the decoder then runs on the merged embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -114,17 +116,20 @@ class VisionTower(nnx.Module):
 
 
 class LlavaForConditionalGeneration(CausalLM):
-    """LLaVA (see the module docstring); `config` is the language model's `DecoderConfig`."""
+    """LLaVA (see the module docstring); `config` is the language model's `DecoderConfig`.
 
-    def __init__(self, cfg: LlavaConfig, reader, prefixes: dict[str, str]) -> None:
-        super().__init__(Decoder(cfg.text, reader, prefixes["language_model"], prefixes["lm_head"]))
+    `prefixes` name where each part's tensors are ("model", "lm_head", "vision_tower",
+    "projector"; see `jaxkv.models.loading.PARTS`).
+    """
+
+    def __init__(self, cfg: LlavaConfig, reader, prefixes: Mapping[str, str]) -> None:
+        lm_head = f"{prefixes['lm_head']}weight"
+        super().__init__(Decoder(cfg.text, reader, prefixes["model"], lm_head))
         self.llava_config = cfg
         vision = cfg.vision
         layer = cfg.vision_feature_layer
         num_layers = layer if layer >= 0 else vision.num_hidden_layers + 1 + layer
-        self.vision_tower = VisionTower(
-            vision, reader, f"{prefixes['vision_tower']}vision_model.", num_layers
-        )
+        self.vision_tower = VisionTower(vision, reader, prefixes["vision_tower"], num_layers)
         proj, text_hid, bias = (
             prefixes["projector"],
             cfg.text.hidden_size,

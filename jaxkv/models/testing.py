@@ -1,16 +1,16 @@
 """Tiny built-in configurations and random-weight checkpoints in Hugging Face format.
 
 `save_random_checkpoint(path, config, seed)` writes `config.json` and safetensors with
-every tensor the model reads, under the names transformers gives them (5.x by default,
-`legacy_names=True` for the 4.x LLaVA layout), optionally split into shards with a
-`model.safetensors.index.json`. The tensor list comes from building the model against a
-recording reader, so it is exactly what `load_model` asks for; the Hugging Face
-equivalence tests load the same files into transformers, which checks the names.
+every tensor the model reads, under the names transformers gives them (`layout`: its
+5.x module names by default, or what `save_pretrained` of transformers 4.x / 5.x
+writes), optionally split into shards with a `model.safetensors.index.json`. The tensor
+list comes from building the model against a recording reader, so it is exactly what
+`load_model` asks for; the Hugging Face equivalence tests load the same files into
+transformers, which checks the names.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections.abc import Sequence
@@ -23,16 +23,30 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from jaxkv.models.checkpoint import INDEX_FILE, SINGLE_FILE
-from jaxkv.models.config import model_type_of, parse_llava_config
+from jaxkv.models.config import LlavaConfig, parse_model_config
 from jaxkv.models.llava import VisionTower
+from jaxkv.models.loading import PARTS, architecture_of, build_model
 
-# 5.x -> 4.x tensor-name prefixes of LLaVA.
-LEGACY_LLAVA_RENAMES = (
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
+# Part -> prefix of each tensor layout `save_random_checkpoint` writes (see
+# `jaxkv.models.loading.PARTS`). Decoders: the same in every layout.
+LAYOUTS: dict[str, dict[str, dict[str, str]]] = {
+    "decoder": dict.fromkeys(("model", "4.x", "5.x"), {"model": "model.", "lm_head": "lm_head."}),
+    "llava": {
+        "model": {key: part.prefixes[0] for key, part in PARTS["llava"].items()},
+        "4.x": {
+            "model": "language_model.model.",
+            "lm_head": "language_model.lm_head.",
+            "vision_tower": "vision_tower.vision_model.",
+            "projector": "multi_modal_projector.",
+        },
+        "5.x": {
+            "model": "language_model.model.",
+            "lm_head": "language_model.lm_head.",
+            "vision_tower": "vision_tower.",
+            "projector": "multi_modal_projector.",
+        },
+    },
+}
 
 
 class RandomTensors:
@@ -42,9 +56,6 @@ class RandomTensors:
         self.rng = np.random.default_rng(seed)
         self.dtype = jnp.dtype(jnp.float32)
         self.tensors: dict[str, np.ndarray] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name.startswith("model.language_model.")  # build the 5.x layout
 
     def get(
         self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
@@ -71,30 +82,26 @@ def save_random_checkpoint(
     seed: int = 0,
     *,
     num_shards: int = 1,
-    legacy_names: bool = False,
+    layout: str = "model",
 ) -> dict[str, np.ndarray]:
     """Write a random-weight checkpoint of `config` into directory `path`; returns the tensors.
 
-    `num_shards > 1` splits the tensors over `model-0000i-of-0000n.safetensors` files
-    with an index, as `save_pretrained` does for large models.
+    `layout` ("model", "4.x" or "5.x", see `LAYOUTS`) names the tensors. `num_shards > 1`
+    splits them over `model-0000i-of-0000n.safetensors` files with an index, as
+    `save_pretrained` does for large models.
     """
-    from jaxkv.models.loading import build_model
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    parsed = parse_model_config(config)
+    layouts = LAYOUTS[architecture_of(parsed)]
+    if layout not in layouts:
+        raise ValueError(f"layout {layout!r} is not one of {list(layouts)}")
+    prefixes = layouts[layout]
     recorder = RandomTensors(seed)
-    build_model(copy.deepcopy(config), recorder)
-    _record_unread_tensors(config, recorder)
+    build_model(parsed, recorder, prefixes)
+    if isinstance(parsed, LlavaConfig):  # tensors a real checkpoint holds but LLaVA never reads
+        _record_unread_vision_tensors(parsed, recorder, prefixes["vision_tower"])
     tensors = recorder.tensors
-    if legacy_names:
-        renamed = {}
-        for name, value in tensors.items():
-            for new, old in LEGACY_LLAVA_RENAMES:
-                if name.startswith(new):
-                    name = old + name[len(new) :]
-                    break
-            renamed[name] = value
-        tensors = renamed
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if num_shards <= 1:
         save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
@@ -125,13 +132,9 @@ def save_word_tokenizer(path: str | Path, vocab_size: int, specials: dict[int, s
     tokenizer.save(str(Path(path) / "tokenizer.json"))
 
 
-def _record_unread_tensors(config: dict[str, Any], recorder: RandomTensors) -> None:
-    """Tensors a real checkpoint holds that the model never reads: the LLaVA vision
-    layers after the selected feature layer and the tower's post-layernorm."""
-    if model_type_of(config) != "llava":
-        return
-    vision = parse_llava_config(config).vision
-    prefix = "model.vision_tower.vision_model."
+def _record_unread_vision_tensors(config: LlavaConfig, recorder: RandomTensors, prefix: str):
+    """The vision layers after the selected feature layer and the tower's post-layernorm."""
+    vision = config.vision
     VisionTower(vision, recorder, prefix, vision.num_hidden_layers)
     for part in ("weight", "bias"):
         recorder.get(f"{prefix}post_layernorm.{part}", (vision.hidden_size,))
