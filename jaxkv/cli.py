@@ -21,14 +21,15 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
-def parse_memory(text: str) -> int:
-    """Bytes in `text` such as `16GiB`, `512MiB`, `2e9` or `8GB`; ValueError otherwise."""
+def parse_memory(text: str, flag: str = "--memory") -> int:
+    """Bytes in `text` such as `16GiB`, `512MiB`, `2e9` or `8GB`; ValueError naming
+    `flag` otherwise."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     size = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else math.nan
     if not math.isfinite(size):
         raise ValueError(
-            f"--memory {text!r} is not a size; use a finite number with an optional unit "
+            f"{flag} {text!r} is not a size; use a finite number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB"
         )
     return int(size)
@@ -61,12 +62,72 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(s["dense_check"] == "OK" for s in summaries) else 1
 
 
+# Without --num-blocks, --kv-cache-memory or --gpu-memory-utilization: this share of a
+# device that reports its memory, else this many bytes (CPU).
+DEFAULT_MEMORY_UTILIZATION = 0.9
+DEFAULT_KV_CACHE_MEMORY = 2**30
+
+
+def _read_prompts(path: str) -> list[tuple[str, int | None]]:
+    """`--prompts FILE`: one prompt a line, or JSONL `{"prompt": ..., "max_tokens": N}`."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--prompts {path}: cannot read it ({error})") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            prompts.append((line, None))
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--prompts {path}:{number}: not a JSON object ({error})") from None
+        text, max_tokens = item.get("prompt"), item.get("max_tokens")
+        if not isinstance(text, str) or (
+            max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1)
+        ):
+            raise ValueError(
+                f'--prompts {path}:{number}: needs "prompt" (text) and optionally '
+                '"max_tokens" (a positive integer)'
+            )
+        prompts.append((text, max_tokens))
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompts in it")
+    return prompts
+
+
+def _memory_settings(args: argparse.Namespace, mesh) -> dict:
+    """The EngineConfig fields that size the KV cache, from the flags (module defaults)."""
+    if args.num_blocks is not None:
+        return {"num_blocks": args.num_blocks}
+    if args.kv_cache_memory is not None:
+        return {"kv_cache_memory": parse_memory(args.kv_cache_memory, "--kv-cache-memory")}
+    utilization = args.gpu_memory_utilization
+    if utilization is not None:
+        if not 0 < utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+        return {"memory_utilization": utilization}
+    import jax
+
+    device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return {"memory_utilization": DEFAULT_MEMORY_UTILIZATION}
+    return {"kv_cache_memory": DEFAULT_KV_CACHE_MEMORY}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from jaxkv.models.prompting import PromptEncoder
 
     _check_positive(
-        args, "--max-tokens", "--max-model-len", "--max-num-batched-tokens",
-        "--tensor-parallel-size", "--data-parallel-size",
+        args, "--max-tokens", "--max-model-len", "--max-num-batched-tokens", "--num-blocks",
+        "--max-num-seqs", "--tensor-parallel-size", "--data-parallel-size",
     )  # fmt: skip
     try:
         from jaxkv import models
@@ -75,52 +136,78 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mesh = _mesh(args.data_parallel_size, args.tensor_parallel_size)
     # The small inputs first, so that a bad one is reported before the weights are read.
     tokenizer = models.load_tokenizer(args.model)
-    if args.prompt is not None and tokenizer is None:
+    texts = [(args.prompt, None)] if args.prompt is not None else None
+    if args.prompts is not None:
+        texts = _read_prompts(args.prompts)
+    if texts is not None and tokenizer is None:
         raise ValueError(
-            f"--prompt needs {args.model}/tokenizer.json; give --prompt-token-ids instead"
+            f"text prompts need {args.model}/tokenizer.json; give --prompt-token-ids instead"
         )
-    if args.prompt is not None:
-        prompt = list(tokenizer.encode(args.prompt).ids)
+    if args.chat and texts is None:
+        raise ValueError("--chat needs --prompt or --prompts (text to put in the template)")
+    if texts is not None:
+        encoder = PromptEncoder.from_dir(args.model, tokenizer)
+        prompts = [encoder.encode(text, chat=args.chat) for text, _ in texts]
+        max_tokens = [n or args.max_tokens for _, n in texts]
     else:
-        prompt = _token_ids(args.prompt_token_ids)
+        prompts, max_tokens = [_token_ids(args.prompt_token_ids)], [args.max_tokens]
     images = [_load_image(args.model, args.image)] if args.image else None
+    if images and len(prompts) > 1:
+        raise ValueError("--image goes with one prompt (--prompt or --prompt-token-ids)")
+    config = EngineConfig(
+        block_size=16, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
+    )  # fmt: skip
     model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
     if images:
         image_token_id = getattr(model.config, "image_token_id", None)
-        if image_token_id is not None and image_token_id not in prompt:
-            prompt = [image_token_id] + prompt  # the image goes before the text
-    max_len = args.max_model_len
-    if max_len is None:
-        max_len = getattr(model.config, "max_position_embeddings", 4096)
-    engine = LLMEngine(
-        model,
-        EngineConfig(
-            block_size=16,
-            num_blocks=args.num_blocks,
-            max_num_seqs=1,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_len,
-            dtype=args.dtype,
-        ),  # fmt: skip
-        tokenizer=tokenizer,
-        mesh=mesh,
-    )
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed,
+        if image_token_id is not None and image_token_id not in prompts[0]:
+            prompts[0] = [image_token_id] + prompts[0]  # the image goes before the text
+    engine = LLMEngine(model, config, tokenizer=tokenizer, mesh=mesh)
+    print(engine.kv_cache_sizing.describe(), file=sys.stderr)
+    sampling = [
+        SamplingParams(
+            max_tokens=n,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )  # fmt: skip
+        for n in max_tokens
+    ]
+    start = time.perf_counter()
+    outputs = engine.generate(
+        prompts, sampling, images=[images] + [None] * (len(prompts) - 1),
+        cache_salt=args.cache_salt,
     )  # fmt: skip
-    (out,) = engine.generate([prompt], sampling, images=[images])
-    if out.error:
-        raise ValueError(out.error)
-    if args.json:
-        print(json.dumps({
-            "prompt_token_ids": out.prompt_token_ids,
-            "output_token_ids": out.output_token_ids,
-            "text": out.text,
-            "finish_reason": out.finish_reason,
-        }))  # fmt: skip
-    else:
-        print(out.text if out.text is not None else " ".join(map(str, out.output_token_ids)))
+    elapsed = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.error and o.finish_reason is None]
+    if errors and len(outputs) == 1:
+        raise ValueError(errors[0])
+    for out in outputs:
+        if args.json:
+            print(json.dumps({
+                "prompt_token_ids": out.prompt_token_ids,
+                "output_token_ids": out.output_token_ids,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
+                "error": out.error,
+            }))  # fmt: skip
+        elif out.error:
+            print(f"error: {out.error}")
+        else:
+            print(out.text if out.text is not None else " ".join(map(str, out.output_token_ids)))
+    if args.prompts is not None:
+        generated = sum(len(o.output_token_ids) for o in outputs)
+        print(
+            f"{len(outputs)} prompts, {generated} tokens in {elapsed:.2f} s: "
+            f"{generated / elapsed:.1f} tokens/s; prefix-cache hits "
+            f"{engine.stats.prefix_hit_rate:.0%}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -245,16 +332,39 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="text (needs tokenizer.json beside the checkpoint)")
     group.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    group.add_argument(
+        "--prompts", metavar="FILE",
+        help='one prompt a line, or JSONL {"prompt": ..., "max_tokens": N}: served as one '
+        "batch with prefix caching; prints tokens/s",
+    )  # fmt: skip
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
     p.add_argument("--image", help="a PNG/JPEG, preprocessed as preprocessor_config.json says")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument(
+        "--max-model-len", type=int,
+        help="default: the longest request the KV cache holds, at most the checkpoint's",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-memory", metavar="SIZE",
+        help="KV-cache bytes per device, e.g. 4GiB (default: 90%% of a device that reports "
+        "its memory, else 1GiB)",
+    )  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, help="share of device memory, (0, 1]")
+    p.add_argument("--num-blocks", type=int, help="KV blocks (instead of a memory budget)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    p.add_argument("--cache-salt", help="tenant key: prefix-cache blocks are shared only within it")
+    p.add_argument(
+        "--compilation-cache", default="auto", metavar="DIR",
+        help="XLA's persistent compilation cache ('auto': $JAXKV_COMPILATION_CACHE or "
+        "~/.cache/jaxkv/xla; 'none': off)",
+    )  # fmt: skip
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1,
         help="devices on the mesh's model axis (attention heads, MLP units split over them)",

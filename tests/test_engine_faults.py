@@ -126,7 +126,7 @@ def test_a_request_whose_step_rows_cannot_be_prepared_fails_alone(model, referen
 
 def test_pool_check_counts_usable_blocks_and_advises_the_right_size(model) -> None:
     small = dataclasses.replace(CONFIG, num_blocks=24)  # 23 usable blocks, 24 needed
-    with pytest.raises(ValueError, match=r"give num_blocks >= 25 "):
+    with pytest.raises(ValueError, match=r"num_blocks >= 25,"):
         LLMEngine(model, small)
     LLMEngine(model, CONFIG)  # the advised size is accepted
 

@@ -18,6 +18,7 @@ on any mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import zlib
@@ -31,7 +32,13 @@ from jax.sharding import Mesh, NamedSharding
 from jaxkv.device import compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
-from jaxkv.engine.model_runner import ModelRunner, RequestStepError, RowSampling, image_inputs
+from jaxkv.engine.model_runner import (
+    ModelRunner,
+    RequestStepError,
+    RowSampling,
+    group_kv_cache_specs,
+    image_inputs,
+)
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.engine.scheduler import (
@@ -41,6 +48,7 @@ from jaxkv.engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -67,14 +75,21 @@ def fold_seed(seed: int) -> int:
 class EngineConfig:
     """Sizes of the engine. `encoder_cache_size` / `encoder_compute_budget` count image
     embeddings (None: room for `max_num_batched_tokens`, at least one image).
+    The KV cache is sized by `jaxkv.engine.sizing`: `num_blocks` as given, else as many as
+    `kv_cache_memory` bytes per device hold (or `memory_utilization` of the device's
+    memory, vLLM's `gpu_memory_utilization`, where the device reports its size);
+    `max_model_len=None` takes the longest request that pool holds, capped by the
+    model's `max_position_embeddings`. `LLMEngine.config` holds the resolved values.
     `kv_cache_dtype` "int8" / "fp8" stores the KV cache quantised, a float32 scale per
     token and head (`jaxkv.device.storage`); "auto" stores it in `dtype`."""
 
     block_size: int = 16
-    num_blocks: int = 128
+    num_blocks: int | None = None  # None: from the memory budget, else 128
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 64
-    max_model_len: int = 256
+    max_model_len: int | None = 256  # None: the longest that fits, at most the model's
+    kv_cache_memory: int | None = None  # bytes per device for the KV cache
+    memory_utilization: float | None = None  # of the device's memory (memory_stats)
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     zero_freed_blocks: bool = False
@@ -139,6 +154,18 @@ class LLMEngine:
         self, model, config: EngineConfig | None = None, tokenizer=None, *, mesh: Mesh | None = None
     ) -> None:
         self.config = c = config or EngineConfig()
+        for name in ("kv_cache_memory", "num_blocks", "max_model_len"):
+            value = getattr(c, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
+            ):
+                raise ValueError(
+                    f"EngineConfig.{name} must be a positive int or None, got {value!r}"
+                )
+        if c.memory_utilization is not None and not 0 < c.memory_utilization <= 1:
+            raise ValueError(
+                f"EngineConfig.memory_utilization must be in (0, 1], got {c.memory_utilization!r}"
+            )
         if c.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(
                 f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {c.kv_cache_dtype!r}"
@@ -157,16 +184,26 @@ class LLMEngine:
                 compute_budget=c.encoder_compute_budget or default,
                 cache_size=c.encoder_cache_size or default,
             )
+        mesh = self._check_mesh(mesh)
+        kv_quant = None if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+        probe, layer_to_group = group_kv_cache_specs(model.kv_cache_specs(c.block_size, c.dtype), 2)
+        self.kv_cache_sizing = size_kv_cache(
+            c, probe, layer_to_group, getattr(mcfg, "max_position_embeddings", None), mesh,
+            kv_quant,
+        )  # fmt: skip
+        self.config = c = dataclasses.replace(
+            c, num_blocks=self.kv_cache_sizing.num_blocks,
+            max_model_len=self.kv_cache_sizing.max_model_len,
+        )  # fmt: skip
         self.runner = ModelRunner(
             model, num_blocks=c.num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-            dtype=c.dtype, kv_quant=None if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
+            dtype=c.dtype, kv_quant=kv_quant,
             zero_freed_blocks=c.zero_freed_blocks,
             encoder_cache_size=encoder_budget.cache_size if encoder_budget else 0,
-            mesh=self._check_mesh(mesh),
+            mesh=mesh,
         )  # fmt: skip
         self.mesh = self.runner.mesh
-        self._check_pool_holds_one_request()
         scheduler_config = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
@@ -224,26 +261,6 @@ class LLMEngine:
                 f"({dict(weights_mesh.shape)}); load the model with the same mesh"
             )
         return mesh
-
-    def _check_pool_holds_one_request(self) -> None:
-        """ValueError unless one request of `max_model_len` tokens fits in the pool.
-
-        Counts the usable blocks: block 0 is the null block, never handed out. A request
-        takes its peak blocks from every KV-cache group, all from the one pool.
-        """
-        c = self.config
-        per_request = sum(
-            group.kv_cache_spec.max_num_blocks_per_req(c.max_model_len, c.max_num_batched_tokens)
-            for group in self.runner.kv_cache_config.kv_cache_groups
-        )
-        if per_request > c.num_blocks - 1:
-            raise ValueError(
-                f"num_blocks={c.num_blocks} cannot hold one request of max_model_len="
-                f"{c.max_model_len} tokens: it takes {per_request} blocks over the model's "
-                f"{len(self.runner.kv_cache_config.kv_cache_groups)} KV-cache groups and "
-                f"block 0 is the null block; give num_blocks >= {per_request + 1} or a "
-                "smaller max_model_len"
-            )
 
     # -- requests ---------------------------------------------------------------------
 

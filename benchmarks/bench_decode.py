@@ -1,0 +1,315 @@
+"""The engine's decode step at pool sizes that fill memory, and real-shaped models against
+transformers (float32, eager, CPU).
+
+    python -m benchmarks.bench_decode [--repeats 5] [--rounds 2] [--skip-real] [--record]
+
+1. Pool scaling: the tiny built-in model, one request, 60 decode steps, only
+   `num_blocks` changing (64, 1,024, 8,192). A step that updates the cache in place
+   costs the same at every pool size: the ratio 8,192 / 64 should be about 1.
+2. Real shapes (random weights, written by this benchmark): a SmolLM2-135M-shaped Llama
+   and a Gemma-3-270M-shaped Gemma 3 (real layer counts, widths and vocabularies). Each
+   round runs jaxkv and transformers in their own processes, one after the other: load
+   (safetensors), time to the first token of the first request (jaxkv: compiling its
+   two programs; the first round with an empty XLA compilation cache, later rounds with
+   the cache the first filled), an 850-token prefill, decode ms per token, peak RSS.
+   transformers runs in the peer environment (`.venv-vllm`, tools/vllm-peer-venv.sh);
+   without it that column is skipped.
+3. The bandwidth limit: weight bytes read per decoded token over this machine's
+   measured copy bandwidth (numpy, 1 GiB), the floor for any float32 decode here.
+
+Medians and ranges of interleaved runs; ratios are jaxkv / transformers (lower is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._common import (
+    OUT_DIR,
+    PEER_VENV,
+    REPO_ROOT,
+    add_record_option,
+    print_table,
+    results_name,
+    write_json,
+)
+
+PROMPT_LEN = 850
+HF_SCRIPT = Path(__file__).with_name("_transformers_decode.py")
+DECODE_TOKENS = 32
+
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}  # fmt: skip
+GEMMA3_270M = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+    "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    "torch_dtype": "float32",
+}  # fmt: skip
+REAL_SHAPES = {"smollm2-135m-shaped": SMOLLM2_135M, "gemma3-270m-shaped": GEMMA3_270M}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- 1. pool scaling ----------------------------------------------------------------------
+
+
+def bench_pool_scaling(repeats: int, sizes: list[int], steps: int = 60) -> dict:
+    from tqdm import tqdm
+
+    from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+
+    model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
+    prompt = list(range(3, 40))
+    engines = {}
+    for n in sizes:
+        config = EngineConfig(
+            num_blocks=n, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256,
+            compilation_cache_dir=None,
+        )  # fmt: skip
+        engine = LLMEngine(model, config)
+        engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # compile
+        engines[n] = engine
+    ms = {n: [] for n in sizes}
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for _ in tqdm(range(repeats), desc="pool scaling rounds"):
+        for n in sizes:  # interleaved
+            start = time.perf_counter()
+            engines[n].generate([prompt], params)
+            ms[n].append((time.perf_counter() - start) / steps * 1e3)
+    ratios = [b / a for a, b in zip(ms[sizes[0]], ms[sizes[-1]], strict=True)]
+    return {
+        "ms_per_token": {str(n): spread(v) for n, v in ms.items()},
+        "ratio_largest_to_smallest": spread(ratios),
+        "cache_mib": {
+            str(n): sum(kv.nbytes for kv in engines[n].runner.kv_caches) / 2**20 for n in sizes
+        },  # fmt: skip
+    }
+
+
+# -- 2. real shapes: one child process per measurement ----------------------------------
+
+
+def checkpoint_dir(name: str) -> Path:
+    path = OUT_DIR / "checkpoints" / name
+    if not (path / "config.json").exists():
+        from jaxkv import models
+
+        print(f"writing a random-weight {name} checkpoint to {path} ...", flush=True)
+        models.save_random_checkpoint(path, REAL_SHAPES[name], seed=0)
+    return path
+
+
+def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, min(vocab, 30000), length).tolist()
+
+
+def child_jaxkv(ckpt: str) -> dict:
+    """Runs in its own process (the compilation cache comes from the environment)."""
+    start = time.perf_counter()
+    from jaxkv import models
+    from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+
+    model = models.load_model(ckpt)
+    load_s = time.perf_counter() - start
+    config = EngineConfig(
+        block_size=16, num_blocks=160, max_num_seqs=1, max_num_batched_tokens=1024,
+        max_model_len=2048, enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = LLMEngine(model, config)
+    vocab = int(model.config.vocab_size)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate([prompt_ids(vocab, PROMPT_LEN, 0)], SamplingParams(max_tokens=2))
+    first_token_s = time.perf_counter() - start
+    prefill = []
+    for seed in (1, 2, 3):
+        start = time.perf_counter()
+        engine.generate([prompt_ids(vocab, PROMPT_LEN, seed)], one)
+        prefill.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    engine.generate(
+        [prompt_ids(vocab, 16, 4)], SamplingParams(max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
+    )
+    decode_s = time.perf_counter() - start
+    return {
+        "load_s": load_s,
+        "first_token_s": first_token_s,
+        "prefill_s": statistics.median(prefill),
+        "decode_ms_per_token": decode_s / DECODE_TOKENS * 1e3,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def run_child(argv: list[str], env: dict) -> dict | None:
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError(f"child {argv[:3]} failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_real(rounds: int) -> dict:
+    from tqdm import tqdm
+
+    peer = PEER_VENV / "bin" / "python"
+    threads = str(os.cpu_count() or 1)
+    results = {}
+    for name in REAL_SHAPES:
+        ckpt = checkpoint_dir(name)
+        cache = tempfile.mkdtemp(prefix="jaxkv-xla-")  # empty: round 1 compiles cold
+        env = dict(os.environ, JAXKV_COMPILATION_CACHE=cache)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        runs = {"jaxkv": [], "transformers": []}
+        for _ in tqdm(range(rounds), desc=f"{name} rounds"):
+            runs["jaxkv"].append(
+                run_child(
+                    [sys.executable, "-m", "benchmarks.bench_decode", "--child", str(ckpt)], env
+                )  # fmt: skip
+            )
+            if peer.exists():
+                hf_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                runs["transformers"].append(
+                    run_child(
+                        [
+                            str(peer),
+                            str(HF_SCRIPT),
+                            str(ckpt),
+                            str(PROMPT_LEN),
+                            str(DECODE_TOKENS),
+                            threads,
+                        ],
+                        hf_env,
+                    )  # fmt: skip
+                )
+        results[name] = summarise(runs, ckpt)
+    return results
+
+
+def summarise(runs: dict, ckpt: Path) -> dict:
+    keys = ("load_s", "prefill_s", "decode_ms_per_token", "peak_rss_mib")
+    out: dict = {"weight_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))}
+    for who, rows in runs.items():
+        if not rows:
+            continue
+        out[who] = {k: spread([r[k] for r in rows]) for k in keys}
+        out[who]["first_token_s_cold"] = rows[0]["first_token_s"]
+        if len(rows) > 1:
+            out[who]["first_token_s_warm"] = spread([r["first_token_s"] for r in rows[1:]])
+    if runs["transformers"]:
+        out["ratio"] = {
+            k: spread(
+                [a[k] / b[k] for a, b in zip(runs["jaxkv"], runs["transformers"], strict=True)]
+            )  # fmt: skip
+            for k in keys
+        }
+    return out
+
+
+# -- 3. the bandwidth limit --------------------------------------------------------------
+
+
+def copy_bandwidth_gbs(repeats: int = 5) -> float:
+    import numpy as np
+
+    src = np.ones(2**28, np.float32)  # 1 GiB
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9  # read + write
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="pool-scaling rounds")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024, 8192])
+    parser.add_argument("--rounds", type=int, default=2, help="real-shape rounds")
+    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    add_record_option(parser)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child_jaxkv(args.child)))
+        return {}
+
+    scaling = bench_pool_scaling(args.repeats, args.sizes)
+    print_table(
+        "decode ms/token vs pool size (tiny model, one request; median, range)",
+        ["num_blocks", "cache MiB", "ms/token", "range"],
+        [[n, f"{scaling['cache_mib'][str(n)]:.0f}", v["median"], f"{v['min']:.3g}-{v['max']:.3g}"]
+         for n, v in ((int(k), v) for k, v in scaling["ms_per_token"].items())],
+    )  # fmt: skip
+    r = scaling["ratio_largest_to_smallest"]
+    print(f"{args.sizes[-1]} / {args.sizes[0]} blocks: {r['median']:.2f}x "
+          f"(range {r['min']:.2f}-{r['max']:.2f})")  # fmt: skip
+    bandwidth = copy_bandwidth_gbs()
+    result: dict = {"pool_scaling": scaling, "copy_bandwidth_gbs": bandwidth,
+                    "workload": vars(args)}  # fmt: skip
+    if not args.skip_real:
+        real = bench_real(args.rounds)
+        rows = []
+        for name, r in real.items():
+            limit_ms = r["weight_bytes"] / (bandwidth * 1e9) * 1e3
+            r["bandwidth_limit_ms_per_token"] = limit_ms
+            for who in ("jaxkv", "transformers"):
+                if who in r:
+                    x = r[who]
+                    warm = x.get("first_token_s_warm", {}).get("median", float("nan"))
+                    rows.append([name, who, x["decode_ms_per_token"]["median"],
+                                 x["prefill_s"]["median"], x["load_s"]["median"],
+                                 x["first_token_s_cold"], warm, x["peak_rss_mib"]["median"],
+                                 limit_ms])  # fmt: skip
+            if "ratio" in r:
+                q = r["ratio"]
+                rows.append([name, "ratio", q["decode_ms_per_token"]["median"],
+                             q["prefill_s"]["median"], q["load_s"]["median"], "", "",
+                             q["peak_rss_mib"]["median"], ""])  # fmt: skip
+        print_table(
+            f"real shapes, float32 CPU (decode ms/token, {PROMPT_LEN}-token prefill s, load s, "
+            "first token s cold / warm cache, peak RSS MiB, bandwidth floor ms/token)",
+            ["model", "who", "decode", "prefill", "load", "1st cold", "1st warm", "RSS",
+             "floor"],
+            rows,
+        )  # fmt: skip
+        result["real_shapes"] = real
+    write_json(results_name("bench_decode", parser, args), result, record=args.record)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`jaxkv generate` on a checkpoint with a tokenizer: many prompts as one batch, chat
+templates and BOS as transformers applies them, tenants, sizing from a memory budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxkv import cli, models
+from jaxkv.engine.reference import DenseReference
+from jaxkv.models.prompting import PromptEncoder
+from jaxkv.models.testing import save_word_tokenizer
+
+SPECIALS = {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"}
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<turn> {{ m['content'] }} <end> {% endfor %}"
+    "{% if add_generation_prompt %}<turn>{% endif %}"
+)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_tokenizer(path: Path, **config) -> None:
+    save_word_tokenizer(path, 256, SPECIALS)
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", **config}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    models.save_random_checkpoint(path, models.tiny_configs()["llama-tiny"], seed=0)
+    write_tokenizer(
+        path, tokenizer_class="LlamaTokenizerFast", add_bos_token=True, chat_template=TEMPLATE
+    )
+    return path
+
+
+def generate(checkpoint, capsys, *argv: str) -> tuple[list[dict], str]:
+    assert cli.main(["generate", "--model", str(checkpoint), "--json", *argv]) == 0
+    captured = capsys.readouterr()
+    return [json.loads(line) for line in captured.out.strip().splitlines()], captured.err
+
+
+def test_prompts_file_serves_a_batch_with_prefix_hits(checkpoint, capsys, tmp_path) -> None:
+    shared = " ".join(f"w{i}" for i in range(10, 50))
+    lines = [f"{shared} w7", json.dumps({"prompt": f"{shared} w8", "max_tokens": 3}),
+             "", f"{shared} w9"]  # fmt: skip
+    (tmp_path / "prompts.txt").write_text("\n".join(lines))
+    results, err = generate(
+        checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "5",
+        "--max-num-seqs", "1", "--kv-cache-memory", "4MiB",
+    )  # fmt: skip
+    assert len(results) == 3
+    assert [r["prompt_token_ids"][0] for r in results] == [1, 1, 1], "add_bos_token honoured"
+    assert [len(r["output_token_ids"]) for r in results] <= [5, 3, 5]
+    assert results[1]["num_cached_tokens"] > 0 and results[2]["num_cached_tokens"] > 0
+    reference = DenseReference(models.load_model(checkpoint), 512)
+    for r in results:
+        assert r["output_token_ids"] == reference.expected(r["prompt_token_ids"],
+                                                           r["output_token_ids"])  # fmt: skip
+    assert "3 prompts" in err and "tokens/s" in err
+    assert "KV cache:" in err and f"in {4 * 2**20:,} bytes" in err, "says what was sized"
+
+
+def test_chat_template_and_cache_salt(checkpoint, capsys) -> None:
+    (result,), _ = generate(checkpoint, capsys, "--prompt", "w5 w6", "--chat")
+    assert result["prompt_token_ids"] == [1, 3, 5, 6, 4, 3]
+    shared = " ".join(f"w{i}" for i in range(10, 50))
+    (a,), _ = generate(checkpoint, capsys, "--prompt", shared, "--cache-salt", "tenant-a")
+    assert a["num_cached_tokens"] == 0  # a new engine per command: nothing cached yet
+
+
+def test_prompt_encoder_flags_follow_the_tokenizer_class(tmp_path) -> None:
+    write_tokenizer(tmp_path, tokenizer_class="GemmaTokenizer", add_bos_token=True,
+                    add_eos_token=True)  # fmt: skip
+    tokenizer = models.load_tokenizer(tmp_path)
+    assert PromptEncoder.from_dir(tmp_path, tokenizer).encode("w5 w6") == [1, 5, 6, 2]
+    write_tokenizer(tmp_path, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=True)
+    assert PromptEncoder.from_dir(tmp_path, tokenizer).encode("w5 w6") == [5, 6]
+    with pytest.raises(ValueError, match="chat template"):
+        PromptEncoder.from_dir(tmp_path, tokenizer).encode("w5", chat=True)
+
+
+def test_prompt_encoder_matches_transformers(tmp_path) -> None:
+    """The generic backend ignores add_bos_token; the chat template renders the same ids."""
+    peer = REPO / ".venv-vllm" / "bin" / "python"
+    if not peer.exists():
+        pytest.skip("needs the peer environment (tools/vllm-peer-venv.sh) for transformers")
+    write_tokenizer(tmp_path, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=True,
+                    chat_template=TEMPLATE)  # fmt: skip
+    script = (
+        "import sys, json, transformers\n"
+        "t = transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "chat = t.apply_chat_template([{'role': 'user', 'content': 'w5 w6'}],"
+        " add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids']\n"
+        "print(json.dumps([t('w5 w6 w7').input_ids, chat]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(peer), "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, chat = json.loads(proc.stdout.strip().splitlines()[-1])
+    encoder = PromptEncoder.from_dir(tmp_path, models.load_tokenizer(tmp_path))
+    assert encoder.encode("w5 w6 w7") == plain
+    assert encoder.encode("w5 w6", chat=True) == chat
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt-token-ids", "1", "--kv-cache-memory", "40kB", "--max-model-len", "64"],
+         "the longest max_model_len that fits"),
+        (["--prompt-token-ids", "1", "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots'"),
+        (["--prompt-token-ids", "1", "--gpu-memory-utilization", "2"],
+         "--gpu-memory-utilization must be in (0, 1]"),
+        (["--prompt-token-ids", "1", "--chat"], "--chat needs --prompt"),
+    ],
+)  # fmt: skip
+def test_generate_sizing_errors_are_one_line(checkpoint, capsys, argv, message) -> None:
+    assert cli.main(["generate", "--model", str(checkpoint), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_huge_seed_from_the_command_line(checkpoint) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxkv", "generate", "--model", str(checkpoint),
+         "--prompt-token-ids", "5,6,7", "--seed", "1099511627776", "--temperature", "0.8",
+         "--max-tokens", "4", "--json", "--num-blocks", "64"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])["output_token_ids"]) == 4
