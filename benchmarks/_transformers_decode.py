@@ -7,10 +7,16 @@ Prints one JSON line: load_s, first_token_s, prefill_s (median of 3), decode_ms_
 """
 
 import json
-import resource
 import statistics
 import sys
 import time
+
+
+def peak_rss_mib() -> float:
+    """Peak RSS of this process (VmHWM, not inherited from the parent as ru_maxrss is)."""
+    with open("/proc/self/status") as status:
+        line = next(ln for ln in status if ln.startswith("VmHWM"))
+    return int(line.split()[1]) / 1024
 
 
 def main(ckpt: str, prompt_len: int, decode_tokens: int, threads: int) -> dict:
@@ -20,6 +26,7 @@ def main(ckpt: str, prompt_len: int, decode_tokens: int, threads: int) -> dict:
     import transformers
 
     torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # as XLA does on CPU: random weights make denormals
     model = transformers.AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.float32, attn_implementation="eager"
     )
@@ -52,7 +59,7 @@ def main(ckpt: str, prompt_len: int, decode_tokens: int, threads: int) -> dict:
         "first_token_s": first,
         "prefill_s": statistics.median(prefill),
         "decode_ms_per_token": decode / decode_tokens * 1e3,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib(),
     }
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -77,7 +76,10 @@ def spread(values: list[float]) -> dict:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (VmHWM: unlike `ru_maxrss`, not inherited from the parent
+    that forked it)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM"))) / 1024
 
 
 # -- 1. pool scaling ----------------------------------------------------------------------
@@ -98,7 +100,8 @@ def bench_pool_scaling(repeats: int, sizes: list[int], steps: int = 60) -> dict:
             compilation_cache_dir=None,
         )  # fmt: skip
         engine = LLMEngine(model, config)
-        engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # compile
+        for _ in range(2):  # compile: a cold prefill, then the prompt as a prefix hit
+            engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
         engines[n] = engine
     ms = {n: [] for n in sizes}
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
@@ -145,7 +148,7 @@ def child_jaxkv(ckpt: str) -> dict:
     model = models.load_model(ckpt)
     load_s = time.perf_counter() - start
     config = EngineConfig(
-        block_size=16, num_blocks=160, max_num_seqs=1, max_num_batched_tokens=1024,
+        block_size=16, kv_cache_memory=2**30, max_num_seqs=1, max_num_batched_tokens=1024,
         max_model_len=2048, enable_prefix_caching=False,
     )  # fmt: skip
     engine = LLMEngine(model, config)
@@ -159,10 +162,10 @@ def child_jaxkv(ckpt: str) -> dict:
         start = time.perf_counter()
         engine.generate([prompt_ids(vocab, PROMPT_LEN, seed)], one)
         prefill.append(time.perf_counter() - start)
+    decode = SamplingParams(max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
+    engine.generate([prompt_ids(vocab, 16, 4)], decode)  # compiles the short prompt's bucket
     start = time.perf_counter()
-    engine.generate(
-        [prompt_ids(vocab, 16, 4)], SamplingParams(max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
-    )
+    engine.generate([prompt_ids(vocab, 16, 5)], decode)
     decode_s = time.perf_counter() - start
     return {
         "load_s": load_s,
