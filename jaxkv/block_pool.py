@@ -782,15 +782,18 @@ class BlockPool:
 
     def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock], were_free: bool = False) -> None:
         """Drop cached blocks from the prefix cache (their hashes are reset). `were_free`:
-        they were all free pages (taken for allocation), so their contents are garbage."""
+        they were all free pages (taken for allocation), so their contents are garbage.
+
+        The `BlockRemoved` events follow vLLM 0.33's order: block by block, each block's
+        own key, then its further keys (`_secondary_keys`) in the order they were added."""
         self.cached_block_hash_to_block.pop_stamped(blocks)
-        if self._secondary_keys:  # only with partial entries on full blocks
-            self._drop_secondary_keys(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids:
             self._freed_block_ids.update(b.block_id for b in blocks if were_free or b.ref_cnt == 0)
-        if self.enable_kv_cache_events:
+        if self._secondary_keys:  # only with partial entries on full blocks
+            self._drop_with_secondary_keys(blocks)
+        elif self.enable_kv_cache_events:
             self.kv_event_queue.extend(
                 BlockRemoved(block_hashes=[b._block_hash], group_idx=b._group_id)  # type: ignore[list-item]
                 for b in blocks
@@ -798,21 +801,27 @@ class BlockPool:
         KVCacheBlock.reset_hashes(blocks)
         self.num_hash_removals += len(blocks)
 
-    def _drop_secondary_keys(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def _drop_with_secondary_keys(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """`_evict_cached_blocks`' map and events when some block may have further keys:
+        those leave the map, and each block's events are its own key's, then theirs."""
+        events = self.kv_event_queue if self.enable_kv_cache_events else None
         for block in blocks:
+            if events is not None:
+                key = block._block_hash
+                events.append(BlockRemoved(block_hashes=[key], group_idx=block._group_id))  # type: ignore[list-item]
             secondary = self._secondary_keys.pop(block.block_id, None)
             if secondary is None:
                 continue
             for block_hash, group_id in secondary:
                 self.cached_block_hash_to_block.pop(block_hash, group_id, block.block_id)
-            if self.enable_kv_cache_events:
-                self.kv_event_queue.extend(
-                    BlockRemoved(block_hashes=[block_hash], group_idx=group_id)
-                    for block_hash, group_id in secondary
-                )
+                if events is not None:
+                    events.append(BlockRemoved(block_hashes=[block_hash], group_idx=group_id))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop blocks from the prefix cache only (their KV turned out to be bad)."""
+        """Drop blocks from the prefix cache only (their KV turned out to be bad): every
+        key of each cached one, `BlockRemoved` events in the order given; held or free,
+        the blocks keep their place (ref counts, free queue). Ids outside
+        `1 .. num_gpu_blocks - 1` are refused (ValueError) before any is evicted."""
         ids = list(block_ids)
         for block_id in ids:
             if not (

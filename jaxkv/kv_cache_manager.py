@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -962,8 +962,18 @@ class KVCacheManager:
             self.prefix_cache_stats.reset = True
         return True
 
-    def evict_blocks(self, block_ids: Sequence[int]) -> None:
-        self.block_pool.evict_blocks(block_ids)
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop blocks from the prefix cache, held or free (a KV connector's failed load:
+        their KV is bad). A running request keeps its blocks; as in vLLM 0.33, one whose
+        prompt's partial tail was keyed on an evicted block keys it again at its next step
+        (`note_evicted_blocks`), and no other evicted block it holds is cached again."""
+        ids = list(block_ids)
+        self.block_pool.evict_blocks(ids)
+        evicted = set(ids)
+        for manager in self.coordinator.single_type_managers:
+            manager.note_evicted_blocks(evicted)
+        for request in self._running.values():  # their next caching step may have moved
+            self._slot_state[request] = self._get_slot_state(request)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The step's events; `BlockStored` carries its group's spec kind and window."""

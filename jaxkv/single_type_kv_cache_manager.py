@@ -9,7 +9,7 @@ takes. All pages come from the shared `BlockPool`. The rules are vLLM 0.33's.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import FunctionType
 from typing import TYPE_CHECKING, ClassVar
 
@@ -343,6 +343,11 @@ class SingleTypeKVCacheManager:
     def new_step_starts(self) -> None:
         """The scheduler starts a new step (vLLM's hook; only Mamba keeps per-step state)."""
 
+    def note_evicted_blocks(self, block_ids: Collection[int]) -> None:
+        """`evict_blocks` dropped every prefix-cache key of blocks `block_ids`, some maybe
+        held by this group's requests. Held blocks stay uncached unless the group keys
+        them at every step (full attention's partial tails)."""
+
     # -- caching -------------------------------------------------------------
 
     def cache_blocks(
@@ -571,11 +576,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # class's (a subclass's own included) with it; single-group managers keep
             # the plain ones.
             self._tail_hash_block_size = hash_block_size
-            # request id -> its prompt's partial tail boundary, until a step reaches it.
+            # request id -> its prompt's partial tail boundary, while no key names it: until
+            # a step reaches it, and again once `evict_blocks` dropped its block's keys.
             self._pending_tails: dict[str, int] = {}
+            # request id -> the boundary of its partial tail, once a step has keyed it.
+            self._keyed_tails: dict[str, int] = {}
             self.cache_blocks = self._cache_blocks_and_partial_tail  # type: ignore[method-assign]
             self.get_slot_state = self._get_slot_state_before_partial_tail  # type: ignore[method-assign]
             self.free = self._free_and_forget_tail  # type: ignore[method-assign]
+            self.note_evicted_blocks = self._requeue_evicted_tails  # type: ignore[method-assign]
 
     def _cache_blocks_and_partial_tail(
         self,
@@ -599,10 +608,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             self.block_pool.cache_partial_block(
                 request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size
             )
+            self._keyed_tails[request.request_id] = boundary
 
     def _get_slot_state_before_partial_tail(self, request_id: str) -> tuple[int, int, int]:
         """`get_slot_state`, with the next caching due at the prompt's partial tail while
-        that is not registered yet (so the step reaching it caches)."""
+        that is not keyed (not yet, or again after `evict_blocks`), so the next step
+        reaching it caches."""
         capacity, next_full, release_at = type(self).get_slot_state(self, request_id)
         boundary = self._pending_tails.get(request_id)
         if boundary is not None and boundary < next_full:
@@ -611,7 +622,17 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     def _free_and_forget_tail(self, request_id: str) -> None:
         self._pending_tails.pop(request_id, None)
+        self._keyed_tails.pop(request_id, None)
         type(self).free(self, request_id)
+
+    def _requeue_evicted_tails(self, block_ids: Collection[int]) -> None:
+        """`note_evicted_blocks`: a request whose keyed partial tail lies in one of
+        `block_ids` keys it again at its next caching step (vLLM 0.33 keys the tail at
+        every step, so a tail evicted while held is cached again at the next one)."""
+        for request_id, boundary in self._keyed_tails.items():
+            block = self.req_to_blocks[request_id][boundary // self.block_size]
+            if block.block_id in block_ids:
+                self._pending_tails[request_id] = boundary
 
     @classmethod
     def find_longest_cache_hit(

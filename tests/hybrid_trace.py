@@ -61,6 +61,7 @@ def _build_jaxkv(case: dict[str, Any]):
         hash_block_size=case.get("hash_block_size"),
         use_eagle=case.get("use_eagle", False),
         enable_mamba_shared_prefix_checkpoint=case.get("shared_prefix_checkpoint", False),
+        enable_kv_cache_events=case.get("events", False),
     )
     hasher = jaxkv.get_request_block_hasher(manager.hash_block_size, hash_fn)
 
@@ -148,6 +149,7 @@ def _build_vllm(case: dict[str, Any]):
         enable_caching=True,
         use_eagle=case.get("use_eagle", False),
         enable_mamba_shared_prefix_checkpoint=case.get("shared_prefix_checkpoint", False),
+        enable_kv_cache_events=case.get("events", False),
     )
     hasher = get_request_block_hasher(hash_block_size, fn)
 
@@ -230,9 +232,75 @@ def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
     return max(end - start, 0)
 
 
+def _evicted_ids(rng: random.Random, case: dict[str, Any], manager, running: list) -> set[int]:
+    """Block ids a KV connector hands `evict_blocks` after a failed load: a running request's
+    blocks from some token on (the failed block and every later one, as vLLM 0.33's
+    `_update_requests_with_invalid_blocks` collects them) in one group or in all, or a few
+    ids anywhere in the pool (held, free and cached, or never cached). Never the null block
+    (jaxkv refuses its id)."""
+    if running and rng.random() < 0.75:
+        req = running[rng.randrange(len(running))]
+        tables = manager.get_block_ids(req.request_id)
+        start = rng.randrange(max(req.num_computed_tokens, 1))
+        group = rng.randrange(-1, len(tables))  # -1: every group
+        ids = {
+            block_id
+            for i, (_, block_size, _) in enumerate(case["groups"])
+            if group in (-1, i)
+            for block_id in tables[i][start // block_size :]
+        }
+    else:
+        ids = {rng.randrange(1, case["num_blocks"]) for _ in range(rng.randint(1, 4))}
+    ids.discard(0)
+    return ids
+
+
+def _events(manager) -> list:
+    """The KV events queued since the last call, in order, as plain values (hashes in hex:
+    vLLM must run with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    out: list = []
+    for event in manager.take_events():
+        name = type(event).__name__
+        hashes = [bytes(h).hex() for h in getattr(event, "block_hashes", ())]
+        if name == "BlockStored":
+            if not hashes:
+                # vLLM 0.33 reports a caching step whose blocks were all masked out (sparse
+                # hits, retention) with no hashes; jaxkv reports none (as later vLLM does,
+                # docs/vllm-differences.md): not compared.
+                continue
+            parent = event.parent_block_hash
+            out.append(
+                (
+                    name,
+                    hashes,
+                    None if parent is None else bytes(parent).hex(),
+                    list(event.token_ids),
+                    event.block_size,
+                    event.group_idx,
+                    event.lora_id,
+                    event.medium,
+                    # vLLM 0.33 lists None per block where no block has extra keys,
+                    # jaxkv gives None (docs/vllm-differences.md): compared as equal.
+                    event.extra_keys
+                    if any(k is not None for k in event.extra_keys or ())
+                    else None,
+                    event.kv_cache_spec_kind,
+                    event.kv_cache_spec_sliding_window,
+                )
+            )
+        elif name == "BlockRemoved":
+            out.append((name, hashes, event.group_idx, event.medium))
+        else:
+            out.append((name,))
+    return out
+
+
 def replay(backend: str, case: dict[str, Any]) -> list:
     """Run one case; the log holds every hit length, every block id returned or held, the
-    copies, and after each step the free queue (in eviction order) and the cached blocks."""
+    copies, and after each step the free queue (in eviction order) and the cached blocks.
+    With `case["evict"]` a step may first drop blocks from the prefix cache
+    (`evict_blocks`, `_evicted_ids`); with `case["events"]` each step also logs its KV
+    events in order."""
     manager, make_request = (_build_jaxkv if backend == "jaxkv" else _build_vllm)(case)
     rng = random.Random(case["seed"])
     max_len = case["max_model_len"]
@@ -245,6 +313,10 @@ def replay(backend: str, case: dict[str, Any]) -> list:
     for _ in range(case["num_steps"]):
         if steps:
             manager.new_step_starts()
+        if case.get("evict") and rng.random() < 0.15:
+            ids = _evicted_ids(rng, case, manager, running)
+            manager.evict_blocks(ids)
+            log.append(("evict", sorted(ids)))
         action = rng.random()
         if action < 0.25 or not (waiting or running):
             counter += 1
@@ -318,6 +390,8 @@ def replay(backend: str, case: dict[str, Any]) -> list:
                 sorted(b.block_id for b in pool.blocks if b.block_hash is not None),
             )
         )
+        if case.get("events"):
+            log.append(("events", _events(manager)))
     return json.loads(json.dumps(log))
 
 

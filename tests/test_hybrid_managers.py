@@ -510,6 +510,45 @@ def test_hybrid_events_name_their_group_kind_window_and_untagged_extra_keys():
     assert m.take_events() == []
 
 
+def test_a_partial_tail_evicted_while_held_is_keyed_again_at_the_next_step():
+    """As vLLM 0.33, which keys a prompt's partial tail at every caching step: after
+    `evict_blocks` drops it from a block its request still holds, the request's next step
+    keys it again (a `BlockStored`); an evicted full block stays uncached."""
+    m = manager_for(full(8), sw(4, bs=4), num_blocks=40, enable_kv_cache_events=True)
+    pool = m.block_pool
+    a = request("a", range(14), hash_block_size=4)  # the prompt's tail boundary: 12
+    schedule(m, a)
+    for _ in range(2):  # 16 tokens: on the scheduler grid, block 1 is full
+        a.append_output_token_ids(7)
+        schedule(m, a, 1)
+    (first, tail), _ = ids(m, "a")
+    hashes = a.block_hashes
+    key12 = make_block_hash_with_group_id(hashes[2], 0)
+    assert pool.blocks[tail].block_hash == make_block_hash_with_group_id(hashes[3], 0)
+    assert pool.get_one_block(key12) is pool.blocks[tail]  # the tail: a further key
+    m.take_events()
+    m.evict_blocks([first, tail])
+    assert pool.get_one_block(key12) is None
+    # Block by block, each block's own key before its further one.
+    assert [e.block_hashes for e in m.take_events() if e.group_idx == 0] == [
+        [hashes[1]],
+        [hashes[3]],
+        [hashes[2]],
+    ]
+    a.append_output_token_ids(7)
+    schedule(m, a, 1)  # a decode step: no block fills up
+    assert pool.get_one_block(key12) is pool.blocks[tail]
+    assert pool.partial_entry_tokens(pool.blocks[tail]) == 12
+    assert pool.blocks[first].block_hash is None  # its index was cached: not again
+    (event,) = m.take_events()
+    assert (event.block_hashes, event.parent_block_hash) == ([hashes[2]], hashes[1])
+    assert (event.token_ids, event.block_size, event.group_idx) == ([8, 9, 10, 11], 4, 0)
+    a.append_output_token_ids(7)
+    schedule(m, a, 1)
+    assert m.take_events() == []  # keyed once
+    check_invariants(m)
+
+
 def test_shared_prefix_boundary_names_the_prefix_a_lagging_group_lacks():
     m = manager_for(full(), sw(32), num_blocks=40)
     a = request("a", range(64))

@@ -72,6 +72,7 @@ def random_cases(n: int, seed: int) -> list[dict]:
 
 def run_vllm(cases: list[dict]) -> list:
     env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
+    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"  # events carry the bytes, as jaxkv's
     out = subprocess.run(
         [str(PEER_PYTHON), str(REPO_ROOT / "tests" / "hybrid_trace.py")],
         input=json.dumps(cases),
@@ -116,6 +117,77 @@ def test_random_traces_with_kv_connector_tokens_match_vllm():
     for got in assert_traces_match(cases):
         num_external += sum(1 for e in got if e[0] == "admit" and e[2] and e[3] is not None)
     assert num_external > 100  # admitted with connector tokens, across the mixes
+
+
+def evict_cases(n: int, seed: int) -> list[dict]:
+    """Full-attention, sliding-window, R-SWA and circular-buffer mixes of two or three
+    groups, always with two block sizes or more (hashed at their GCD: full-attention groups
+    coarser than it key their prompt's partial tail), KV events on, and `evict_blocks` as a
+    KV connector calls it after a failed load, on held and free blocks (`hybrid_trace.
+    _evicted_ids`); half the cases also take connector tokens at admission."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        groups: list = []
+        while len({block_size for _, block_size, _ in groups}) < 2:
+            groups = []
+            for _ in range(rng.randint(2, 3)):
+                kind = rng.choice(["full", "full", "sw", "sw", "rswa", "circ"])
+                param = {"full": 0, "circ": 0, "sw": rng.choice([3, 5, 8, 13, 20])}.get(
+                    kind, rng.choice([3, 8, 13])
+                )
+                groups.append((kind, rng.choice([4, 8, 16]), param))
+            if all(kind == "circ" for kind, _, _ in groups):
+                groups[0] = ("full", groups[0][1], 0)  # a hybrid needs a prefix-cacheable group
+        retention = None
+        if any(kind == "sw" for kind, _, _ in groups):
+            scheduler_block_size = math.lcm(*(block_size for _, block_size, _ in groups))
+            retention = rng.choice([None, None, 0, 2 * scheduler_block_size])
+        cases.append(
+            {
+                "groups": groups,
+                "num_blocks": rng.randint(8, 40),
+                "max_model_len": 48,
+                "seed": seed * 1000 + i,
+                "num_steps": 120,
+                "use_eagle": rng.random() < 0.4,
+                "lookahead": rng.choice([0, 0, 1, 3]),
+                "retention": retention,
+                "external": rng.random() < 0.5,
+                "events": True,
+                "evict": True,
+            }
+        )
+    return cases
+
+
+def test_random_traces_with_evict_blocks_and_kv_events_match_vllm():
+    """`evict_blocks` on held and free blocks of groups with different block sizes: the
+    KV events (in order: one eviction's `BlockRemoved`s block by block, each block's own
+    key before a partial tail's), the held blocks, the free queue and what is cached after
+    every step all match vLLM 0.33, including a prompt's partial tail keyed again at the
+    step after `evict_blocks` dropped it from a block its request still holds."""
+    cases = evict_cases(60, seed=41)
+    num_recached = num_mixed_removals = 0
+    for case, got in zip(cases, assert_traces_match(cases), strict=True):
+        block_sizes = [block_size for _, block_size, _ in case["groups"]]
+        held: set = set()  # the blocks running requests held after the last step
+        held_now: set = set()
+        evicted: set = set()
+        for entry in got:
+            if entry[0] == "evict":
+                evicted = held & set(entry[1])
+            elif entry[0] == "held":
+                held_now.update(i for table in entry[2] for i in table)
+            elif entry[0] == "free":
+                num_recached += bool(evicted & set(entry[3]))  # held, cached again
+                held, held_now, evicted = held_now, set(), set()
+            elif entry[0] == "events":
+                removed = {block_sizes[e[2]] for e in entry[1] if e[0] == "BlockRemoved"}
+                num_mixed_removals += len(removed) > 1
+    # The traces evict partial tails that their requests key again, and evict (or reuse)
+    # blocks of several block sizes at once.
+    assert num_recached > 15 and num_mixed_removals > 150
 
 
 def mamba_cases(

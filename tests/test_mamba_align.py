@@ -174,12 +174,39 @@ def test_secondary_partial_key_and_eviction():
     assert [e.block_hashes for e in events][-1] == [req.block_hashes[2]]
     pool.evict_blocks([blocks[1].block_id])
     assert pool.get_one_block(key48) is None and pool.get_one_block(full_key) is None
-    assert len(pool.take_events()) == 2  # both keys removed
+    # Both keys removed, its own first (vLLM 0.33's order).
+    assert [e.block_hashes for e in pool.take_events()] == [
+        [req.block_hashes[3]],
+        [req.block_hashes[2]],
+    ]
     assert pool.cache_partial_block(req, pool.null_block, 48, 0, 32) is None
     with pytest.raises(ValueError, match="positive multiple of the hash block size"):
         pool.cache_partial_block(req, blocks[2], 40, 0, 32)
     with pytest.raises(ValueError, match="needs 9"):
         pool.cache_partial_block(req, blocks[2], 144, 0, 32)
+
+
+def test_one_eviction_removes_keys_block_by_block_each_blocks_own_key_first():
+    """vLLM 0.33's `BlockRemoved` order when one allocation evicts several cached blocks,
+    some with a further (partial) key: block by block in queue order, each block's own
+    key, then its further keys."""
+    pool = BlockPool(8, True, 16, enable_kv_cache_events=True)
+    req = request("r", [*PREFIX, *range(16)])  # 64 tokens: four 16-token hashes
+    wide = pool.get_new_blocks(2)  # 32-token blocks, group 0
+    narrow = pool.get_new_blocks(2)  # 16-token blocks, group 1
+    pool.cache_full_blocks(req, wide, 0, 2, 32, 0)
+    pool.cache_full_blocks(req, narrow, 0, 2, 16, 1)
+    pool.cache_partial_block(req, wide[1], 48, 0, 32)  # a further key of wide[1]
+    pool.free_blocks([wide[1], narrow[1], wide[0], narrow[0]])
+    pool.take_events()
+    assert len(pool.get_new_blocks(7)) == 7  # every free block: all four are evicted
+    assert [(e.block_hashes, e.group_idx) for e in pool.take_events()] == [
+        ([req.block_hashes[3]], 0),
+        ([req.block_hashes[2]], 0),
+        ([req.block_hashes[1]], 1),
+        ([req.block_hashes[1]], 0),
+        ([req.block_hashes[0]], 1),
+    ]
 
 
 def test_partial_hit_of_a_request_freed_before_its_copy_ran_leaks_nothing():
