@@ -58,15 +58,16 @@ def engine_programs_report(family: str, dtype: str, kv_cache_dtype: str, devices
     return report
 
 
+# The quick suite compiles two cases; the rest run in the slow part (tests/conftest.py).
 CASES = [
     ("tiny", "float32", "auto"),
-    ("tiny", "float32", "int8"),
-    ("tiny", "float32", "fp8"),
-    ("gemma3", "float32", "auto"),
+    pytest.param("tiny", "float32", "int8", marks=pytest.mark.slow),
+    pytest.param("tiny", "float32", "fp8", marks=pytest.mark.slow),
+    pytest.param("gemma3", "float32", "auto", marks=pytest.mark.slow),
     ("gemma3", "bfloat16", "auto"),
-    ("llama", "float32", "int8"),
-    ("llama", "bfloat16", "fp8"),
-    ("llava", "float32", "auto"),
+    pytest.param("llama", "float32", "int8", marks=pytest.mark.slow),
+    pytest.param("llama", "bfloat16", "fp8", marks=pytest.mark.slow),
+    pytest.param("llava", "float32", "auto", marks=pytest.mark.slow),
 ]
 
 
@@ -80,6 +81,7 @@ def test_every_engine_program_updates_its_caches_in_place(family, dtype, kv_cach
     assert not any(report.values()), report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype"), [("gemma3", "bfloat16"), ("llava", "float32")])
 def test_every_engine_program_is_in_place_on_8_devices(family, dtype):
     report = call_on_8_devices(

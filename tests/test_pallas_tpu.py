@@ -356,6 +356,7 @@ def _sharded_step(num_kv_heads: int, group: int, policy: str, seed: int) -> dict
     }
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_reference() -> None:
     """Heads sharded over the model axis, and a replicated KV cache whose devices each take
     a slice of the query heads (the kernel's `kv_head` offset comes from the axis index).
