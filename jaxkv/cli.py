@@ -122,6 +122,7 @@ def _memory_settings(args: argparse.Namespace, mesh) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
+    from jaxkv.device.compilation_cache import enable_compilation_cache
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
     from jaxkv.models.prompting import PromptEncoder
 
@@ -160,6 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
     )  # fmt: skip
+    enable_compilation_cache(args.compilation_cache)  # loading compiles programs too
     model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
     if images:
         image_token_id = getattr(model.config, "image_token_id", None)

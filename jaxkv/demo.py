@@ -21,7 +21,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from jaxkv.device import compilation_count
+from jaxkv.device import compilation_cache_hits, compilation_count
+from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.engine.reference import DenseReference, image_offsets
 from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
@@ -266,7 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    compiled = compilation_count()
+    enable_compilation_cache("auto")  # before the models are built: their programs too
+    compiled, cache_hits = compilation_count(), compilation_cache_hits()
     summaries = run_demo(args.quick, args.seed, not args.no_progress, args.chats)
     print_table(summaries)
     if args.plot:
@@ -274,7 +276,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps([{k: v for k, v in s.items() if k != "series"} for s in summaries]))
-    print(f"XLA compilations in all: {compilation_count() - compiled}")
+    built, loaded = compilation_count() - compiled, compilation_cache_hits() - cache_hits
+    print(f"XLA programs in all: {built - loaded} compiled, {loaded} from the compilation cache")
     return summaries
 
 

@@ -16,22 +16,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 SERVE = """
 import json, time
-from jax import monitoring
-from jaxkv.device import compilation_count
-hits = []
-monitoring.register_event_listener(
-    lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None
-)
+from jaxkv.device import compilation_cache_hits, compilation_count
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
 model = TinyCausalLM(tiny_configs()["gemma-style-tiny"])  # before the engine turns it on
-base, base_hits = compilation_count(), len(hits)
+base, base_hits = compilation_count(), compilation_cache_hits()
 start = time.perf_counter()
 engine = LLMEngine(model, EngineConfig(num_blocks=64, max_num_batched_tokens=32, max_num_seqs=2))
 programs = engine.warm_up()
 warm_up_s = time.perf_counter() - start
 (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
-compiled = compilation_count() - base - (len(hits) - base_hits)
+compiled = compilation_count() - base - (compilation_cache_hits() - base_hits)
 print(json.dumps({"compiled": compiled, "tokens": out.output_token_ids,
                   "programs": programs, "warm_up_s": warm_up_s,
                   "cache": str(engine.compilation_cache_dir)}))

@@ -77,3 +77,9 @@ def test_memory_utilization_needs_a_device_that_reports_its_memory(model) -> Non
         LLMEngine(model, EngineConfig(memory_utilization=1.5))
     with pytest.raises(ValueError, match="kv_cache_memory must be a positive int"):
         LLMEngine(model, EngineConfig(kv_cache_memory=0))
+
+
+@pytest.mark.parametrize("name", ["encoder_cache_size", "encoder_compute_budget", "num_blocks"])
+def test_zero_sizes_are_refused_not_replaced_by_defaults(model, name) -> None:
+    with pytest.raises(ValueError, match=f"EngineConfig.{name} must be a positive int or None"):
+        LLMEngine(model, EngineConfig(**{name: 0}))

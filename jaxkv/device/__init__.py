@@ -8,6 +8,7 @@ from jaxkv.device.attention import paged_decode_attention, ragged_paged_attentio
 from jaxkv.device.compile_guard import (
     CompilationCounter,
     CompilationError,
+    compilation_cache_hits,
     compilation_count,
     no_compilation,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "StepMetadata",
     "StepMetadataPacker",
     "StepShape",
+    "compilation_cache_hits",
     "compilation_count",
     "make_mesh",
     "no_compilation",

@@ -154,7 +154,10 @@ class LLMEngine:
         self, model, config: EngineConfig | None = None, tokenizer=None, *, mesh: Mesh | None = None
     ) -> None:
         self.config = c = config or EngineConfig()
-        for name in ("kv_cache_memory", "num_blocks", "max_model_len"):
+        for name in (
+            "kv_cache_memory", "num_blocks", "max_model_len", "encoder_cache_size",
+            "encoder_compute_budget",
+        ):  # fmt: skip
             value = getattr(c, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
