@@ -15,7 +15,9 @@ from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
 from jaxkv.device.kv_cache import PagedKVCache
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
+    StepField,
     StepInputs,
+    StepLayout,
     StepMetadata,
     StepMetadataPacker,
     StepShape,
@@ -33,7 +35,9 @@ __all__ = [
     "EncoderCacheStore",
     "KVLayout",
     "PagedKVCache",
+    "StepField",
     "StepInputs",
+    "StepLayout",
     "StepMetadata",
     "StepMetadataPacker",
     "StepShape",
