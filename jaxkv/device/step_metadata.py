@@ -100,10 +100,9 @@ class StepLayout:
             raise ValueError(f"step layout field names must be unique, got {names}")
         for f in self.fields:
             check_int(f"length of step field {f.name!r}", f.length, lo=0)
-            if f.dtype not in (_INT32, _FLOAT32):
-                raise ValueError(
-                    f"step field {f.name!r} has dtype {f.dtype}; allowed: int32, float32"
-                )
+            if not isinstance(f.dtype, np.dtype) or f.dtype not in (_INT32, _FLOAT32):
+                allowed = "np.dtype int32 or float32"
+                raise ValueError(f"step field {f.name!r} has dtype {f.dtype!r}; allowed: {allowed}")
 
     @functools.cached_property
     def bounds(self) -> dict[str, tuple[int, int]]:
@@ -118,8 +117,8 @@ class StepLayout:
     def pack(self, values: Mapping[str, np.ndarray], num_ranks: int = 1) -> np.ndarray:
         """`[num_ranks, length]` int32 rows holding `values[name]` in each field.
 
-        A value is one rank's `(length,)` (the same for every rank) or all ranks'
-        `(num_ranks, length)`; int32 fields take integers within int32, float32 fields
+        A value is `(length,)` (the same for every rank) or `(num_ranks, length)` (one
+        per rank); int32 fields take integers within int32, float32 fields
         float32. A missing or unknown name, another length, dtype or an out-of-range
         integer raises ValueError/TypeError naming the field; nothing is padded.
         """

@@ -118,7 +118,8 @@ def group_kv_cache_specs(
 class RequestStepError(Exception):
     """Preparing one request's part of a step failed on the host (`cause`); nothing of the
     step has run on the device yet beyond idempotent page zeroing, copies and encoding,
-    so the step can be packed again without that request."""
+    and no request row has changed, so the step can be packed again without that
+    request."""
 
     def __init__(self, request_id: str, cause: Exception) -> None:
         super().__init__(f"request {request_id!r}: {type(cause).__name__}: {cause}")
@@ -137,6 +138,7 @@ class RowSampling:
 
 
 def _metadata_field(group: int) -> str:
+    """The `step_layout` field holding KV-cache group `group`'s packed metadata."""
     return f"metadata{group}"
 
 
@@ -521,9 +523,9 @@ class ModelRunner:
     def _pack(
         self, steps: Sequence[_RankStep], shapes: tuple[StepShape, ...] | None = None
     ) -> tuple[np.ndarray, tuple[StepShape, ...]]:
-        """The step's `[dp, length]` buffer (`step_layout`) of every rank's prepared step,
-        its rows applied; `shapes`: the groups' bucket shapes to pack into (None: the
-        smallest that hold the step)."""
+        """The step's `[dp, length]` buffer (`step_layout`) of every rank's prepared step
+        (its row updates applied); `shapes`: the groups' bucket shapes to pack into (None:
+        the smallest that hold the step)."""
         metadata, packed_shapes = [], []
         for g, packer in enumerate(self.packers):
             tables = [rows.tables[g].block_table for rows in self.rows]
