@@ -73,30 +73,52 @@ class BlockTable:
         return ids.astype(np.int32)
 
     # ----------------------------------------------------------------- updates
-    def append_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
-        """Append `block_ids` after the blocks already in row `row_idx`."""
-        row = self._check_row(row_idx)
+    def check_row_ids(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        row_idx: int | None = None,
+        num_null_blocks: int = 0,
+    ) -> np.ndarray:
+        """`block_ids` as the int32 ids `add_row` (`row_idx` None: a whole row) or
+        `append_row(block_ids, row_idx, num_null_blocks)` would store; the
+        ValueError/TypeError they would raise otherwise. Changes nothing (a caller can
+        check a batch of row updates before applying any)."""
         ids = self._check_block_ids(block_ids)
-        start = int(self.num_blocks_per_row[row])
-        end = start + ids.size
+        if row_idx is None:
+            if ids.size > self.max_num_blocks_per_req:
+                raise ValueError(
+                    f"{ids.size} blocks exceed the table width max_num_blocks_per_req="
+                    f"{self.max_num_blocks_per_req} (allowed [0, {self.max_num_blocks_per_req}])"
+                )
+            return ids
+        row = self._check_row(row_idx)
+        end = int(self.num_blocks_per_row[row]) + ids.size
         if end > self.max_num_blocks_per_req:
             raise ValueError(
                 f"row {row} would hold {end} blocks, more than the table width "
                 f"max_num_blocks_per_req={self.max_num_blocks_per_req} (allowed [0, "
                 f"{self.max_num_blocks_per_req}])"
             )
-        self.block_table[row, start:end] = ids
-        self.num_blocks_per_row[row] = end
+        check_int("num_null_blocks", num_null_blocks, min_value=0, max_value=end)
+        return ids
+
+    def append_row(
+        self, block_ids: Sequence[int] | np.ndarray, row_idx: int, num_null_blocks: int = 0
+    ) -> None:
+        """Append `block_ids` after the blocks already in row `row_idx`; then its first
+        `num_null_blocks` blocks are the null block (blocks that left an attention
+        window; at most the row's blocks)."""
+        row = self._check_row(row_idx)
+        ids = self.check_row_ids(block_ids, row, num_null_blocks)
+        start = int(self.num_blocks_per_row[row])
+        self.block_table[row, start : start + ids.size] = ids
+        self.block_table[row, :num_null_blocks] = NULL_BLOCK_ID
+        self.num_blocks_per_row[row] = start + ids.size
 
     def add_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
         """Replace row `row_idx` with exactly `block_ids`."""
         row = self._check_row(row_idx)
-        ids = self._check_block_ids(block_ids)
-        if ids.size > self.max_num_blocks_per_req:
-            raise ValueError(
-                f"{ids.size} blocks exceed the table width max_num_blocks_per_req="
-                f"{self.max_num_blocks_per_req} (allowed [0, {self.max_num_blocks_per_req}])"
-            )
+        ids = self.check_row_ids(block_ids)
         self.block_table[row] = NULL_BLOCK_ID
         self.block_table[row, : ids.size] = ids
         self.num_blocks_per_row[row] = ids.size

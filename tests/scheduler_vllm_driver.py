@@ -70,9 +70,26 @@ def vllm_backend(num_blocks: int):
     return manager, make
 
 
+def apply_block_changes(rows: dict, manager, out) -> None:
+    """Keep one row per request from the step's block-id changes, as a model runner does;
+    each scheduled request's row must then be the manager's block ids."""
+    for request_id in out.preempted_request_ids + out.finished_request_ids:
+        rows.pop(request_id, None)
+    for s in out.scheduled:
+        request_id = s.request.request_id
+        if s.resets_row:
+            rows[request_id] = [list(ids) for ids in s.new_block_ids]
+        else:
+            for row, ids in zip(rows[request_id], s.new_block_ids, strict=False):
+                row += ids
+            for row, num_nulls in zip(rows[request_id], s.num_null_blocks, strict=False):
+                row[:num_nulls] = [0] * num_nulls
+        assert rows[request_id] == [list(ids) for ids in manager.get_block_ids(request_id)]
+
+
 def trace(backend, seed: int, num_blocks: int, overlap: bool) -> dict:
-    """Serve the workload; per step: (request id, first position, tokens) scheduled,
-    preempted ids, finished ids and the manager's block ids per scheduled request."""
+    """Serve the workload; per step: (request id, first position, tokens, the block-id
+    changes and the row they make) scheduled, preempted ids, finished ids."""
     from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
 
     manager, make = backend(num_blocks)
@@ -84,9 +101,10 @@ def trace(backend, seed: int, num_blocks: int, overlap: bool) -> dict:
     prompts, max_tokens = workload(seed)
     for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
         scheduler.add_request(make(f"r{i}", prompt, limit))
-    steps, outputs, in_flight = [], {}, None
+    steps, outputs, in_flight, rows = [], {}, None, {}
     while scheduler.has_unfinished_requests() or in_flight is not None:
         out = scheduler.schedule()
+        apply_block_changes(rows, manager, out)
         if overlap:  # the step in flight finishes after the next one is scheduled
             done, in_flight = in_flight, None if out.is_empty else out
         else:
@@ -105,7 +123,10 @@ def trace(backend, seed: int, num_blocks: int, overlap: bool) -> dict:
                         s.request.request_id,
                         s.num_computed_tokens,
                         s.num_new_tokens,
-                        [list(ids) for ids in s.block_ids],
+                        s.resets_row,
+                        [list(ids) for ids in s.new_block_ids],
+                        list(s.num_null_blocks),
+                        rows[s.request.request_id],
                     ]
                     for s in out.scheduled
                 ],  # fmt: skip

@@ -29,8 +29,9 @@ def test_no_compilation_after_warmup_over_300_random_steps_two_layers() -> None:
                 for b in freed:
                     model[b * bs : (b + 1) * bs] = 0
             buf, shape = packer.pack(_random_step(rng, packer))
-            n = int(buf[0, 0])
-            slots = buf[0, shape.length - 2 * shape.num_tokens :][:n]
+            fields = shape.layout.unpack(buf[0])
+            n = int(fields["num_tokens"][0])
+            slots = fields["slot_mapping"][:n]
             put = packer.put(buf)
             for layer, model in enumerate(models):
                 t = shape.num_tokens

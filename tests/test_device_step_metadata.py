@@ -18,7 +18,9 @@ from jaxkv.block_table import BlockTable
 from jaxkv.device import (
     CompilationError,
     PagedKVCache,
+    StepField,
     StepInputs,
+    StepLayout,
     StepMetadataPacker,
     StepShape,
     compilation_count,
@@ -67,6 +69,85 @@ def test_pack_unpack_round_trip() -> None:
     np.testing.assert_array_equal(md.query_start_loc, [0, 3, 4, 6, 6])
     np.testing.assert_array_equal(md.slot_mapping, [*slots, 256, 256])
     np.testing.assert_array_equal(md.positions, [3, 4, 5, 1, 8, 9, 0, 0])
+
+
+def test_pack_derives_the_slots_it_is_not_given() -> None:
+    packer = _packer()
+    bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
+    given = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), [15, 36, 37, 21, 44, 45])
+    derived = StepInputs(bt, given.seq_lens, given.query_lens)
+    np.testing.assert_array_equal(packer.pack(derived)[0], packer.pack(given)[0])
+    with pytest.raises(ValueError, match="position 4 of request 0 lies in the null block"):
+        packer.pack(StepInputs(np.array([[3, 0, 0, 0]]), [5], [1]))
+
+
+def test_metadata_layout_names_every_field_once() -> None:
+    layout = StepShape(num_tokens=4, num_reqs=2, max_blocks_per_req=3).layout
+    assert [(f.name, f.length) for f in layout.fields] == [
+        ("num_tokens", 1), ("num_reqs", 1), ("block_tables", 6), ("seq_lens", 2),
+        ("query_start_loc", 3), ("slot_mapping", 4), ("positions", 4),
+    ]  # fmt: skip
+    assert layout.length == StepShape(4, 2, 3).length == 21
+    assert layout.bounds["slot_mapping"] == (13, 17)
+
+
+_LAYOUT = StepLayout(
+    (StepField("ids", 3), StepField("scale", 2, np.dtype(np.float32)), StepField("count", 1))
+)
+
+
+def test_step_layout_pack_unpack_round_trip() -> None:
+    values = {
+        "ids": np.array([[1, 2, 3], [4, 5, 6]]),  # per rank
+        "scale": np.array([0.5, -2.25], np.float32),  # the same for both ranks
+        "count": np.array([[7], [2**31 - 1]], np.int64),
+    }
+    buf = _LAYOUT.pack(values, num_ranks=2)
+    assert buf.shape == (2, 6) and buf.dtype == np.int32
+    for unpacked in (
+        _LAYOUT.unpack(buf),
+        jax.jit(_LAYOUT.unpack)(jnp.asarray(buf)),
+    ):
+        np.testing.assert_array_equal(unpacked["ids"], values["ids"])
+        np.testing.assert_array_equal(unpacked["scale"], np.tile(values["scale"], (2, 1)))
+        assert unpacked["scale"].dtype == np.float32
+        np.testing.assert_array_equal(unpacked["count"], values["count"])
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"ids": np.arange(4)}, ValueError, r"'ids' has shape \(4,\); the layout holds \(3,\)"),
+        ({"ids": np.zeros((3, 3), int)}, ValueError, r"'ids' has shape \(3, 3\)"),
+        ({"scale": np.zeros(2)}, TypeError, "'scale' holds float32, got float64"),
+        ({"ids": np.zeros(3, np.float32)}, TypeError, "'ids' holds integers, got float32"),
+        ({"ids": np.zeros(3, bool)}, TypeError, "'ids' holds integers, got bool"),
+        ({"count": np.array([2**31])}, ValueError, "'count' holds values outside the int32"),
+        ({"extra": np.zeros(1, int)}, ValueError, r"missing: \[\], unknown: \['extra'\]"),
+        ({"count": None}, ValueError, r"missing: \['count'\]"),
+    ],
+)
+def test_step_layout_refuses_a_field_that_does_not_fit(change, error, match) -> None:
+    values = {"ids": np.arange(3), "scale": np.ones(2, np.float32), "count": np.ones(1, int)}
+    values.update(change)
+    values = {name: v for name, v in values.items() if v is not None}
+    with pytest.raises(error, match=match):
+        _LAYOUT.pack(values, num_ranks=2)
+
+
+def test_step_layout_checks_itself_and_the_buffers_it_slices() -> None:
+    with pytest.raises(ValueError, match="must be unique"):
+        StepLayout((StepField("a", 1), StepField("a", 2)))
+    with pytest.raises(ValueError, match=r"length of step field 'a' must lie in \[0, inf\]"):
+        StepLayout((StepField("a", -1),))
+    with pytest.raises(ValueError, match="dtype\\('int64'\\); allowed: np.dtype int32"):
+        StepLayout((StepField("a", 1, np.dtype(np.int64)),))
+    with pytest.raises(ValueError, match="has dtype <class 'numpy.float32'>"):
+        StepLayout((StepField("a", 1, np.float32),))
+    with pytest.raises(ValueError, match=r"shape \(2, 7\) dtype int32; the layout holds"):
+        _LAYOUT.unpack(np.zeros((2, 7), np.int32))
+    with pytest.raises(ValueError, match="dtype float32"):
+        _LAYOUT.unpack(np.zeros((2, 6), np.float32))
 
 
 @pytest.mark.parametrize(
@@ -265,8 +346,9 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
             buf, shape = packer.pack(_random_step(rng, packer))
             seen.add(shape)
             kv, out, k, v = run(kv, buf, shape)
-            n = int(buf[0, 0])
-            slots = buf[0, shape.length - 2 * shape.num_tokens :][:n]
+            fields = shape.layout.unpack(buf[0])
+            n = int(fields["num_tokens"][0])
+            slots = fields["slot_mapping"][:n]
             model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
             assert np.isfinite(np.asarray(out)).all()
     assert len(seen) >= 8, f"the random stream should hit many buckets, hit {sorted(seen)}"

@@ -111,8 +111,7 @@ def test_a_request_whose_step_rows_cannot_be_prepared_fails_alone(model, referen
     engine = LLMEngine(model, CONFIG)
     good = [engine.add_request(p, sampling=GREEDY) for p in prompts(3, seed=5)]
     bad = engine.add_request(prompts(1, seed=6)[0], sampling=GREEDY)
-    params, _ = engine._sampling[bad]
-    engine._sampling[bad] = (params, RowSampling(0.5, 0, 1.0, 2**40))
+    engine._sampling[bad] = RowSampling(0.5, 0, 1.0, 2**40)
     finals = run_all(engine)
     assert finals[bad].finish_reason == "error"
     assert "OverflowError" in finals[bad].error and repr(bad) in finals[bad].error

@@ -1,15 +1,17 @@
 """Hypothesis state machine for the engine's scheduler (host only, no JAX).
 
 Random add / abort / step sequences, stepping synchronously or with one step in flight
-(the engine's overlap), with prefix caching on or off, a pool small enough to preempt
-and multimodal items through the encoder cache. A fake model samples token
-`f(request, output index)`, so every output is known in advance.
+(the engine's overlap), with prefix caching on or off, full or sliding-window attention,
+a pool small enough to preempt and multimodal items through the encoder cache. A fake
+model samples token `f(request, output index)`, so every output is known in advance.
 
 Invariants after every rule: each block's reference count equals the number of running
 requests holding it, and nothing else is held; waiting requests hold no block and no
 encoder entry; every request is in exactly one queue; outputs so far are exactly the
-expected tokens. At the end every request not aborted finishes with its full output and
-everything is returned.
+expected tokens. After every step, rows rebuilt from the reported block-id changes (as a
+model runner keeps them: reset, appended, released on preemption and finish) are exactly
+the manager's block ids of the running requests. At the end every request not aborted
+finishes with its full output and everything is returned.
 """
 
 from __future__ import annotations
@@ -44,12 +46,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         overlap=st.booleans(),
         chunk_cap=st.sampled_from([0, 3]),
         budget=st.sampled_from([6, 12]),
+        window=st.sampled_from([None, 6]),
     )
-    def setup(self, caching: bool, overlap: bool, chunk_cap: int, budget: int) -> None:
+    def setup(
+        self, caching: bool, overlap: bool, chunk_cap: int, budget: int, window: int | None
+    ) -> None:
         hash_fn = jaxkv.get_hash_fn_by_name("sha256")
         jaxkv.init_none_hash(hash_fn)
         self.hasher = jaxkv.get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        spec = jaxkv.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8)
+        spec = (
+            jaxkv.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8)
+            if window is None
+            else jaxkv.SlidingWindowSpec(
+                block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=window
+            )
+        )
         self.manager = jaxkv.KVCacheManager.from_spec(
             spec, NUM_BLOCKS, MAX_LEN, enable_caching=caching, track_freed_block_ids=True
         )
@@ -66,6 +77,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.aborted: set[str] = set()
         self.num_added = 0
         self.systems = [list(range(100, 108)), list(range(200, 212))]
+        self.rows: dict[str, list[list[int]]] = {}  # a model runner's rows, from the changes
 
     @rule(
         system=st.sampled_from([None, 0, 1]),
@@ -127,10 +139,31 @@ class SchedulerMachine(RuleBasedStateMachine):
             for i, f in enumerate(request.mm_features):
                 if f.offset < end and f.offset + f.length > item.num_computed_tokens:
                     assert i in held, "a chunk reaching an item holds its encoder entry"
+        self._apply_block_changes(output)
         done = self.in_flight if self.overlap else output
         self.in_flight = output if self.overlap else None
         if done is not None:
             self._apply(done)
+
+    def _apply_block_changes(self, output) -> None:
+        """Keep rows as a model runner does; then they are the running requests' blocks."""
+        for request_id in output.preempted_request_ids + output.finished_request_ids:
+            self.rows.pop(request_id, None)
+        for item in output.scheduled:
+            request_id = item.request.request_id
+            if item.resets_row:
+                self.rows[request_id] = [list(ids) for ids in item.new_block_ids]
+            else:
+                assert request_id in self.rows, "only a reset starts a row"
+                rows = self.rows[request_id]
+                for row, ids in zip(rows, item.new_block_ids, strict=False):
+                    row += ids
+                for row, num_nulls in zip(rows, item.num_null_blocks, strict=False):
+                    row[:num_nulls] = [0] * num_nulls
+        running = {r.request_id for r in self.scheduler.running}
+        assert set(self.rows) == running
+        for request_id, row in self.rows.items():
+            assert tuple(row) == self.manager.get_block_ids(request_id), request_id
 
     @invariant()
     def blocks_held_by_exactly_the_running_requests(self) -> None:
@@ -142,7 +175,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             (ids,) = self.manager.get_block_ids(request_id)
             if request_id in running:
                 assert request.status == RequestStatus.RUNNING
-                refs.update(ids)
+                refs.update(i for i in ids if i)  # not the null block (left the window)
             else:
                 assert ids == [], f"{request_id} ({request.status!r}) holds blocks"
                 assert not self.encoder.get_cached_input_ids(request)

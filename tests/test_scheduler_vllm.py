@@ -3,7 +3,8 @@
 The scheduler calls only vLLM-signature manager methods, so one class serves both (this
 is what benchmarks/bench_host.py relies on). A workload with shared prefixes, chunked
 prefill and a pool small enough to preempt runs through both, synchronously and with one
-step in flight; every step's scheduled requests, positions, token counts, block ids,
+step in flight; every step's scheduled requests, positions, token counts, block-id
+changes (and the rows they rebuild, each checked against the manager's block ids),
 preemptions and finishes must be identical, and so must the outputs. Runs under the
 peer environment (`REPO_ROOT/.venv-vllm`; skipped when absent), which has no JAX: the
 scheduler must not import it.

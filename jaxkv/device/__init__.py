@@ -16,7 +16,9 @@ from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
 from jaxkv.device.kv_cache import PagedKVCache
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
+    StepField,
     StepInputs,
+    StepLayout,
     StepMetadata,
     StepMetadataPacker,
     StepShape,
@@ -34,7 +36,9 @@ __all__ = [
     "EncoderCacheStore",
     "KVLayout",
     "PagedKVCache",
+    "StepField",
     "StepInputs",
+    "StepLayout",
     "StepMetadata",
     "StepMetadataPacker",
     "StepShape",

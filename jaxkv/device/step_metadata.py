@@ -8,9 +8,13 @@ two, then linear steps, the maximum always included), the block-table width is
 fixed, so a serving run compiles at most `len(token_buckets) * len(req_buckets)`
 step programs.
 
-Buffer layout for bucket sizes `T` (tokens), `R` (requests), width `W`::
+A `StepLayout` names the fields of a packed row and their lengths once: the host
+packs with it (`StepLayout.pack`) and the jitted step unpacks with the same object
+(`StepLayout.unpack`), so the two cannot disagree on an offset, and a field of the
+wrong length or kind is an error rather than shifted data. `StepShape.layout` is the
+metadata's layout for bucket sizes `T` (tokens), `R` (requests), width `W`::
 
-    [num_tokens, num_reqs | block_tables R*W | seq_lens R | query_start_loc R+1
+    [num_tokens 1 | num_reqs 1 | block_tables R*W | seq_lens R | query_start_loc R+1
      | slot_mapping T | positions T]
 
 Padding: request rows beyond `num_reqs` are all null blocks with length 0 and
@@ -22,10 +26,13 @@ position 0.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
@@ -61,6 +68,115 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
+_INT32 = np.dtype(np.int32)
+_FLOAT32 = np.dtype(np.float32)
+_INT32_RANGE = np.iinfo(np.int32)
+
+
+class StepField(NamedTuple):
+    """One field of a packed step row: `length` int32 entries holding `dtype` values
+    (int32, or float32 carried as its bit pattern)."""
+
+    name: str
+    length: int
+    dtype: np.dtype = _INT32
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The named fields of one data rank's packed int32 step row, in order.
+
+    Both sides of the hand-off read this one object: the host packs with `pack`, the
+    jitted step slices with `unpack` (static offsets). Invariants: names are unique,
+    lengths are non-negative ints, each dtype is int32 or float32, and a row is
+    `length` (the sum of the field lengths) entries long.
+    """
+
+    fields: tuple[StepField, ...]
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"step layout field names must be unique, got {names}")
+        for f in self.fields:
+            check_int(f"length of step field {f.name!r}", f.length, lo=0)
+            if not isinstance(f.dtype, np.dtype) or f.dtype not in (_INT32, _FLOAT32):
+                allowed = "np.dtype int32 or float32"
+                raise ValueError(f"step field {f.name!r} has dtype {f.dtype!r}; allowed: {allowed}")
+
+    @functools.cached_property
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        """Field name -> its `[start, stop)` within a row."""
+        ends = np.cumsum([0] + [f.length for f in self.fields]).tolist()
+        return {f.name: (ends[i], ends[i + 1]) for i, f in enumerate(self.fields)}
+
+    @property
+    def length(self) -> int:
+        return sum(f.length for f in self.fields)
+
+    def pack(self, values: Mapping[str, np.ndarray], num_ranks: int = 1) -> np.ndarray:
+        """`[num_ranks, length]` int32 rows holding `values[name]` in each field.
+
+        A value is `(length,)` (the same for every rank) or `(num_ranks, length)` (one
+        per rank); int32 fields take integers within int32, float32 fields
+        float32. A missing or unknown name, another length, dtype or an out-of-range
+        integer raises ValueError/TypeError naming the field; nothing is padded.
+        """
+        names = {f.name for f in self.fields}
+        if values.keys() != names:
+            missing, unknown = sorted(names - values.keys()), sorted(values.keys() - names)
+            raise ValueError(
+                f"step fields missing: {missing}, unknown: {unknown} (layout: {sorted(names)})"
+            )
+        out = np.empty((num_ranks, self.length), np.int32)
+        bounds = self.bounds
+        for f in self.fields:
+            value = np.asarray(values[f.name])
+            if value.shape not in ((f.length,), (num_ranks, f.length)):
+                raise ValueError(
+                    f"step field {f.name!r} has shape {value.shape}; the layout holds "
+                    f"({f.length},) or ({num_ranks}, {f.length}) for {num_ranks} rank(s)"
+                )
+            if f.dtype == _FLOAT32:
+                if value.dtype != _FLOAT32:
+                    raise TypeError(f"step field {f.name!r} holds float32, got {value.dtype}")
+                value = value.view(np.int32)
+            elif value.dtype != _INT32:
+                if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
+                    raise TypeError(f"step field {f.name!r} holds integers, got {value.dtype}")
+                if value.size and (
+                    value.min() < _INT32_RANGE.min or value.max() > _INT32_RANGE.max
+                ):
+                    raise ValueError(
+                        f"step field {f.name!r} holds values outside the int32 range "
+                        f"[{value.min()}, {value.max()}]"
+                    )
+            start, stop = bounds[f.name]
+            out[:, start:stop] = value
+        return out
+
+    def unpack(self, buffer: np.ndarray | jax.Array) -> dict[str, np.ndarray | jax.Array]:
+        """Field name -> its slice of `buffer` (`[..., length]` int32, numpy or traced),
+        float32 fields bitcast back; ValueError when the row length or dtype differs."""
+        if buffer.shape[-1:] != (self.length,) or buffer.dtype != _INT32:
+            raise ValueError(
+                f"step buffer has shape {buffer.shape} dtype {buffer.dtype}; the layout "
+                f"holds [..., {self.length}] int32"
+            )
+        out = {}
+        for f in self.fields:
+            start, stop = self.bounds[f.name]
+            part = buffer[..., start:stop]
+            if f.dtype == _FLOAT32:
+                part = (
+                    part.view(np.float32)
+                    if isinstance(part, np.ndarray)
+                    else jax.lax.bitcast_convert_type(part, jnp.float32)
+                )
+            out[f.name] = part
+        return out
+
+
 @dataclass(frozen=True)
 class StepShape:
     """Static shape of one packed step: bucketed token/request counts and table width."""
@@ -70,9 +186,29 @@ class StepShape:
     max_blocks_per_req: int
 
     @property
+    def layout(self) -> StepLayout:
+        """The metadata's fields for this shape (see the module docstring)."""
+        return _metadata_layout(self)
+
+    @property
     def length(self) -> int:
-        t, r, w = self.num_tokens, self.num_reqs, self.max_blocks_per_req
-        return 2 + r * w + r + (r + 1) + 2 * t
+        return self.layout.length
+
+
+@functools.cache
+def _metadata_layout(shape: StepShape) -> StepLayout:
+    t, r, w = shape.num_tokens, shape.num_reqs, shape.max_blocks_per_req
+    return StepLayout(
+        (
+            StepField("num_tokens", 1),
+            StepField("num_reqs", 1),
+            StepField("block_tables", r * w),
+            StepField("seq_lens", r),
+            StepField("query_start_loc", r + 1),
+            StepField("slot_mapping", t),
+            StepField("positions", t),
+        )
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -93,28 +229,40 @@ def unpack_step(buffer: jax.Array, shape: StepShape) -> StepMetadata:
     """Slice a packed 1-D buffer (inside jit) back into its fields."""
     if buffer.shape != (shape.length,):
         raise ValueError(f"buffer shape {buffer.shape} does not match {shape} ({shape.length},)")
-    t, r, w = shape.num_tokens, shape.num_reqs, shape.max_blocks_per_req
-    offsets = np.cumsum([0, 2, r * w, r, r + 1, t, t])
-    part = [buffer[offsets[i] : offsets[i + 1]] for i in range(6)]
+    fields = shape.layout.unpack(buffer)
     return StepMetadata(
-        num_tokens=part[0][0],
-        num_reqs=part[0][1],
-        block_tables=part[1].reshape(r, w),
-        seq_lens=part[2],
-        query_start_loc=part[3],
-        slot_mapping=part[4],
-        positions=part[5],
+        num_tokens=fields["num_tokens"][0],
+        num_reqs=fields["num_reqs"][0],
+        block_tables=fields["block_tables"].reshape(shape.num_reqs, shape.max_blocks_per_req),
+        seq_lens=fields["seq_lens"],
+        query_start_loc=fields["query_start_loc"],
+        slot_mapping=fields["slot_mapping"],
+        positions=fields["positions"],
     )
 
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One data rank's host-side step: per-request rows and per-token slots."""
+    """One data rank's host-side step: per-request rows, optionally per-token slots.
+
+    `slot_mapping` None: the packer derives each token's slot from the block table
+    (its own position in a block its request holds); given, it must equal that.
+    """
 
     block_tables: np.ndarray  # [n_reqs, W] int
     seq_lens: np.ndarray  # [n_reqs] context length after this step
     query_lens: np.ndarray  # [n_reqs] tokens scheduled this step
-    slot_mapping: np.ndarray  # [n_tokens]
+    slot_mapping: np.ndarray | None = None  # [n_tokens]
+
+
+class _Derived(NamedTuple):
+    """One rank's checked step with its per-token rows, each computed once."""
+
+    block_tables: np.ndarray  # [n_reqs, W] int32
+    seq_lens: np.ndarray  # [n_reqs] int32
+    query_start_loc: np.ndarray  # [n_reqs + 1] int64
+    slot_mapping: np.ndarray  # [n_tokens] int32
+    positions: np.ndarray  # [n_tokens] int64
 
 
 class StepMetadataPacker:
@@ -122,7 +270,7 @@ class StepMetadataPacker:
 
     Invariant: every buffer it returns passed validation (block ids in
     `[0, num_blocks)`, slots outside the null block, lengths within the table),
-    has the length of its `StepShape`, and uses bucket sizes from
+    is laid out by its `StepShape.layout`, and uses bucket sizes from
     `token_buckets` / `req_buckets` only.
     """
 
@@ -161,14 +309,12 @@ class StepMetadataPacker:
 
     def empty(self, shape: StepShape, num_ranks: int = 1) -> np.ndarray:
         """A step with no requests and no tokens (all padding), e.g. to warm up `shape`."""
-        if shape not in self.all_shapes():
-            raise ValueError(f"{shape} is not one of this packer's bucket shapes")
-        out = np.zeros((num_ranks, shape.length), np.int32)
-        start = shape.length - 2 * shape.num_tokens
-        out[:, start : start + shape.num_tokens] = self.padding_slot
-        return out
+        nothing = np.zeros(0, np.int32)
+        step = StepInputs(np.zeros((0, self.max_blocks_per_req), np.int32), nothing, nothing)
+        return self.pack([step] * num_ranks, shape)[0]
 
-    def _validate(self, s: StepInputs, rank: int) -> tuple[int, int]:
+    def _derive(self, s: StepInputs, rank: int) -> _Derived:
+        """Check one rank's step; its token positions and slots, computed once."""
         where = f" (data rank {rank})"
         bt = np.asarray(s.block_tables)
         n_reqs = bt.shape[0] if bt.ndim == 2 else -1
@@ -193,60 +339,86 @@ class StepMetadataPacker:
                 f"query_lens[{i}] = {int(ql[i])} exceeds seq_lens[{i}] = "
                 f"{int(s.seq_lens[i])} (allowed [1, seq_len]){where}"
             )
-        n_tokens = int(ql.sum())
-        slots = np.asarray(s.slot_mapping)
-        if slots.shape != (n_tokens,):
-            raise ValueError(
-                f"slot_mapping shape {slots.shape} must be ({n_tokens},), the sum of "
-                f"query_lens{where}"
-            )
-        slots = check_ids("slot", slots, self.block_size, self.padding_slot, where=where)
+        cu = np.zeros(n_reqs + 1, np.int64)
+        np.cumsum(ql, out=cu[1:])
+        n_tokens = int(cu[-1])
+        slots = s.slot_mapping
+        if slots is not None:
+            slots = np.asarray(slots)
+            if slots.shape != (n_tokens,):
+                raise ValueError(
+                    f"slot_mapping shape {slots.shape} must be ({n_tokens},), the sum of "
+                    f"query_lens{where}"
+                )
+            slots = check_ids("slot", slots, self.block_size, self.padding_slot, where=where)
         pick_bucket(n_tokens, self.token_buckets)
         pick_bucket(n_reqs, self.req_buckets)
-        # Each token's slot must be its own position in a block its request holds.
+        # Each token's slot is its own position in a block its request holds.
         req = np.repeat(np.arange(n_reqs), ql)
-        pos = np.repeat(seq - ql, ql) + (np.arange(n_tokens) - np.repeat(np.cumsum(ql) - ql, ql))
-        held = bt[req, pos // self.block_size] * self.block_size + pos % self.block_size
-        wrong = slots != held
+        pos = np.repeat(seq.astype(np.int64) - ql, ql) + (np.arange(n_tokens) - cu[req])
+        blocks = bt[req, pos // self.block_size]
+        held = blocks * self.block_size + (pos % self.block_size).astype(np.int32)
+        wrong = (held != slots) if slots is not None else (blocks == 0)
         if wrong.any():
             i = int(np.argmax(wrong))
+            target = f"position {int(pos[i])} of request {int(req[i])}"
+            if slots is None:
+                raise ValueError(f"{target} lies in the null block: its table holds none{where}")
             raise ValueError(
-                f"slot_mapping[{i}] = {int(slots[i])} is not position {int(pos[i])} of request "
-                f"{int(req[i])}: its block table puts that position at slot {int(held[i])} "
-                f"(block {int(bt[req[i], pos[i] // self.block_size])}){where}"
+                f"slot_mapping[{i}] = {int(slots[i])} is not {target}: its block table puts "
+                f"that position at slot {int(held[i])} (block {int(blocks[i])}){where}"
             )
-        return n_tokens, n_reqs
+        return _Derived(bt, seq, cu, held, pos)
 
-    def pack(self, steps: StepInputs | Sequence[StepInputs]) -> tuple[np.ndarray, StepShape]:
-        """Validate and pack one step (or one per data rank) into `[dp, length]` int32."""
+    def pack(
+        self, steps: StepInputs | Sequence[StepInputs], shape: StepShape | None = None
+    ) -> tuple[np.ndarray, StepShape]:
+        """Validate and pack one step (or one per data rank) into `[dp, length]` int32.
+
+        `shape`: the bucket shape to pack into (one of `all_shapes()`, holding every
+        rank's tokens and requests); None: the smallest that does.
+        """
         ranks = [steps] if isinstance(steps, StepInputs) else list(steps)
-        counts = [self._validate(s, i) for i, s in enumerate(ranks)]
-        shape = StepShape(
-            pick_bucket(max(c[0] for c in counts), self.token_buckets),
-            pick_bucket(max(c[1] for c in counts), self.req_buckets),
-            self.max_blocks_per_req,
-        )
+        derived = [self._derive(s, i) for i, s in enumerate(ranks)]
+        n_tokens = max((d.slot_mapping.size for d in derived), default=0)
+        n_reqs = max((d.seq_lens.size for d in derived), default=0)
+        if shape is None:
+            shape = StepShape(
+                pick_bucket(n_tokens, self.token_buckets),
+                pick_bucket(n_reqs, self.req_buckets),
+                self.max_blocks_per_req,
+            )
+        elif shape not in self.all_shapes():
+            raise ValueError(f"{shape} is not one of this packer's bucket shapes")
+        elif n_tokens > shape.num_tokens or n_reqs > shape.num_reqs:
+            raise ValueError(f"{n_tokens} tokens and {n_reqs} requests do not fit {shape}")
         t, r, w = shape.num_tokens, shape.num_reqs, shape.max_blocks_per_req
-        out = np.zeros((len(ranks), shape.length), np.int32)
-        for row, s, (n_tok, n_req) in zip(out, ranks, counts, strict=True):
-            ql = np.asarray(s.query_lens, np.int64)
-            seq = np.asarray(s.seq_lens, np.int64)
-            row[0], row[1] = n_tok, n_req
-            o = 2
-            row[o : o + n_req * w] = np.asarray(s.block_tables).reshape(-1)
-            o += r * w
-            row[o : o + n_req] = seq
-            o += r
-            qsl = row[o : o + r + 1]
-            qsl[1 : n_req + 1] = np.cumsum(ql)
-            qsl[n_req + 1 :] = n_tok
-            o += r + 1
-            row[o : o + t] = self.padding_slot
-            row[o : o + n_tok] = s.slot_mapping
-            o += t
-            starts = np.repeat(seq - ql, ql)
-            row[o : o + n_tok] = starts + (np.arange(n_tok) - np.repeat(qsl[:n_req], ql))
-        return out, shape
+        dp = len(ranks)
+        counts = np.zeros((dp, 2), np.int32)
+        block_tables = np.zeros((dp, r, w), np.int32)
+        seq_lens = np.zeros((dp, r), np.int32)
+        query_start_loc = np.zeros((dp, r + 1), np.int64)
+        slot_mapping = np.full((dp, t), self.padding_slot, np.int32)
+        positions = np.zeros((dp, t), np.int64)
+        for k, d in enumerate(derived):
+            n, m = d.seq_lens.size, d.slot_mapping.size
+            counts[k] = m, n
+            block_tables[k, :n] = d.block_tables
+            seq_lens[k, :n] = d.seq_lens
+            query_start_loc[k, : n + 1] = d.query_start_loc
+            query_start_loc[k, n + 1 :] = m
+            slot_mapping[k, :m] = d.slot_mapping
+            positions[k, :m] = d.positions
+        values = {
+            "num_tokens": counts[:, :1],
+            "num_reqs": counts[:, 1:],
+            "block_tables": block_tables.reshape(dp, r * w),
+            "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc,
+            "slot_mapping": slot_mapping,
+            "positions": positions,
+        }
+        return shape.layout.pack(values, dp), shape
 
     @staticmethod
     def put(buffer: np.ndarray, sharding: Sharding | None = None) -> jax.Array:

@@ -240,7 +240,7 @@ class LLMEngine:
         self._block_hasher = get_request_block_hasher(
             self.kv_cache_manager.hash_block_size, hash_fn
         )
-        self._sampling: dict[str, tuple[SamplingParams, RowSampling]] = {}
+        self._sampling: dict[str, RowSampling] = {}  # unfinished request id -> its row
         self._images: dict[str, np.ndarray] = {}
         self._image_refs: dict[str, int] = {}
         self._in_flight: _InFlight | None = None
@@ -383,7 +383,7 @@ class LLMEngine:
             )
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
         self._rank_of[request_id] = rank
-        self._sampling[request_id] = (sampling, self._row_sampling(sampling, request_id))
+        self._sampling[request_id] = self._row_sampling(sampling, request_id)
         self._salt_of[request_id] = cache_salt or None
         for feature, image in zip(features, pixels, strict=True):
             self._images.setdefault(feature.identifier, image)
@@ -506,11 +506,8 @@ class LLMEngine:
         """Dispatch the step; a request whose rows cannot be prepared is failed and taken
         out of `outs` (in place), and the step is packed again without it."""
         while True:
-            sampling = [
-                [self._sampling[s.request.request_id][1] for s in out.scheduled] for out in outs
-            ]
             try:
-                return self.runner.execute(outs, sampling, self._images)
+                return self.runner.execute(outs, self._sampling, self._images)
             except RequestStepError as error:
                 self._fail(error.request_id, str(error))
                 for out in outs:

@@ -1,16 +1,22 @@
 """Glue between the scheduler's output and a model's `forward_paged` (one device call a step).
 
-The runner owns the device state: one `PagedKVCache` and `BlockTable` per KV-cache group
-(layers with equal specs share a group and the pool's block ids), every layer's donated
-cache array, and for image models an `EncoderCacheStore`. Each step it
+The runner owns the device state: one `PagedKVCache` per KV-cache group (layers with
+equal specs share a group and the pool's block ids), every layer's donated cache array,
+and for image models an `EncoderCacheStore`; and, per data rank, the requests' persistent
+rows (`RequestRows`: block tables per group, sampling parameters), which the scheduler's
+block-id changes update. Each step it
 
-1. frees the store pages of evicted encoder entries and zeroes freed KV pages (optional),
+1. releases the rows of preempted and finished requests, frees the store pages of
+   evicted encoder entries and zeroes freed KV pages (optional),
 2. encodes the images the scheduler asked for (each once; shared through the store),
-3. packs the step into ONE int32 buffer (per group: `StepMetadataPacker` metadata; then
-   token ids, the previous-step rows that pending tokens come from, the logits rows,
-   the sampling parameters and the encoder-store rows to merge) and sends it in one
-   transfer,
-4. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
+3. prepares every request's host rows (tokens, pending-token sources, row updates) and
+   only then applies the row updates, so a request whose rows cannot be prepared fails
+   alone (`RequestStepError`) and leaves the rows as they were,
+4. packs the step into ONE int32 buffer laid out by `step_layout` (per group the
+   `StepMetadataPacker` metadata, then token ids, pending-token sources, logits rows,
+   sampling parameters and encoder-merge rows, each a named `StepField`) and sends it in
+   one transfer; the jitted step unpacks it with the same layout,
+5. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
    device array without waiting for them.
 
 On a mesh (`jaxkv.device.make_mesh(data, model)`), KV heads are split over the model axis
@@ -26,10 +32,9 @@ ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +48,9 @@ from jaxkv.device import (
     EmbedPlacement,
     EncoderCacheStore,
     PagedKVCache,
+    StepField,
     StepInputs,
+    StepLayout,
     StepMetadataPacker,
     StepShape,
 )
@@ -111,7 +118,8 @@ def group_kv_cache_specs(
 class RequestStepError(Exception):
     """Preparing one request's part of a step failed on the host (`cause`); nothing of the
     step has run on the device yet beyond idempotent page zeroing, copies and encoding,
-    so the step can be packed again without that request."""
+    and no request row has changed, so the step can be packed again without that
+    request."""
 
     def __init__(self, request_id: str, cause: Exception) -> None:
         super().__init__(f"request {request_id!r}: {type(cause).__name__}: {cause}")
@@ -127,6 +135,152 @@ class RowSampling:
     top_k: int
     top_p: float
     seed: int
+
+
+def _metadata_field(group: int) -> str:
+    """The `step_layout` field holding KV-cache group `group`'s packed metadata."""
+    return f"metadata{group}"
+
+
+@functools.cache
+def step_layout(shapes: tuple[StepShape, ...], merges_embeds: bool) -> StepLayout:
+    """One data rank's row of the step buffer for the groups' bucket `shapes` (`T` tokens,
+    `R` requests each): every KV-cache group's metadata (its `StepShape.layout`), then
+
+    * `token_ids [T]`: the host's token ids (0 where the token is pending),
+    * `token_src [T]`: the previous step's output row a pending token is read from, -1
+      for a host token,
+    * `logits_indices [R]`: each request's last token row among all ranks' `dp * T`,
+    * `temperature [R]` (float32), `top_k [R]`, `top_p [R]` (float32), `seeds [R]`,
+      `counters [R]` (the output index of the token sampled): sampling rows,
+    * with an encoder store (`merges_embeds`), `merge_src [T]` / `merge_dst [T]`: store
+      rows to merge into token rows (destination `dp * T`: none).
+    """
+    t, r = shapes[0].num_tokens, shapes[0].num_reqs
+    f32 = np.dtype(np.float32)
+    fields = [StepField(_metadata_field(g), shape.length) for g, shape in enumerate(shapes)]
+    fields += [
+        StepField("token_ids", t),
+        StepField("token_src", t),
+        StepField("logits_indices", r),
+        StepField("temperature", r, f32),
+        StepField("top_k", r),
+        StepField("top_p", r, f32),
+        StepField("seeds", r),
+        StepField("counters", r),
+    ]
+    if merges_embeds:
+        fields += [StepField("merge_src", t), StepField("merge_dst", t)]
+    return StepLayout(tuple(fields))
+
+
+class RequestRows:
+    """One data rank's persistent request rows (vLLM's input batch, reduced to the step).
+
+    A request takes a row when the scheduler first sends it (`resets_row`) and keeps it
+    until it is reported preempted or finished; the row is then reused. Row
+    `index[request_id]` holds the request's block ids per KV-cache group (row of
+    `tables[g]`), its sampling parameters and its prompt length.
+
+    Invariants: `index` maps each request holding a row to a distinct row in
+    `[0, max_num_seqs)` and `free` lists the others; after each step every row in use
+    holds exactly the scheduler's view of its request's blocks
+    (`kv_cache_manager.get_block_ids(request_id)`), built from the reported changes.
+    """
+
+    def __init__(self, tables: list[BlockTable]) -> None:
+        self.tables = tables
+        max_num_seqs = tables[0].max_num_reqs
+        self.index: dict[str, int] = {}
+        self.free = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: low first
+        self.temperature = np.zeros(max_num_seqs, np.float32)
+        self.top_k = np.zeros(max_num_seqs, np.int32)
+        self.top_p = np.ones(max_num_seqs, np.float32)
+        self.seeds = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Free the rows of `request_ids` (those holding none are skipped)."""
+        for request_id in request_ids:
+            row = self.index.pop(request_id, None)
+            if row is not None:
+                self.free.append(row)
+
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group as its row holds them."""
+        row = self.index[request_id]
+        return tuple(t.block_table[row, : t.num_blocks_per_row[row]].tolist() for t in self.tables)
+
+    def apply(self, updates: Sequence[_RowUpdate]) -> None:
+        """Apply checked row updates (`ModelRunner._prepare`); cannot fail."""
+        for u in updates:
+            row = self.index.get(u.request_id)
+            if row is None:
+                row = self.index[u.request_id] = self.free.pop()
+            if u.sampling is None:
+                for table, ids, num_nulls in zip(
+                    self.tables, u.block_ids, u.num_null_blocks, strict=True
+                ):
+                    table.append_row(ids, row, num_nulls)
+                continue
+            for table, ids in zip(self.tables, u.block_ids, strict=True):
+                table.add_row(ids, row)
+            (
+                self.temperature[row], self.top_k[row], self.top_p[row], self.seeds[row],
+                self.num_prompt_tokens[row],
+            ) = u.sampling  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _RowUpdate:
+    """A checked change of one request's row, per group: `block_ids` (int32) appended and
+    then the first `num_null_blocks` blocks null; or with `sampling` (a reset: its typed
+    sampling row and prompt length) `block_ids` is the whole row."""
+
+    request_id: str
+    block_ids: tuple[np.ndarray, ...]
+    num_null_blocks: tuple[int, ...] = ()
+    sampling: tuple[np.float32, np.int32, np.float32, np.int32, np.int32] | None = None
+
+    @classmethod
+    def reset(cls, tables: Sequence[BlockTable], s: ScheduledRequest, p: RowSampling) -> _RowUpdate:
+        """`s`'s row set to its whole block lists, with its sampling row `p` (a value no
+        int32/float32 holds raises here)."""
+        typed = (
+            np.float32(p.temperature), np.int32(p.top_k), np.float32(p.top_p),
+            np.int32(p.seed), np.int32(s.request.num_prompt_tokens),
+        )  # fmt: skip
+        block_ids = tuple(
+            table.check_row_ids(ids) for table, ids in zip(tables, s.new_block_ids, strict=True)
+        )
+        return cls(s.request.request_id, block_ids, sampling=typed)
+
+    @classmethod
+    def append(cls, tables: Sequence[BlockTable], s: ScheduledRequest, row: int) -> _RowUpdate:
+        """`s`'s changes to its row `row`: blocks appended, leading blocks now null."""
+        new_block_ids = s.new_block_ids or ((),) * len(tables)
+        nulls = s.num_null_blocks or (0,) * len(tables)
+        block_ids = tuple(
+            table.check_row_ids(ids, row, k)
+            for table, ids, k in zip(tables, new_block_ids, nulls, strict=True)
+        )
+        return cls(s.request.request_id, block_ids, nulls)
+
+
+@dataclass
+class _RankStep:
+    """One data rank's part of a step, prepared on the host; `rows` is set once the
+    row updates are applied."""
+
+    request_ids: list[str] = field(default_factory=list)
+    query_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seq_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    updates: list[_RowUpdate] = field(default_factory=list)
+    placements: list[EmbedPlacement] = field(default_factory=list)
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
 
 
 @functools.cache
@@ -146,59 +300,44 @@ def _shared_paged_cache(
         "layer_to_group",
         "max_num_seqs",
         "shapes",
+        "layout",
         "store_dtype",
     ),
     donate_argnames="kv_caches",
 )
 def _paged_step(
     state, kv_caches, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group, store_dtype,
-    max_num_seqs, shapes,
+    max_num_seqs, shapes, layout,
 ):  # fmt: skip
-    """Forward + sampling of one packed step (see `ModelRunner._pack` for the layout)."""
+    """Forward + sampling of one packed step, unpacked by `layout` (`step_layout`)."""
     model = nnx.merge(graphdef, state)
-    t, r = shapes[0].num_tokens, shapes[0].num_reqs
+    r = shapes[0].num_reqs
     dp = buffer.shape[0]
-    offset, metadata = 0, []
-    for shape in shapes:
-        metadata.append(buffer[:, offset : offset + shape.length])
-        offset += shape.length
+    fields = layout.unpack(buffer)
 
-    def take(n: int) -> jax.Array:
-        """The next `n` entries of every rank's row, rank-major."""
-        nonlocal offset
-        offset += n
-        return buffer[:, offset - n : offset].reshape(-1)
+    def rows(name: str) -> jax.Array:
+        """Field `name` of every rank's row, rank-major."""
+        return fields[name].reshape(-1)
 
-    tokens, src, logits_indices = take(t), take(t), take(r)
-    temperature = jax.lax.bitcast_convert_type(take(r), jnp.float32)
-    top_k = take(r)
-    top_p = jax.lax.bitcast_convert_type(take(r), jnp.float32)
-    seeds, counters = take(r), take(r)
-    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], tokens)
+    src = rows("token_src")
+    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], rows("token_ids"))
     ctx = PagedContext(
         caches=paged, shapes=shapes, layer_to_group=layer_to_group,
-        metadata=tuple(metadata), logits_indices=logits_indices,
+        metadata=tuple(fields[_metadata_field(g)] for g in range(len(shapes))),
+        logits_indices=rows("logits_indices"),
     )  # fmt: skip
     embeds = None
     if store is not None:
-        merge_src, merge_dst = take(t), take(t)
         embeds = model.embed_tokens(token_ids)
-        rows = store.reshape(-1, store.shape[-1]).at[merge_src].get(mode="fill", fill_value=0)
-        rows = from_storage(rows, store_dtype)  # the store may hold bf16 as uint16 bits
-        embeds = embeds.at[merge_dst].set(rows.astype(embeds.dtype), mode="drop")
+        stored = store.reshape(-1, store.shape[-1]).at[rows("merge_src")]
+        stored = stored.get(mode="fill", fill_value=0)
+        stored = from_storage(stored, store_dtype)  # the store may hold bf16 as uint16 bits
+        embeds = embeds.at[rows("merge_dst")].set(stored.astype(embeds.dtype), mode="drop")
     logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
-    sampled = sample_tokens(logits, temperature, top_k, top_p, seeds, counters).reshape(dp, r)
+    sampled = sample_tokens(
+        logits, rows("temperature"), rows("top_k"), rows("top_p"), rows("seeds"), rows("counters")
+    ).reshape(dp, r)
     return kv_caches, jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
-
-
-@contextlib.contextmanager
-def _attributed_to(scheduled: ScheduledRequest) -> Iterator[None]:
-    """Re-raise a failure while preparing `scheduled`'s rows as that request's
-    `RequestStepError`."""
-    try:
-        yield
-    except Exception as error:
-        raise RequestStepError(scheduled.request.request_id, error) from error
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -210,9 +349,10 @@ class ModelRunner:
     """Device state and the jitted step of one model (see the module docstring).
 
     Invariants: `kv_caches[i]` has the shape of its group's `PagedKVCache`; every data
-    rank has its own block tables and block ids in `[0, num_blocks)`; the step compiles
-    once per `(token bucket, request bucket)` pair, nothing else in `execute` compiles
-    after `warm_up()`.
+    rank has its own request rows (`rows[k]`) and block ids in `[0, num_blocks)`; the
+    step compiles once per `(token bucket, request bucket)` pair, nothing else in
+    `execute` compiles after `warm_up()`; a call of `execute` that raises
+    `RequestStepError` left every request row as it was.
     """
 
     def __init__(
@@ -248,22 +388,26 @@ class ModelRunner:
             layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
             for i, arr in zip(layers, cache.allocate(len(layers)), strict=True):
                 self.kv_caches[i] = arr
-        self.packers, self.tables = [], []  # tables[g][rank]
-        for g in groups:
-            bs = g.kv_cache_spec.block_size
-            width = -(-max_model_len // bs)
-            self.packers.append(
-                StepMetadataPacker(
-                    max_num_tokens=max_num_batched_tokens,
-                    max_num_reqs=max_num_seqs,
-                    max_blocks_per_req=width,
-                    block_size=bs,
-                    num_blocks=num_blocks,
-                )  # fmt: skip
+        widths = [-(-max_model_len // g.kv_cache_spec.block_size) for g in groups]
+        self.packers = [
+            StepMetadataPacker(
+                max_num_tokens=max_num_batched_tokens,
+                max_num_reqs=max_num_seqs,
+                max_blocks_per_req=width,
+                block_size=g.kv_cache_spec.block_size,
+                num_blocks=num_blocks,
+            )  # fmt: skip
+            for g, width in zip(groups, widths, strict=True)
+        ]
+        self.rows = [
+            RequestRows(
+                [
+                    BlockTable(g.kv_cache_spec.block_size, max_num_seqs, width, num_blocks)
+                    for g, width in zip(groups, widths, strict=True)
+                ]
             )
-            self.tables.append(
-                [BlockTable(bs, max_num_seqs, width, num_blocks) for _ in range(self.dp_size)]
-            )
+            for _ in range(self.dp_size)
+        ]
         self.hidden_size = int(model.config.hidden_size)
         self.encoder_store: EncoderCacheStore | None = None
         self.images = image_inputs(model)
@@ -280,11 +424,14 @@ class ModelRunner:
         # the step places its output (so the first step compiles the same program as the
         # others).
         self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
-        self._rows: dict[str, int] = {}  # request id -> its row of `self.sampled`
+        self._sampled_row: dict[str, int] = {}  # request id -> its row of `self.sampled`
         self.num_encoded = 0
 
     def _replicated(self, arr: np.ndarray) -> jax.Array:
         return self.paged[0].put(arr, P())
+
+    def _layout(self, shapes: tuple[StepShape, ...]) -> StepLayout:
+        return step_layout(shapes, self.encoder_store is not None)
 
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
         store = self.encoder_store
@@ -292,7 +439,7 @@ class ModelRunner:
             self._state, self.kv_caches, None if store is None else store.cache,
             self.paged[0].put(buffer), self.sampled,
             graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
-            max_num_seqs=self.max_num_seqs, shapes=shapes,
+            max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
             store_dtype=None if store is None else store.dtype,
         )  # fmt: skip
 
@@ -301,116 +448,133 @@ class ModelRunner:
 
     # -- host side ----------------------------------------------------------------------
 
-    def _pack(
-        self, outs: Sequence[SchedulerOutput], sampling: Sequence[Sequence[RowSampling]]
-    ) -> tuple[np.ndarray, tuple[StepShape, ...]]:
-        """The step's `[dp, length]` buffer: per rank its groups' metadata, then its rows."""
-        ranks = []  # per rank: scheduled, query_lens, cu
-        steps_per_group: list[list[StepInputs]] = [[] for _ in self.packers]
-        for rank, out in enumerate(outs):
-            scheduled = out.scheduled
-            n = len(scheduled)
-            query_lens = np.array([s.num_new_tokens for s in scheduled], np.int64)
-            starts = np.array([s.num_computed_tokens for s in scheduled], np.int64)
-            total = int(query_lens.sum())
-            rows = np.repeat(np.arange(n), query_lens)
-            cu = np.concatenate([[0], np.cumsum(query_lens)])
-            positions = np.repeat(starts, query_lens) + (
-                np.arange(total) - np.repeat(cu[:-1], query_lens)
-            )
-            for g, tables in enumerate(self.tables):
-                table = tables[rank]
-                for i, s in enumerate(scheduled):
-                    with _attributed_to(s):
-                        table.add_row(s.block_ids[g], i)
-                steps_per_group[g].append(
-                    StepInputs(
-                        block_tables=table.get_numpy_array()[:n],
-                        seq_lens=starts + query_lens,
-                        query_lens=query_lens,
-                        slot_mapping=table.compute_slot_mapping(rows, positions),
-                    )
-                )
-            ranks.append((scheduled, cu))
-        parts, shapes = [], []
-        for packer, steps in zip(self.packers, steps_per_group, strict=True):
-            metadata, shape = packer.pack(steps)
-            parts.append(metadata)
-            shapes.append(shape)
-        t, r = shapes[0].num_tokens, shapes[0].num_reqs
-        rows = [
-            self._rank_rows(rank, scheduled, cu, params, t, r, outs[rank])
-            for rank, ((scheduled, cu), params) in enumerate(zip(ranks, sampling, strict=True))
-        ]
-        parts.append(np.stack(rows))
-        return np.concatenate(parts, axis=1).astype(np.int32), tuple(shapes)
-
-    def _rank_rows(
-        self, rank: int, scheduled, cu: np.ndarray, sampling: Sequence[RowSampling], t: int,
-        r: int, out: SchedulerOutput,
-    ) -> np.ndarray:  # fmt: skip
-        """One rank's token ids, pending-token sources, logits rows (into all ranks'
-        `dp * t` token rows), sampling parameters and encoder-merge rows."""
-        tokens = np.zeros(t, np.int32)
-        src = np.full(t, -1, np.int32)
+    def _prepare(
+        self, rank: int, scheduled: Sequence[ScheduledRequest], sampling: Mapping[str, RowSampling]
+    ) -> _RankStep:
+        """One rank's host rows and checked row updates; changes nothing. Whatever fails
+        while preparing request `i`'s part is raised as its `RequestStepError`."""
+        rows = self.rows[rank]
+        index, tables, store = rows.index, rows.tables, self.encoder_store
+        sampled_row = self._sampled_row
+        step = _RankStep()
         n = len(scheduled)
-        logits_indices = np.zeros(r, np.int32)
-        logits_indices[:n] = rank * t + cu[1:] - 1
-        temperature = np.zeros(r, np.float32)
-        top_k, seeds, counters = (np.zeros(r, np.int32) for _ in range(3))
-        top_p = np.ones(r, np.float32)
-        for i, (s, p) in enumerate(zip(scheduled, sampling, strict=True)):
-            with _attributed_to(s):
-                lo, end = int(cu[i]), s.num_computed_tokens + s.num_new_tokens
+        query_lens, seq_lens = np.empty(n, np.int64), np.empty(n, np.int64)
+        token_ids: list[int] = []
+        pending_rows: list[int] = []
+        pending_src: list[int] = []
+        num_new_rows = 0
+        i = 0
+        try:
+            for i, s in enumerate(scheduled):
+                request = s.request
+                request_id = request.request_id
+                start = s.num_computed_tokens
+                end = start + s.num_new_tokens
                 known_end = min(end, s.num_known_tokens)
-                known = s.request.all_token_ids[s.num_computed_tokens : known_end]
-                tokens[lo : lo + len(known)] = known
+                offset = len(token_ids)
+                token_ids.extend(request.all_token_ids[start:known_end])
                 if end > known_end:  # the token sampled by the previous step, on device
-                    if end - known_end != 1 or s.request.request_id not in self._rows:
+                    if end - known_end != 1 or request_id not in sampled_row:
                         raise RuntimeError(
                             f"needs {end - known_end} tokens from a previous step that did "
                             "not sample them"
                         )
-                    src[lo + len(known)] = self._rows[s.request.request_id]
-                temperature[i], top_k[i], top_p[i], seeds[i] = (
-                    p.temperature, p.top_k, p.top_p, p.seed,
-                )  # fmt: skip
-                counters[i] = end - s.request.num_prompt_tokens
-        parts = [tokens, src, logits_indices, temperature.view(np.int32), top_k,
-                 top_p.view(np.int32), seeds, counters]  # fmt: skip
-        if self.encoder_store is not None:
-            parts += self._merge_rows(rank, out, cu, t)
-        return np.concatenate(parts)
+                    pending_rows.append(len(token_ids))
+                    pending_src.append(sampled_row[request_id])
+                    token_ids.append(0)
+                row = index.get(request_id)
+                if s.resets_row:
+                    if row is None:
+                        num_new_rows += 1
+                        if num_new_rows > len(rows.free):
+                            raise RuntimeError(f"no free row: all {self.max_num_seqs} are taken")
+                    step.updates.append(_RowUpdate.reset(tables, s, sampling[request_id]))
+                elif row is None:
+                    raise RuntimeError("has no row: its first step did not send its blocks")
+                elif s.new_block_ids or s.num_null_blocks:
+                    step.updates.append(_RowUpdate.append(tables, s, row))
+                if store is not None:
+                    step.placements += self._placements(s, offset)
+                step.request_ids.append(request_id)
+                query_lens[i], seq_lens[i] = s.num_new_tokens, end
+        except Exception as error:
+            raise RequestStepError(scheduled[i].request.request_id, error) from error
+        step.query_lens, step.seq_lens = query_lens, seq_lens
+        step.token_ids = np.array(token_ids, np.int32)
+        step.pending_rows = np.array(pending_rows, np.int64)
+        step.pending_src = np.array(pending_src, np.int32)
+        return step
 
-    def _merge_rows(
-        self, rank: int, out: SchedulerOutput, cu: np.ndarray, t: int
-    ) -> list[np.ndarray]:
-        """Store rows to merge into this rank's token rows; unused entries point past all
-        `dp * t` rows (dropped)."""
+    def _placements(self, s: ScheduledRequest, offset: int) -> list[EmbedPlacement]:
+        """The encoder outputs `s`'s tokens (from token row `offset`) take (each stored,
+        or this fails)."""
+        end = s.num_computed_tokens + s.num_new_tokens
         placements = []
-        for i, s in enumerate(out.scheduled):
-            with _attributed_to(s):
-                for f in s.request.mm_features:
-                    end = s.num_computed_tokens + s.num_new_tokens
-                    if f.offset < end and f.offset + f.length > s.num_computed_tokens:
-                        self.encoder_store.pages_of(f.identifier)  # stored, or this fails
-                        placements.append(
-                            EmbedPlacement(
-                                f.identifier,
-                                f,
-                                s.num_computed_tokens,
-                                s.num_new_tokens,
-                                int(cu[i]),
-                            )  # fmt: skip
-                        )
-        merge_src = np.zeros(t, np.int32)
-        merge_dst = np.full(t, self.dp_size * t, np.int32)
-        if placements:
-            src, dst = self.encoder_store.merge_indices(placements, t)
-            count = min(len(src), t)
-            merge_src[:count] = src[:count]
-            merge_dst[:count] = np.where(dst[:count] < t, rank * t + dst[:count], self.dp_size * t)
-        return [merge_src, merge_dst]
+        for f in s.request.mm_features:
+            if f.offset < end and f.offset + f.length > s.num_computed_tokens:
+                self.encoder_store.pages_of(f.identifier)  # stored, or this fails
+                placements.append(
+                    EmbedPlacement(
+                        f.identifier, f, s.num_computed_tokens, s.num_new_tokens, offset
+                    )  # fmt: skip
+                )
+        return placements
+
+    def _pack(
+        self, steps: Sequence[_RankStep], shapes: tuple[StepShape, ...] | None = None
+    ) -> tuple[np.ndarray, tuple[StepShape, ...]]:
+        """The step's `[dp, length]` buffer (`step_layout`) of every rank's prepared step
+        (its row updates applied); `shapes`: the groups' bucket shapes to pack into (None:
+        the smallest that hold the step)."""
+        metadata, packed_shapes = [], []
+        for g, packer in enumerate(self.packers):
+            tables = [rows.tables[g].block_table for rows in self.rows]
+            buffer, shape = packer.pack(
+                [
+                    StepInputs(table[step.rows], step.seq_lens, step.query_lens)
+                    for table, step in zip(tables, steps, strict=True)
+                ],
+                None if shapes is None else shapes[g],
+            )
+            metadata.append(buffer)
+            packed_shapes.append(shape)
+        shapes = tuple(packed_shapes)
+        layout = self._layout(shapes)
+        dp, t, r = len(steps), shapes[0].num_tokens, shapes[0].num_reqs
+        values = {_metadata_field(g): buffer for g, buffer in enumerate(metadata)}
+        token_ids = values["token_ids"] = np.zeros((dp, t), np.int32)
+        token_src = values["token_src"] = np.full((dp, t), -1, np.int32)
+        logits_indices = values["logits_indices"] = np.zeros((dp, r), np.int32)
+        temperature = values["temperature"] = np.zeros((dp, r), np.float32)
+        top_k = values["top_k"] = np.zeros((dp, r), np.int32)
+        top_p = values["top_p"] = np.ones((dp, r), np.float32)
+        seeds = values["seeds"] = np.zeros((dp, r), np.int32)
+        counters = values["counters"] = np.zeros((dp, r), np.int64)
+        for k, (rows, step) in enumerate(zip(self.rows, steps, strict=True)):
+            n, row = len(step.request_ids), step.rows
+            token_ids[k, : step.token_ids.size] = step.token_ids
+            token_src[k, step.pending_rows] = step.pending_src
+            logits_indices[k, :n] = k * t + np.cumsum(step.query_lens) - 1
+            temperature[k, :n], top_k[k, :n] = rows.temperature[row], rows.top_k[row]
+            top_p[k, :n], seeds[k, :n] = rows.top_p[row], rows.seeds[row]
+            counters[k, :n] = step.seq_lens - rows.num_prompt_tokens[row]
+        if self.encoder_store is not None:
+            values["merge_src"], values["merge_dst"] = self._merge_rows(steps, t)
+        return layout.pack(values, dp), shapes
+
+    def _merge_rows(self, steps: Sequence[_RankStep], t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Store rows to merge into each rank's token rows; unused entries point past all
+        `dp * t` rows (dropped)."""
+        dp = len(steps)
+        merge_src = np.zeros((dp, t), np.int32)
+        merge_dst = np.full((dp, t), dp * t, np.int32)
+        for k, step in enumerate(steps):
+            if step.placements:
+                src, dst = self.encoder_store.merge_indices(step.placements, t)
+                count = min(len(src), t)
+                merge_src[k, :count] = src[:count]
+                merge_dst[k, :count] = np.where(dst[:count] < t, k * t + dst[:count], dp * t)
+        return merge_src, merge_dst
 
     def _run_encoder(
         self, outs: Sequence[SchedulerOutput], images: Mapping[str, np.ndarray]
@@ -474,20 +638,23 @@ class ModelRunner:
     def execute(
         self,
         outs: SchedulerOutput | Sequence[SchedulerOutput],
-        sampling: Sequence[RowSampling] | Sequence[Sequence[RowSampling]],
+        sampling: Mapping[str, RowSampling],
         images: Mapping[str, np.ndarray] | None = None,
     ) -> jax.Array:
-        """Dispatch one step: `outs[k]`, `sampling[k]` for data rank `k` (a single output
-        and its rows without data parallelism). Returns the sampled tokens
-        `[dp * max_num_seqs]` (row `k * max_num_seqs + i` for `outs[k].scheduled[i]`) as a
-        device array, not waited for."""
+        """Dispatch one step: `outs[k]` for data rank `k` (a single output without data
+        parallelism); `sampling[request_id]` is read when a request's row is (re)set.
+        Returns the sampled tokens `[dp * max_num_seqs]` (row `k * max_num_seqs + i` for
+        `outs[k].scheduled[i]`) as a device array, not waited for."""
         if isinstance(outs, SchedulerOutput):
-            outs, sampling = [outs], [sampling]
-        if len(outs) != self.dp_size or len(sampling) != self.dp_size:
+            outs = [outs]
+        if len(outs) != self.dp_size:
             raise ValueError(
-                f"got {len(outs)} scheduler outputs and {len(sampling)} sampling lists; the "
-                f"mesh has {self.dp_size} data ranks, one each"
+                f"got {len(outs)} scheduler outputs; the mesh has {self.dp_size} data ranks, "
+                "one each"
             )
+        for rows, out in zip(self.rows, outs, strict=True):
+            rows.release(out.preempted_request_ids)
+            rows.release(out.finished_request_ids)
         if self.zero_freed_blocks:
             self._zero_freed(outs)
         self._copy_blocks(outs)  # after zeroing: a copy's destination may be a freed page
@@ -495,29 +662,24 @@ class ModelRunner:
             self._run_encoder(outs, images or {})
         if all(out.is_empty for out in outs):
             return self.sampled
-        buffer, shapes = self._pack(outs, sampling)
+        steps = [self._prepare(k, out.scheduled, sampling) for k, out in enumerate(outs)]
+        for rows, step in zip(self.rows, steps, strict=True):
+            rows.apply(step.updates)
+            step.rows = np.array([rows.index[i] for i in step.request_ids], np.intp)
+        buffer, shapes = self._pack(steps)
         self.kv_caches, self.sampled = self._step(buffer, shapes)
-        self._rows = {
-            s.request.request_id: rank * self.max_num_seqs + i
-            for rank, out in enumerate(outs)
-            for i, s in enumerate(out.scheduled)
-        }
+        self._sampled_row = {}
+        for k, step in enumerate(steps):
+            first = k * self.max_num_seqs
+            rows = range(first, first + len(step.request_ids))
+            self._sampled_row.update(zip(step.request_ids, rows, strict=True))
         return self.sampled
 
     # -- warm-up ------------------------------------------------------------------------
 
-    def _empty_buffer(self, shapes: Sequence[StepShape]) -> np.ndarray:
+    def _empty_buffer(self, shapes: tuple[StepShape, ...]) -> np.ndarray:
         """An all-padding step buffer of `shapes`: it changes no cache entry."""
-        dp = self.dp_size
-        t, r = shapes[0].num_tokens, shapes[0].num_reqs
-        parts = [p.empty(s, dp) for p, s in zip(self.packers, shapes, strict=True)]
-        rows = [np.zeros(t, np.int32), np.full(t, -1, np.int32)]
-        rows += [np.zeros(r, np.int32)] * 2 + [np.zeros(r, np.int32)]
-        rows += [np.ones(r, np.float32).view(np.int32)] + [np.zeros(r, np.int32)] * 2
-        if self.encoder_store is not None:
-            rows += [np.zeros(t, np.int32), np.full(t, dp * t, np.int32)]
-        parts.append(np.tile(np.concatenate(rows), (dp, 1)))
-        return np.concatenate(parts, axis=1).astype(np.int32)
+        return self._pack([_RankStep() for _ in range(self.dp_size)], shapes)[0]
 
     def lowered_programs(self) -> dict[str, tuple[jax.stages.Lowered, list]]:
         """Every kind of program `execute` runs on the donated caches, lowered (not run):
@@ -538,7 +700,7 @@ class ModelRunner:
                 self._state, caches, None if store is None else store.cache,
                 self.paged[0].put(self._empty_buffer(shapes)), self.sampled,
                 graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
-                max_num_seqs=self.max_num_seqs, shapes=tuple(shapes),
+                max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
                 store_dtype=None if store is None else store.dtype,
             )  # fmt: skip
             programs[f"step tokens={shapes[0].num_tokens} reqs={shapes[0].num_reqs}"] = (
@@ -559,7 +721,7 @@ class ModelRunner:
         dp = self.dp_size
         shapes_per_group = [p.all_shapes() for p in self.packers]
         for shapes in zip(*shapes_per_group, strict=True):
-            self.kv_caches, self.sampled = self._step(self._empty_buffer(shapes), tuple(shapes))
+            self.kv_caches, self.sampled = self._step(self._empty_buffer(shapes), shapes)
         if self.encoder_store is not None:
             pixels = np.zeros((1, *self.images.pixel_shape), np.float32)
             self.encoder_store.put("warm-up", self._encode(pixels)[0])

@@ -4,14 +4,16 @@ One `schedule()` call plans one device step; `update_from_output()` applies the 
 step sampled. Pure Python + numpy: no JAX, so host benchmarks and tests drive it directly.
 
 It uses only vLLM 0.33's `KVCacheManager` API (`get_computed_blocks`, `allocate_slots`,
-`free`, `get_block_ids`, `block_pool.get_num_free_blocks`, `max_model_len`,
+`free`, `get_blocks`, `block_pool.get_num_free_blocks`, `max_model_len`,
 `coordinator.scheduler_block_size`) and request attributes both `jaxkv.Request` and vLLM's `Request`
 have, so the same class drives jaxkv's manager and vLLM's (benchmarks/bench_host.py). A
 request's `status` is set to the members of its own `RequestStatus` enum, found by name.
 jaxkv extensions are used only where present: freed block ids
-(`track_freed_block_ids=True`). Partial-hit page copies (`take_kv_cache_block_copies`,
-vLLM 0.33's) go into the step's output; their retained blocks are released at once, as
-the step that runs the copies is executed before any later step can reuse them.
+(`track_freed_block_ids=True`), and whether any group turns blocks into the null block
+(`coordinator.skipping_managers`; assumed with vLLM's manager). Partial-hit page copies
+(`take_kv_cache_block_copies`, vLLM 0.33's) go into the step's output; their retained
+blocks are released at once, as the step that runs the copies is executed before any
+later step can reuse them.
 
 Rules, in the order `schedule()` applies them:
 
@@ -33,6 +35,15 @@ Rules, in the order `schedule()` applies them:
   device output. So the next step can be scheduled while the device still runs the
   current one (the engine's overlap); stop conditions are checked on appended tokens only.
 
+Block tables travel as changes, as in vLLM's `SchedulerOutput`: a scheduled request
+carries the block ids its step's allocation added per KV-cache group (`new_block_ids`,
+what `allocate_slots` returned) and, where blocks left an attention window, how many
+leading blocks are now the null block (`num_null_blocks`); a new or resumed request
+carries its whole block lists instead (`resets_row`). A model runner that applies them
+to one persistent row per request, and releases the rows of `preempted_request_ids`
+and `finished_request_ids`, holds exactly `kv_cache_manager.get_block_ids(request_id)`
+for every running request.
+
 Invariants (checked by tests/test_engine_scheduler_stateful.py): the blocks held in the
 pool are exactly those of the running requests; a finished, aborted or preempted request
 holds no block and no encoder-cache entry; every request is in exactly one of `waiting`,
@@ -48,8 +59,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxkv.blocks import KVCacheBlock
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
-from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from jaxkv.kv_cache_utils import KVCacheBlockCopy
 from jaxkv.request import Request
 
@@ -102,7 +114,12 @@ class ScheduledRequest:
     Positions `>= num_known_tokens` hold tokens sampled by the previous step, still on the
     device. `samples`: the step's last token of this request yields a sampled token.
     `encoder_input_ids`: inputs whose encoder output must be computed before the step.
-    `block_ids`: the request's blocks per KV-cache group after this step's allocation.
+    `new_block_ids`: per KV-cache group, the block ids this step's allocation added, to
+    append to the request's row; `num_null_blocks`: per group, how many leading blocks of
+    the row are now the null block (they left an attention window), applied after the
+    append. With `resets_row` (a new or resumed request) `new_block_ids` is the whole
+    row. Either way the row then equals the manager's `get_block_ids`. Each is `()` when
+    it changes nothing (always, with `with_block_ids=False`).
     """
 
     request: Request
@@ -111,7 +128,9 @@ class ScheduledRequest:
     num_known_tokens: int
     samples: bool
     encoder_input_ids: tuple[int, ...] = ()
-    block_ids: tuple[list[int], ...] = ()
+    new_block_ids: tuple[list[int], ...] = ()
+    num_null_blocks: tuple[int, ...] = ()
+    resets_row: bool = False
 
 
 @dataclass
@@ -126,6 +145,8 @@ class SchedulerOutput:
     num_encoder_misses: int = 0
     # Page copies to run before the step (a partial prefix hit's copy-on-write).
     kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
+    # Requests finished (stopped, aborted, failed) since the previous `schedule()`.
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -158,7 +179,14 @@ class _Tracked:
     held_inputs: set[int] = field(default_factory=set)
     running: bool = False
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+    # Per KV-cache group, the leading null blocks of its lists as last reported; None:
+    # its row must be reset (new, or resumed after preemption).
+    num_null_blocks: list[int] | None = None
 
+
+# `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row): a row unchanged.
+_BlockChanges = tuple[tuple[list[int], ...], tuple[int, ...], bool]
+_NO_CHANGES: _BlockChanges = ((), (), False)
 
 # The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
 # `FINISHED`).
@@ -168,6 +196,14 @@ _FINISHED_STATUS = {
     FinishReason.ABORT: "FINISHED_ABORTED",
     FinishReason.ERROR: "FINISHED_ERROR",
 }
+
+
+def _num_leading_nulls(blocks: Sequence[KVCacheBlock], start: int = 0) -> int:
+    """The leading null blocks of `blocks`, the first `start` known to be null."""
+    k = start
+    while k < len(blocks) and blocks[k].is_null:
+        k += 1
+    return k
 
 
 def _set_status(request: Request, name: str) -> None:
@@ -180,8 +216,8 @@ class Scheduler:
     """Waiting/running queues, token budget, chunked prefill, prefix caching, preemption.
 
     `kv_cache_manager`: a jaxkv `KVCacheManager`, or vLLM's (the methods used are vLLM's).
-    `with_block_ids=False` leaves `ScheduledRequest.block_ids` empty (a host-only
-    simulation needs no block tables; gathering them costs a pass over every block).
+    `with_block_ids=False` leaves `ScheduledRequest.new_block_ids` empty (a host-only
+    simulation needs no block tables).
     """
 
     def __init__(
@@ -210,10 +246,15 @@ class Scheduler:
             kv_cache_manager.block_pool, "track_freed_block_ids", False
         )
         self.with_block_ids = with_block_ids
+        # Whether a running request's leading blocks may turn into the null block.
+        self.blocks_turn_null = bool(
+            getattr(kv_cache_manager.coordinator, "skipping_managers", True)
+        )
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._tracked: dict[str, _Tracked] = {}
         self._num_arrivals = 0
+        self._finished_ids: list[str] = []  # since the last `schedule()`
         self.num_preemptions = 0
         # Over all admissions (a preempted request counts again when readmitted): tokens
         # of the admitted requests, and how many of them the prefix cache served.
@@ -292,8 +333,8 @@ class Scheduler:
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
         # Bound once: the loop below runs once per running request every step.
-        running, all_tracked, plan_tokens, advance = (
-            self.running, self._tracked, self._plan, self._advance,
+        running, all_tracked, plan_tokens, advance, block_changes = (
+            self.running, self._tracked, self._plan, self._advance, self._block_changes,
         )  # fmt: skip
         text_only = self.encoder_cache_manager is None
         with_block_ids = self.with_block_ids
@@ -325,7 +366,7 @@ class Scheduler:
                 num_new, inputs = plan
             # Positional (vLLM 0.33's order): a keyword argument would keep CPython from
             # specializing this call.
-            while allocate_slots(request, num_new, 0, None, lookahead) is None:
+            while (new_blocks := allocate_slots(request, num_new, 0, None, lookahead)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -333,20 +374,16 @@ class Scheduler:
                     break
             else:
                 if decode:  # `_advance` of one token, which samples
-                    block_ids = (
-                        self.kv_cache_manager.get_block_ids(request.request_id)
-                        if with_block_ids
-                        else ()
-                    )
+                    changes = block_changes(tracked, new_blocks) if with_block_ids else _NO_CHANGES
                     scheduled.append(
-                        ScheduledRequest(request, start, 1, request.num_tokens, True, (), block_ids)
+                        ScheduledRequest(request, start, 1, request.num_tokens, True, (), *changes)
                     )
                     request.num_computed_tokens = start + 1
                     tracked.num_pending += 1
                 else:
                     if inputs:
                         encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-                    scheduled.append(advance(tracked, num_new, inputs))
+                    scheduled.append(advance(tracked, num_new, inputs, new_blocks))
                 budget -= num_new
                 i += 1
                 continue
@@ -363,6 +400,8 @@ class Scheduler:
             self.encoder_cache_manager.get_freed_mm_hashes() if self.encoder_cache_manager else []
         )
         out = SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
+        if self._finished_ids:
+            out.finished_request_ids, self._finished_ids = self._finished_ids, []
         if self.takes_block_copies:
             copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
             if copies:
@@ -393,16 +432,14 @@ class Scheduler:
             if plan is None:
                 break
             num_new, inputs = plan
-            if (
-                manager.allocate_slots(
-                    request,
-                    num_new,
-                    num_hits,
-                    hit_blocks,
-                    num_lookahead_tokens=self.config.num_lookahead_tokens,
-                )  # fmt: skip
-                is None
-            ):
+            new_blocks = manager.allocate_slots(
+                request,
+                num_new,
+                num_hits,
+                hit_blocks,
+                num_lookahead_tokens=self.config.num_lookahead_tokens,
+            )
+            if new_blocks is None:
                 self._release_planned(request, inputs)
                 break
             self.waiting.popleft()
@@ -416,7 +453,7 @@ class Scheduler:
             self.running.append(request)
             if inputs:
                 encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-            scheduled.append(self._advance(tracked, num_new, inputs))
+            scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
             budget -= num_new
 
     def _plan(
@@ -506,26 +543,63 @@ class Scheduler:
         inputs[:] = to_encode
         return encoded
 
-    def _advance(self, tracked: _Tracked, num_new: int, inputs: Sequence[int]) -> ScheduledRequest:
+    def _advance(
+        self,
+        tracked: _Tracked,
+        num_new: int,
+        inputs: Sequence[int],
+        new_blocks: KVCacheBlocks,
+    ) -> ScheduledRequest:
+        """Schedule `num_new` tokens of a request whose slots `allocate_slots` gave
+        (returning `new_blocks`)."""
         request = tracked.request
         start = request.num_computed_tokens
         num_tokens = request.num_tokens
         samples = start + num_new == num_tokens + tracked.num_pending
+        changes = self._block_changes(tracked, new_blocks) if self.with_block_ids else _NO_CHANGES
         out = ScheduledRequest(
             request, start, num_new, num_tokens, samples,
-            inputs if type(inputs) is tuple else tuple(inputs),
-            self.kv_cache_manager.get_block_ids(request.request_id) if self.with_block_ids else (),
+            inputs if type(inputs) is tuple else tuple(inputs), *changes,
         )  # fmt: skip
         request.num_computed_tokens = start + num_new
         if samples:
             tracked.num_pending += 1
         return out
 
+    def _block_changes(self, tracked: _Tracked, new_blocks: KVCacheBlocks) -> _BlockChanges:
+        """`(new_block_ids, num_null_blocks, resets_row)` of a request `allocate_slots`
+        just gave its slots, returning `new_blocks` (see `ScheduledRequest`).
+
+        Between a request's steps its lists grow at the tail by `new_blocks` and, in
+        groups that release blocks (sliding window, chunked local: what a paged cache
+        serves), turn leading blocks into the null block: only where that can happen
+        are the lists read, from the first block not reported null.
+        """
+        nulls = tracked.num_null_blocks
+        if nulls is None:
+            lists = self._lists_of(tracked)
+            tracked.num_null_blocks = [_num_leading_nulls(blocks) for blocks in lists]
+            return tuple([block.block_id for block in blocks] for blocks in lists), (), True
+        new_block_ids = new_blocks.get_block_ids() if any(new_blocks.blocks) else ()
+        if self.blocks_turn_null:
+            now = [
+                _num_leading_nulls(blocks, k)
+                for blocks, k in zip(self._lists_of(tracked), nulls, strict=True)
+            ]
+            if now != nulls:
+                tracked.num_null_blocks = now
+                return new_block_ids, tuple(now), False
+        return new_block_ids, (), False
+
+    def _lists_of(self, tracked: _Tracked) -> tuple[Sequence[KVCacheBlock], ...]:
+        return self.kv_cache_manager.get_blocks(tracked.request.request_id).blocks
+
     def _preempt(self, request: Request) -> None:
         tracked = self._tracked[request.request_id]
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
         tracked.running = False
+        tracked.num_null_blocks = None
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         _set_status(request, "PREEMPTED")
@@ -602,3 +676,4 @@ class Scheduler:
         _set_status(request, _FINISHED_STATUS[reason])
         tracked.finish_reason = reason
         del self._tracked[request.request_id]
+        self._finished_ids.append(request.request_id)
