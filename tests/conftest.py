@@ -36,6 +36,7 @@ SLOW_TESTS = {
     "test_device_step_metadata.py::test_no_compilation_after_warmup_over_200_random_steps",
     "test_engine_correctness.py::test_serving_after_warm_up_compiles_nothing",
     "test_engine_correctness.py::test_images_with_tiny_chunks_and_preemption",
+    "test_engine_block_rows.py::test_sliding_window_rows_take_the_null_block_as_the_manager_does",
     "test_models_examples.py::test_example_runs_and_matches_dense[gemma_style]",
     "test_models_examples.py::test_example_runs_and_matches_dense[llava_style]",
     "test_readme.py::test_readme_engine_example_runs",
