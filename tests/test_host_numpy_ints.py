@@ -468,6 +468,25 @@ def test_update_from_generation_config_checks_the_eos_token_id() -> None:
 # -- twins: numpy-typed calls do what plain-int calls do -------------------------------
 
 
+def _same_result_with_numpy_ints(data, sides, counts, count_kwargs, **flags):
+    """`allocate_slots(request, *counts, [hit_blocks], **count_kwargs, **flags)` on each
+    `(manager, request, hit_blocks or None)` of `sides`: the counts as ints on the first,
+    as numpy integers on the twin; both give the same block ids, `None` or error."""
+    results = []
+    for (manager, request, blocks), to in zip(
+        sides, (int, lambda v: as_numpy(data, v)), strict=True
+    ):
+        args = [to(c) for c in counts] + ([] if blocks is None else [blocks])
+        kwargs = {name: to(value) for name, value in count_kwargs.items()}
+        try:
+            new = manager.allocate_slots(request, *args, **kwargs, **flags)
+            results.append(None if new is None else new.get_block_ids())
+        except ValueError as error:
+            results.append(str(error))
+    assert results[0] == results[1]
+    return results[0]
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_get_new_blocks_with_numpy_ints_matches_plain_ints(data) -> None:
@@ -532,26 +551,14 @@ def test_allocate_slots_with_numpy_ints_matches_plain_ints(data) -> None:
             lookahead = data.draw(st.integers(0, 3))
             reserved = data.draw(st.integers(0, 3))
             must_fit = data.draw(st.booleans())
-            results = []
-            for manager, request, blocks, to in (
-                (plain, pair[0], hits, int),
-                (twin, pair[1], twin_hits, lambda v: as_numpy(data, v)),
-            ):
-                try:
-                    new = manager.allocate_slots(
-                        request,
-                        to(num_new),
-                        to(num_hits),
-                        blocks,
-                        num_lookahead_tokens=to(lookahead),
-                        reserved_blocks=to(reserved),
-                        full_sequence_must_fit=must_fit,
-                    )
-                    results.append(None if new is None else new.get_block_ids())
-                except ValueError as error:
-                    results.append(str(error))
-            assert results[0] == results[1]
-            if isinstance(results[0], tuple):
+            result = _same_result_with_numpy_ints(
+                data,
+                [(plain, pair[0], hits), (twin, pair[1], twin_hits)],
+                (num_new, num_hits),
+                {"num_lookahead_tokens": lookahead, "reserved_blocks": reserved},
+                full_sequence_must_fit=must_fit,
+            )
+            if isinstance(result, tuple):
                 for request in pair:
                     request.num_computed_tokens = num_hits + num_new
                 running.append(pair)
@@ -564,20 +571,13 @@ def test_allocate_slots_with_numpy_ints_matches_plain_ints(data) -> None:
                 for request in pair:
                     request.append_output_token_ids(token)
             num_new, lookahead = _step_args(pair[0], data)
-            results = []
-            for manager, request, to in (
-                (plain, pair[0], int),
-                (twin, pair[1], lambda v: as_numpy(data, v)),
-            ):
-                try:
-                    new = manager.allocate_slots(
-                        request, to(num_new), num_lookahead_tokens=to(lookahead)
-                    )
-                    results.append(None if new is None else new.get_block_ids())
-                except ValueError as error:
-                    results.append(str(error))
-            assert results[0] == results[1]
-            if isinstance(results[0], tuple):
+            result = _same_result_with_numpy_ints(
+                data,
+                [(plain, pair[0], None), (twin, pair[1], None)],
+                (num_new,),
+                {"num_lookahead_tokens": lookahead},
+            )
+            if isinstance(result, tuple):
                 for request in pair:
                     request.num_computed_tokens += num_new
         elif action == "free" and running:
