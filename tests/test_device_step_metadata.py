@@ -54,8 +54,25 @@ def _packer(**kw) -> StepMetadataPacker:
     return StepMetadataPacker(num_blocks=64, **args)
 
 
+def test_bucket_ladder_is_logarithmic_one_request_bucket_per_token_bucket() -> None:
+    packer = _packer(max_num_tokens=1000, max_num_reqs=24)
+    assert packer.token_buckets == (16, 32, 64, 128, 256, 512, 1000)
+    assert packer.req_buckets == (1, 2, 4, 8, 16, 24)
+    shapes = packer.all_shapes()
+    assert [(s.num_tokens, s.num_reqs) for s in shapes] == [
+        (16, 16), (32, 24), (64, 24), (128, 24), (256, 24), (512, 24), (1000, 24)
+    ]
+    # A budget under the minimum bucket is its own only bucket.
+    small = _packer(max_num_tokens=6, max_num_reqs=8)
+    assert [(s.num_tokens, s.num_reqs) for s in small.all_shapes()] == [(6, 8)]
+    # Every packed step lands on a shape of the ladder.
+    bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
+    step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]))
+    assert packer.pack(step)[1] == shapes[0]
+
+
 def test_pack_unpack_round_trip() -> None:
-    packer = _packer()
+    packer = _packer(min_num_tokens=1)
     bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
     slots = np.array([15, 36, 37, 21, 44, 45])  # positions 3-5 of row 0, 1 of row 1, 8-9 of row 2
     step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), slots)
@@ -284,7 +301,7 @@ def test_step_bidirectional_spans() -> None:
 def test_step_rejects_mismatched_inputs() -> None:
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     (kv,) = cache.allocate()
-    packer = _packer()
+    packer = _packer(max_num_reqs=1, min_num_tokens=1)
     shape = StepShape(4, 1, 4)
     buf = packer.put(packer.empty(shape))
     q = jnp.zeros((4, 4, 8))

@@ -3,10 +3,12 @@
 Every step the host sends block tables, sequence lengths, query start offsets,
 slot mapping, positions and the live counts. Packing them into a single int32
 array makes the hand-off one `device_put`; the jitted step slices it back apart
-with static offsets. Token and request counts are padded to buckets (powers of
-two, then linear steps, the maximum always included), the block-table width is
-fixed, so a serving run compiles at most `len(token_buckets) * len(req_buckets)`
-step programs.
+with static offsets. Token counts are padded to a ladder of powers of two (from
+`min_num_tokens`, default 16 as TPU serving stacks pad, the maximum always included)
+and the request count to the power of two at `min(token bucket, max_num_reqs)`, so
+every token bucket has one request bucket: a serving run compiles at most
+`len(token_buckets)` step programs, about `log2(max_num_tokens)`. (Padding request
+rows costs block-table entries, not attention work: padded rows hold no queries.)
 
 A `StepLayout` names the fields of a packed row and their lengths once: the host
 packs with it (`StepLayout.pack`) and the jitted step unpacks with the same object
@@ -282,13 +284,13 @@ class StepMetadataPacker:
         max_blocks_per_req: int,
         block_size: int,
         num_blocks: int,
-        linear_start: int = 256,
+        min_num_tokens: int = 16,
     ) -> None:
         max_num_tokens = check_int("max_num_tokens", max_num_tokens, lo=1)
         max_num_reqs = check_int("max_num_reqs", max_num_reqs, lo=1)
         max_blocks_per_req = check_int("max_blocks_per_req", max_blocks_per_req, lo=1)
         block_size = check_int("block_size", block_size, lo=1)
-        linear_start = check_int("linear_start", linear_start, lo=1)
+        min_num_tokens = check_int("min_num_tokens", min_num_tokens, lo=1)
         num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (null block + 1), got {num_blocks}")
@@ -296,16 +298,21 @@ class StepMetadataPacker:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.padding_slot = num_blocks * block_size
-        self.token_buckets = padding_buckets(max_num_tokens, linear_start)
-        self.req_buckets = padding_buckets(max_num_reqs, linear_start)
+        self.token_buckets = padding_buckets(
+            max_num_tokens, max_num_tokens, min(min_num_tokens, max_num_tokens)
+        )
+        self.req_buckets = padding_buckets(max_num_reqs, max_num_reqs)
+        # Each token bucket's one request bucket (every packed request has a token).
+        self._req_bucket_of = {
+            t: pick_bucket(min(t, max_num_reqs), self.req_buckets) for t in self.token_buckets
+        }
 
     def all_shapes(self) -> list[StepShape]:
-        """Every shape `pack` can produce (for warm-up)."""
-        return [
-            StepShape(t, r, self.max_blocks_per_req)
-            for t in self.token_buckets
-            for r in self.req_buckets
-        ]
+        """Every shape `pack` can produce (for warm-up): one per token bucket."""
+        return [self._shape_for(t) for t in self.token_buckets]
+
+    def _shape_for(self, token_bucket: int) -> StepShape:
+        return StepShape(token_bucket, self._req_bucket_of[token_bucket], self.max_blocks_per_req)
 
     def empty(self, shape: StepShape, num_ranks: int = 1) -> np.ndarray:
         """A step with no requests and no tokens (all padding), e.g. to warm up `shape`."""
@@ -383,11 +390,7 @@ class StepMetadataPacker:
         n_tokens = max((d.slot_mapping.size for d in derived), default=0)
         n_reqs = max((d.seq_lens.size for d in derived), default=0)
         if shape is None:
-            shape = StepShape(
-                pick_bucket(n_tokens, self.token_buckets),
-                pick_bucket(n_reqs, self.req_buckets),
-                self.max_blocks_per_req,
-            )
+            shape = self._shape_for(pick_bucket(n_tokens, self.token_buckets))
         elif shape not in self.all_shapes():
             raise ValueError(f"{shape} is not one of this packer's bucket shapes")
         elif n_tokens > shape.num_tokens or n_reqs > shape.num_reqs:

@@ -350,7 +350,7 @@ class ModelRunner:
 
     Invariants: `kv_caches[i]` has the shape of its group's `PagedKVCache`; every data
     rank has its own request rows (`rows[k]`) and block ids in `[0, num_blocks)`; the
-    step compiles once per `(token bucket, request bucket)` pair, nothing else in
+    step compiles once per token bucket (`StepMetadataPacker`), nothing else in
     `execute` compiles after `warm_up()`; a call of `execute` that raises
     `RequestStepError` left every request row as it was.
     """

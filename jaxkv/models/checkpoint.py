@@ -1,10 +1,11 @@
 """Reading Hugging Face safetensors checkpoints onto a mesh, tensor by tensor, shard by shard.
 
 `CheckpointReader` opens `model.safetensors` or the shards a `model.safetensors.index.json`
-names (with the `safetensors` library, numpy framework) and hands out each tensor as a
-`jax.Array` placed with a `PartitionSpec` over the mesh: every device's block is read
-from the file on its own (`jax.make_array_from_callback` + `get_slice`), so a sharded
-weight never exists whole in host memory.
+names and hands out each tensor as a `jax.Array` placed with a `PartitionSpec` over the
+mesh. Files are memory-mapped (`MappedSafetensors`): every device's block is a view of
+the mapping (`jax.make_array_from_callback`), so a sharded weight never exists whole in
+host memory, and a block already in the model dtype is not copied at all where the
+backend can use host memory in place (XLA's CPU client does, for aligned blocks).
 
 Bad input is a one-line `ValueError` naming the file: a JSON file that does not parse, a
 safetensors file that is truncated or not one, an index naming a missing shard or
@@ -30,8 +31,8 @@ from jaxkv.device import MODEL_AXIS, make_mesh
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# safetensors dtypes a weight may have: it is cast to the model dtype when read.
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# safetensors dtypes a weight may have (-> numpy dtype): it is cast to the model dtype when read.
+FLOAT_DTYPES = {"F16": np.float16, "BF16": jnp.bfloat16, "F32": np.float32, "F64": np.float64}
 
 
 def read_json(file: Path) -> Any:
@@ -52,6 +53,45 @@ def open_safetensors(file: Path):
         return safe_open(file, framework="numpy").__enter__()
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+
+
+class MappedSafetensors:
+    """One safetensors file, memory-mapped read-only: `array(name)` is a numpy view of the
+    tensor's bytes in the mapping, never a copy.
+
+    The file is checked by the `safetensors` library when opened (a truncated or foreign
+    file is a `ValueError` naming it); `names`, `shape(name)` and `dtype(name)` (the
+    safetensors dtype string) come from its header. The mapping lives as long as any
+    view of it, so arrays placed from it stay valid after the reader is closed; a file
+    rewritten in place while mapped changes them (as with any memory-mapped weights).
+    """
+
+    def __init__(self, file: Path) -> None:
+        open_safetensors(file).__exit__(None, None, None)  # validates header and sizes
+        with open(file, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_len))
+        header.pop("__metadata__", None)
+        self.file = file
+        self._header: dict[str, dict] = header
+        self._data_start = 8 + header_len
+        self._mapping = np.memmap(file, dtype=np.uint8, mode="r")
+        self.names = frozenset(header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._header[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self._header[name]["dtype"]
+
+    def array(self, name: str) -> np.ndarray:
+        """The view of floating-point tensor `name` (its dtype one of `FLOAT_DTYPES`)."""
+        info = self._header[name]
+        start, end = (self._data_start + offset for offset in info["data_offsets"])
+        dtype = FLOAT_DTYPES[info["dtype"]]
+        return self._mapping[start:end].view(dtype).reshape(info["shape"])
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -95,23 +135,22 @@ class CheckpointReader:
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh if mesh is not None else make_mesh(1, 1, jax.local_devices()[:1])
         self.taken: set[str] = set()
-        self._handles: dict[Path, tuple[object, frozenset[str]]] = {}  # file -> (handle, names)
+        self._mapped: dict[Path, MappedSafetensors] = {}
 
-    def _slice(self, name: str):
-        """The lazy `get_slice` of tensor `name`, from the file the checkpoint maps it to."""
+    def _mapped_file(self, name: str) -> MappedSafetensors:
+        """The mapped file that holds tensor `name`, as the checkpoint maps it."""
         if name not in self.files:
             raise ValueError(f"checkpoint {self.path}: tensor {name!r} is missing")
         file = self.files[name]
-        if file not in self._handles:
-            handle = open_safetensors(file)
-            self._handles[file] = (handle, frozenset(handle.keys()))
-        handle, names = self._handles[file]
-        if name not in names:
+        if file not in self._mapped:
+            self._mapped[file] = MappedSafetensors(file)
+        mapped = self._mapped[file]
+        if name not in mapped.names:
             raise ValueError(
                 f"{self.path / INDEX_FILE} maps tensor {name!r} to shard {file.name}, "
                 "which does not hold it"
             )
-        return handle.get_slice(name)
+        return mapped
 
     def spec_for(self, shape: Sequence[int], spec: P, units: int | None = None) -> P:
         """`spec` with its `MODEL_AXIS` entry dropped unless the model axis divides the
@@ -132,8 +171,8 @@ class CheckpointReader:
 
         The split axis is split only into whole `units` (see `spec_for`).
         """
-        tensor = self._slice(name)
-        file, stored, stored_dtype = self.files[name], tuple(tensor.get_shape()), tensor.get_dtype()
+        mapped = self._mapped_file(name)
+        file, stored, stored_dtype = self.files[name], mapped.shape(name), mapped.dtype(name)
         if stored != tuple(shape):
             raise ValueError(f"{file}: tensor {name!r} has shape {stored}, expected {tuple(shape)}")
         if stored_dtype not in FLOAT_DTYPES:
@@ -144,21 +183,21 @@ class CheckpointReader:
         self.taken.add(name)
         sharding = NamedSharding(self.mesh, self.spec_for(shape, spec or P(), units))
         dtype = self.dtype
+        stored_array = mapped.array(name)
         blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
-            # Each device's block, read from the file on its own.
+            # Each device's block: a view of the mapping, converted only if the dtype differs.
             key = tuple((s.start, s.stop, s.step) for s in index)
             if key not in blocks:
-                blocks[key] = np.asarray(tensor[index] if index else tensor[:]).astype(dtype)
+                blocks[key] = stored_array[index].astype(dtype, copy=False)
             return blocks[key]
 
         return jax.make_array_from_callback(tuple(shape), sharding, block)
 
     def close(self) -> None:
-        for handle, _ in self._handles.values():
-            handle.__exit__(None, None, None)
-        self._handles.clear()
+        """Forgets the mapped files (arrays already placed keep their mappings alive)."""
+        self._mapped.clear()
 
 
 def read_config(path: str | Path) -> dict:
