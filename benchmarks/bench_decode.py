@@ -115,7 +115,7 @@ def bench_pool_scaling(repeats: int, sizes: list[int], steps: int = 60) -> dict:
         "ms_per_token": {str(n): spread(v) for n, v in ms.items()},
         "ratio_largest_to_smallest": spread(ratios),
         "cache_mib": {
-            str(n): sum(kv.nbytes for kv in engines[n].runner.kv_caches) / 2**20 for n in sizes
+            str(n): engines[n].runner.kv_cache.nbytes / 2**20 for n in sizes
         },  # fmt: skip
     }
 
@@ -139,13 +139,13 @@ def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, min(vocab, 30000), length).tolist()
 
 
-def child_jaxkv(ckpt: str) -> dict:
+def child_jaxkv(ckpt: str, scan_layers: bool) -> dict:
     """Runs in its own process (the compilation cache comes from the environment)."""
     start = time.perf_counter()
     from jaxkv import models
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 
-    model = models.load_model(ckpt)
+    model = models.load_model(ckpt, scan_layers=scan_layers)
     load_s = time.perf_counter() - start
     config = EngineConfig(
         block_size=16, kv_cache_memory=2**30, max_num_seqs=1, max_num_batched_tokens=1024,
@@ -154,9 +154,13 @@ def child_jaxkv(ckpt: str) -> dict:
     engine = LLMEngine(model, config)
     vocab = int(model.config.vocab_size)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    start = time.perf_counter()
+    engine_start = time.perf_counter()
     engine.generate([prompt_ids(vocab, PROMPT_LEN, 0)], SamplingParams(max_tokens=2))
-    first_token_s = time.perf_counter() - start
+    first_token_s = time.perf_counter() - engine_start
+    startup_s = time.perf_counter() - start  # imports, load, engine, compile, prefill
+    warm_up_start = time.perf_counter()
+    num_programs = engine.warm_up()  # every other step bucket
+    warm_up_s = first_token_s + time.perf_counter() - warm_up_start
     prefill = []
     for seed in (1, 2, 3):
         start = time.perf_counter()
@@ -170,6 +174,9 @@ def child_jaxkv(ckpt: str) -> dict:
     return {
         "load_s": load_s,
         "first_token_s": first_token_s,
+        "startup_s": startup_s,
+        "warm_up_s": warm_up_s,
+        "num_programs": num_programs,
         "prefill_s": statistics.median(prefill),
         "decode_ms_per_token": decode_s / DECODE_TOKENS * 1e3,
         "peak_rss_mib": peak_rss_mib(),
@@ -195,13 +202,14 @@ def bench_real(rounds: int) -> dict:
         cache = tempfile.mkdtemp(prefix="jaxkv-xla-")  # empty: round 1 compiles cold
         env = dict(os.environ, JAXKV_COMPILATION_CACHE=cache)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        runs = {"jaxkv": [], "transformers": []}
+        runs = {"jaxkv": [], "jaxkv per-layer": [], "transformers": []}
+        per_layer_env = dict(env, JAXKV_COMPILATION_CACHE=tempfile.mkdtemp(prefix="jaxkv-xla-"))
         for _ in tqdm(range(rounds), desc=f"{name} rounds"):
-            runs["jaxkv"].append(
-                run_child(
-                    [sys.executable, "-m", "benchmarks.bench_decode", "--child", str(ckpt)], env
-                )  # fmt: skip
-            )
+            for who, flags, child_env in (
+                ("jaxkv", [], env), ("jaxkv per-layer", ["--per-layer"], per_layer_env)
+            ):  # fmt: skip
+                argv = [sys.executable, "-m", "benchmarks.bench_decode", "--child", str(ckpt)]
+                runs[who].append(run_child(argv + flags, child_env))
             if peer.exists():
                 hf_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                 runs["transformers"].append(
@@ -231,6 +239,12 @@ def summarise(runs: dict, ckpt: Path) -> dict:
         out[who]["first_token_s_cold"] = rows[0]["first_token_s"]
         if len(rows) > 1:
             out[who]["first_token_s_warm"] = spread([r["first_token_s"] for r in rows[1:]])
+        if "warm_up_s" in rows[0]:  # jaxkv: full warm-up, start-up to the first token
+            out[who]["num_programs"] = rows[0]["num_programs"]
+            for key in ("warm_up_s", "startup_s"):
+                out[who][f"{key}_cold"] = rows[0][key]
+                if len(rows) > 1:
+                    out[who][f"{key}_warm"] = spread([r[key] for r in rows[1:]])
     if runs["transformers"]:
         out["ratio"] = {
             k: spread(
@@ -264,10 +278,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="real-shape rounds")
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--per-layer", action="store_true", help=argparse.SUPPRESS)
     add_record_option(parser)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child_jaxkv(args.child)))
+        print(json.dumps(child_jaxkv(args.child, scan_layers=not args.per_layer)))
         return {}
 
     scaling = bench_pool_scaling(args.repeats, args.sizes)
@@ -289,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, r in real.items():
             limit_ms = r["weight_bytes"] / (bandwidth * 1e9) * 1e3
             r["bandwidth_limit_ms_per_token"] = limit_ms
-            for who in ("jaxkv", "transformers"):
+            for who in ("jaxkv", "jaxkv per-layer", "transformers"):
                 if who in r:
                     x = r[who]
                     warm = x.get("first_token_s_warm", {}).get("median", float("nan"))
@@ -308,6 +323,20 @@ def main(argv: list[str] | None = None) -> dict:
             ["model", "who", "decode", "prefill", "load", "1st cold", "1st warm", "RSS",
              "floor"],
             rows,
+        )  # fmt: skip
+        warm_rows = [
+            [name, who, x["num_programs"], x["warm_up_s_cold"],
+             x.get("warm_up_s_warm", {}).get("median", float("nan")), x["startup_s_cold"],
+             x.get("startup_s_warm", {}).get("median", float("nan"))]
+            for name, r in real.items() for who, x in r.items()
+            if isinstance(x, dict) and "warm_up_s_cold" in x
+        ]  # fmt: skip
+        print_table(
+            "warm-up: every step program (s), and start-up to the first token of an "
+            f"{PROMPT_LEN}-token prompt (s); cold = empty XLA cache, warm = later rounds",
+            ["model", "who", "programs", "warm-up cold", "warm-up warm", "start cold",
+             "start warm"],
+            warm_rows,
         )  # fmt: skip
         result["real_shapes"] = real
     write_json(results_name("bench_decode", parser, args), result, record=args.record)

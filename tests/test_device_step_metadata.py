@@ -60,7 +60,13 @@ def test_bucket_ladder_is_logarithmic_one_request_bucket_per_token_bucket() -> N
     assert packer.req_buckets == (1, 2, 4, 8, 16, 24)
     shapes = packer.all_shapes()
     assert [(s.num_tokens, s.num_reqs) for s in shapes] == [
-        (16, 16), (32, 24), (64, 24), (128, 24), (256, 24), (512, 24), (1000, 24)
+        (16, 16),
+        (32, 24),
+        (64, 24),
+        (128, 24),
+        (256, 24),
+        (512, 24),
+        (1000, 24),
     ]
     # A budget under the minimum bucket is its own only bucket.
     small = _packer(max_num_tokens=6, max_num_reqs=8)
@@ -375,3 +381,56 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
     with pytest.raises(CompilationError, match=r"1 program\(s\) were compiled during probe"):
         with no_compilation("probe"):
             jax.jit(lambda x: x * 3 + 1)(x)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_stacked_layer_step_is_the_layer_step_on_one_layer_of_the_stack(window) -> None:
+    """Layer and window traced (as a scanned layer body passes them): the stack's layer
+    gets exactly what `step` writes and attends on a cache of its own; the other layers
+    are untouched."""
+    rng = np.random.default_rng(7)
+    case = random_case(rng, [12, 7, 9, 1], [4, 1, 9, 1], pad_tokens=0)
+    cache, n = case.cache, case.num_seqs
+    packer = StepMetadataPacker(
+        max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=case.block_tables.shape[1],
+        block_size=cache.block_size, num_blocks=cache.num_blocks,
+    )  # fmt: skip
+    buf, shape = packer.pack(
+        StepInputs(case.block_tables[:n], case.seq_lens[:n], case.q_lens, case.slots)
+    )
+    num_q = int(case.q_lens.sum())
+    pad = shape.num_tokens - num_q
+    q = np.concatenate([case.q[:num_q], np.zeros((pad, *case.q.shape[1:]), cache.dtype)])
+    k, v = (rng.standard_normal((shape.num_tokens, 2, 8)).astype(cache.dtype) for _ in "kv")
+    layers = [rng.standard_normal(cache.shape).astype(cache.dtype) for _ in range(3)]
+    layers[1] = np.asarray(case.kv)
+    stack = jax.device_put(np.stack(layers), cache.stacked_sharding)
+    buf = packer.put(buf)
+
+    @jax.jit
+    def stacked_step(stack, layer, window):
+        return cache.stacked_layer_step(
+            stack, layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
+            sm_scale=0.4, sliding_window=window,
+        )  # fmt: skip
+
+    traced_window = None if window is None else jnp.int32(window)
+    stack, out = stacked_step(stack, jnp.int32(1), traced_window)
+    kv, want = cache.step(
+        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
+        sm_scale=0.4, sliding_window=window,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out)[:num_q], np.asarray(want)[:num_q], rtol=1e-6)
+    got = np.asarray(stack)
+    np.testing.assert_array_equal(got[1], np.asarray(kv))
+    np.testing.assert_array_equal(got[0], layers[0])
+    np.testing.assert_array_equal(got[2], layers[2])
+    # Copies and zeroing reach every layer of the stack.
+    stack = cache.copy_blocks_stacked(stack, [3], [5])
+    stack = cache.zero_blocks_stacked(stack, [2])
+    want_stack = got.copy()
+    want_stack[:, 5] = got[:, 3]
+    want_stack[:, 2] = 0
+    np.testing.assert_array_equal(np.asarray(stack), want_stack)
+    with pytest.raises(ValueError, match=r"expects \[num_layers, \*shape\]"):
+        cache.zero_blocks_stacked(jnp.zeros(cache.shape, cache.storage_dtype), [2])

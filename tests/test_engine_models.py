@@ -75,3 +75,28 @@ def test_checkpoint_model_rejects_bad_requests_and_serves_others(tmp_path_factor
         engine.add_request([3, 4], images=[np.zeros((3, 16, 16), np.float32)])
     (out,) = engine.generate([[3, 4, 5]], GREEDY)
     assert len(out.output_token_ids) == GREEDY.max_tokens
+
+
+def test_scanned_and_per_layer_stacks_serve_the_same_tokens(tmp_path_factory) -> None:
+    """One scanned layer body (the default) computes what one stack per layer computes,
+    in a step program that does not grow with depth."""
+    path = tmp_path_factory.mktemp("gemma3-scan")
+    models.save_random_checkpoint(path, models.tiny_configs()["gemma3-tiny"], seed=3)
+    scanned, per_layer = (models.load_model(path, scan_layers=s) for s in (True, False))
+    num_layers = scanned.config.num_hidden_layers
+    assert len(scanned.decoder.layers) == 1 and len(per_layer.decoder.layers) == num_layers
+    ids = np.arange(3, 40, dtype=np.int32)
+    np.testing.assert_allclose(
+        scanned.dense_fn()(ids), per_layer.dense_fn()(ids), rtol=1e-5, atol=1e-5
+    )
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 17, 30)]
+    config = dataclasses.replace(CONFIG, num_blocks=96)
+    engines = [LLMEngine(model, config) for model in (scanned, per_layer)]
+    outputs = [engine.generate(prompts, GREEDY) for engine in engines]
+    assert [o.output_token_ids for o in outputs[0]] == [o.output_token_ids for o in outputs[1]]
+    sizes = []
+    for engine in engines:
+        (name,) = [n for n in engine.runner.lowered_programs() if n.startswith("step")][:1]
+        sizes.append(len(engine.runner.lowered_programs()[name][0].as_text()))
+    assert sizes[0] < sizes[1] / 2, f"scanned step {sizes[0]} chars, per-layer {sizes[1]}"

@@ -76,7 +76,7 @@ def child(workdir: str) -> dict:
             "preemptions": engine.num_preemptions,
             "prefix_hit_rate": engine.stats.prefix_hit_rate,
             "groups": len(engine.runner.kv_cache_config.kv_cache_groups),
-            "cache_spec": str(engine.runner.kv_caches[0].sharding.spec),
+            "cache_spec": str(engine.runner.kv_cache.sharding.spec),
             "free_blocks": engine.num_free_blocks,
             "ranks": len(engine.schedulers),
         }

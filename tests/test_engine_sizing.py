@@ -23,7 +23,7 @@ def test_budget_sets_num_blocks_and_the_caches_fit_it(model) -> None:
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=budget, max_model_len=512))
     assert engine.config.num_blocks == 100
     assert engine.kv_cache_sizing.bytes_per_block == BLOCK_BYTES
-    on_device = sum(kv.nbytes for kv in engine.runner.kv_caches)
+    on_device = engine.runner.kv_cache.nbytes
     assert on_device <= budget < on_device + BLOCK_BYTES
     assert "100 blocks" in engine.kv_cache_sizing.describe()
     (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))

@@ -158,7 +158,7 @@ def test_float16_and_bfloat16_weights_load(llama):
     save_file(tensors, llama / SINGLE_FILE)
     model = load_model(llama)
     np.testing.assert_array_equal(
-        model.decoder.layers[0].up_proj.weight[...],
+        model.decoder.layers[0].up_proj.weight[...][0],
         tensors[LLAMA_TENSOR].astype(np.float32),
     )
 

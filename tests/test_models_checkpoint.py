@@ -81,9 +81,9 @@ def test_round_trip_single_file_and_sharded_index(tmp_path):
     reader = CheckpointReader(tmp_path / "sharded", jnp.float32)
     assert set(reader.files) == set(saved)
     one, sharded = load_model(tmp_path / "one"), load_model(tmp_path / "sharded")
-    layer = sharded.decoder.layers[2]
+    layers = sharded.decoder.layers[0]  # every layer's parameters, stacked
     np.testing.assert_array_equal(
-        np.asarray(layer.q_proj.weight[...]), saved["model.layers.2.self_attn.q_proj.weight"]
+        np.asarray(layers.q_proj.weight[...][2]), saved["model.layers.2.self_attn.q_proj.weight"]
     )
     np.testing.assert_array_equal(
         np.asarray(sharded.decoder.embed_tokens[...]), saved["model.embed_tokens.weight"]
@@ -185,8 +185,10 @@ def test_forward_paged_rejects_mismatched_caches(checkpoint):
     model = load_model(checkpoint)
     ids = jnp.zeros(4, jnp.int32)
     ctx = PagedContext((), (), (0,) * 4, (), jnp.zeros(1, jnp.int32))
-    with pytest.raises(ValueError, match="kv_caches has 3 entries; the model has 4 layers"):
-        model.forward_paged(ids, [None] * 3, ctx)
+    with pytest.raises(ValueError, match=r"kv_cache has shape \(3, 8, 4, 2, 16\); expected"):
+        model.forward_paged(ids, jnp.zeros((3, 8, 4, 2, 16)), ctx)
+    with pytest.raises(ValueError, match=r"kv_cache has shape \(8, 4, 2, 16\); expected"):
+        model.forward_paged(ids, jnp.zeros((8, 4, 2, 16)), ctx)
     ctx = PagedContext((), (), (0,) * 3, (), jnp.zeros(1, jnp.int32))
     with pytest.raises(ValueError, match="ctx.layer_to_group has 3 entries; expected 4"):
-        model.forward_paged(ids, [None] * 4, ctx)
+        model.forward_paged(ids, jnp.zeros((4, 8, 4, 2, 16)), ctx)

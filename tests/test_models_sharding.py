@@ -36,7 +36,7 @@ def child(workdir: str) -> dict:
     for dp, mp in MESHES:
         mesh = make_mesh(dp, mp, jax.devices()[: dp * mp])
         gemma = load_model(work / "gemma3", mesh=mesh)
-        layer = gemma.decoder.layers[0]
+        layer = gemma.decoder.layers[0]  # stacked: the layer axis is never split
         out = {
             "q_spec": str(layer.q_proj.weight[...].sharding.spec),
             "gate_spec": str(layer.gate_proj.weight[...].sharding.spec),

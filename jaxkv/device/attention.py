@@ -151,8 +151,15 @@ def ragged_paged_attention(
     keys_per_chunk: int = 128,
     interpret: bool = False,
     kv_quant: str | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of `q [T, Hq, D]` over the paged cache; returns `[T, Hq, D]` in q's dtype.
+
+    `layer` (an int32 scalar, may be traced) reads layer `layer` of a stacked cache
+    `[L, blocks, bs, 2H, D]` (`PagedKVCache.allocate_stacked`): the blockwise path
+    gathers its pages straight from the stack; the kernels are handed that layer's
+    slice. `sliding_window` may be a traced int32 scalar too (one layer body for
+    layers with different windows; a window at least the table's key count is none).
 
     `block_tables [R, W]`, `seq_lens [R]`, `query_start_loc [R+1]` and the scalar
     `num_seqs` describe the requests (rows at or beyond `num_seqs` are padding).
@@ -171,6 +178,11 @@ def ragged_paged_attention(
     """
     num_tokens = q.shape[0]
     check_kv_quant(kv_quant)
+    if (kv_cache.ndim == 5) != (layer is not None):
+        raise ValueError(
+            f"kv_cache has shape {kv_cache.shape}: a stacked [L, blocks, bs, 2H, D] cache "
+            "needs `layer`, a [blocks, bs, 2H, D] one must not have it"
+        )
     value_shape = kv_cache.shape[:-1] + (kv_cache.shape[-1] - (SCALE_BYTES if kv_quant else 0),)
     check_attention_args(q.shape, value_shape, sliding_window, soft_cap, kv_head is None)
     _check_tiling(impl, attention_chunk, query_chunk, token_chunk, keys_per_chunk)
@@ -182,7 +194,7 @@ def ragged_paged_attention(
         raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
     platform = platform or jax.default_backend()
-    num_blocks, block_size = kv_cache.shape[:2]
+    block_size = kv_cache.shape[-3]
     masks = {
         "sliding_window": sliding_window,
         "attention_chunk": attention_chunk,
@@ -196,6 +208,8 @@ def ragged_paged_attention(
         num_tokens, seq_lens, query_start_loc, num_seqs,
         block_tables.shape[1] * block_size, **masks,
     )  # fmt: skip
+    if kernel != "blockwise" and layer is not None:
+        kv_cache = kv_cache[layer]  # the kernels take one layer's cache
     if kernel == "tpu":
         return paged_attention_tiles_tpu(
             q, kv_cache, block_tables, iv.req, iv.lo, iv.hi,
@@ -213,7 +227,7 @@ def ragged_paged_attention(
         q, kv_cache, block_tables, query_start_loc, num_seqs, iv,
         sm_scale=sm_scale, soft_cap=soft_cap, compute=compute, kv_head=kv_head,
         query_chunk=min(query_chunk, num_tokens), token_chunk=min(token_chunk, num_tokens),
-        pages_per_chunk=max(1, keys_per_chunk // block_size), kv_quant=kv_quant,
+        pages_per_chunk=max(1, keys_per_chunk // block_size), kv_quant=kv_quant, layer=layer,
     )  # fmt: skip
 
 
@@ -269,7 +283,7 @@ def _gpu_kernel_error(kv_cache, compute, kv_head, head_size, *, quantised) -> st
         return "a replicated KV head slice is not supported"
     if compute.itemsize != kv_cache.dtype.itemsize:
         return f"storage {kv_cache.dtype} does not have the width of {compute}"
-    return block_shape_error(head_size, kv_cache.shape[1], PAGES_PER_COMPUTE_BLOCK)
+    return block_shape_error(head_size, kv_cache.shape[-3], PAGES_PER_COMPUTE_BLOCK)
 
 
 def paged_decode_attention(
@@ -350,11 +364,13 @@ def _blockwise(
     token_chunk: int,
     pages_per_chunk: int,
     kv_quant: str | None,
+    layer: jax.Array | None,
 ) -> jax.Array:
     """Flash-style attention (module docstring): request-major long, token-major short."""
     num_tokens, num_q_heads, head_size = q.shape
     num_reqs, width = block_tables.shape
-    num_blocks, block_size, combined, _ = kv_cache.shape
+    block_size, combined = kv_cache.shape[-3:-1]
+    stack = () if layer is None else (layer,)
     heads = combined // 2 if kv_head is None else 1
     group = num_q_heads // heads
     acc = jnp.promote_types(compute, jnp.float32)
@@ -371,10 +387,10 @@ def _blockwise(
         only the gathered pages are reshaped.
         """
         if kv_head is None:
-            x = kv_cache[pages]  # [..., P, bs, 2H, D]
+            x = kv_cache[(*stack, pages)]  # [..., P, bs, 2H, D]
             x = x.reshape(*x.shape[:-2], combined // 2, 2, x.shape[-1])[..., lane, :]
         else:
-            x = kv_cache[pages, :, 2 * kv_head + lane, :][..., None, :]
+            x = kv_cache[(*stack, pages, slice(None), 2 * kv_head + lane)][..., None, :]
         x = dequantize(x, kv_quant, acc) if kv_quant else from_storage(x, compute).astype(acc)
         return x.reshape(*pages.shape[:-1], keys_per_chunk, heads, head_size)
 

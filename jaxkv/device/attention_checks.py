@@ -27,7 +27,7 @@ def check_attention_args(
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}"
         )
-    if sliding_window is not None and sliding_window <= 0:
+    if isinstance(sliding_window, int) and sliding_window <= 0:  # a traced window is data
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")

@@ -23,6 +23,12 @@ Serving: `warmup` compiles every program a serving loop runs, `layer_step` puts
 all layers' updates and attention in the caller's one jitted forward, and
 `zero_blocks_all` zeroes freed blocks in every layer with one call.
 
+Stacked caches: `allocate_stacked(L)` holds every layer in one `[L, ...]` array, so a
+model can run one layer body under `jax.lax.scan` (compile time independent of
+depth): `stacked_layer_step` writes and reads layer `layer` of the stack in place,
+`layer` and the sliding window being traced scalars; `zero_blocks_stacked` and
+`copy_blocks_stacked` update every layer of the stack in one call.
+
 Token-indexed inputs of a data-parallel cache are rank-major: with `dp` ranks
 and `T` tokens per rank, rows `[d*T, (d+1)*T)` belong to rank `d` and their
 slots are local to that rank.
@@ -79,17 +85,19 @@ _UNSERVED_MASKS = {
 
 
 def _write_local(
-    kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage, kv_quant=None
-):
+    kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage, kv_quant=None,
+    layer: jax.Array | None = None,
+):  # fmt: skip
     """Scatter the step's K/V rows into `kv`, addressed in the cache's own 4-D shape.
 
     Every program that touches the cache indexes it as `[blocks, block_size, 2H, D]`:
     an update written through one reshape of the buffer and read through another makes
     XLA materialise the buffer in both shapes, a copy of the whole cache per step.
     K and V go straight into their lanes (combined heads `2h` and `2h+1`): no interleaved
-    temporary of the step's K/V.
+    temporary of the step's K/V. `layer`: the layer of a stacked `[L, ...]` cache.
     """
-    nb, bs, combined, d = kv.shape
+    bs, combined = kv.shape[-3:-1]
+    stack = () if layer is None else (layer,)
 
     def stored(x):
         return quantize(x, kv_quant) if kv_quant else to_storage(x, compute, storage)
@@ -97,9 +105,12 @@ def _write_local(
     # The padding slot `nb * bs` lands on block `nb`: out of range, dropped.
     blocks, offsets = (slots // bs)[:, None], (slots % bs)[:, None]
     k_lanes = 2 * jnp.arange(combined // 2, dtype=slots.dtype)[None, :]
-    kv = kv.at[blocks, offsets, k_lanes].set(stored(k), mode="drop")
-    return kv.at[blocks, offsets, k_lanes + 1].set(stored(v), mode="drop")
+    kv = kv.at[(*stack, blocks, offsets, k_lanes)].set(stored(k), mode="drop")
+    return kv.at[(*stack, blocks, offsets, k_lanes + 1)].set(stored(v), mode="drop")
 
+
+# A traced sliding window this large is none: `pos - window + 1` stays below 0.
+_NO_WINDOW = np.iinfo(np.int32).max // 2
 
 # Block copies and zeroing run over their ids this many at a time, so a call's
 # temporaries are one chunk of blocks however many ids it takes (a bucket may hold as
@@ -120,21 +131,30 @@ def _in_chunks(update, kv: jax.Array, ids: Sequence[jax.Array], fills: Sequence[
     return jax.lax.fori_loop(0, chunks, lambda i, kv: update(kv, *(x[i] for x in padded)), kv)
 
 
+def _every_layer(kv: jax.Array) -> tuple[slice, ...]:
+    """The index prefix that reaches the block axis of a cache, stacked (`[L, ...]`) or not."""
+    return (slice(None),) * (kv.ndim - 4)
+
+
 def _copy_local(kv: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Block `src[i]` onto `dst[i]`; sources and destinations are disjoint (checked on the
-    host), so the chunk order cannot matter. Destination `num_blocks` pads (dropped)."""
+    """Block `src[i]` onto `dst[i]` (in every layer of a stack); sources and destinations
+    are disjoint (checked on the host), so the chunk order cannot matter. Destination
+    `num_blocks` pads (dropped)."""
+    layers = _every_layer(kv)
 
     def copy(kv, src, dst):
-        return kv.at[dst].set(kv[src], mode="drop")
+        return kv.at[(*layers, dst)].set(kv[(*layers, src)], mode="drop")
 
-    return _in_chunks(copy, kv, (src, dst), (0, kv.shape[0]))
+    return _in_chunks(copy, kv, (src, dst), (0, kv.shape[-4]))
 
 
 def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
-    def zero(kv, ids):
-        return kv.at[ids].set(jnp.zeros((), kv.dtype), mode="drop")
+    layers = _every_layer(kv)
 
-    return _in_chunks(zero, kv, (ids,), (kv.shape[0],))
+    def zero(kv, ids):
+        return kv.at[(*layers, ids)].set(jnp.zeros((), kv.dtype), mode="drop")
+
+    return _in_chunks(zero, kv, (ids,), (kv.shape[-4],))
 
 
 def _read_local(
@@ -213,6 +233,8 @@ class PagedKVCache:
             spec.head_size + (SCALE_BYTES if kv_quant else 0),
         )
         self.sharding = self.layout.cache_sharding()
+        self._stacked_spec = P(None, *self.layout.cache_spec)
+        self.stacked_sharding = NamedSharding(self.mesh, self._stacked_spec)
         self.id_buckets = padding_buckets(num_blocks)
         # The spec's own mask: a step applies it without being told again.
         self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
@@ -262,6 +284,7 @@ class PagedKVCache:
         self._layer_fns: dict[tuple, object] = {}
         self._alloc_fns: dict[int, object] = {}
         self._all_layer_fns: dict[tuple, object] = {}
+        self._stacked_fns: dict[object, object] = {}
 
     # --------------------------------------------------------------- sizing
     @property
@@ -306,12 +329,32 @@ class PagedKVCache:
             )
         return list(alloc())
 
+    def allocate_stacked(self, num_layers: int) -> jax.Array:
+        """One zeroed `[num_layers, *shape]` array holding every layer's cache, created on
+        device (for a model that scans its layers: `stacked_layer_step`)."""
+        struct = self.stacked_struct(check_int("num_layers", num_layers, lo=1))
+        return jax.jit(
+            lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=self.stacked_sharding
+        )()
+
+    def stacked_struct(self, num_layers: int) -> jax.ShapeDtypeStruct:
+        """A stacked cache of `num_layers` layers as an abstract value."""
+        return jax.ShapeDtypeStruct(
+            (num_layers, *self.shape), self.storage_dtype, sharding=self.stacked_sharding
+        )
+
     # ------------------------------------------------------------ validation
-    def _check_cache(self, kv: jax.Array) -> None:
-        if kv.shape != self.shape or kv.dtype != self.storage_dtype:
+    def _check_cache(self, kv: jax.Array, *, stacked: bool = False) -> None:
+        layer_shape = kv.shape[1:] if stacked else kv.shape
+        if (
+            kv.ndim != len(self.shape) + stacked
+            or layer_shape != self.shape
+            or (kv.dtype != self.storage_dtype)
+        ):
+            want = ("[num_layers, *shape] with shape " if stacked else "shape ") + str(self.shape)
             raise ValueError(
                 f"cache has shape {kv.shape} dtype {kv.dtype}; this PagedKVCache expects "
-                f"shape {self.shape} dtype {self.storage_dtype}"
+                f"{want} dtype {self.storage_dtype}"
             )
 
     def _check_ids(
@@ -464,6 +507,59 @@ class PagedKVCache:
         if arr.size == 0 or not kvs:
             return kvs
         return self._all_layers(_zero_local, kvs, (self._pad_ids(arr, self.num_blocks),))
+
+    def zero_blocks_stacked(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
+        """`zero_blocks` in every layer of a stacked cache, one jitted call (donates `kv`)."""
+        self._check_cache(kv, stacked=True)
+        arr = self._check_ids("block id", ids, 0, self.num_blocks)
+        if arr.size == 0:
+            return kv
+        ids = self.put(self._pad_ids(arr, self.num_blocks), self._rank_spec)
+        return self._stacked_fn(_zero_local, 1)(kv, ids)
+
+    def copy_blocks_stacked(
+        self,
+        kv: jax.Array,
+        src: np.ndarray | Sequence[int],
+        dst: np.ndarray | Sequence[int],
+        *,
+        allow_padding: bool = False,
+    ) -> jax.Array:
+        """`copy_blocks_all`'s copies in every layer of a stacked cache, one jitted call
+        (donates `kv`; same ids, checks and padding)."""
+        self._check_cache(kv, stacked=True)
+        padded = self._copy_ids(src, dst, allow_padding)
+        if padded is None:
+            return kv
+        src_ids, dst_ids = (self.put(ids, self._rank_spec) for ids in padded)
+        return self._stacked_fn(_copy_local, 2)(kv, src_ids, dst_ids)
+
+    def _stacked_fn(self, local_fn, num_id_args: int):
+        fn = self._stacked_fns.get(local_fn)
+        if fn is None:
+            spec = self._stacked_spec
+            local = jax.shard_map(
+                local_fn, mesh=self.mesh, in_specs=(spec,) + (self._rank_spec,) * num_id_args,
+                out_specs=spec, check_vma=False,
+            )  # fmt: skip
+            fn = self._stacked_fns[local_fn] = jax.jit(
+                local, donate_argnums=0, out_shardings=self.stacked_sharding
+            )
+        return fn
+
+    def lower_blocks_stacked(
+        self, op: str, num_layers: int, num_ids: int | None = None
+    ) -> jax.stages.Lowered:
+        """The lowered `zero_blocks_stacked` (`op="zero"`) or `copy_blocks_stacked`
+        (`op="copy"`) program, for the id bucket holding `num_ids` ids per data rank
+        (default: the largest bucket)."""
+        local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
+        size = pick_bucket(num_ids or self.id_buckets[-1], self.id_buckets)
+        ids = jax.ShapeDtypeStruct(
+            (self.dp_size * size,), np.int32, sharding=NamedSharding(self.mesh, self._rank_spec)
+        )
+        fn = self._stacked_fn(local_fn, num_id_args)
+        return fn.lower(self.stacked_struct(num_layers), *(ids,) * num_id_args)
 
     def _all_layers(
         self, local_fn, kvs: list[jax.Array], padded_ids: Sequence[np.ndarray]
@@ -653,6 +749,40 @@ class PagedKVCache:
             fn = self._layer_fns[key] = self._layer_fn(key)
         return fn(kv, q, new_k, new_v, metadata, *extra)
 
+    def stacked_layer_step(
+        self,
+        kv: jax.Array,
+        layer: jax.Array | int,
+        q: jax.Array,
+        new_k: jax.Array,
+        new_v: jax.Array,
+        metadata: jax.Array,
+        shape: StepShape,
+        *,
+        sm_scale: float | None = None,
+        sliding_window: jax.Array | int | None = None,
+        soft_cap: float | None = None,
+        impl: AttentionImpl = "auto",
+    ) -> tuple[jax.Array, jax.Array]:
+        """`layer_step` on layer `layer` of a stacked cache (`allocate_stacked`), inside
+        the caller's jit; returns the updated stack and the attention output.
+
+        `layer` and `sliding_window` are int32 scalars and may be traced (the index of a
+        `jax.lax.scan` over the layers and that layer's window), so one layer body serves
+        layers of every window. None is no window. The spec's own window is not applied
+        here: the caller passes each layer's.
+        """
+        key, _ = self._step_key(
+            kv, q, new_k, new_v, metadata, shape,
+            sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, stacked=True,
+        )  # fmt: skip
+        fn = self._layer_fns.get(key)
+        if fn is None:
+            fn = self._layer_fns[key] = self._layer_fn(key)
+        window = _NO_WINDOW if sliding_window is None else sliding_window
+        layer, window = (jnp.asarray(x, jnp.int32) for x in (layer, window))
+        return fn(kv, q, new_k, new_v, metadata, layer, window)
+
     def _step_key(
         self,
         kv: jax.Array,
@@ -668,9 +798,11 @@ class PagedKVCache:
         impl: AttentionImpl = "auto",
         attention_chunk: int | None = None,
         span_ends: jax.Array | None = None,
+        stacked: bool = False,
     ) -> tuple[tuple, tuple]:
-        """Validate a step's inputs; the program's cache key and its extra arguments."""
-        self._check_cache(kv)
+        """Validate a step's inputs; the program's cache key and its extra arguments
+        (`stacked`: the window is the program's argument, not part of its key)."""
+        self._check_cache(kv, stacked=stacked)
         tokens = self.dp_size * shape.num_tokens
         self._check_tokens("new_k", new_k, tokens)
         self._check_tokens("new_v", new_v, tokens)
@@ -683,7 +815,8 @@ class PagedKVCache:
                 f"metadata has shape {metadata.shape} dtype {metadata.dtype}; expected "
                 f"({self.dp_size}, {shape.length}) int32"
             )
-        window = self._spec_mask("sliding_window", self.sliding_window, sliding_window)
+        spec_window = self._spec_mask("sliding_window", self.sliding_window, sliding_window)
+        window = None if stacked else spec_window
         chunk = self._spec_mask("attention_chunk", self.attention_chunk, attention_chunk)
         if span_ends is not None and (span_ends.shape != (tokens,) or span_ends.dtype != jnp.int32):
             raise ValueError(
@@ -692,7 +825,7 @@ class PagedKVCache:
             )
         scale = float(self.head_size**-0.5 if sm_scale is None else sm_scale)
         spans = span_ends is not None
-        key = (shape, q.shape[1], q.dtype, scale, window, soft_cap, impl, chunk, spans)
+        key = (shape, q.shape[1], q.dtype, scale, window, soft_cap, impl, chunk, spans, stacked)
         return key, ((span_ends,) if spans else ())
 
     def _spec_mask(self, name: str, from_spec: int | None, given: int | None) -> int | None:
@@ -711,36 +844,39 @@ class PagedKVCache:
 
     def _layer_fn(self, key: tuple):
         """The shard-mapped (not jitted) write-then-attend function for a `_step_key`."""
-        shape, num_q_heads, _q_dtype, scale, window, soft_cap, impl, chunk, spans = key
+        shape, num_q_heads, _q_dtype, scale, window, soft_cap, impl, chunk, spans, stacked = key
         q_axis = self.layout.q_head_axis(num_q_heads)
         replicated_kv_split_q = q_axis is not None and not self.layout.heads_sharded
         group = num_q_heads // self.num_kv_heads
         per_rank = num_q_heads // self.layout.model_size
 
-        def local(kv, q, k, v, buf, *span_ends):
+        def local(kv, q, k, v, buf, *extra):
+            # extra: (layer, window) of a stacked cache, else (span_ends,) when spans.
+            layer, layer_window = extra if stacked else (None, window)
             md = unpack_step(buf[0], shape)
             kv = _write_local(
-                kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant
+                kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant, layer
             )
             kv_head = None
             if replicated_kv_split_q:
                 kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group
             out = ragged_paged_attention(
                 q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
-                sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
+                sm_scale=scale, sliding_window=layer_window, soft_cap=soft_cap,
                 kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
-                kv_quant=self.kv_quant,
-                attention_chunk=chunk, span_ends=span_ends[0] if spans else None,
+                kv_quant=self.kv_quant, layer=layer,
+                attention_chunk=chunk, span_ends=extra[0][0] if spans else None,
             )  # fmt: skip
             return kv, out
 
-        cache_spec = self.layout.cache_spec
+        cache_spec = self._stacked_spec if stacked else self.layout.cache_spec
         q_spec = self._q_spec(num_q_heads)
+        extra_specs = (P(), P()) if stacked else ((self._rank_spec,) if spans else ())
         fn = jax.shard_map(
             local,
             mesh=self.mesh,
             in_specs=(cache_spec, q_spec, self._token_spec, self._token_spec, self._rank_spec)
-            + ((self._rank_spec,) if spans else ()),
+            + extra_specs,
             out_specs=(cache_spec, q_spec),
             check_vma=False,
         )

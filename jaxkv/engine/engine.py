@@ -546,7 +546,7 @@ class LLMEngine:
                 error = f"the tokenizer could not decode the output: {failure}"
         return RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_ids,  # one list per request, as vLLM
             new_token_ids=[] if new_token_id is None else [new_token_id],
             output_token_ids=list(request.output_token_ids),
             finished=reason is not None,

@@ -1,7 +1,8 @@
 """Glue between the scheduler's output and a model's `forward_paged` (one device call a step).
 
 The runner owns the device state: one `PagedKVCache` per KV-cache group (layers with
-equal specs share a group and the pool's block ids), every layer's donated cache array,
+equal specs share a group and the pool's block ids), one donated array holding every
+layer's cache (`[num_layers, ...]`, which the model's scanned layer body indexes),
 and for image models an `EncoderCacheStore`; and, per data rank, the requests' persistent
 rows (`RequestRows`: block tables per group, sampling parameters), which the scheduler's
 block-id changes update. Each step it
@@ -26,7 +27,7 @@ The buffer then has one row per rank (its metadata and its token/sampling rows);
 step's token rows, logits and sampled tokens are rank-major.
 
 A model follows the contract of `jaxkv.models` (see `jaxkv/engine/tiny_model.py` for the
-smallest one): `kv_cache_specs(block_size, dtype)`, `forward_paged(token_ids, kv_caches,
+smallest one): `kv_cache_specs(block_size, dtype)`, `forward_paged(token_ids, kv_cache,
 ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 """
 
@@ -292,21 +293,16 @@ def _shared_paged_cache(
     return PagedKVCache(spec, num_blocks, mesh=mesh, kv_quant=kv_quant)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "paged",
-        "layer_to_group",
-        "max_num_seqs",
-        "shapes",
-        "layout",
-        "store_dtype",
-    ),
-    donate_argnames="kv_caches",
-)
+@functools.lru_cache(maxsize=512)
+def _step_program(**static):
+    """The jitted step with its static arguments bound (one per engine layout and step
+    shape; engines with equal layouts share it, and so its compiled programs). A call
+    then hashes no static argument: the dispatch is JAX's C++ fast path."""
+    return jax.jit(functools.partial(_paged_step, **static), donate_argnames="kv_cache")
+
+
 def _paged_step(
-    state, kv_caches, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group, store_dtype,
+    state, kv_cache, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group, store_dtype,
     max_num_seqs, shapes, layout,
 ):  # fmt: skip
     """Forward + sampling of one packed step, unpacked by `layout` (`step_layout`)."""
@@ -333,11 +329,11 @@ def _paged_step(
         stored = stored.get(mode="fill", fill_value=0)
         stored = from_storage(stored, store_dtype)  # the store may hold bf16 as uint16 bits
         embeds = embeds.at[rows("merge_dst")].set(stored.astype(embeds.dtype), mode="drop")
-    logits, kv_caches = model.forward_paged(token_ids, kv_caches, ctx, embeds)
+    logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
     sampled = sample_tokens(
         logits, rows("temperature"), rows("top_k"), rows("top_p"), rows("seeds"), rows("counters")
     ).reshape(dp, r)
-    return kv_caches, jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
+    return kv_cache, jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -348,7 +344,8 @@ def _encode_images(state, pixel_values, *, graphdef):
 class ModelRunner:
     """Device state and the jitted step of one model (see the module docstring).
 
-    Invariants: `kv_caches[i]` has the shape of its group's `PagedKVCache`; every data
+    Invariants: `kv_cache[i]` (layer `i`) has the page shape every group's `PagedKVCache`
+    shares; every data
     rank has its own request rows (`rows[k]`) and block ids in `[0, num_blocks)`; the
     step compiles once per token bucket (`StepMetadataPacker`), nothing else in
     `execute` compiles after `warm_up()`; a call of `execute` that raises
@@ -383,11 +380,13 @@ class ModelRunner:
         )
         self.mesh = self.paged[0].mesh
         self.dp_size = self.paged[0].dp_size
-        self.kv_caches: list[jax.Array] = [None] * len(self.layer_to_group)  # type: ignore
-        for g, cache in enumerate(self.paged):
-            layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
-            for i, arr in zip(layers, cache.allocate(len(layers)), strict=True):
-                self.kv_caches[i] = arr
+        shapes = {(p.shape, p.storage_dtype, p.stacked_sharding) for p in self.paged}
+        if len(shapes) != 1:
+            raise ValueError(
+                "the engine stacks every layer's KV cache in one array: every layer needs "
+                f"the same page shape, dtype and sharding, got {sorted(map(str, shapes))}"
+            )
+        self.kv_cache = self.paged[0].allocate_stacked(len(self.layer_to_group))
         widths = [-(-max_model_len // g.kv_cache_spec.block_size) for g in groups]
         self.packers = [
             StepMetadataPacker(
@@ -426,6 +425,7 @@ class ModelRunner:
         self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
         self._sampled_row: dict[str, int] = {}  # request id -> its row of `self.sampled`
         self.num_encoded = 0
+        self._step_fns: dict[tuple[StepShape, ...], object] = {}
 
     def _replicated(self, arr: np.ndarray) -> jax.Array:
         return self.paged[0].put(arr, P())
@@ -433,14 +433,22 @@ class ModelRunner:
     def _layout(self, shapes: tuple[StepShape, ...]) -> StepLayout:
         return step_layout(shapes, self.encoder_store is not None)
 
+    def _step_fn(self, shapes: tuple[StepShape, ...]):
+        fn = self._step_fns.get(shapes)
+        if fn is None:
+            store = self.encoder_store
+            fn = self._step_fns[shapes] = _step_program(
+                graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
+                max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
+                store_dtype=None if store is None else store.dtype,
+            )  # fmt: skip
+        return fn
+
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
         store = self.encoder_store
-        return _paged_step(
-            self._state, self.kv_caches, None if store is None else store.cache,
+        return self._step_fn(shapes)(
+            self._state, self.kv_cache, None if store is None else store.cache,
             self.paged[0].put(buffer), self.sampled,
-            graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
-            max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
-            store_dtype=None if store is None else store.dtype,
         )  # fmt: skip
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
@@ -602,15 +610,12 @@ class ModelRunner:
         ids = np.zeros((len(freed), width), np.int32)
         for rank, rank_ids in enumerate(freed):
             ids[rank, : rank_ids.size] = rank_ids
-        self.kv_caches = [
-            self.paged[g].zero_blocks(kv, ids.reshape(-1))
-            for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
-        ]
+        self.kv_cache = self.paged[0].zero_blocks_stacked(self.kv_cache, ids.reshape(-1))
 
     def _copy_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
-        """Run each rank's page copies (`kv_cache_block_copies`) in every layer, one call per
-        group. Block ids are unique over the groups, so a copy in another group's layers
-        only moves pages no request of that group reads. Ranks with fewer pad."""
+        """Run each rank's page copies (`kv_cache_block_copies`) in every layer, one call.
+        Block ids are unique over the groups, so a copy in another group's layers only
+        moves pages no request of that group reads. Ranks with fewer pad."""
         copies = [out.kv_cache_block_copies for out in outs]
         width = max(len(c) for c in copies)
         if not width:
@@ -621,19 +626,9 @@ class ModelRunner:
         for rank, rank_copies in enumerate(copies):
             for i, copy in enumerate(rank_copies):
                 src[rank, i], dst[rank, i] = copy.src_block_id, copy.dst_block_id
-        for g, paged in enumerate(self.paged):
-            layers = [i for i, lg in enumerate(self.layer_to_group) if lg == g]
-            for i, kv in zip(
-                layers,
-                paged.copy_blocks_all(
-                    [self.kv_caches[i] for i in layers],
-                    src.ravel(),
-                    dst.ravel(),
-                    allow_padding=True,
-                ),
-                strict=True,
-            ):
-                self.kv_caches[i] = kv
+        self.kv_cache = self.paged[0].copy_blocks_stacked(
+            self.kv_cache, src.ravel(), dst.ravel(), allow_padding=True
+        )
 
     def execute(
         self,
@@ -667,7 +662,7 @@ class ModelRunner:
             rows.apply(step.updates)
             step.rows = np.array([rows.index[i] for i in step.request_ids], np.intp)
         buffer, shapes = self._pack(steps)
-        self.kv_caches, self.sampled = self._step(buffer, shapes)
+        self.kv_cache, self.sampled = self._step(buffer, shapes)
         self._sampled_row = {}
         for k, step in enumerate(steps):
             first = k * self.max_num_seqs
@@ -691,26 +686,20 @@ class ModelRunner:
         caches in place.
         """
         programs: dict[str, tuple[jax.stages.Lowered, list]] = {}
-        caches = [jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding)
-                  for kv in self.kv_caches]  # fmt: skip
+        num_layers = len(self.layer_to_group)
+        caches = [self.paged[0].stacked_struct(num_layers)]
         all_shapes = list(zip(*[p.all_shapes() for p in self.packers], strict=True))
         store = self.encoder_store
         for shapes in (all_shapes[0], all_shapes[-1]):
-            lowered = _paged_step.lower(
-                self._state, caches, None if store is None else store.cache,
+            lowered = self._step_fn(shapes).lower(
+                self._state, caches[0], None if store is None else store.cache,
                 self.paged[0].put(self._empty_buffer(shapes)), self.sampled,
-                graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
-                max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
-                store_dtype=None if store is None else store.dtype,
             )  # fmt: skip
             programs[f"step tokens={shapes[0].num_tokens} reqs={shapes[0].num_reqs}"] = (
                 lowered, caches,
             )  # fmt: skip
-        for g, paged in enumerate(self.paged):
-            group_caches = [c for c, lg in zip(caches, self.layer_to_group, strict=True) if lg == g]
-            for op in ("zero", "copy"):
-                lowered = paged.lower_blocks_all(op, len(group_caches))
-                programs[f"{op}_blocks group={g}"] = (lowered, group_caches)
+        for op in ("zero", "copy"):
+            programs[f"{op}_blocks"] = (self.paged[0].lower_blocks_stacked(op, num_layers), caches)
         if store is not None:
             lowered, store_struct = store.lower_write()
             programs["encoder_store write"] = (lowered, [store_struct])
@@ -721,7 +710,7 @@ class ModelRunner:
         dp = self.dp_size
         shapes_per_group = [p.all_shapes() for p in self.packers]
         for shapes in zip(*shapes_per_group, strict=True):
-            self.kv_caches, self.sampled = self._step(self._empty_buffer(shapes), shapes)
+            self.kv_cache, self.sampled = self._step(self._empty_buffer(shapes), shapes)
         if self.encoder_store is not None:
             pixels = np.zeros((1, *self.images.pixel_shape), np.float32)
             self.encoder_store.put("warm-up", self._encode(pixels)[0])
@@ -729,9 +718,6 @@ class ModelRunner:
         if self.zero_freed_blocks:
             for size in self.paged[0].id_buckets:
                 ids = np.ones(size * dp, np.int32)
-                self.kv_caches = [
-                    self.paged[g].zero_blocks(kv, ids)
-                    for kv, g in zip(self.kv_caches, self.layer_to_group, strict=True)
-                ]
-        jax.block_until_ready(self.kv_caches)
+                self.kv_cache = self.paged[0].zero_blocks_stacked(self.kv_cache, ids)
+        jax.block_until_ready(self.kv_cache)
         return len(shapes_per_group[0])

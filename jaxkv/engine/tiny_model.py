@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -144,24 +143,24 @@ class TinyCausalLM(nnx.Module):
     def forward_paged(
         self,
         token_ids: jax.Array,
-        kv_caches: Sequence[jax.Array],
+        kv_cache: jax.Array,
         ctx: PagedContext,
         inputs_embeds: jax.Array | None = None,
-    ) -> tuple[jax.Array, list[jax.Array]]:
+    ) -> tuple[jax.Array, jax.Array]:
         x = self.embed_tokens(token_ids) if inputs_embeds is None else inputs_embeds
         positions = ctx.token_positions()
-        new_caches = list(kv_caches)
+        caches = [kv_cache]  # the stacked cache, threaded through the (unrolled) layers
 
         def attend(i, q, k, v):
             g = ctx.layer_to_group[i]
-            new_caches[i], out = ctx.caches[g].step(
-                new_caches[i], q, k, v, ctx.metadata[g], ctx.shapes[g]
+            caches[0], out = ctx.caches[g].stacked_layer_step(
+                caches[0], i, q, k, v, ctx.metadata[g], ctx.shapes[g]
             )
             return out
 
         for i in range(self.config.num_hidden_layers):
             x = self._layer(i, x, positions, attend)
-        return self._logits(x[ctx.logits_indices]), new_caches
+        return self._logits(x[ctx.logits_indices]), caches[0]
 
     def forward_dense(
         self, token_ids: jax.Array, inputs_embeds: jax.Array | None = None

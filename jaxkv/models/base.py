@@ -24,13 +24,16 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
   A group's `PagedKVCache` may be built from a `SlidingWindowSpec` (it then applies the
   window itself) or, for a single-group layout, a `FullAttentionSpec` for every layer
   (the sliding layers pass their window to the step).
-- `forward_paged(token_ids [N] int32, kv_caches (one per layer), ctx, inputs_embeds=None)
-  -> (logits [R, vocab] float32, new kv_caches list)`, traceable: call it inside a jit
-  that donates `kv_caches`, or use `paged_step_fn()`, which is that jit (parameters are
-  arguments, not constants). `N = dp * shape.num_tokens`: each data rank's token rows
+- `forward_paged(token_ids [N] int32, kv_cache, ctx, inputs_embeds=None)
+  -> (logits [R, vocab] float32, new kv_cache)`, traceable: call it inside a jit
+  that donates `kv_cache`, or use `paged_step_fn()`, which is that jit (parameters are
+  arguments, not constants). `kv_cache` holds every layer's cache stacked
+  (`PagedKVCache.allocate_stacked(num_layers)`; every group's cache has one page shape).
+  `N = dp * shape.num_tokens`: each data rank's token rows
   in the order `StepMetadataPacker.pack` lays them out, rank-major (padding rows carry
-  any id). Every layer calls `ctx.caches[g].step(...)` with `sm_scale`, its sliding
-  window and the attention soft-cap. Token positions come from group 0's packed metadata
+  any id). One layer body, scanned, calls `ctx.caches[0].stacked_layer_step(...)` with
+  the layer's number, its group's metadata, `sm_scale`, its sliding window and the
+  attention soft-cap. Token positions come from group 0's packed metadata
   (or `ctx.positions` when given). `ctx.logits_indices [R]` picks the row (into the N
   rows) whose logits each request needs; padding entries may point anywhere.
 - `forward_dense(token_ids [S], inputs_embeds=None) -> logits [S, vocab]` float32: the
@@ -59,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import chex
 import jax
@@ -150,67 +152,75 @@ class CausalLM(nnx.Module):
         cfg = self.config
         x = self._input_embeddings(token_ids, inputs_embeds)
 
-        def attend(i, q, k, v):
-            return dense_attention(
-                q, k, v, sm_scale=cfg.sm_scale, sliding_window=cfg.window_of(i),
+        windows = self.decoder.layer_windows()
+
+        def attend(carry, layer, q, k, v):
+            return carry, dense_attention(
+                q, k, v, sm_scale=cfg.sm_scale, sliding_window=windows[layer],
                 soft_cap=cfg.attn_logit_softcapping,
             )  # fmt: skip
 
         positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-        logits = self.decoder.logits(self.decoder.hidden_states(x, positions, attend))
+        h, _ = self.decoder.hidden_states(x, positions, attend)
+        logits = self.decoder.logits(h)
         chex.assert_shape(logits, (token_ids.shape[0], cfg.vocab_size))
         return logits
 
     def forward_paged(
         self,
         token_ids: jax.Array,
-        kv_caches: Sequence[jax.Array],
+        kv_cache: jax.Array,
         ctx: PagedContext,
         inputs_embeds: jax.Array | None = None,
-    ) -> tuple[jax.Array, list[jax.Array]]:
+    ) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
-        if len(kv_caches) != cfg.num_hidden_layers:
+        if kv_cache.ndim != 5 or kv_cache.shape[0] != cfg.num_hidden_layers:
             raise ValueError(
-                f"kv_caches has {len(kv_caches)} entries; the model has "
-                f"{cfg.num_hidden_layers} layers"
+                f"kv_cache has shape {kv_cache.shape}; expected every layer's cache stacked, "
+                f"[{cfg.num_hidden_layers}, blocks, block_size, 2 * kv_heads, head_size] "
+                "(PagedKVCache.allocate_stacked)"
             )
         if len(ctx.layer_to_group) != cfg.num_hidden_layers:
             raise ValueError(
                 f"ctx.layer_to_group has {len(ctx.layer_to_group)} entries; expected "
                 f"{cfg.num_hidden_layers}"
             )
+        if len(set(ctx.shapes)) != 1:
+            raise ValueError(f"every KV-cache group must pack one step shape, got {ctx.shapes}")
         x = self._input_embeddings(token_ids, inputs_embeds)
         positions = ctx.token_positions()
         chex.assert_shape(positions, token_ids.shape)
-        new_caches = list(kv_caches)
+        # One layer body for every layer: its group's metadata and its window are rows of
+        # tables the body indexes by the layer number.
+        metadata = jnp.stack(ctx.metadata)
+        group_of = jnp.asarray(ctx.layer_to_group, jnp.int32)
+        windows = self.decoder.layer_windows()
 
-        def attend(i, q, k, v):
-            g = ctx.layer_to_group[i]
-            new_caches[i], out = ctx.caches[g].step(
-                new_caches[i], q, k, v, ctx.metadata[g], ctx.shapes[g],
-                sm_scale=cfg.sm_scale, sliding_window=cfg.window_of(i),
+        def attend(kv, layer, q, k, v):
+            return ctx.caches[0].stacked_layer_step(
+                kv, layer, q, k, v, metadata[group_of[layer]], ctx.shapes[0],
+                sm_scale=cfg.sm_scale, sliding_window=windows[layer],
                 soft_cap=cfg.attn_logit_softcapping,
             )  # fmt: skip
-            return out
 
-        h = self.decoder.hidden_states(x, positions, attend)
+        h, kv_cache = self.decoder.hidden_states(x, positions, attend, kv_cache)
         logits = self.decoder.logits(h[ctx.logits_indices])
         chex.assert_shape(logits, (ctx.logits_indices.shape[0], cfg.vocab_size))
-        return logits, new_caches
+        return logits, kv_cache
 
     # --- jitted entry points ---------------------------------------------------------
     def paged_step_fn(self):
-        """`fn(token_ids, kv_caches, ctx, inputs_embeds=None) -> (logits, kv_caches)`, jitted,
-        `kv_caches` donated; parameters are passed as arguments (not baked in)."""
+        """`fn(token_ids, kv_cache, ctx, inputs_embeds=None) -> (logits, kv_cache)`, jitted,
+        `kv_cache` (stacked) donated; parameters are passed as arguments (not baked in)."""
         graphdef, state = nnx.split(self)
 
         @functools.partial(jax.jit, donate_argnums=2)
-        def step(state, token_ids, kv_caches, ctx, inputs_embeds):
+        def step(state, token_ids, kv_cache, ctx, inputs_embeds):
             model = nnx.merge(graphdef, state)
-            return model.forward_paged(token_ids, kv_caches, ctx, inputs_embeds)
+            return model.forward_paged(token_ids, kv_cache, ctx, inputs_embeds)
 
-        def call(token_ids, kv_caches, ctx, inputs_embeds=None):
-            return step(state, token_ids, list(kv_caches), ctx, inputs_embeds)
+        def call(token_ids, kv_cache, ctx, inputs_embeds=None):
+            return step(state, token_ids, kv_cache, ctx, inputs_embeds)
 
         return call
 

@@ -55,8 +55,6 @@ def open_safetensors(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
 
 
-
-
 class MappedSafetensors:
     """One safetensors file, memory-mapped read-only: `array(name)` is a numpy view of the
     tensor's bytes in the mapping, never a copy.
@@ -164,13 +162,8 @@ class CheckpointReader:
             )
         )
 
-    def get(
-        self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
-    ) -> jax.Array:
-        """Tensor `name` of shape `shape`, sharded by `spec` over the mesh, in `self.dtype`.
-
-        The split axis is split only into whole `units` (see `spec_for`).
-        """
+    def _checked(self, name: str, shape: Sequence[int]) -> np.ndarray:
+        """The mapped view of tensor `name`, checked to have `shape` and a float dtype."""
         mapped = self._mapped_file(name)
         file, stored, stored_dtype = self.files[name], mapped.shape(name), mapped.dtype(name)
         if stored != tuple(shape):
@@ -181,16 +174,47 @@ class CheckpointReader:
                 f"floating point ({', '.join(FLOAT_DTYPES)})"
             )
         self.taken.add(name)
+        return mapped.array(name)
+
+    def get(
+        self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
+    ) -> jax.Array:
+        """Tensor `name` of shape `shape`, sharded by `spec` over the mesh, in `self.dtype`.
+
+        The split axis is split only into whole `units` (see `spec_for`).
+        """
+        stored = self._checked(name, shape)
+        return self._place(shape, spec, units, lambda index: stored[index])
+
+    def get_stacked(
+        self,
+        names: Sequence[str],
+        shape: Sequence[int],
+        spec: P | None = None,
+        *,
+        units: int | None = None,
+    ) -> jax.Array:
+        """Tensors `names` (each of `shape`) stacked on a new leading axis, which no device
+        splits; the other axes sharded as `get` shards one of them."""
+        stored = [self._checked(name, shape) for name in names]
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            return np.stack([x[index[1:]] for x in stored[index[0]]], dtype=self.dtype)
+
+        layer_spec = self.spec_for(shape, spec or P(), units)
+        return self._place((len(names), *shape), P(None, *layer_spec), None, read)
+
+    def _place(self, shape: Sequence[int], spec: P | None, units: int | None, read) -> jax.Array:
+        """The array of `shape` sharded by `spec` whose device blocks `read(index)` returns
+        (views of the mapping, converted only if the dtype differs)."""
         sharding = NamedSharding(self.mesh, self.spec_for(shape, spec or P(), units))
         dtype = self.dtype
-        stored_array = mapped.array(name)
         blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
-            # Each device's block: a view of the mapping, converted only if the dtype differs.
             key = tuple((s.start, s.stop, s.step) for s in index)
             if key not in blocks:
-                blocks[key] = stored_array[index].astype(dtype, copy=False)
+                blocks[key] = read(index).astype(dtype, copy=False)
             return blocks[key]
 
         return jax.make_array_from_callback(tuple(shape), sharding, block)
@@ -198,6 +222,27 @@ class CheckpointReader:
     def close(self) -> None:
         """Forgets the mapped files (arrays already placed keep their mappings alive)."""
         self._mapped.clear()
+
+
+class LayerStack:
+    """Reads one tensor of every decoder layer as a single stacked array.
+
+    A stand-in reader for the modules of one layer: `get(name, shape, spec)` with `{i}`
+    in `name` for the layer index returns `[len(layers), *shape]` (the tensors of
+    `layers`) from `reader.get_stacked`, so modules built over it hold those layers'
+    parameters on a leading axis (what `jax.lax.scan` over the layers takes).
+    """
+
+    def __init__(self, reader, layers: range) -> None:
+        self.reader = reader
+        self.dtype = reader.dtype
+        self.layers = layers
+
+    def get(
+        self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
+    ) -> jax.Array:
+        names = [name.format(i=i) for i in self.layers]
+        return self.reader.get_stacked(names, shape, spec, units=units)
 
 
 def read_config(path: str | Path) -> dict:

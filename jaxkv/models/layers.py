@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -99,16 +98,15 @@ class LayerNorm(nnx.Module):
         return normed * self.weight[...] + self.bias[...]
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: Sequence[float]) -> jax.Array:
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: Sequence[float] | jax.Array
+) -> jax.Array:
     """Hugging Face's rotate-half RoPE of `x [T, heads, D]` at `positions [T]`.
 
     The angles are computed in float32 and cos/sin cast to `x.dtype` before use, as
     Hugging Face does.
     """
-    freqs = (
-        positions.astype(jnp.float32)[:, None]
-        * jnp.asarray(np.asarray(inv_freq, np.float32))[None, :]
-    )
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
     sin = jnp.sin(emb).astype(x.dtype)[:, None, :]

@@ -122,9 +122,13 @@ class LlavaForConditionalGeneration(CausalLM):
     "projector"; see `jaxkv.models.loading.PARTS`).
     """
 
-    def __init__(self, cfg: LlavaConfig, reader, prefixes: Mapping[str, str]) -> None:
+    def __init__(
+        self, cfg: LlavaConfig, reader, prefixes: Mapping[str, str], *, scan_layers: bool = True
+    ) -> None:
         lm_head = f"{prefixes['lm_head']}weight"
-        super().__init__(Decoder(cfg.text, reader, prefixes["model"], lm_head))
+        super().__init__(
+            Decoder(cfg.text, reader, prefixes["model"], lm_head, scan_layers=scan_layers)
+        )
         self.llava_config = cfg
         vision = cfg.vision
         layer = cfg.vision_feature_layer

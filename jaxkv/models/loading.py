@@ -113,33 +113,45 @@ def build_model(
     config: DecoderConfig | LlavaConfig,
     reader: CheckpointReader,
     prefixes: Mapping[str, str] | None = None,
+    *,
+    scan_layers: bool = True,
 ) -> CausalLM:
     """The model `config` describes, its parameters taken from `reader` by HF names.
 
     `prefixes` (part name -> prefix, see `PARTS`) default to the ones `reader`'s
-    checkpoint uses (`find_prefixes` over `reader.files`).
+    checkpoint uses (`find_prefixes` over `reader.files`). `scan_layers`: see
+    `jaxkv.models.decoder`.
     """
     if prefixes is None:
         prefixes = find_prefixes(config, reader.files.keys(), str(reader.path))
     if isinstance(config, LlavaConfig):
         from jaxkv.models.llava import LlavaForConditionalGeneration
 
-        return LlavaForConditionalGeneration(config, reader, prefixes)
-    return CausalLM(Decoder(config, reader, prefixes["model"], f"{prefixes['lm_head']}weight"))
+        return LlavaForConditionalGeneration(config, reader, prefixes, scan_layers=scan_layers)
+    lm_head = f"{prefixes['lm_head']}weight"
+    return CausalLM(Decoder(config, reader, prefixes["model"], lm_head, scan_layers=scan_layers))
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None) -> CausalLM:
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str = "float32",
+    mesh: Mesh | None = None,
+    scan_layers: bool = True,
+) -> CausalLM:
     """Load the checkpoint in directory `path` (see `jaxkv.models.base` for the contract).
 
-    Bad input (config field, file, tensor name, shape or dtype) is a ValueError naming
-    the file and what is wrong, raised before the model is built where it can be.
+    `scan_layers`: one scanned layer body (compile time independent of depth, the
+    default) or one stack per layer (see `jaxkv.models.decoder`). Bad input (config
+    field, file, tensor name, shape or dtype) is a ValueError naming the file and what
+    is wrong, raised before the model is built where it can be.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
     config = parse_model_config(read_config(path), f"{Path(path) / 'config.json'}")
     reader = CheckpointReader(path, jnp.dtype(dtype), mesh)
     try:
-        return build_model(config, reader)
+        return build_model(config, reader, scan_layers=scan_layers)
     finally:
         reader.close()
 

@@ -78,7 +78,7 @@ class PagedGenerator:
         group_specs = list(dict.fromkeys(layer_specs))  # distinct, in layer order
         self.layer_to_group = tuple(group_specs.index(spec) for spec in layer_specs)
         self.caches = tuple(PagedKVCache(spec, num_blocks, mesh=mesh) for spec in group_specs)
-        self.kv_caches = [self.caches[g].allocate(1)[0] for g in self.layer_to_group]
+        self.kv_cache = self.caches[0].allocate_stacked(len(layer_specs))
         self.packer = StepMetadataPacker(
             max_num_tokens=max_num_tokens,
             max_num_reqs=max_num_reqs,
@@ -216,7 +216,7 @@ class PagedGenerator:
             metadata=tuple(c.put(m) for c, (m, _) in zip(self.caches, packed, strict=True)),
             logits_indices=jnp.asarray(logits_indices),
         )
-        logits, self.kv_caches = self.step_fn(jnp.asarray(ids), self.kv_caches, ctx, inputs_embeds)
+        logits, self.kv_cache = self.step_fn(jnp.asarray(ids), self.kv_cache, ctx, inputs_embeds)
         logits = np.asarray(logits)
         for s, n in scheduled:
             s.num_computed += n

@@ -75,6 +75,16 @@ class RandomTensors:
         self.tensors[name] = value
         return jnp.asarray(value)
 
+    def get_stacked(
+        self,
+        names: Sequence[str],
+        shape: Sequence[int],
+        spec: P | None = None,
+        *,
+        units: int | None = None,
+    ):
+        return jnp.stack([self.get(name, shape, spec, units=units) for name in names])
+
 
 def save_random_checkpoint(
     path: str | Path,
