@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,10 @@ def test_prompt_encoder_matches_transformers(tmp_path) -> None:
         (["--prompt-token-ids", "1", "--gpu-memory-utilization", "2"],
          "--gpu-memory-utilization must be in (0, 1]"),
         (["--prompt-token-ids", "1", "--chat"], "--chat needs --prompt"),
+        (["--prompt-token-ids", "1", "--kv-events-topic", "t"],
+         "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"),
+        (["--prompt-token-ids", "1", "--kv-events-endpoint", "localhost:5557"],
+         "KVEventsConfig.endpoint must be a ZeroMQ address"),
     ],
 )  # fmt: skip
 def test_generate_sizing_errors_are_one_line(checkpoint, capsys, argv, message) -> None:
@@ -137,3 +142,27 @@ def test_huge_seed_from_the_command_line(checkpoint) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])["output_token_ids"]) == 4
+
+
+def test_kv_events_flags_publish_the_batch(checkpoint, capsys, tmp_path) -> None:
+    """`--kv-events-*`: a subscriber hears the shared prompt's blocks being stored."""
+    from jaxkv.prefix_index import PrefixIndex, ZmqKVEventSubscriber
+
+    endpoint = f"ipc://{tmp_path}/events"
+    index = PrefixIndex(16, "sha256")
+    subscriber = ZmqKVEventSubscriber(index, "cli", endpoint, topic="kv")
+    subscriber.start()
+    try:
+        shared = " ".join(f"w{i}" for i in range(10, 50))
+        (tmp_path / "prompts.txt").write_text(f"{shared} w7\n{shared} w8\n")
+        results, _ = generate(
+            checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2",
+            "--max-num-seqs", "1", "--kv-cache-memory", "4MiB", "--kv-events-endpoint", endpoint,
+            "--kv-events-topic", "kv",
+        )  # fmt: skip
+        time.sleep(0.3)
+    finally:
+        subscriber.close()
+    assert subscriber.stream.num_batches > 0 and subscriber.stream.num_malformed == 0
+    hits = index.longest_prefix(results[1]["prompt_token_ids"])
+    assert max(hits.values()) >= results[1]["num_cached_tokens"] >= 32
