@@ -120,6 +120,11 @@ class EventPublisher:
     def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
         """Queue one step's events (`ts`: when, default now); never blocks."""
 
+    def flush(self, timeout: float = 1.0) -> bool:
+        """Wait until every batch published so far is sent (True) or `timeout` seconds
+        pass (False)."""
+        return True
+
     def shutdown(self) -> None:
         """Send what is queued (within a second) and close the sockets."""
 
@@ -158,7 +163,8 @@ class ZmqEventPublisher(EventPublisher):
         self.num_dropped = 0
         self.num_sent = 0
         self._topic = topic.encode()
-        self._queue: deque[tuple[float, Sequence[KVCacheEvent]] | None] = deque()
+        self._queue: deque[tuple[float, Sequence[KVCacheEvent]]] = deque()
+        self._sending = False  # the thread holds a batch taken from the queue
         self._ready = threading.Condition()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         ctx = zmq.Context.instance()
@@ -199,19 +205,29 @@ class ZmqEventPublisher(EventPublisher):
                         self.num_dropped,
                     )
             self._queue.append((time.time() if ts is None else ts, events))
-            self._ready.notify()
+            self._ready.notify_all()
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._ready:
+            while self._queue or self._sending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._ready.wait(min(remaining, 0.01))
+        return True
 
     def _next(self) -> tuple[float, Sequence[KVCacheEvent]] | None:
         """The oldest queued batch (None: shut down), waiting a moment for one; answers
         replay requests meanwhile."""
         while True:
             with self._ready:
+                if not self._queue:
+                    if not self._running:
+                        return None
+                    self._ready.wait(0.05 if self._replay is not None else 0.5)
                 if self._queue:
-                    return self._queue.popleft()
-                if not self._running:
-                    return None
-                self._ready.wait(0.05 if self._replay is not None else 0.5)
-                if self._queue:
+                    self._sending = True
                     return self._queue.popleft()
             if self._replay is not None:
                 self._serve_replay()
@@ -234,9 +250,12 @@ class ZmqEventPublisher(EventPublisher):
                 self._pub.send_multipart((self._topic, seq_bytes, payload))
             except Exception:  # a bad event must not stop the thread; the step loop goes on
                 logger.exception("KV events: could not publish a batch; it is skipped")
-                continue
-            self._buffer.append((seq, payload))
-            self.num_sent = seq = seq + 1
+            else:
+                self._buffer.append((seq, payload))
+                self.num_sent = seq = seq + 1
+            with self._ready:
+                self._sending = False
+                self._ready.notify_all()
 
     def _serve_replay(self) -> None:
         """Answer every waiting replay request."""
@@ -264,7 +283,7 @@ class ZmqEventPublisher(EventPublisher):
             return
         with self._ready:
             self._running = False
-            self._ready.notify()
+            self._ready.notify_all()
         self._thread.join(self.SHUTDOWN_TIMEOUT)
         if self._thread.is_alive():
             logger.warning(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,6 +111,7 @@ def test_sequence_numbers_and_topic_filtering(endpoints):
         time.sleep(0.2)  # the subscriptions reach the publisher
         for i in range(5):
             pub.publish([stored(i)], ts=float(i))
+        assert pub.flush(WAIT_MS / 1000) and pub.num_sent == 5
         for i in range(5):
             assert mine.poll(WAIT_MS)
             topic, seq, payload = mine.recv_multipart()
@@ -292,8 +294,9 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
         subscriber = ZmqKVEventSubscriber(index, "e", *endpoints, topic="kv")
         time.sleep(0.2)
         engine.generate(prompts[3:], sampling)
-        wait_for(subscriber, engine.kv_event_publishers[0].num_sent)
-        subscriber.close()
+        publisher = engine.kv_event_publishers[0]
+        assert publisher.flush(WAIT_MS / 1000)
+        wait_for(subscriber, publisher.num_sent)
         manager = engine.kv_cache_manager
         pool = manager.block_pool
         held = {int.from_bytes(k[-12:-4], "big") for k in pool.cached_block_hash_to_block._cache}
@@ -302,5 +305,24 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
             request = Request(f"q{i}", prompt, block_hasher=engine._block_hasher)
             want = manager.get_num_cached_prefix_tokens(request)
             assert index.longest_prefix(prompt) == {E0: want}
+        assert engine.reset_prefix_cache()  # AllBlocksCleared goes out at once
+        assert publisher.flush(WAIT_MS / 1000)
+        wait_for(subscriber, publisher.num_sent)
+        assert index.num_blocks(E0) == 0
+        subscriber.close()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_routing_example_beats_round_robin():
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "kv_aware_routing.py"), "--json"],
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    rr, ix = results["round-robin"], results["index"]
+    assert ix["prefill_tokens"] < rr["prefill_tokens"] and ix["hit_rate"] > rr["hit_rate"]
+    assert ix["predicted_exactly"] > 0.8, "the index predicts the placed engine's hit"

@@ -266,6 +266,21 @@ class LLMEngine:
             raise
         return publishers
 
+    def _publish_events(self) -> None:
+        """Hand each rank's pending KV events to its publisher (a queue append each)."""
+        for rank, publisher in enumerate(self.kv_event_publishers):
+            events = self.kv_cache_managers[rank].take_events()
+            if events:
+                publisher.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every rank's prefix cache (vLLM's `reset_prefix_cache`); False, changing
+        nothing on the ranks still holding blocks, while requests run. The
+        `AllBlocksCleared` events go out now, not with the next step."""
+        reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
+        self._publish_events()
+        return reset
+
     def shutdown(self) -> None:
         """Flush and close the KV event publishers (nothing else holds resources)."""
         for publisher in self.kv_event_publishers:
@@ -507,10 +522,7 @@ class LLMEngine:
                 updates += scheduler.update_from_output(out, rows)
         outputs, self._final_outputs = self._final_outputs, []
         outputs += [self._output(u) for u in updates]
-        for rank, publisher in enumerate(self.kv_event_publishers):
-            events = self.kv_cache_managers[rank].take_events()
-            if events:
-                publisher.publish(events)
+        self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
 
