@@ -207,6 +207,13 @@ class ZmqEventPublisher(EventPublisher):
             self._queue.append((time.time() if ts is None else ts, events))
             self._ready.notify_all()
 
+    def cpu_time(self) -> float:
+        """CPU seconds the publishing thread has used (0.0 once it has ended)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (OSError, TypeError):
+            return 0.0
+
     def flush(self, timeout: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout
         with self._ready:
