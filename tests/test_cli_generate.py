@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -144,25 +143,29 @@ def test_huge_seed_from_the_command_line(checkpoint) -> None:
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])["output_token_ids"]) == 4
 
 
-def test_kv_events_flags_publish_the_batch(checkpoint, capsys, tmp_path) -> None:
-    """`--kv-events-*`: a subscriber hears the shared prompt's blocks being stored."""
-    from jaxkv.prefix_index import PrefixIndex, ZmqKVEventSubscriber
+def test_kv_events_flags_publish_the_batch(checkpoint, capsys, tmp_path, monkeypatch) -> None:
+    """`--kv-events-*` reach the engine: it publishes the batch's events there (what a
+    subscriber hears is `tests/test_kv_events_wire.py`'s), and shuts its publisher down."""
+    import jaxkv.engine
 
+    engines = []
+
+    class Recorded(jaxkv.engine.LLMEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(jaxkv.engine, "LLMEngine", Recorded)
     endpoint = f"ipc://{tmp_path}/events"
-    index = PrefixIndex(16, "sha256")
-    subscriber = ZmqKVEventSubscriber(index, "cli", endpoint, topic="kv")
-    subscriber.start()
-    try:
-        shared = " ".join(f"w{i}" for i in range(10, 50))
-        (tmp_path / "prompts.txt").write_text(f"{shared} w7\n{shared} w8\n")
-        results, _ = generate(
-            checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2",
-            "--max-num-seqs", "1", "--kv-cache-memory", "4MiB", "--kv-events-endpoint", endpoint,
-            "--kv-events-topic", "kv",
-        )  # fmt: skip
-        time.sleep(0.3)
-    finally:
-        subscriber.close()
-    assert subscriber.stream.num_batches > 0 and subscriber.stream.num_malformed == 0
-    hits = index.longest_prefix(results[1]["prompt_token_ids"])
-    assert max(hits.values()) >= results[1]["num_cached_tokens"] >= 32
+    shared = " ".join(f"w{i}" for i in range(10, 50))
+    (tmp_path / "prompts.txt").write_text(f"{shared} w7\n{shared} w8\n")
+    generate(
+        checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2",
+        "--max-num-seqs", "1", "--kv-cache-memory", "4MiB", "--kv-events-endpoint", endpoint,
+        "--kv-events-replay-endpoint", f"ipc://{tmp_path}/replay", "--kv-events-topic", "kv",
+    )  # fmt: skip
+    (publisher,) = engines[0].kv_event_publishers
+    assert publisher.endpoint == endpoint and publisher.replay_endpoint.endswith("/replay")
+    assert publisher.num_sent > 0 and publisher.num_dropped == 0
+    with pytest.raises(RuntimeError, match="shut down"):
+        publisher.publish([])

@@ -108,7 +108,7 @@ def test_sequence_numbers_and_topic_filtering(endpoints):
     pub = ZmqEventPublisher(0, endpoints[0], topic="kv@engine-a")
     mine, other = sub_socket(endpoints[0], b"kv@engine-a"), sub_socket(endpoints[0], b"kv@b")
     try:
-        time.sleep(0.2)  # the subscriptions reach the publisher
+        time.sleep(0.5)  # the subscriptions reach the publisher
         for i in range(5):
             pub.publish([stored(i)], ts=float(i))
         assert pub.flush(WAIT_MS / 1000) and pub.num_sent == 5
@@ -220,7 +220,7 @@ def test_a_full_queue_drops_the_oldest_without_blocking(endpoints, monkeypatch):
     pub = ZmqEventPublisher(0, endpoints[0], max_queue_size=2)
     sock = sub_socket(endpoints[0], b"")
     try:
-        time.sleep(0.2)
+        time.sleep(0.5)  # the subscription reaches the publisher
         pub.publish([stored(0)])
         time.sleep(0.1)  # the thread took batch 0 and waits in the encoder
         start = time.perf_counter()
