@@ -90,11 +90,13 @@ def bench_prefix(model, repeats: int, num_requests: int) -> dict:
 # -- 2. host vs device time per step ----------------------------------------------------
 
 
-def decode_steps(model, num_running: int, overlap: bool, steps: int) -> dict:
-    """Time `steps` steps in which `num_running` requests all decode."""
+def decode_steps(model, num_running: int, overlap: bool, steps: int, **config_fields) -> dict:
+    """Time `steps` steps in which `num_running` requests all decode (`config_fields`:
+    further `EngineConfig` settings)."""
     config = EngineConfig(
         block_size=16, num_blocks=num_running * 8 + 1, max_num_seqs=num_running,
         max_num_batched_tokens=2 * num_running, max_model_len=128, async_scheduling=overlap,
+        **config_fields,
     )  # fmt: skip
     engine = LLMEngine(model, config)
     rng = np.random.default_rng(num_running)
@@ -109,15 +111,26 @@ def decode_steps(model, num_running: int, overlap: bool, steps: int) -> dict:
         engine.step()  # prefill, then a step so every request decodes
     engine.step()
     first = len(engine.stats.steps)
+    publishers = engine.kv_event_publishers
+    publisher_cpu = sum(p.cpu_time() for p in publishers)
+    cpu = time.thread_time()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - start
+    cpu = time.thread_time() - cpu
+    for publisher in publishers:  # what the timed steps published, sent
+        publisher.flush(10.0)
+    publisher_cpu = sum(p.cpu_time() for p in publishers) - publisher_cpu
+    engine.shutdown()
     measured = engine.stats.steps[first:]
     assert all(s.num_scheduled_requests == num_running for s in measured)
     return {
         "step_ms": 1e3 * wall / steps,
         "host_ms": 1e3 * statistics.median(s.host_s for s in measured),
+        "host_ms_mean": 1e3 * statistics.mean(s.host_s for s in measured),
+        "main_cpu_ms": 1e3 * cpu / steps,  # the stepping thread's CPU time
+        "publisher_cpu_ms": 1e3 * publisher_cpu / steps,  # KV event threads' (0: off)
         "wait_ms": 1e3 * statistics.median(s.wait_s for s in measured),
         "compilations": sum(s.compilations for s in measured),
     }

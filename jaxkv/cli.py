@@ -119,17 +119,47 @@ def _memory_settings(args: argparse.Namespace, mesh) -> dict:
     return {"kv_cache_memory": DEFAULT_KV_CACHE_MEMORY}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import time
+def _kv_events_settings(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the `--kv-events-*` flags (publishing is off without
+    `--kv-events-endpoint`)."""
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None or args.kv_events_topic:
+            raise ValueError(
+                "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"
+            )
+        return {}
+    return {
+        "kv_events_endpoint": args.kv_events_endpoint,
+        "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
+        "kv_events_topic": args.kv_events_topic,
+    }
 
+
+def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
+    """The `--kv-events-*` flags of the serving commands (vLLM 0.33's wire)."""
+    p.add_argument(
+        "--kv-events-endpoint", metavar="ADDR",
+        help="publish KV cache events on this ZeroMQ address, e.g. tcp://*:5557 (binds for "
+        "*, :: and ipc/inproc, connects otherwise; data rank k uses the port + k); off by "
+        "default",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-events-replay-endpoint", metavar="ADDR",
+        help="ZeroMQ ROUTER address answering replay requests, e.g. tcp://*:5558",
+    )  # fmt: skip
+    p.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     from jaxkv.device.compilation_cache import enable_compilation_cache
-    from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from jaxkv.engine import EngineConfig, LLMEngine
     from jaxkv.models.prompting import PromptEncoder
 
     _check_positive(
         args, "--max-tokens", "--max-model-len", "--max-num-batched-tokens", "--num-blocks",
         "--max-num-seqs", "--tensor-parallel-size", "--data-parallel-size",
     )  # fmt: skip
+    kv_events = _kv_events_settings(args)
     try:
         from jaxkv import models
     except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
@@ -160,6 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
+        **kv_events,
     )  # fmt: skip
     enable_compilation_cache(args.compilation_cache)  # loading compiles programs too
     model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
@@ -168,6 +199,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if image_token_id is not None and image_token_id not in prompts[0]:
             prompts[0] = [image_token_id] + prompts[0]  # the image goes before the text
     engine = LLMEngine(model, config, tokenizer=tokenizer, mesh=mesh)
+    try:
+        return _serve(engine, args, prompts, max_tokens, images)
+    finally:
+        engine.shutdown()
+
+
+def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int:
+    """`jaxkv generate`'s serving part: generate, print the outputs."""
+    import time
+
+    from jaxkv.engine import SamplingParams
+
     print(engine.kv_cache_sizing.describe(), file=sys.stderr)
     sampling = [
         SamplingParams(
@@ -376,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices on the mesh's data axis (requests spread over them)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print prompt and output token ids")
+    add_kv_events_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plan", help="KV-cache capacity plan for a checkpoint")

@@ -11,11 +11,12 @@ MEDIUM_GPU = "GPU"
 
 
 def maybe_convert_block_hash(block_hash: bytes) -> bytes:
-    """A block hash as jaxkv's events carry it: the bytes, unchanged.
+    """A block hash as jaxkv's in-process events carry it: the bytes, unchanged.
 
     vLLM's function of this name turns it into a 64-bit int unless
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; jaxkv's events always carry the
-    bytes (docs/vllm-differences.md), so this is the identity.
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; jaxkv's events carry the bytes
+    (docs/vllm-differences.md) and the publisher converts them on the wire
+    (`jaxkv.kv_events_wire.block_hash_to_wire`), so this is the identity.
     """
     return block_hash
 

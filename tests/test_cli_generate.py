@@ -119,6 +119,10 @@ def test_prompt_encoder_matches_transformers(tmp_path) -> None:
         (["--prompt-token-ids", "1", "--gpu-memory-utilization", "2"],
          "--gpu-memory-utilization must be in (0, 1]"),
         (["--prompt-token-ids", "1", "--chat"], "--chat needs --prompt"),
+        (["--prompt-token-ids", "1", "--kv-events-topic", "t"],
+         "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"),
+        (["--prompt-token-ids", "1", "--kv-events-endpoint", "localhost:5557"],
+         "KVEventsConfig.endpoint must be a ZeroMQ address"),
     ],
 )  # fmt: skip
 def test_generate_sizing_errors_are_one_line(checkpoint, capsys, argv, message) -> None:
@@ -137,3 +141,31 @@ def test_huge_seed_from_the_command_line(checkpoint) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])["output_token_ids"]) == 4
+
+
+def test_kv_events_flags_publish_the_batch(checkpoint, capsys, tmp_path, monkeypatch) -> None:
+    """`--kv-events-*` reach the engine: it publishes the batch's events there (what a
+    subscriber hears is `tests/test_kv_events_wire.py`'s), and shuts its publisher down."""
+    import jaxkv.engine
+
+    engines = []
+
+    class Recorded(jaxkv.engine.LLMEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(jaxkv.engine, "LLMEngine", Recorded)
+    endpoint = f"ipc://{tmp_path}/events"
+    shared = " ".join(f"w{i}" for i in range(10, 50))
+    (tmp_path / "prompts.txt").write_text(f"{shared} w7\n{shared} w8\n")
+    generate(
+        checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2",
+        "--max-num-seqs", "1", "--kv-cache-memory", "4MiB", "--kv-events-endpoint", endpoint,
+        "--kv-events-replay-endpoint", f"ipc://{tmp_path}/replay", "--kv-events-topic", "kv",
+    )  # fmt: skip
+    (publisher,) = engines[0].kv_event_publishers
+    assert publisher.endpoint == endpoint and publisher.replay_endpoint.endswith("/replay")
+    assert publisher.num_sent > 0 and publisher.num_dropped == 0
+    with pytest.raises(RuntimeError, match="shut down"):
+        publisher.publish([])

@@ -138,9 +138,10 @@ def ids(blocks: Any) -> list[int] | None:
     return None if blocks is None else list(blocks.get_block_ids()[0])
 
 
-def run_trace(trace: dict[str, Any]) -> dict[str, Any]:
+def run_trace(trace: dict[str, Any], side_cls: type[Side] = Side) -> dict[str, Any]:
+    """Replay `trace` through both sides (`side_cls`: what each observes after an op)."""
     config = trace["config"]
-    sides = [Side("jaxkv", config), Side("vllm", config)]
+    sides = [side_cls("jaxkv", config), side_cls("vllm", config)]
     # Scheduler state, identical for both sides while their answers agree.
     waiting: list[str] = []
     running: list[str] = []

@@ -52,9 +52,11 @@ from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
 from jaxkv.request_hashing import get_request_block_hasher
+from jaxkv.routing import choose_data_rank
 
 __all__ = ["EngineConfig", "LLMEngine", "choose_data_rank", "fold_seed"]
 
@@ -81,7 +83,11 @@ class EngineConfig:
     `max_model_len=None` takes the longest request that pool holds, capped by the
     model's `max_position_embeddings`. `LLMEngine.config` holds the resolved values.
     `kv_cache_dtype` "int8" / "fp8" stores the KV cache quantised, a float32 scale per
-    token and head (`jaxkv.device.storage`); "auto" stores it in `dtype`."""
+    token and head (`jaxkv.device.storage`); "auto" stores it in `dtype`.
+    `kv_events_endpoint` (None: off) publishes each step's KV events as vLLM 0.33 does
+    (`jaxkv.kv_events_publisher`), data rank `k` on the endpoint's port + `k`;
+    `kv_events_replay_endpoint` adds the replay socket; `kv_events_topic` is the topic
+    frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -101,6 +107,10 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # vLLM's name: "auto" (= dtype), "int8" or "fp8" (e4m3)
     compilation_cache_dir: str | None = "auto"  # jaxkv.device.compilation_cache
+    kv_events_endpoint: str | None = None  # e.g. "tcp://*:5557"
+    kv_events_replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
+    kv_events_topic: str = ""
+    kv_events_int_block_hashes: bool = True
 
 
 @dataclass
@@ -118,24 +128,6 @@ def model_mesh(model) -> Mesh | None:
         if isinstance(sharding, NamedSharding):
             return sharding.mesh
     return None
-
-
-def choose_data_rank(
-    loads: Sequence[int], num_cached_tokens: Callable[[int], int], slack: int
-) -> int:
-    """The data rank for a new request: of the ranks at most `slack` unfinished requests
-    above the least loaded, the one holding the longest cached prefix of it (the least
-    loaded of those on a tie; the lowest rank after that).
-
-    Prefix affinity keeps a shared prompt's requests where it is cached; the slack bounds
-    how much queueing a hit may cost (a rank far busier than another would delay the
-    request more than recomputing its prefix elsewhere).
-    """
-    least = min(loads)
-    candidates = [k for k, load in enumerate(loads) if load <= least + slack]
-    if len(candidates) == 1:
-        return candidates[0]
-    return max(candidates, key=lambda k: (num_cached_tokens(k), -loads[k], -k))
 
 
 class LLMEngine:
@@ -221,9 +213,11 @@ class LLMEngine:
                 enable_caching=c.enable_prefix_caching,
                 log_stats=True,
                 track_freed_block_ids=True,
+                enable_kv_cache_events=c.kv_events_endpoint is not None,
             )
             for _ in range(self.runner.dp_size)
         ]
+        self.kv_event_publishers: list[EventPublisher] = self._event_publishers(c)
         self.schedulers = [
             Scheduler(
                 manager,
@@ -250,6 +244,47 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.num_steps = 0
+
+    def _event_publishers(self, c: EngineConfig) -> list[EventPublisher]:
+        """One publisher per data rank when `kv_events_endpoint` is set, else none."""
+        if c.kv_events_endpoint is None:
+            return []
+        events_config = KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=c.kv_events_endpoint,
+            replay_endpoint=c.kv_events_replay_endpoint,
+            topic=c.kv_events_topic,
+            int_block_hashes=c.kv_events_int_block_hashes,
+        )
+        publishers: list[EventPublisher] = []
+        try:
+            for rank in range(len(self.kv_cache_managers)):
+                publishers.append(EventPublisherFactory.create(events_config, rank))
+        except ValueError:
+            for publisher in publishers:
+                publisher.shutdown()
+            raise
+        return publishers
+
+    def _publish_events(self) -> None:
+        """Hand each rank's pending KV events to its publisher (a queue append each)."""
+        for rank, publisher in enumerate(self.kv_event_publishers):
+            events = self.kv_cache_managers[rank].take_events()
+            if events:
+                publisher.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every rank's prefix cache (vLLM's `reset_prefix_cache`); False, changing
+        nothing on the ranks still holding blocks, while requests run. The
+        `AllBlocksCleared` events go out now, not with the next step."""
+        reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
+        self._publish_events()
+        return reset
+
+    def shutdown(self) -> None:
+        """Flush and close the KV event publishers (nothing else holds resources)."""
+        for publisher in self.kv_event_publishers:
+            publisher.shutdown()
 
     def _check_mesh(self, mesh: Mesh | None) -> Mesh | None:
         """`mesh`, or the model's; ValueError when they differ."""
@@ -487,6 +522,7 @@ class LLMEngine:
                 updates += scheduler.update_from_output(out, rows)
         outputs, self._final_outputs = self._final_outputs, []
         outputs += [self._output(u) for u in updates]
+        self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
 

@@ -1,0 +1,325 @@
+"""Publishing KV events over ZeroMQ as vLLM 0.33 does (host only, no JAX).
+
+`ZmqEventPublisher` sends each step's events (`KVCacheManager.take_events()`) on a PUB
+socket, one three-frame message per batch: the topic, the sequence number (8 bytes,
+big-endian, counting from 0) and the payload (`jaxkv.kv_events_wire`). An optional
+ROUTER socket replays the last `buffer_steps` messages: a request `[b"", start_seq]`
+(8 bytes, big-endian) is answered with every buffered message whose sequence number is
+at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
+`[b"", b"", (-1 as 8 signed bytes), b""]`.
+
+Publishing never blocks the caller: `publish` puts the batch on a bounded queue that a
+background thread drains (converting, encoding and sending there); on a full queue the
+oldest batch is dropped and counted in `num_dropped` (it never gets a sequence number,
+so subscribers see no gap for it: the drop is the publisher's, reported by its count
+and a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_events_wire import KVEventBatch, encode_event_batch, to_wire_events
+
+__all__ = [
+    "END_SEQ",
+    "EventPublisher",
+    "EventPublisherFactory",
+    "KVEventsConfig",
+    "NullEventPublisher",
+    "ZmqEventPublisher",
+    "offset_endpoint_port",
+]
+
+logger = logging.getLogger("jaxkv")
+
+# The replay socket's end-of-replay sequence frame: -1 as 8 signed big-endian bytes.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM 0.33's `KVEventsConfig` fields, plus `int_block_hashes` (vLLM's
+    `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: hashes as 64-bit ints, else digest bytes).
+
+    `endpoint` binds when it names a wildcard host (`*`, `::`) or an ipc/inproc address
+    and connects otherwise; `replay_endpoint` always binds. Both are offset by the data
+    parallel rank (`offset_endpoint_port`).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    int_block_hashes: bool = True
+
+    def __post_init__(self) -> None:
+        if self.publisher not in (None, "zmq", "null"):
+            raise ValueError(
+                f"KVEventsConfig.publisher must be 'zmq' or 'null', got {self.publisher!r}"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"KVEventsConfig.{name} must be a positive int, got {value!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and "://" in value):
+                raise ValueError(
+                    f"KVEventsConfig.{name} must be a ZeroMQ address such as "
+                    f"'tcp://*:5557' or 'ipc:///tmp/kv-events', got {value!r}"
+                )
+        if not isinstance(self.topic, str):
+            raise TypeError(f"KVEventsConfig.topic must be a str, got {self.topic!r}")
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """`endpoint` for data-parallel rank `data_parallel_rank` (vLLM's rule): a tcp port
+    plus the rank (port 0 left for the OS to choose), an inproc name suffixed `_dp{rank}`;
+    unchanged for rank 0. ValueError for another transport on a rank above 0."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" in endpoint:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            return endpoint
+        if int(port) == 0:
+            return endpoint
+        return f"{host}:{int(port) + data_parallel_rank}"
+    raise ValueError(
+        f"cannot offset {endpoint!r} for data parallel rank {data_parallel_rank}: "
+        "use a tcp:// or inproc:// endpoint"
+    )
+
+
+def _is_bind_endpoint(endpoint: str) -> bool:
+    """Wildcard hosts and ipc/inproc addresses bind; any other address connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class EventPublisher:
+    """Sends each step's KV events; one per data-parallel rank, stamping its rank."""
+
+    def __init__(self, data_parallel_rank: int = 0) -> None:
+        self.data_parallel_rank = data_parallel_rank
+
+    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+        """Queue one step's events (`ts`: when, default now); never blocks."""
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        """Wait until every batch published so far is sent (True) or `timeout` seconds
+        pass (False)."""
+        return True
+
+    def shutdown(self) -> None:
+        """Send what is queued (within a second) and close the sockets."""
+
+
+class NullEventPublisher(EventPublisher):
+    """Publishes nothing (events off)."""
+
+
+class ZmqEventPublisher(EventPublisher):
+    """The PUB socket (and optional replay ROUTER socket) of one data-parallel rank.
+
+    Invariants: sequence numbers are consecutive from 0 over the messages sent; the
+    replay buffer holds the last `buffer_steps` of them in order; `num_dropped` counts
+    batches dropped from a full queue (never sent, never numbered); the step loop only
+    appends to the queue (a deque under a lock), the thread does the rest.
+    """
+
+    SHUTDOWN_TIMEOUT = 1.0
+
+    def __init__(
+        self,
+        data_parallel_rank: int = 0,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        int_block_hashes: bool = True,
+    ) -> None:
+        super().__init__(data_parallel_rank)
+        self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        self.replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+        self.int_block_hashes = int_block_hashes
+        self.max_queue_size = max_queue_size
+        self.num_dropped = 0
+        self.num_sent = 0
+        self._topic = topic.encode()
+        self._queue: deque[tuple[float, Sequence[KVCacheEvent]]] = deque()
+        self._sending = False  # the thread holds a batch taken from the queue
+        self._ready = threading.Condition()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        ctx = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._replay = None
+        try:
+            if _is_bind_endpoint(self.endpoint):
+                self._pub.bind(self.endpoint)
+            else:
+                self._pub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._replay = ctx.socket(zmq.ROUTER)
+                # A full replay plus its end marker fits even when the peer reads slowly.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as error:
+            self._close_sockets()
+            raise ValueError(
+                f"KV events: cannot open {self.endpoint!r} / {self.replay_endpoint!r}: {error}"
+            ) from None
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events-pub")
+        self._thread.start()
+
+    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+        if not self._running:
+            raise RuntimeError("the KV event publisher is shut down")
+        with self._ready:
+            if len(self._queue) >= self.max_queue_size:
+                self._queue.popleft()
+                self.num_dropped += 1
+                if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
+                    logger.warning(
+                        "KV events: the publish queue is full (%d batches); dropped the "
+                        "oldest (%d dropped so far)",
+                        self.max_queue_size,
+                        self.num_dropped,
+                    )
+            self._queue.append((time.time() if ts is None else ts, events))
+            self._ready.notify_all()
+
+    def cpu_time(self) -> float:
+        """CPU seconds the publishing thread has used (0.0 once it has ended)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (OSError, TypeError):
+            return 0.0
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._ready:
+            while self._queue or self._sending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._ready.wait(min(remaining, 0.01))
+        return True
+
+    def _next(self) -> tuple[float, Sequence[KVCacheEvent]] | None:
+        """The oldest queued batch (None: shut down), waiting a moment for one; answers
+        replay requests meanwhile."""
+        while True:
+            with self._ready:
+                if not self._queue:
+                    if not self._running:
+                        return None
+                    self._ready.wait(0.05 if self._replay is not None else 0.5)
+                if self._queue:
+                    self._sending = True
+                    return self._queue.popleft()
+            if self._replay is not None:
+                self._serve_replay()
+
+    def _run(self) -> None:
+        seq = 0
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            if self._replay is not None:
+                self._serve_replay()
+            ts, events = item
+            try:
+                batch = KVEventBatch(
+                    ts, to_wire_events(events, self.int_block_hashes), self.data_parallel_rank
+                )
+                payload = encode_event_batch(batch)
+                seq_bytes = seq.to_bytes(8, "big")
+                self._pub.send_multipart((self._topic, seq_bytes, payload))
+            except Exception:  # a bad event must not stop the thread; the step loop goes on
+                logger.exception("KV events: could not publish a batch; it is skipped")
+            else:
+                self._buffer.append((seq, payload))
+                self.num_sent = seq = seq + 1
+            with self._ready:
+                self._sending = False
+                self._ready.notify_all()
+
+    def _serve_replay(self) -> None:
+        """Answer every waiting replay request."""
+        assert self._replay is not None
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                logger.warning(
+                    "KV events: ignored a replay request of %d frames; expected "
+                    "[identity, b'', start sequence (8 bytes)]",
+                    len(frames),
+                )
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    self._replay.send_multipart(
+                        (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                    )
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def shutdown(self) -> None:
+        if not self._running:
+            return
+        with self._ready:
+            self._running = False
+            self._ready.notify_all()
+        self._thread.join(self.SHUTDOWN_TIMEOUT)
+        if self._thread.is_alive():
+            logger.warning(
+                "KV events: the publisher thread did not finish within %.1f s",
+                self.SHUTDOWN_TIMEOUT,
+            )
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
+
+class EventPublisherFactory:
+    """Makes the publisher a `KVEventsConfig` asks for."""
+
+    @staticmethod
+    def create(config: KVEventsConfig | None, data_parallel_rank: int = 0) -> EventPublisher:
+        """`NullEventPublisher` unless events are enabled with the zmq publisher."""
+        if config is None or not config.enable_kv_cache_events or config.publisher == "null":
+            return NullEventPublisher(data_parallel_rank)
+        return ZmqEventPublisher(
+            data_parallel_rank,
+            endpoint=config.endpoint,
+            replay_endpoint=config.replay_endpoint,
+            buffer_steps=config.buffer_steps,
+            hwm=config.hwm,
+            max_queue_size=config.max_queue_size,
+            topic=config.topic,
+            int_block_hashes=config.int_block_hashes,
+        )

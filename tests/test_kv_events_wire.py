@@ -1,0 +1,328 @@
+"""KV events on the wire: the payload layout, the ZeroMQ publisher and subscriber over
+loopback (ipc sockets in a temporary directory, bounded waits), and byte compatibility
+with vLLM 0.33 itself (`tests/kv_events_wire_driver.py` under the peer environment
+`REPO_ROOT/.venv-vllm`; skipped without it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+import jaxkv.kv_events_publisher as publisher_module
+from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from jaxkv.kv_events_publisher import (
+    EventPublisherFactory,
+    KVEventsConfig,
+    NullEventPublisher,
+    ZmqEventPublisher,
+    offset_endpoint_port,
+)
+from jaxkv.kv_events_wire import (
+    KVEventBatch,
+    decode_event_batch,
+    encode_event_batch,
+    to_wire_events,
+)
+from jaxkv.prefix_index import EngineRank, PrefixIndex, ZmqKVEventSubscriber
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEER_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).resolve().parent / "kv_events_wire_driver.py"
+HASH = bytes(range(32))
+LOW_64 = int.from_bytes(HASH[-8:], "big")
+WAIT_MS = 3000
+
+
+def stored(i: int, parent: bytes | None = None) -> BlockStored:
+    return BlockStored([bytes([i]) * 32], parent, [i] * 4, 4, None)
+
+
+def test_payload_layout_is_vllms():
+    """`[ts, [events], rank]`; events are maps tagged "type", vLLM's field order, required
+    fields sent even when None, defaulted fields left out; hashes the low 64 bits."""
+    event = BlockStored([HASH], None, [1, 2, 3, 4], 4, None, extra_keys=[("salt",)])
+    batch = KVEventBatch(1.5, to_wire_events([event, BlockRemoved([HASH]), AllBlocksCleared()]), 3)
+    raw = msgspec.msgpack.decode(encode_event_batch(batch))
+    assert raw == [
+        1.5,
+        [
+            {"type": "BlockStored", "block_hashes": [LOW_64], "parent_block_hash": None,
+             "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU",
+             "lora_name": None, "extra_keys": [["salt"]], "group_idx": 0},
+            {"type": "BlockRemoved", "block_hashes": [LOW_64], "medium": "GPU", "group_idx": 0},
+            {"type": "AllBlocksCleared"},
+        ],
+        3,
+    ]  # fmt: skip
+    assert list(raw[1][0]) == [
+        "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+        "medium", "lora_name", "extra_keys", "group_idx",
+    ]  # fmt: skip
+    as_bytes = to_wire_events([event], int_block_hashes=False)[0]
+    assert as_bytes.block_hashes == [HASH]
+    with pytest.raises(TypeError, match="KV events are BlockStored, BlockRemoved or"):
+        to_wire_events(["not an event"])
+
+
+def test_endpoints_offset_by_data_rank_and_bad_config():
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("tcp://*:0", 2) == "tcp://*:0"
+    assert offset_endpoint_port("inproc://kv", 1) == "inproc://kv_dp1"
+    assert offset_endpoint_port("ipc:///tmp/kv", 0) == "ipc:///tmp/kv"
+    with pytest.raises(ValueError, match="use a tcp:// or inproc:// endpoint"):
+        offset_endpoint_port("ipc:///tmp/kv", 1)
+    with pytest.raises(ValueError, match="KVEventsConfig.endpoint must be a ZeroMQ address"):
+        KVEventsConfig(endpoint="localhost:5557")
+    with pytest.raises(ValueError, match="KVEventsConfig.buffer_steps must be a positive int"):
+        KVEventsConfig(buffer_steps=0)
+    with pytest.raises(ValueError, match="publisher must be 'zmq' or 'null'"):
+        KVEventsConfig(publisher="kafka")
+    assert isinstance(EventPublisherFactory.create(KVEventsConfig()), NullEventPublisher)
+    with pytest.raises(ValueError, match="KV events: cannot open 'tcp://\\*:notaport'"):
+        ZmqEventPublisher(endpoint="tcp://*:notaport")
+
+
+@pytest.fixture
+def endpoints(tmp_path):
+    return f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+
+
+def sub_socket(endpoint: str, topic: bytes) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, topic)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_sequence_numbers_and_topic_filtering(endpoints):
+    pub = ZmqEventPublisher(0, endpoints[0], topic="kv@engine-a")
+    mine, other = sub_socket(endpoints[0], b"kv@engine-a"), sub_socket(endpoints[0], b"kv@b")
+    try:
+        time.sleep(0.5)  # the subscriptions reach the publisher
+        for i in range(5):
+            pub.publish([stored(i)], ts=float(i))
+        assert pub.flush(WAIT_MS / 1000) and pub.num_sent == 5
+        for i in range(5):
+            assert mine.poll(WAIT_MS)
+            topic, seq, payload = mine.recv_multipart()
+            assert topic == b"kv@engine-a" and seq == i.to_bytes(8, "big")
+            batch = decode_event_batch(payload)
+            assert batch.ts == float(i) and batch.data_parallel_rank == 0
+            assert batch.events[0].token_ids == [i] * 4
+        assert not other.poll(100)
+    finally:
+        pub.shutdown()
+        mine.close()
+        other.close()
+
+
+def published_index(events_per_batch) -> PrefixIndex:
+    index = PrefixIndex(4)
+    for events in events_per_batch:
+        index.apply("e", decode_event_batch(encode_event_batch(
+            KVEventBatch(0.0, to_wire_events(events), 0))))  # fmt: skip
+    return index
+
+
+def wait_for(subscriber: ZmqKVEventSubscriber, next_seq: int) -> None:
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while subscriber.stream.next_seq != next_seq and time.monotonic() < deadline:
+        subscriber.poll(0.05)
+    assert subscriber.stream.next_seq == next_seq
+
+
+BATCHES = [[stored(0)], [stored(1, bytes([0]) * 32)], [BlockRemoved([bytes([0]) * 32])],
+           [stored(2)], [stored(3, bytes([2]) * 32)], [stored(4)]]  # fmt: skip
+E0 = EngineRank("e", 0)
+
+
+def test_a_late_subscriber_recovers_through_the_replay(endpoints):
+    pub = ZmqEventPublisher(0, *endpoints, buffer_steps=100)
+    index = PrefixIndex(4)
+    try:
+        for events in BATCHES[:3]:
+            pub.publish(events)
+        time.sleep(0.2)  # sent before anyone listens
+        subscriber = ZmqKVEventSubscriber(index, "e", *endpoints)
+        time.sleep(0.2)
+        for events in BATCHES[3:]:
+            pub.publish(events)
+        wait_for(subscriber, len(BATCHES))
+        subscriber.close()
+    finally:
+        pub.shutdown()
+    assert subscriber.stream.num_gaps_lost == 0
+    assert index.block_hashes(E0) == published_index(BATCHES).block_hashes(E0)
+
+
+class DroppingSocket:
+    """A SUB socket that loses the messages numbered in `lose` (as a slow subscriber past
+    the high-water mark would)."""
+
+    def __init__(self, sock: zmq.Socket, lose: set[int]) -> None:
+        self.sock, self.lose = sock, lose
+
+    def poll(self, timeout: int) -> int:
+        return self.sock.poll(timeout)
+
+    def recv_multipart(self) -> list[bytes]:
+        while True:
+            frames = self.sock.recv_multipart()
+            if int.from_bytes(frames[1], "big") not in self.lose:
+                return frames
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close(linger=linger)
+
+
+@pytest.mark.parametrize("buffer_steps", [100, 2])
+def test_missed_messages_are_replayed_or_counted_lost(endpoints, buffer_steps):
+    pub = ZmqEventPublisher(0, *endpoints, buffer_steps=buffer_steps)
+    index = PrefixIndex(4)
+    subscriber = ZmqKVEventSubscriber(index, "e", *endpoints, replay_timeout=1.0)
+    subscriber._sub = DroppingSocket(subscriber._sub, lose={1, 2, 3})
+    try:
+        time.sleep(0.2)
+        for events in BATCHES:
+            pub.publish(events)
+        time.sleep(0.2)  # all sent (and buffered) before the subscriber reads any
+        wait_for(subscriber, len(BATCHES))
+        subscriber.close()
+    finally:
+        pub.shutdown()
+    if buffer_steps == 100:  # replayed exactly
+        assert subscriber.stream.num_gaps_lost == 0
+        assert index.block_hashes(E0) == published_index(BATCHES).block_hashes(E0)
+    else:  # the buffer holds only 4 and 5: the engine's blocks are forgotten, then resumed
+        assert subscriber.stream.num_gaps_lost == 1
+        assert index.block_hashes(E0) == published_index(BATCHES[4:]).block_hashes(E0)
+
+
+def test_a_full_queue_drops_the_oldest_without_blocking(endpoints, monkeypatch):
+    release = threading.Event()
+    encode = publisher_module.encode_event_batch
+
+    def slow_encode(batch):
+        release.wait(WAIT_MS / 1000)
+        return encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_event_batch", slow_encode)
+    pub = ZmqEventPublisher(0, endpoints[0], max_queue_size=2)
+    sock = sub_socket(endpoints[0], b"")
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        pub.publish([stored(0)])
+        time.sleep(0.1)  # the thread took batch 0 and waits in the encoder
+        start = time.perf_counter()
+        for i in range(1, 6):
+            pub.publish([stored(i)])
+        assert time.perf_counter() - start < 0.05, "publish must not wait for the thread"
+        assert pub.num_dropped == 3
+        release.set()
+        got = []
+        for _ in range(3):
+            assert sock.poll(WAIT_MS)
+            _, seq, payload = sock.recv_multipart()
+            got.append(
+                (int.from_bytes(seq, "big"), decode_event_batch(payload).events[0].token_ids[0])
+            )
+        assert got == [(0, 0), (1, 4), (2, 5)], (
+            "no sequence gap: dropped batches are never numbered"
+        )
+    finally:
+        release.set()
+        pub.shutdown()
+        sock.close()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pub.publish([stored(9)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PEER_PYTHON.exists(), reason="no vLLM peer environment")
+@pytest.mark.parametrize("int_hashes", ["1", "0"])
+def test_wire_bytes_match_vllm(tmp_path, int_hashes):
+    from test_vllm_differential import make_trace
+
+    traces = [make_trace(seed) for seed in range(40 if int_hashes == "1" else 15)]
+    traces_file, results_file = tmp_path / "traces.json", tmp_path / "results.json"
+    traces_file.write_text(json.dumps(traces))
+    env = dict(os.environ, PYTHONHASHSEED="12345", INT_HASHES=int_hashes)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(DRIVER.parent)])
+    proc = subprocess.run(
+        [str(PEER_PYTHON), str(DRIVER), str(traces_file), str(results_file), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(results_file.read_text())
+    failures = [r for r in results["traces"] if not r["ok"]]
+    assert not failures, json.dumps(failures[0], indent=1)[:6000]
+    replay = results["replay"]
+    assert replay["applied"] == replay["num_batches"] == replay["next_seq"] > 20, replay
+    assert replay["lost"] == 0 and replay["same_ownership"] and replay["num_blocks"] > 0, replay
+
+
+def test_engine_publishes_what_its_managers_hold(endpoints):
+    """An engine with `kv_events_endpoint` publishes every step's events; an index that
+    joins after the engine has served some requests catches up through the replay and
+    then predicts the engine's own prefix hits."""
+    from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+    from jaxkv.request import Request
+
+    config = EngineConfig(
+        block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32,
+        max_model_len=128, compilation_cache_dir="none", kv_events_endpoint=endpoints[0],
+        kv_events_replay_endpoint=endpoints[1], kv_events_topic="kv",
+    )  # fmt: skip
+    engine = LLMEngine(TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0), config)
+    system = list(range(10, 34))
+    prompts = [system + [40 + i] * (3 + 5 * i) for i in range(6)]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    index = PrefixIndex(8, "sha256")
+    try:
+        engine.generate(prompts[:3], sampling)
+        subscriber = ZmqKVEventSubscriber(index, "e", *endpoints, topic="kv")
+        time.sleep(0.2)
+        engine.generate(prompts[3:], sampling)
+        publisher = engine.kv_event_publishers[0]
+        assert publisher.flush(WAIT_MS / 1000)
+        wait_for(subscriber, publisher.num_sent)
+        manager = engine.kv_cache_manager
+        pool = manager.block_pool
+        held = {int.from_bytes(k[-12:-4], "big") for k in pool.cached_block_hash_to_block._cache}
+        assert index.block_hashes(E0) == held and len(held) > 3
+        for i, prompt in enumerate(prompts + [system + [7] * 9, [1, 2, 3] * 9]):
+            request = Request(f"q{i}", prompt, block_hasher=engine._block_hasher)
+            want = manager.get_num_cached_prefix_tokens(request)
+            assert index.longest_prefix(prompt) == {E0: want}
+        assert engine.reset_prefix_cache()  # AllBlocksCleared goes out at once
+        assert publisher.flush(WAIT_MS / 1000)
+        wait_for(subscriber, publisher.num_sent)
+        assert index.num_blocks(E0) == 0
+        subscriber.close()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_routing_example_beats_round_robin():
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "kv_aware_routing.py"), "--json"],
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    rr, ix = results["round-robin"], results["index"]
+    assert ix["prefill_tokens"] < rr["prefill_tokens"] and ix["hit_rate"] > rr["hit_rate"]
+    assert ix["predicted_exactly"] > 0.8, "the index predicts the placed engine's hit"
