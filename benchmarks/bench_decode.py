@@ -8,10 +8,13 @@ transformers (float32, eager, CPU).
    costs the same at every pool size: the ratio 8,192 / 64 should be about 1.
 2. Real shapes (random weights, written by this benchmark): a SmolLM2-135M-shaped Llama
    and a Gemma-3-270M-shaped Gemma 3 (real layer counts, widths and vocabularies). Each
-   round runs jaxkv and transformers in their own processes, one after the other: load
-   (safetensors), time to the first token of the first request (jaxkv: compiling its
-   two programs; the first round with an empty XLA compilation cache, later rounds with
-   the cache the first filled), an 850-token prefill, decode ms per token, peak RSS.
+   round runs jaxkv (one scanned layer body, the default), jaxkv with one stack per
+   layer (`scan_layers=False`) and transformers in their own processes, one after the
+   other: load (safetensors), time to the first token of the first request (jaxkv:
+   compiling the programs it needs; the first round with an empty XLA compilation
+   cache, later rounds with the cache the first filled), start-up to that token (from
+   before the imports), the full warm-up (every step program), an 850-token prefill,
+   decode ms per token, peak RSS.
    transformers runs in the peer environment (`.venv-vllm`, tools/vllm-peer-venv.sh);
    without it that column is skipped.
 3. The bandwidth limit: weight bytes read per decoded token over this machine's
