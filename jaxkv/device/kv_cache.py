@@ -865,7 +865,7 @@ class PagedKVCache:
                 sm_scale=scale, sliding_window=layer_window, soft_cap=soft_cap,
                 kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
                 kv_quant=self.kv_quant, layer=layer,
-                attention_chunk=chunk, span_ends=extra[0][0] if spans else None,
+                attention_chunk=chunk, span_ends=extra[0] if spans else None,
             )  # fmt: skip
             return kv, out
 
