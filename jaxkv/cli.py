@@ -351,14 +351,55 @@ def format_plan(plan: dict) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     _check_positive(
         args, "--max-model-len", "--max-num-batched-tokens", "--block-size",
-        "--tensor-parallel-size",
+        "--tensor-parallel-size", "--max-num-seqs",
     )  # fmt: skip
     memory = parse_memory(args.memory)
+    if args.mesh:
+        return _pod_plan(args, memory)
+    if args.aot:
+        raise ValueError("--aot compiles the step on a mesh: give --mesh DATAxMODEL")
     specs = read_kv_cache_specs(args.model, args.block_size, args.dtype)
     plan = capacity_plan(
         specs, memory, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size
     )
     print(json.dumps(plan) if args.json else format_plan(plan))
+    return 0
+
+
+def _pod_plan(args: argparse.Namespace, memory: int) -> int:
+    """`jaxkv plan --mesh DATAxMODEL ...`: per-device weights, KV cache and (`--aot`) the
+    compiled steps' memory on each mesh (`jaxkv.engine.pod_plan`)."""
+    from jaxkv.engine.pod_plan import parse_mesh
+
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size goes without --mesh: MODEL of --mesh is it")
+    for text in args.mesh:
+        parse_mesh(text)  # bad text is reported before JAX starts
+    from jaxkv.engine.pod_plan import format_plans, plan_mesh, pod_mesh
+    from jaxkv.models.checkpoint import read_config
+    from jaxkv.models.config import parse_model_config
+
+    meshes = [pod_mesh(text) for text in args.mesh]
+    config = parse_model_config(read_config(args.model), f"{Path(args.model) / 'config.json'}")
+    plans = []
+    for mesh in meshes:
+        plans.append(
+            plan_mesh(
+                config,
+                mesh,
+                kv_cache_memory=memory,
+                max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size,
+                dtype=args.dtype,
+                aot=args.aot,
+            )  # fmt: skip
+        )
+        if args.json:
+            print(json.dumps(plans[-1].as_dict()), flush=True)
+    if not args.json:
+        print(format_plans(plans))
     return 0
 
 
@@ -430,7 +471,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--mesh", action="append", metavar="DATAxMODEL",
+        help="plan serving on this (data, model) mesh over all devices, e.g. 16x16 "
+        "(repeatable; on CPU simulate devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N): per-device weights and KV cache",
+    )  # fmt: skip
+    p.add_argument(
+        "--aot", action="store_true",
+        help="with --mesh: compile one decode and one prefill step on abstract inputs and "
+        "report their memory per device",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64,
+        help="with --mesh: requests per data rank (the decode step's batch)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="JSON (with --mesh: one object a mesh)")
     p.set_defaults(func=cmd_plan)
     return parser
 

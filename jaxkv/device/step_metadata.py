@@ -311,6 +311,10 @@ class StepMetadataPacker:
         """Every shape `pack` can produce (for warm-up): one per token bucket."""
         return [self._shape_for(t) for t in self.token_buckets]
 
+    def shape_for(self, num_tokens: int) -> StepShape:
+        """The bucket shape `pack` chooses for a step of `num_tokens` tokens (per rank)."""
+        return self._shape_for(pick_bucket(num_tokens, self.token_buckets))
+
     def _shape_for(self, token_bucket: int) -> StepShape:
         return StepShape(token_bucket, self._req_bucket_of[token_bucket], self.max_blocks_per_req)
 
@@ -390,7 +394,7 @@ class StepMetadataPacker:
         n_tokens = max((d.slot_mapping.size for d in derived), default=0)
         n_reqs = max((d.seq_lens.size for d in derived), default=0)
         if shape is None:
-            shape = self._shape_for(pick_bucket(n_tokens, self.token_buckets))
+            shape = self.shape_for(n_tokens)
         elif shape not in self.all_shapes():
             raise ValueError(f"{shape} is not one of this packer's bucket shapes")
         elif n_tokens > shape.num_tokens or n_reqs > shape.num_reqs:

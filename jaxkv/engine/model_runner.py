@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.block_table import BlockTable
@@ -350,6 +350,11 @@ class ModelRunner:
     step compiles once per token bucket (`StepMetadataPacker`), nothing else in
     `execute` compiles after `warm_up()`; a call of `execute` that raises
     `RequestStepError` left every request row as it was.
+
+    `allocate=False` allocates no KV cache (`kv_cache` is its abstract value) and takes
+    a model whose parameters may be abstract too (`jaxkv.models.loading.abstract_model`):
+    such a runner lowers its programs (`lower_step`, `lowered_programs`) for ahead-of-time
+    planning and never executes.
     """
 
     def __init__(
@@ -367,6 +372,7 @@ class ModelRunner:
         encoder_cache_size: int = 0,
         encoder_page_size: int = 16,
         mesh: Mesh | None = None,
+        allocate: bool = True,
     ) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
@@ -386,7 +392,12 @@ class ModelRunner:
                 "the engine stacks every layer's KV cache in one array: every layer needs "
                 f"the same page shape, dtype and sharding, got {sorted(map(str, shapes))}"
             )
-        self.kv_cache = self.paged[0].allocate_stacked(len(self.layer_to_group))
+        num_layers = len(self.layer_to_group)
+        self.kv_cache = (
+            self.paged[0].allocate_stacked(num_layers)
+            if allocate
+            else self.paged[0].stacked_struct(num_layers)
+        )
         widths = [-(-max_model_len // g.kv_cache_spec.block_size) for g in groups]
         self.packers = [
             StepMetadataPacker(
@@ -676,6 +687,25 @@ class ModelRunner:
         """An all-padding step buffer of `shapes`: it changes no cache entry."""
         return self._pack([_RankStep() for _ in range(self.dp_size)], shapes)[0]
 
+    def step_shapes(self, num_tokens: int) -> tuple[StepShape, ...]:
+        """The groups' bucket shapes of a step of `num_tokens` tokens per data rank."""
+        return tuple(packer.shape_for(num_tokens) for packer in self.packers)
+
+    def lower_step(self, shapes: tuple[StepShape, ...]) -> jax.stages.Lowered:
+        """The step of bucket `shapes` (`step_shapes`), lowered on abstract values of the
+        stacked KV cache and the step buffer (placed as `execute` places them) with the
+        runner's parameters (abstract ones allowed): nothing large is allocated."""
+        paged = self.paged[0]
+        rank_sharding = NamedSharding(self.mesh, P(paged.layout.rank_axis))
+        buffer = jax.ShapeDtypeStruct(
+            (self.dp_size, self._layout(shapes).length), jnp.int32, sharding=rank_sharding
+        )
+        store = self.encoder_store
+        return self._step_fn(shapes).lower(
+            self._state, paged.stacked_struct(len(self.layer_to_group)),
+            None if store is None else store.cache, buffer, self.sampled,
+        )  # fmt: skip
+
     def lowered_programs(self) -> dict[str, tuple[jax.stages.Lowered, list]]:
         """Every kind of program `execute` runs on the donated caches, lowered (not run):
         name -> (lowered program, the cache buffers it donates, as abstract values).
@@ -691,12 +721,8 @@ class ModelRunner:
         all_shapes = list(zip(*[p.all_shapes() for p in self.packers], strict=True))
         store = self.encoder_store
         for shapes in (all_shapes[0], all_shapes[-1]):
-            lowered = self._step_fn(shapes).lower(
-                self._state, caches[0], None if store is None else store.cache,
-                self.paged[0].put(self._empty_buffer(shapes)), self.sampled,
-            )  # fmt: skip
             programs[f"step tokens={shapes[0].num_tokens} reqs={shapes[0].num_reqs}"] = (
-                lowered, caches,
+                self.lower_step(shapes), caches,
             )  # fmt: skip
         for op in ("zero", "copy"):
             programs[f"{op}_blocks"] = (self.paged[0].lower_blocks_stacked(op, num_layers), caches)

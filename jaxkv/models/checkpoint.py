@@ -118,7 +118,25 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     return files
 
 
-class CheckpointReader:
+class MeshPlacement:
+    """How a reader places a tensor on its `mesh` (a `(data, model)` mesh): `spec_for`."""
+
+    mesh: Mesh
+
+    def spec_for(self, shape: Sequence[int], spec: P, units: int | None = None) -> P:
+        """`spec` with its `MODEL_AXIS` entry dropped unless the model axis divides the
+        split axis into whole `units` (e.g. attention heads; default: the axis size)."""
+        model_size = self.mesh.shape[MODEL_AXIS]
+        entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+        return P(
+            *(
+                axis if axis != MODEL_AXIS or (units or size) % model_size == 0 else None
+                for axis, size in zip(entries, shape, strict=True)
+            )
+        )
+
+
+class CheckpointReader(MeshPlacement):
     """Tensors of one checkpoint by name, placed on `mesh` in `dtype`.
 
     `get(name, shape, spec)` checks the stored shape and dtype (floating point, see
@@ -149,18 +167,6 @@ class CheckpointReader:
                 "which does not hold it"
             )
         return mapped
-
-    def spec_for(self, shape: Sequence[int], spec: P, units: int | None = None) -> P:
-        """`spec` with its `MODEL_AXIS` entry dropped unless the model axis divides the
-        split axis into whole `units` (e.g. attention heads; default: the axis size)."""
-        model_size = self.mesh.shape[MODEL_AXIS]
-        entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-        return P(
-            *(
-                axis if axis != MODEL_AXIS or (units or size) % model_size == 0 else None
-                for axis, size in zip(entries, shape, strict=True)
-            )
-        )
 
     def _checked(self, name: str, shape: Sequence[int]) -> np.ndarray:
         """The mapped view of tensor `name`, checked to have `shape` and a float dtype."""
@@ -222,6 +228,36 @@ class CheckpointReader:
     def close(self) -> None:
         """Forgets the mapped files (arrays already placed keep their mappings alive)."""
         self._mapped.clear()
+
+
+class AbstractTensors(MeshPlacement):
+    """A stand-in `CheckpointReader` that reads nothing and allocates nothing: every
+    tensor is a `jax.ShapeDtypeStruct` of `dtype`, with the `NamedSharding` on `mesh`
+    that `CheckpointReader` would give it (a stacked one: the layer axis unsplit). A
+    model built over it has abstract parameters: it can be lowered and compiled
+    ahead of time (`jit(...).lower(...)`), not run."""
+
+    def __init__(self, dtype: jnp.dtype, mesh: Mesh) -> None:
+        self.dtype = jnp.dtype(dtype)
+        self.mesh = mesh
+
+    def get(
+        self, name: str, shape: Sequence[int], spec: P | None = None, *, units: int | None = None
+    ) -> jax.ShapeDtypeStruct:
+        sharding = NamedSharding(self.mesh, self.spec_for(shape, spec or P(), units))
+        return jax.ShapeDtypeStruct(tuple(shape), self.dtype, sharding=sharding)
+
+    def get_stacked(
+        self,
+        names: Sequence[str],
+        shape: Sequence[int],
+        spec: P | None = None,
+        *,
+        units: int | None = None,
+    ) -> jax.ShapeDtypeStruct:
+        layer_spec = self.spec_for(shape, spec or P(), units)
+        sharding = NamedSharding(self.mesh, P(None, *layer_spec))
+        return jax.ShapeDtypeStruct((len(names), *shape), self.dtype, sharding=sharding)
 
 
 class LayerStack:

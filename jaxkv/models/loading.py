@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxkv.models.base import CausalLM
-from jaxkv.models.checkpoint import CheckpointReader, read_config
+from jaxkv.models.checkpoint import AbstractTensors, CheckpointReader, read_config
 from jaxkv.models.config import DecoderConfig, LlavaConfig, parse_model_config
 from jaxkv.models.decoder import Decoder
 
@@ -154,6 +154,19 @@ def load_model(
         return build_model(config, reader, scan_layers=scan_layers)
     finally:
         reader.close()
+
+
+def abstract_model(
+    config: DecoderConfig | LlavaConfig, dtype: str, mesh: Mesh, *, scan_layers: bool = True
+) -> CausalLM:
+    """The model `config` describes with abstract parameters (`AbstractTensors`: shapes,
+    dtype `dtype` and the shardings `load_model` would give them on `mesh`, no memory):
+    for lowering and compiling its programs ahead of time, without weights."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    prefixes = {key: part.prefixes[0] for key, part in PARTS[architecture_of(config)].items()}
+    reader = AbstractTensors(jnp.dtype(dtype), mesh)
+    return build_model(config, reader, prefixes, scan_layers=scan_layers)
 
 
 def load_tokenizer(path: str | Path):
