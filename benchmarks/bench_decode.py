@@ -194,13 +194,13 @@ def run_child(argv: list[str], env: dict) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench_real(rounds: int) -> dict:
+def bench_real(rounds: int, names: list[str], peer_too: bool) -> dict:
     from tqdm import tqdm
 
     peer = PEER_VENV / "bin" / "python"
     threads = str(os.cpu_count() or 1)
     results = {}
-    for name in REAL_SHAPES:
+    for name in names:
         ckpt = checkpoint_dir(name)
         cache = tempfile.mkdtemp(prefix="jaxkv-xla-")  # empty: round 1 compiles cold
         env = dict(os.environ, JAXKV_COMPILATION_CACHE=cache)
@@ -213,7 +213,7 @@ def bench_real(rounds: int) -> dict:
             ):  # fmt: skip
                 argv = [sys.executable, "-m", "benchmarks.bench_decode", "--child", str(ckpt)]
                 runs[who].append(run_child(argv + flags, child_env))
-            if peer.exists():
+            if peer_too and peer.exists():
                 hf_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                 runs["transformers"].append(
                     run_child(
@@ -280,6 +280,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024, 8192])
     parser.add_argument("--rounds", type=int, default=2, help="real-shape rounds")
     parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(REAL_SHAPES), default=list(REAL_SHAPES)
+    )
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--per-layer", action="store_true", help=argparse.SUPPRESS)
     add_record_option(parser)
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"pool_scaling": scaling, "copy_bandwidth_gbs": bandwidth,
                     "workload": vars(args)}  # fmt: skip
     if not args.skip_real:
-        real = bench_real(args.rounds)
+        real = bench_real(args.rounds, args.models, not args.no_peer)
         rows = []
         for name, r in real.items():
             limit_ms = r["weight_bytes"] / (bandwidth * 1e9) * 1e3
