@@ -337,7 +337,7 @@ class BlockPool:
         *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        """vLLM 0.33's positional order; `metrics_collector` and `medium` are accepted and
+        """vLLM's positional order; `metrics_collector` and `medium` are accepted and
         unused, `num_hash_lookahead_tokens` must be 0. Integer arguments may be numpy
         integers (stored as ints)."""
         num_gpu_blocks = check_num_blocks("num_gpu_blocks", num_gpu_blocks)
@@ -424,7 +424,7 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock] | Iterable[Sequence[KVCacheBlock]]) -> None:
         """Take a reference on cache hits; free ones leave the queue.
 
-        `blocks` is vLLM 0.33's flat sequence of blocks, or one sequence per KV cache
+        `blocks` is vLLM's flat sequence of blocks, or one sequence per KV cache
         group (the form the managers use): the flat form is the one whose first element
         is a `KVCacheBlock`. Every block must be one of this pool's (checked first:
         TypeError/ValueError, nothing changed)."""
@@ -614,8 +614,8 @@ class BlockPool:
         block_size: int,
         replace_existing_hashes: bool = False,
     ) -> BlockHashWithGroupId | None:
-        """Make `block` reachable from the prefix boundary `num_tokens` inside it (vLLM
-        0.33's partial entry): its key is the request's hash at that boundary.
+        """Make `block` reachable from the prefix boundary `num_tokens` inside it (vLLM's
+         partial entry): its key is the request's hash at that boundary.
 
         Returns the key, or None when the block is the null block or already holds a
         full-block key (jaxkv keeps one key per block; vLLM adds a second one). An older,
@@ -784,7 +784,7 @@ class BlockPool:
         """Drop cached blocks from the prefix cache (their hashes are reset). `were_free`:
         they were all free pages (taken for allocation), so their contents are garbage.
 
-        The `BlockRemoved` events follow vLLM 0.33's order: block by block, each block's
+        The `BlockRemoved` events follow vLLM's order: block by block, each block's
         own key, then its further keys (`_secondary_keys`) in the order they were added."""
         self.cached_block_hash_to_block.pop_stamped(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:

@@ -2,7 +2,7 @@
 
 A coordinator fans the KV cache manager's calls out to the per-group managers
 and finds the longest prefix hit that *every* group can serve (SPEC §5). The
-configuration picks the class, as vLLM 0.33 does: no prefix cache (any number
+configuration picks the class, as vLLM does: no prefix cache (any number
 of groups, never a hit), one group, or a hybrid of several.
 """
 
@@ -583,7 +583,7 @@ def get_kv_cache_coordinator(
 ) -> KVCacheCoordinator:
     """The coordinator class the configuration calls for.
 
-    `allow_partial_hash_hits`: fine-grained hits inside a block where vLLM 0.33
+    `allow_partial_hash_hits`: fine-grained hits inside a block where vLLM
     enables them (`partial_hash_hits_enabled`: a Mamba "align" group coarser than
     the hash unit, every other cacheable group able to look up at hash units). A
     hit ending inside a block is redirected to a private copy of that block (the

@@ -26,11 +26,7 @@ from jaxkv.single_type_kv_cache_manager import (
     SinkFullAttentionManager,
 )
 
-# `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
-# False and numpy zeros are other objects). Where it is False for a zero, the general
-# path answers instead: only slower, never different.
 logger = logging.getLogger("jaxkv")
-_ZERO = 0
 
 
 @dataclass
@@ -165,7 +161,7 @@ class KVCacheManager:
         *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        """vLLM 0.33's arguments, in its order (docs/vllm-differences.md lists what differs).
+        """vLLM's arguments, in its order (docs/vllm-differences.md lists what differs).
 
         `scheduler_block_size` defaults to the LCM of the group block sizes and,
         when given, must equal it; `hash_block_size` defaults to vLLM's choice
@@ -240,7 +236,7 @@ class KVCacheManager:
             max_in_flight_tokens=self.max_in_flight_tokens,
         )
         coordinator = self.coordinator
-        # vLLM 0.33's narrowing: EAGLE groups, partial hits, no re-prefilled (MTP) tokens.
+        # vLLM's narrowing: EAGLE groups, partial hits, no re-prefilled (MTP) tokens.
         self.mamba_shared_prefix_checkpoint = (
             enable_mamba_shared_prefix_checkpoint
             and bool(coordinator.eagle_group_ids)
@@ -290,12 +286,12 @@ class KVCacheManager:
         )
         self._min_block_size = min(m.block_size for m in managers)
         # With `prefix_cache_retention_interval` 0 a Mamba group reserves a prefill
-        # checkpoint only on the chunk reaching the prefill's end (vLLM 0.33), which the
+        # checkpoint only on the chunk reaching the prefill's end (as vLLM does), which the
         # counts are then told.
         self._checkpoints_at_prefill_end = self.coordinator.retention_interval == 0 and any(
             getattr(m, "has_prefill_checkpoint_blocks", False) for m in managers
         )
-        # A Mamba "align" group gets no state slots for lookahead tokens (vLLM 0.33), so
+        # A Mamba "align" group gets no state slots for lookahead tokens (as vLLM does), so
         # the counts are told the tokens without them.
         self._some_group_ignores_lookahead = any(
             getattr(m, "mamba_cache_mode", None) == "align" for m in managers
@@ -365,7 +361,7 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
-        """(hit blocks, hit tokens, shared_prefix_boundary), as vLLM 0.33 returns them.
+        """(hit blocks, hit tokens, shared_prefix_boundary), as vLLM returns them.
 
         The hit is the longest cached prefix, block aligned, of at most
         `max_cache_hit_length` tokens (default `num_tokens - 1`: the last token
@@ -440,7 +436,7 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Slots for `num_new_tokens` more tokens (plus hits and lookahead); None if out of blocks.
 
-        vLLM 0.33's arguments in its order. On None nothing changed; bad input
+        vLLM's arguments in its order. On None nothing changed; bad input
         raises (ValueError/TypeError) before anything changes. Blocks that
         became full are cached, but never past `request.num_tokens` (unverified
         speculative tokens are not cached) and not at all with
@@ -467,13 +463,14 @@ class KVCacheManager:
         plain_counts = (
             type(num_new_tokens) is int
             and num_new_tokens > 0
-            and num_external_computed_tokens is reserved_blocks is num_encoder_tokens is _ZERO
-            and (
-                num_lookahead_tokens is _ZERO
-                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
-            )
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens >= 0
+            and type(num_external_computed_tokens) is int
+            and type(reserved_blocks) is int
+            and type(num_encoder_tokens) is int
+            and not (num_external_computed_tokens or reserved_blocks or num_encoder_tokens)
         )
-        if plain_counts and num_new_computed_tokens is _ZERO:
+        if plain_counts and type(num_new_computed_tokens) is int and not num_new_computed_tokens:
             if (
                 state is not None
                 and new_computed_blocks is None
@@ -964,7 +961,7 @@ class KVCacheManager:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix cache, held or free (a KV connector's failed load:
-        their KV is bad). A running request keeps its blocks; as in vLLM 0.33, one whose
+        their KV is bad). A running request keeps its blocks; as in vLLM, one whose
         prompt's partial tail was keyed on an evicted block keys it again at its next step
         (`note_evicted_blocks`), and no other evicted block it holds is cached again."""
         ids = list(block_ids)
@@ -991,7 +988,7 @@ class KVCacheManager:
         return events
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """(the page copies queued since the last call, their retained blocks), as vLLM 0.33.
+        """(the page copies queued since the last call, their retained blocks), as vLLM.
 
         A partial (sub-block) hit is redirected to a private copy of its shared tail
         block; the device must run each `KVCacheBlockCopy` before the step that writes

@@ -1,6 +1,6 @@
 """KV-cache capacity planning: from `{layer: spec}` and a memory budget to a `KVCacheConfig`.
 
-vLLM 0.33's rules (SPEC §6) with plain arguments where vLLM reads a
+vLLM's rules (SPEC §6) with plain arguments where vLLM reads a
 `VllmConfig`: `max_model_len`, `max_num_batched_tokens` (vLLM's in-flight
 token budget) and a per-device budget in bytes.
 
@@ -121,7 +121,7 @@ def check_enough_kv_cache_memory(
 def unify_kv_cache_spec_page_size(
     kv_cache_specs: Mapping[str, KVCacheSpec],
 ) -> dict[str, KVCacheSpec]:
-    """Specs whose pages all have the largest page's size (vLLM 0.33's rule).
+    """Specs whose pages all have the largest page's size (vLLM's rule).
 
     An attention page that divides the largest grows by scaling its block
     size; a Mamba page (its size does not follow the block size), or a non-MLA

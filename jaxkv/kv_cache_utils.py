@@ -1,7 +1,7 @@
 """Block-size resolution for KV-cache groups (SPEC §5, hybrid models).
 
 Where vLLM reads a `VllmConfig`, these functions take plain arguments. The
-rules are vLLM 0.33's:
+rules are vLLM's:
 
 - scheduler block size: one group: its block size (times the decode context
   parallel degree for DCP-sharded specs); several: the LCM of the groups'
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class KVCacheBlockCopy(NamedTuple):
-    """One page copy the device runs before a step (vLLM 0.33): block `src_block_id`'s
+    """One page copy the device runs before a step (as vLLM does): block `src_block_id`'s
     contents into block `dst_block_id`, in every layer (a partial hit's copy-on-write)."""
 
     src_block_id: int

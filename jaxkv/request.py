@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int, check_str, check_token_ids
+from jaxkv._checks import TOKEN_ID_LIMIT, check_bool, check_int, check_str, check_token_ids
 from jaxkv.hashing import BlockHash
 from jaxkv.request_hashing import RequestBlockHasher
 
@@ -181,7 +181,7 @@ class Request:
     `hash_block_size` tokens (when a block hasher is set), chained from the
     hasher's `none_hash`; `0 <= num_computed_tokens <= num_tokens`.
 
-    The positional order is vLLM 0.33's (`request_id, prompt_token_ids,
+    The positional order is vLLM's (`request_id, prompt_token_ids,
     sampling_params, pooling_params, client_index, arrival_time, prompt_embeds,
     ...`); vLLM arguments jaxkv has no use for are accepted and ignored. A prompt
     given only as `prompt_embeds` (`prompt_token_ids=None`) gets token id 0 at every
@@ -296,8 +296,6 @@ class Request:
                 f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"
             )
         self.block_hasher = block_hasher
-        # The hasher's bound __call__: calling it directly skips the instance-call lookup.
-        self._hash_new_blocks = None if block_hasher is None else block_hasher.__call__
         self.output_token_ids: list[int] = []
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
@@ -341,9 +339,8 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append one token id or a sequence of them; a bad id raises before anything changes."""
-        # Ids below 2**30 (every vocabulary) take this path: CPython 3.11 specializes a
-        # comparison only between one-digit ints. Larger ids are checked below.
-        if type(token_ids) is int and 0 <= token_ids <= 0x3FFFFFFF:
+        # One plain int in range is taken as is; anything else is checked (and converted).
+        if type(token_ids) is int and 0 <= token_ids < TOKEN_ID_LIMIT:
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
             self.num_output_tokens += 1
@@ -382,5 +379,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         # The hasher is only called once a block has filled.
         if self.num_tokens >= self._next_hash_at:
-            self.block_hashes.extend(self._hash_new_blocks(self))  # type: ignore[misc]
+            self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
             self._next_hash_at = (len(self.block_hashes) + 1) * self.hash_block_size  # type: ignore[operator]

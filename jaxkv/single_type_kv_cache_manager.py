@@ -3,14 +3,13 @@
 A manager owns `req_to_blocks` for its group and decides, for its attention
 type, how long a cached prefix it can use (its hit rule), which blocks a
 request no longer reads (its release rule) and how many blocks an allocation
-takes. All pages come from the shared `BlockPool`. The rules are vLLM 0.33's.
+takes. All pages come from the shared `BlockPool`. The rules are vLLM's.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Collection, Sequence
-from types import FunctionType
 from typing import TYPE_CHECKING, ClassVar
 
 from jaxkv.block_pool import BlockPool
@@ -45,34 +44,6 @@ HitBlocks = tuple[list[KVCacheBlock], ...]
 _NEVER = sys.maxsize
 
 
-def _copy_inherited_methods(cls: type) -> None:
-    """Give `cls` its own copy of every plain method it inherits.
-
-    CPython 3.11 specializes attribute access per code object for one receiver
-    type: a method shared by two manager classes that a hybrid model calls in
-    turn (full attention, then sliding window, every step) keeps missing those
-    caches and runs about 2.5x slower. A copy per class keeps each specialized.
-    """
-    for name in dir(cls):
-        if name.startswith("__") or name in vars(cls):
-            continue
-        method = getattr(cls, name)
-        if not isinstance(method, FunctionType):
-            continue  # classmethods, staticmethods, properties, data
-        copy = FunctionType(
-            method.__code__.replace(),
-            method.__globals__,
-            method.__name__,
-            method.__defaults__,
-            method.__closure__,
-        )
-        copy.__kwdefaults__ = method.__kwdefaults__
-        copy.__qualname__ = method.__qualname__
-        copy.__doc__ = method.__doc__
-        copy.__annotations__ = method.__annotations__
-        setattr(cls, name, copy)
-
-
 class SingleTypeKVCacheManager:
     """Blocks held per request in one group.
 
@@ -87,10 +58,6 @@ class SingleTypeKVCacheManager:
 
     spec_types: ClassVar[tuple[type[KVCacheSpec], ...]] = ()
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        _copy_inherited_methods(cls)
 
     # Whether remove_skipped_blocks can release anything (chosen per class).
     releases_blocks: ClassVar[bool] = False
@@ -115,7 +82,7 @@ class SingleTypeKVCacheManager:
         needs_kv_cache_zeroing: bool = False,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
-        """vLLM 0.33's arguments in its order (`scheduler_block_size` None: the block size).
+        """vLLM's arguments in its order (`scheduler_block_size` None: the block size).
 
         `needs_kv_cache_zeroing`: record the ids of newly allocated attention blocks
         for `take_new_block_ids` (the device side zeroes them). `max_admission_blocks_per_request`:
@@ -148,7 +115,7 @@ class SingleTypeKVCacheManager:
             kv_cache_spec, AttentionSpec
         )
         self.new_block_ids: list[int] = []
-        # Partial (sub-block) hits, vLLM 0.33's copy-on-write: request id -> (table index,
+        # Partial (sub-block) hits, vLLM's copy-on-write: request id -> (table index,
         # shared block) of a hit ending inside a block, redirected to a private copy at
         # the request's next allocation; and the (source, copy) pairs not yet handed to
         # the device (`take_pending_cow_copies`). Both endpoints of a pending pair hold
@@ -177,7 +144,7 @@ class SingleTypeKVCacheManager:
         ending inside a block (`num_local_computed_tokens`, None: the total) needs
         one more for its private copy. `apply_admission_cap` (admitting a whole
         request): a group that releases blocks as the request advances needs at
-        most `max_admission_blocks_per_request` at once. vLLM 0.33's arguments;
+        most `max_admission_blocks_per_request` at once. vLLM's arguments;
         `num_tokens_main_model` and `prefill_end` change nothing here.
         """
         num_required = -(-num_tokens // self.block_size)
@@ -247,7 +214,7 @@ class SingleTypeKVCacheManager:
         num_external_computed_tokens: int,
         record_for_zeroing: bool = True,
     ) -> None:
-        """Blocks for the tokens a KV connector computed, after the local hits (vLLM 0.33).
+        """Blocks for the tokens a KV connector computed, after the local hits (as vLLM does).
 
         Runs after every group's `add_local_computed_blocks`, so no group's new blocks can
         evict another group's hits. Only the external tokens inside the attention window
@@ -436,7 +403,7 @@ class SingleTypeKVCacheManager:
         final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """Which of blocks [start_block, end_block) to offer to the prefix cache; None:
-        all (vLLM 0.33's classmethod form). Groups whose hits need only some blocks
+        all (vLLM's classmethod form). Groups whose hits need only some blocks
         (sliding window, Mamba) thin the caching to the blocks a hit at some multiple
         of `alignment_tokens` can end on, sparser with `retention_interval` (None:
         every boundary; 0: only `reachable_boundaries`; k > 0: one per k tokens),
@@ -550,7 +517,7 @@ def _spec_block_size(kv_cache_spec: KVCacheSpec, dcp_world_size: int) -> int:
 
 
 def prompt_tail_boundary(request: Request, hash_block_size: int, use_eagle: bool) -> int:
-    """The last hash boundary of the prompt a later request can hit at (vLLM 0.33's partial
+    """The last hash boundary of the prompt a later request can hit at (vLLM's partial
     tail): a resend matches at most `num_prompt_tokens - 1` tokens, EAGLE reads the
     whole prompt before dropping a hash unit."""
     limit = request.num_prompt_tokens if use_eagle else request.num_prompt_tokens - 1
@@ -562,7 +529,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     A block coarser than the hash unit also registers the prompt's partial tail (the
     block holding the prompt's last hash boundary, keyed at that boundary) so that a
-    fine-grained lookup can hit inside it, as vLLM 0.33 does.
+    fine-grained lookup can hit inside it, as vLLM does.
     """
 
     spec_types = (FullAttentionSpec,)
@@ -627,7 +594,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     def _requeue_evicted_tails(self, block_ids: Collection[int]) -> None:
         """`note_evicted_blocks`: a request whose keyed partial tail lies in one of
-        `block_ids` keys it again at its next caching step (vLLM 0.33 keys the tail at
+        `block_ids` keys it again at its next caching step (vLLM keys the tail at
         every step, so a tail evicted while held is cached again at the next one)."""
         for request_id, boundary in self._keyed_tails.items():
             block = self.req_to_blocks[request_id][boundary // self.block_size]
@@ -703,7 +670,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention with static sink tokens: full attention's rules unchanged (the
     sinks' K/V are the model's, outside the request's blocks); the sinks must fill
-    whole blocks (`sink_len` a multiple of the block size), as vLLM 0.33 requires."""
+    whole blocks (`sink_len` a multiple of the block size), as vLLM requires."""
 
     spec_types = (SinkFullAttentionSpec,)
 
@@ -724,8 +691,8 @@ class RSWAManager(FullAttentionManager):
 
     `remove_skipped_blocks(request, c, num_prompt_tokens=P)` nulls and frees the
     blocks wholly inside the gap `[ceil(P / block) * block, max(P, c - rswa_window))`,
-    walking down from the gap's end and stopping at the first null block (vLLM
-    0.33's rule). Without `num_prompt_tokens` nothing is released. The table then
+    walking down from the gap's end and stopping at the first null block (vLLM's
+     rule). Without `num_prompt_tokens` nothing is released. The table then
     holds null blocks between the prompt's blocks and the window's, not only at
     its front; the released gap only grows while the request runs.
     """
@@ -1049,7 +1016,7 @@ class MambaManager(SingleTypeKVCacheManager):
     "none"/"align": only the last state is kept (earlier blocks become null and
     are freed); an allocation pads the table with null blocks and takes only
     the block the step's state lands in. "align" caches a state when a step ends
-    exactly on a block boundary, and, as vLLM 0.33, keys the running state when a
+    exactly on a block boundary, and, as vLLM, keys the running state when a
     step ends at the prompt's last hit boundary inside a block (the partial tail:
     the key moves to a copy at the request's next allocation, since the request
     keeps updating that block). A hit is the last cached state at or below the
@@ -1086,13 +1053,13 @@ class MambaManager(SingleTypeKVCacheManager):
         # Set by the coordinator under EAGLE: checkpoints follow its replay boundary.
         self.drop_eagle_checkpoint_block = False
         # Set by `KVCacheManager` (`enable_mamba_shared_prefix_checkpoint`, narrowed as
-        # vLLM 0.33 does): a prefill step ending at the request's shared-prefix junction
+        # vLLM does): a prefill step ending at the request's shared-prefix junction
         # keys its state there too.
         self.shared_prefix_checkpoint = False
         # Requests that keyed their own running state at the prompt's partial tail
         # (`_cache_partial_tail_block`): their next allocation moves that key to a copy.
         self._producer_tails: set[str] = set()
-        # Prefill checkpoints (vLLM 0.33): the backend exports the state at a chunk's last
+        # Prefill checkpoints (as vLLM does): the backend exports the state at a chunk's last
         # hit boundary into a spare block; request id -> (that position, the block's
         # index), set by `get_num_blocks_to_allocate` for the allocation it sizes.
         self.has_prefill_checkpoint_blocks = (
@@ -1287,7 +1254,7 @@ class MambaManager(SingleTypeKVCacheManager):
             )
         if on_boundary and ends_on_tail:
             # A tail (or junction) state on a block boundary is keyed even where sparse
-            # retention dropped its block (vLLM 0.33); kept already, it is left alone.
+            # retention dropped its block (as vLLM does); kept already, it is left alone.
             self._cache_partial_tail_block(request, end)
 
     def _cache_boundary_states(
@@ -1333,7 +1300,7 @@ class MambaManager(SingleTypeKVCacheManager):
         prefill_end: int,
     ) -> int:
         """1 when the step `[query_start, query_end)` exports a prefill checkpoint into a
-        spare block (vLLM 0.33's `_needs_internal_checkpoint`: only a step reaching
+        spare block (vLLM's `_needs_internal_checkpoint`: only a step reaching
         `prefill_end`), else 0; recorded for the allocation unless only sizing an
         admission."""
         position = get_mamba_prefill_checkpoint_position(
@@ -1369,7 +1336,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self, request: Request, checkpoint: tuple[int, int], retention_interval: int | None
     ) -> None:
         """Key the checkpoint block at its position, or drop its keys when no later request
-        can resume there (vLLM 0.33: kept at the prompt's checkpoint, a retained boundary
+        can resume there (vLLM: kept at the prompt's checkpoint, a retained boundary
         or the shared-prefix junction)."""
         position, checkpoint_idx = checkpoint
         block = self.req_to_blocks[request.request_id][checkpoint_idx]
@@ -1435,7 +1402,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
         """Key the running state when a step ends exactly at the prompt's last hit
-        boundary (vLLM 0.33's partial tail, `get_mamba_prefill_checkpoint_position`), or,
+        boundary (vLLM's partial tail, `get_mamba_prefill_checkpoint_position`), or,
         with `shared_prefix_checkpoint`, at the request's shared-prefix junction.
 
         A state inside a block is then moved to a private copy at the request's next
@@ -1647,7 +1614,7 @@ class CrossAttentionManager(_ScratchManager):
 class CircularBufferManager(_ScratchManager):
     """A circular buffer: one ring block per request, claimed at its first allocation
     and held until it finishes, whatever `num_tokens` asks; never cached and never
-    recorded for zeroing (vLLM 0.33's rules)."""
+    recorded for zeroing (vLLM's rules)."""
 
     spec_types = (CircularBufferSpec,)
     allocates_by_capacity = False  # one ring block, whatever the tokens
@@ -1686,7 +1653,7 @@ class CircularBufferManager(_ScratchManager):
         num_external_computed_tokens: int,
         record_for_zeroing: bool = True,
     ) -> None:
-        """The ring is claimed here when a connector loads computed tokens (vLLM 0.33's
+        """The ring is claimed here when a connector loads computed tokens (vLLM's
         order: before any group's new blocks)."""
         self.allocate_new_blocks(request_id, 0)
 
@@ -1730,7 +1697,7 @@ def get_manager_for_kv_cache_spec(
     role: str | None = None,
     **kwargs,
 ) -> SingleTypeKVCacheManager:
-    """A manager of the class whose `spec_types` match `kv_cache_spec` (vLLM 0.33's
+    """A manager of the class whose `spec_types` match `kv_cache_spec` (vLLM's
     arguments; `kwargs` are the manager's, `role` must be None).
 
     A uniform-type group is served by its layers' manager, reading its first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -32,7 +33,9 @@ from jaxkv.kv_cache_coordinator import (
 )
 from jaxkv.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
+    FullAttentionManager,
     MambaManager,
+    SingleTypeKVCacheManager,
     SlidingWindowManager,
     _rightmost_aligned_run,
     _rightmost_run,
@@ -599,3 +602,20 @@ def test_gap_by_gap_run_search_equals_the_block_by_block_scan(is_cached, need, e
     start, end = expected
     assert all(c is not None for c in cached[start:end])
     assert end - start == need or start == 0
+
+
+def test_patching_a_base_class_method_reaches_every_subclass():
+    """A method the per-type managers inherit is looked up on the base class, so
+    `mock.patch.object(SingleTypeKVCacheManager, ...)` sees every group's calls."""
+    calls = []
+    original = SingleTypeKVCacheManager.allocate_new_blocks
+
+    def spy(self, *args, **kwargs):
+        calls.append(type(self))
+        return original(self, *args, **kwargs)
+
+    m = manager_for(full(), sw(32), num_blocks=32)
+    with mock.patch.object(SingleTypeKVCacheManager, "allocate_new_blocks", spy):
+        assert m.allocate_slots(request("a", range(40)), 40) is not None
+    assert calls == [FullAttentionManager, SlidingWindowManager]
+    m.free(request("a", range(40)))

@@ -13,8 +13,8 @@ its `tensor_data` (an array's bytes), the opaque multimodal payload
 `MultiModalKwargsItem`, and the constant `GiB_bytes`.
 
 With ``JAXKV_YARDSTICK_TARGET=vllm`` every name resolves to vLLM itself (torch
-included), so the same rewritten files measure vLLM 0.33 as the baseline; names
-vLLM 0.33 lacks (the tests may be newer) become `Missing` there too.
+included), so the same rewritten files measure vLLM as the baseline; names
+vLLM lacks (the tests may be newer) become `Missing` there too.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ RENAMED: dict[tuple[str, str], Any] = {
 
 
 class NoJaxkvEquivalentError(NotImplementedError):
-    """A vLLM test touched a name that the target (jaxkv, or vLLM 0.33) lacks."""
+    """A vLLM test touched a name that the target (jaxkv, or vLLM) lacks."""
 
 
 class Missing:
