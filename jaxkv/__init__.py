@@ -26,6 +26,7 @@ from jaxkv.hashing import (
     hash_block_tokens,
     init_none_hash,
     make_block_hash_with_group_id,
+    resolve_block_hashes,
 )
 from jaxkv.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -33,6 +34,7 @@ from jaxkv.kv_cache_coordinator import (
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
+    resolve_cache_hit_alignment_tokens,
 )
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -81,8 +83,6 @@ from jaxkv.kv_cache_utils import (
     KVCacheBlockCopy,
     eagle_proof_margin,
     partial_hash_hits_enabled,
-    resolve_block_hashes,
-    resolve_cache_hit_alignment_tokens,
     resolve_dcp_kv_block_size,
     resolve_dcp_kv_cache_spec,
     resolve_kv_cache_block_sizes,

@@ -30,10 +30,29 @@ from jaxkv.single_type_kv_cache_manager import (
     MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
 )
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
+
+
+def resolve_cache_hit_alignment_tokens(
+    kv_cache_config: KVCacheConfig,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    enable_prefix_caching: bool = True,
+    dcp_world_size: int = 1,
+) -> int:
+    """Token granularity of prefix-cache hits: the hash unit for fine-grained
+    (Mamba "align") hybrids, else the scheduler block size."""
+    groups = kv_cache_config.kv_cache_groups
+    if not enable_prefix_caching or len(groups) <= 1:
+        return scheduler_block_size
+    classes = [manager_class_for_spec(g.kv_cache_spec) for g in groups]
+    if partial_hash_hits_enabled(groups, hash_block_size, dcp_world_size, classes):
+        return hash_block_size
+    return scheduler_block_size
 
 
 def validate_prefix_cache_retention_interval(

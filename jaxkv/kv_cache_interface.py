@@ -20,7 +20,7 @@ import numpy as np
 from jaxkv._checks import AssertedValueError, check_bool, check_int
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -157,7 +157,7 @@ class KVCacheSpec:
 
     def max_num_blocks_per_req(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Pages one request holds at most: its peak bytes over the page size."""
-        return _cdiv(
+        return cdiv(
             self.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
             self.page_size_bytes,
         )
@@ -305,7 +305,7 @@ class FullAttentionSpec(AttentionSpec):
             )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> FullAttentionSpec:
@@ -486,7 +486,7 @@ class SlidingWindowSpec(AttentionSpec):
         plus those in flight (released blocks are reused); one more because the window
         can start mid-block."""
         tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
-        return _cdiv(tokens, self.block_size) + 1
+        return cdiv(tokens, self.block_size) + 1
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
@@ -532,7 +532,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         """Blocks a request holds at most at once: the current chunk plus the tokens in
         flight (blocks of finished chunks are released and reused)."""
         tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
-        return _cdiv(tokens, self.block_size)
+        return cdiv(tokens, self.block_size)
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
@@ -561,7 +561,7 @@ class CrossAttentionSpec(AttentionSpec):
         return False
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return _cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+        return cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -702,7 +702,7 @@ class MambaSpec(KVCacheSpec):
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
-            pages = _cdiv(max_model_len, self.block_size)
+            pages = cdiv(max_model_len, self.block_size)
         elif self.mamba_cache_mode == "align":
             # The running state, the one it continues from, and a prefill checkpoint.
             pages = 2 + self.num_prefill_checkpoint_blocks
@@ -759,7 +759,7 @@ def is_mamba_prefill_checkpoint_valid(
     if checkpoint_alignment <= 0:
         raise ValueError(f"checkpoint_alignment must be positive, got {checkpoint_alignment}")
     initial_state_col = (query_start - 1) // mamba_block_size
-    checkpoint_col = _cdiv(query_end, mamba_block_size) - 2
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
     return (
         query_start % hash_block_size == 0
         and checkpoint_col > initial_state_col

@@ -29,13 +29,10 @@ from jaxkv.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
+    cdiv,
 )
 
 logger = logging.getLogger("jaxkv")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_args(max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -178,7 +175,7 @@ def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCac
         group_size = max(sizes)  # pad a few layers rather than double the groups
     groups = []
     for spec, names in by_spec.items():
-        num_groups = _cdiv(len(names), group_size)
+        num_groups = cdiv(len(names), group_size)
         # layers[i::n]: with pipeline stages each stage keeps whole group slots.
         groups.extend(
             KVCacheGroupSpec(tuple(names[i::num_groups]), spec) for i in range(num_groups)
@@ -264,7 +261,7 @@ def get_max_concurrency_for_kv_cache_config(
     device_blocks = host_blocks = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        required = _cdiv(
+        required = cdiv(
             spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
             spec.page_size_bytes,
         )

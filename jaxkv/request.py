@@ -12,13 +12,28 @@ import enum
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from jaxkv._checks import TOKEN_ID_LIMIT, check_bool, check_int, check_str, check_token_ids
 from jaxkv.hashing import BlockHash
-from jaxkv.request_hashing import RequestBlockHasher
+
+
+@runtime_checkable
+class BlockHasher(Protocol):
+    """What a request needs of its block hasher (`get_request_block_hasher` makes one:
+    `jaxkv.request_hashing.RequestBlockHasher`).
+
+    Called with the request once a block has filled, it returns the hashes of every
+    full block after the ones in `request.block_hashes`, each `block_size` tokens, the
+    chain starting from `none_hash` (both fixed when the hasher is made).
+    """
+
+    block_size: int
+    none_hash: BlockHash
+
+    def __call__(self, request: Request) -> list[BlockHash]: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -205,7 +220,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         trace_headers: Any = None,
-        block_hasher: RequestBlockHasher | None = None,
+        block_hasher: BlockHasher | None = None,
         resumable: bool = False,
         session_id: str | None = None,
         reasoning_ended: bool | None = None,
@@ -290,7 +305,7 @@ class Request:
         if cache_salt is not None and type(cache_salt) is not str:
             check_str("cache_salt", cache_salt, allow_none=True)
         self.cache_salt = cache_salt or None  # "" means no salt, as in vLLM
-        if block_hasher is not None and not isinstance(block_hasher, RequestBlockHasher):
+        if block_hasher is not None and not isinstance(block_hasher, BlockHasher):
             raise TypeError(
                 "block_hasher must come from get_request_block_hasher (it declares the block "
                 f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"

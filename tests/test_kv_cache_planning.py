@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.hashing import resolve_block_hashes
+from jaxkv.kv_cache_coordinator import resolve_cache_hit_alignment_tokens
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -36,8 +38,6 @@ from jaxkv.kv_cache_planning import (
 )
 from jaxkv.kv_cache_utils import (
     partial_hash_hits_enabled,
-    resolve_block_hashes,
-    resolve_cache_hit_alignment_tokens,
     resolve_dcp_kv_block_size,
     resolve_dcp_kv_cache_spec,
     resolve_kv_cache_block_sizes,
