@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
@@ -266,53 +266,6 @@ class BlockHashToBlockMap:
                     block.prev_same_key = block.next_same_key = None
         self._maps.clear()
         self._listed.clear()
-
-    @property
-    def _cache(self) -> _VLLMCacheView:
-        """vLLM's internal dict (combined key -> block, or {block_id: block} for several),
-        as a live view; vLLM's tests read and edit it."""
-        return _VLLMCacheView(self)
-
-
-class _VLLMCacheView(MutableMapping):
-    """`BlockHashToBlockMap` in the shape of vLLM's `_cache` dict (see `_cache`)."""
-
-    def __init__(self, cache: BlockHashToBlockMap) -> None:
-        self._map = cache
-
-    def __getitem__(self, key: BlockHashWithGroupId) -> KVCacheBlock | dict[int, KVCacheBlock]:
-        blocks = self._map.blocks_of(get_block_hash(key), get_group_id(key))
-        if not blocks:
-            raise KeyError(key)
-        return blocks[0] if len(blocks) == 1 else {b.block_id: b for b in blocks}
-
-    def __setitem__(
-        self, key: BlockHashWithGroupId, value: KVCacheBlock | dict[int, KVCacheBlock]
-    ) -> None:
-        if key in self:
-            del self[key]
-        for block in value.values() if isinstance(value, dict) else (value,):
-            self._map.insert(key, block)
-
-    def __delitem__(self, key: BlockHashWithGroupId) -> None:
-        block_hash, group_id = get_block_hash(key), get_group_id(key)
-        blocks = self._map.blocks_of(block_hash, group_id)
-        if not blocks:
-            raise KeyError(key)
-        for block in blocks:
-            self._map.pop(block_hash, group_id, block.block_id)
-
-    def __iter__(self) -> Iterator[BlockHashWithGroupId]:
-        return (key for key, _ in list(self._map.items()))
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def __copy__(self) -> dict:
-        return dict(self.items())
-
-    def clear(self) -> None:
-        self._map.clear()
 
 
 class BlockPool:

@@ -196,9 +196,10 @@ class Request:
     `hash_block_size` tokens (when a block hasher is set), chained from the
     hasher's `none_hash`; `0 <= num_computed_tokens <= num_tokens`.
 
-    The positional order is vLLM's (`request_id, prompt_token_ids,
-    sampling_params, pooling_params, client_index, arrival_time, prompt_embeds,
-    ...`); vLLM arguments jaxkv has no use for are accepted and ignored. A prompt
+    The first four positions are vLLM's (`request_id, prompt_token_ids,
+    sampling_params, pooling_params`), the rest keyword-only; vLLM's full
+    positional shape, with the arguments jaxkv has no use for, is
+    `jaxkv.compat.vllm.Request`. A prompt
     given only as `prompt_embeds` (`prompt_token_ids=None`) gets token id 0 at every
     position, as in vLLM (its blocks are told apart by the embeddings' digests).
     `max_tokens` and `skip_reading_prefix_cache` come from `sampling_params`
@@ -211,23 +212,14 @@ class Request:
         prompt_token_ids: Sequence[int] | np.ndarray,
         sampling_params: Any = None,
         pooling_params: Any = None,
-        client_index: int = 0,
+        *,
         arrival_time: float | None = None,
         prompt_embeds: np.ndarray | None = None,
-        prompt_is_token_ids: Sequence[bool] | None = None,
         mm_features: Sequence[MultiModalFeatureSpec] | None = None,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
-        trace_headers: Any = None,
         block_hasher: BlockHasher | None = None,
-        resumable: bool = False,
-        session_id: str | None = None,
-        reasoning_ended: bool | None = None,
-        reasoning_parser_kwargs: dict[str, Any] | None = None,
-        abort_immediately: bool = False,
-        kv_hints: Any = None,
-        *,
         max_tokens: int | None = None,
         skip_reading_prefix_cache: bool | None = None,
     ) -> None:
@@ -236,7 +228,6 @@ class Request:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
-        self.client_index = client_index
         self.priority = priority
         self.arrival_time = 0.0 if arrival_time is None else arrival_time
         if max_tokens is None:

@@ -3,7 +3,8 @@ nothing" checks (imported by several test modules)."""
 
 from __future__ import annotations
 
-from jaxkv import BlockPool, FreeKVCacheBlockQueue, KVCacheManager
+from jaxkv import BlockPool, KVCacheManager
+from jaxkv.blocks import FreeKVCacheBlockQueue
 
 
 def queue_state(queue: FreeKVCacheBlockQueue) -> tuple:

@@ -23,9 +23,7 @@ from jaxkv import (
     BlockTable,
     EncoderCacheManager,
     EncoderDecoderCacheManager,
-    FreeKVCacheBlockQueue,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheBlocks,
     KVCacheConfig,
     KVCacheManager,
@@ -37,8 +35,10 @@ from jaxkv import (
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
-    make_block_hash_with_group_id,
 )
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.compat.vllm import Request as VLLMRequest
+from jaxkv.hashing import make_block_hash_with_group_id
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 BS = 4
@@ -321,7 +321,7 @@ VLLM_SIGNATURES = {
         "skip_zeroing_group_ids",
     ],
     KVCacheManager.get_computed_blocks: ["self", "request", "max_cache_hit_length"],
-    Request.__init__: [
+    VLLMRequest.__init__: [
         "self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params",
         "client_index", "arrival_time", "prompt_embeds", "prompt_is_token_ids", "mm_features",
         "lora_request", "cache_salt", "priority", "trace_headers", "block_hasher", "resumable",

@@ -19,9 +19,7 @@ from hypothesis import strategies as st
 
 from jaxkv import (
     BlockPool,
-    FreeKVCacheBlockQueue,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheConfig,
     KVCacheManager,
     MultiModalFeatureSpec,
@@ -30,6 +28,7 @@ from jaxkv import (
     get_hash_fn_by_name,
     get_request_block_hasher,
 )
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")

@@ -23,8 +23,8 @@ from jaxkv import (
     SlidingWindowSpec,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    make_block_hash_with_group_id,
 )
+from jaxkv.hashing import make_block_hash_with_group_id
 from jaxkv.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,

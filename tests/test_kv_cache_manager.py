@@ -20,8 +20,8 @@ from jaxkv import (
     Request,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    make_block_hash_with_group_id,
 )
+from jaxkv.hashing import make_block_hash_with_group_id
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 BS = 4

@@ -22,12 +22,14 @@ from jaxkv import (
     KVCacheManager,
     MambaSpec,
     Request,
-    get_mamba_prefill_checkpoint_position,
     get_request_block_hasher,
-    is_mamba_prefill_checkpoint_valid,
-    make_block_hash_with_group_id,
 )
 from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
+from jaxkv.hashing import make_block_hash_with_group_id
+from jaxkv.kv_cache_interface import (
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
+)
 
 pytestmark = pytest.mark.usefixtures("fixed_none_hash")
 

@@ -9,7 +9,6 @@ import pytest
 from jaxkv import (
     BlockPool,
     BlockStored,
-    CircularBufferManager,
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheBlocks,
@@ -17,17 +16,13 @@ from jaxkv import (
     KVCacheManager,
     KVCacheSpecKind,
     Request,
-    RSWAManager,
     RSWASpec,
-    SinkFullAttentionManager,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
-    SpecMergeError,
     UniformTypeKVCacheSpecs,
     get_hash_fn_by_name,
     get_kv_cache_capacity,
     get_kv_cache_config,
-    get_manager_for_kv_cache_spec,
     get_request_block_hasher,
 )
 from jaxkv.kv_cache_coordinator import (
@@ -35,8 +30,18 @@ from jaxkv.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from jaxkv.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-from jaxkv.single_type_kv_cache_manager import manager_class_for_spec
+from jaxkv.kv_cache_interface import (
+    SpecMergeError,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from jaxkv.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    RSWAManager,
+    SinkFullAttentionManager,
+    get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
+)
 
 SHA = get_hash_fn_by_name("sha256_cbor")
 pytestmark = pytest.mark.usefixtures("fixed_none_hash")

@@ -27,6 +27,11 @@ from typing import Any
 import numpy as np
 
 TARGET = os.environ.get("JAXKV_YARDSTICK_TARGET", "jaxkv")
+if TARGET == "jaxkv":
+    # vLLM's tests read private attributes (`BlockHashToBlockMap._cache`).
+    from jaxkv.compat.vllm import install_private_views
+
+    install_private_views()
 
 # vLLM module -> the jaxkv modules searched, in order, for its names.
 MODULE_MAP: dict[str, tuple[str, ...]] = {
@@ -40,7 +45,11 @@ MODULE_MAP: dict[str, tuple[str, ...]] = {
         "jaxkv.kv_events",
     ),
     "vllm.v1.core.block_pool": ("jaxkv.block_pool", "jaxkv.blocks", "jaxkv.hashing"),
-    "vllm.v1.core.kv_cache_manager": ("jaxkv.kv_cache_manager", "jaxkv.request"),
+    "vllm.v1.core.kv_cache_manager": (
+        "jaxkv.kv_cache_manager",
+        "jaxkv.compat.vllm",
+        "jaxkv.request",
+    ),
     "vllm.v1.core.kv_cache_coordinator": ("jaxkv.kv_cache_coordinator",),
     "vllm.v1.core.single_type_kv_cache_manager": (
         "jaxkv.single_type_kv_cache_manager",
@@ -49,7 +58,7 @@ MODULE_MAP: dict[str, tuple[str, ...]] = {
     ),
     "vllm.v1.core.encoder_cache_manager": ("jaxkv.encoder_cache_manager",),
     "vllm.v1.kv_cache_interface": ("jaxkv.kv_cache_interface",),
-    "vllm.v1.request": ("jaxkv.request",),
+    "vllm.v1.request": ("jaxkv.compat.vllm", "jaxkv.request"),
     "vllm.sampling_params": ("jaxkv.sampling_params",),
     "vllm.lora.request": ("jaxkv.request",),
     "vllm.multimodal.inputs": ("jaxkv.request",),
