@@ -51,7 +51,7 @@ class MambaManager(SingleTypeKVCacheManager):
     spec_types = (MambaSpec,)
     supports_fine_grained_hash_lookup = True
     releases_blocks = True
-    caches_at_step_end = True
+    hit_may_hold_null_blocks = True
     sparse_hits = True  # dense_hit_grid: thinned only under sparse retention
     allocates_by_capacity = False  # pads with nulls, takes spare state blocks
 
@@ -73,7 +73,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step: set[int] | None = None
         # Set by the coordinator under EAGLE: checkpoints follow its replay boundary.
         self.drop_eagle_checkpoint_block = False
-        # Set by `KVCacheManager` (`enable_mamba_shared_prefix_checkpoint`, narrowed as
+        # Set by the coordinator (`enable_mamba_shared_prefix_checkpoint`, narrowed as
         # vLLM does): a prefill step ending at the request's shared-prefix junction
         # keys its state there too.
         self.shared_prefix_checkpoint = False
@@ -217,6 +217,37 @@ class MambaManager(SingleTypeKVCacheManager):
             return new_blocks
         self._apply_cow(request_id, block_idx, source_block, cow_block)
         return [cow_block, *new_blocks]
+
+    @property
+    def ignores_lookahead_tokens(self) -> bool:
+        """An "align" group keeps one state per step: no slot for lookahead tokens."""
+        return self.mamba_cache_mode == "align"
+
+    @property
+    def reserves_prefill_checkpoints(self) -> bool:
+        return self.has_prefill_checkpoint_blocks
+
+    def cache_step(
+        self,
+        request: Request,
+        num_cacheable_tokens: int,
+        num_computed_tokens: int,
+        step_end: int | None,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """A state describes one position: it is cached only when the step ended at the
+        verified tokens' end (`step_end` None or `num_computed_tokens`), and is given
+        that exact end, not the count on the hit grid."""
+        if step_end is not None and step_end != num_computed_tokens:
+            return  # the state holds unverified tokens
+        self.cache_blocks(
+            request,
+            num_cacheable_tokens,
+            retention_interval,
+            replay_boundaries,
+            num_computed_tokens,
+        )
 
     def cache_blocks(
         self,

@@ -12,7 +12,7 @@ import enum
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,7 +20,6 @@ from jaxkv._checks import TOKEN_ID_LIMIT, check_bool, check_int, check_str, chec
 from jaxkv.hashing import BlockHash
 
 
-@runtime_checkable
 class BlockHasher(Protocol):
     """What a request needs of its block hasher (`get_request_block_hasher` makes one:
     `jaxkv.request_hashing.RequestBlockHasher`).
@@ -34,6 +33,16 @@ class BlockHasher(Protocol):
     none_hash: BlockHash
 
     def __call__(self, request: Request) -> list[BlockHash]: ...
+
+
+def _is_block_hasher(obj: object) -> bool:
+    """Whether `obj` has what `BlockHasher` names (checked field by field: a runtime
+    protocol check costs more than building the rest of a request)."""
+    return (
+        callable(obj)
+        and isinstance(getattr(obj, "block_size", None), int)
+        and hasattr(obj, "none_hash")
+    )
 
 
 class RequestStatus(enum.IntEnum):
@@ -296,7 +305,7 @@ class Request:
         if cache_salt is not None and type(cache_salt) is not str:
             check_str("cache_salt", cache_salt, allow_none=True)
         self.cache_salt = cache_salt or None  # "" means no salt, as in vLLM
-        if block_hasher is not None and not isinstance(block_hasher, BlockHasher):
+        if block_hasher is not None and not _is_block_hasher(block_hasher):
             raise TypeError(
                 "block_hasher must come from get_request_block_hasher (it declares the block "
                 f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"

@@ -11,6 +11,7 @@ in `jaxkv.mamba_manager`.
 from __future__ import annotations
 
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -30,7 +31,7 @@ HitBlocks = tuple[list[KVCacheBlock], ...]
 NEVER = sys.maxsize
 
 
-class SingleTypeKVCacheManager:
+class SingleTypeKVCacheManager(ABC):
     """Blocks held per request in one group.
 
     Invariants: `req_to_blocks[r]` is request r's block table for this group,
@@ -40,6 +41,13 @@ class SingleTypeKVCacheManager:
     or, for R-SWA, in the gap between the prompt's blocks and the window's;
     `num_cached_block[r]` leading entries have been offered to the prefix cache;
     every non-null block listed holds one reference for r.
+
+    The interface the coordinators call is this class's public methods; a subclass
+    (one per attention type) must give `find_longest_cache_hit` (its hit rule) and
+    overrides the others where its type differs. The class attributes below are
+    facts of the type that the base's own methods read; the questions a caller asks
+    (`ignores_lookahead_tokens`, `reserves_prefill_checkpoints`,
+    `hit_may_hold_null_blocks`, `cache_step`) are answered by properties and methods.
     """
 
     spec_types: ClassVar[tuple[type[KVCacheSpec], ...]] = ()
@@ -49,12 +57,35 @@ class SingleTypeKVCacheManager:
     releases_blocks: ClassVar[bool] = False
     # Whether only some blocks can end a hit (reachable_block_mask thins the caching).
     sparse_hits: ClassVar[bool] = False
-    # Whether cache_blocks must be given the step's exact end (a recurrent state
-    # describes one position), not the count aligned to the hit grid.
-    caches_at_step_end: ClassVar[bool] = False
     # Whether a running request needs exactly the blocks its table lacks to hold
     # `num_tokens` (what `get_num_blocks_to_allocate` counts without hits).
     allocates_by_capacity: ClassVar[bool] = True
+    # Whether a hit may hold the null block where the type no longer reads a block.
+    hit_may_hold_null_blocks: ClassVar[bool] = False
+
+    @property
+    def ignores_lookahead_tokens(self) -> bool:
+        """Whether lookahead (speculative) tokens get no slot in this group."""
+        return False
+
+    @property
+    def reserves_prefill_checkpoints(self) -> bool:
+        """Whether an allocation may reserve spare blocks for prefill checkpoints."""
+        return False
+
+    def cache_step(
+        self,
+        request: Request,
+        num_cacheable_tokens: int,
+        num_computed_tokens: int,
+        step_end: int | None,
+        retention_interval: int | None,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Cache what a step that computed up to `step_end` (None: `num_computed_tokens`)
+        made final: the blocks the first `num_cacheable_tokens` tokens fill (the count on
+        the hit grid)."""
+        self.cache_blocks(request, num_cacheable_tokens, retention_interval, replay_boundaries)
 
     def __init__(
         self,
@@ -295,11 +326,13 @@ class SingleTypeKVCacheManager:
 
     def new_step_starts(self) -> None:
         """The scheduler starts a new step (vLLM's hook; only Mamba keeps per-step state)."""
+        return None
 
     def note_evicted_blocks(self, block_ids: Collection[int]) -> None:
         """`evict_blocks` dropped every prefix-cache key of blocks `block_ids`, some maybe
         held by this group's requests. Held blocks stay uncached unless the group keys
         them at every step (full attention's partial tails)."""
+        return None
 
     # -- caching -------------------------------------------------------------
 
@@ -478,6 +511,7 @@ class SingleTypeKVCacheManager:
     # -- hits ----------------------------------------------------------------
 
     @classmethod
+    @abstractmethod
     def find_longest_cache_hit(
         cls,
         block_hashes: Sequence[BlockHash],
@@ -495,7 +529,6 @@ class SingleTypeKVCacheManager:
         read are the null block. `drop_eagle_block`: drop the last matched
         block (EAGLE recomputes it for its hidden states).
         """
-        raise NotImplementedError
 
 
 def spec_block_size(kv_cache_spec: KVCacheSpec, dcp_world_size: int) -> int:

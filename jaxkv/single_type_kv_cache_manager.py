@@ -53,30 +53,31 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def __init__(self, kv_cache_spec: FullAttentionSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
         hash_block_size = self.block_pool.hash_block_size or self.block_size
-        if self.block_size != hash_block_size and self._prefix_cacheable:
-            # Only such groups pay for the partial tail: the instance's methods wrap the
-            # class's (a subclass's own included) with it; single-group managers keep
-            # the plain ones.
-            self._tail_hash_block_size = hash_block_size
-            # request id -> its prompt's partial tail boundary, while no key names it: until
-            # a step reaches it, and again once `evict_blocks` dropped its block's keys.
-            self._pending_tails: dict[str, int] = {}
-            # request id -> the boundary of its partial tail, once a step has keyed it.
-            self._keyed_tails: dict[str, int] = {}
-            self.cache_blocks = self._cache_blocks_and_partial_tail  # type: ignore[method-assign]
-            self.get_slot_state = self._get_slot_state_before_partial_tail  # type: ignore[method-assign]
-            self.free = self._free_and_forget_tail  # type: ignore[method-assign]
-            self.note_evicted_blocks = self._requeue_evicted_tails  # type: ignore[method-assign]
+        # The hash unit when the prompt's partial tail is keyed (a cacheable group hashed
+        # finer than its blocks), else None: the methods below then do nothing more than
+        # the base's.
+        self._tail_hash_block_size: int | None = (
+            hash_block_size
+            if self.block_size != hash_block_size and self._prefix_cacheable
+            else None
+        )
+        # request id -> its prompt's partial tail boundary, while no key names it: until
+        # a step reaches it, and again once `evict_blocks` dropped its block's keys.
+        self._pending_tails: dict[str, int] = {}
+        # request id -> the boundary of its partial tail, once a step has keyed it.
+        self._keyed_tails: dict[str, int] = {}
 
-    def _cache_blocks_and_partial_tail(
+    def cache_blocks(
         self,
         request: Request,
         num_tokens: int,
         retention_interval: int | None = None,
         replay_boundaries: Sequence[int] = (),
     ) -> None:
-        """`cache_blocks`, then the prompt's partial tail once `num_tokens` reaches it."""
-        type(self).cache_blocks(self, request, num_tokens, retention_interval, replay_boundaries)
+        """The base's, then the prompt's partial tail once `num_tokens` reaches it."""
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
+        if self._tail_hash_block_size is None:
+            return
         boundary = prompt_tail_boundary(request, self._tail_hash_block_size, self.use_eagle)
         if boundary == 0 or boundary % self.block_size == 0:
             return
@@ -92,22 +93,22 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             )
             self._keyed_tails[request.request_id] = boundary
 
-    def _get_slot_state_before_partial_tail(self, request_id: str) -> tuple[int, int, int]:
-        """`get_slot_state`, with the next caching due at the prompt's partial tail while
-        that is not keyed (not yet, or again after `evict_blocks`), so the next step
-        reaching it caches."""
-        capacity, next_full, release_at = type(self).get_slot_state(self, request_id)
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        """The base's, with the next caching due at the prompt's partial tail while that
+        is not keyed (not yet, or again after `evict_blocks`), so the next step reaching
+        it caches."""
+        capacity, next_full, release_at = super().get_slot_state(request_id)
         boundary = self._pending_tails.get(request_id)
         if boundary is not None and boundary < next_full:
             next_full = boundary
         return capacity, next_full, release_at
 
-    def _free_and_forget_tail(self, request_id: str) -> None:
+    def free(self, request_id: str) -> None:
         self._pending_tails.pop(request_id, None)
         self._keyed_tails.pop(request_id, None)
-        type(self).free(self, request_id)
+        super().free(request_id)
 
-    def _requeue_evicted_tails(self, block_ids: Collection[int]) -> None:
+    def note_evicted_blocks(self, block_ids: Collection[int]) -> None:
         """`note_evicted_blocks`: a request whose keyed partial tail lies in one of
         `block_ids` keys it again at its next caching step (vLLM keys the tail at
         every step, so a tail evicted while held is cached again at the next one)."""
@@ -332,6 +333,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     spec_types = (SlidingWindowSpec,)
     releases_blocks = True
     sparse_hits = True
+    hit_may_hold_null_blocks = True
 
     def __init__(self, kv_cache_spec: SlidingWindowSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)
@@ -475,6 +477,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     spec_types = (ChunkedLocalAttentionSpec,)
     releases_blocks = True
+    hit_may_hold_null_blocks = True
 
     def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, *args, **kwargs) -> None:
         super().__init__(kv_cache_spec, *args, **kwargs)

@@ -38,7 +38,7 @@ def manager_state(manager: KVCacheManager) -> tuple:
             )
             for m in manager.coordinator.single_type_managers
         ],
-        {id(r): s for r, s in manager._slot_state.items()},
+        {id(r): s for r, s in manager._slot_states.items()},
         dict(manager._running),
     )
 

@@ -464,7 +464,7 @@ def test_blocks_are_stamped_through_the_blocks_api(monkeypatch):
 
 
 def test_decode_shortcut_and_general_path_agree_on_every_step():
-    """The shortcut answers from limits `_get_slot_state` derives; with it off, the general
+    """The shortcut answers from limits `_slot_state_for` derives; with it off, the general
     path must give the same results on the same steps."""
     results = []
     for use_shortcut in (True, False):

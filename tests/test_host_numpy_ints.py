@@ -69,7 +69,7 @@ def all_python_ints(manager: KVCacheManager) -> bool:
     for group in manager.coordinator.single_type_managers:
         values += list(group.num_cached_block.values())
         values += [b.block_id for blocks in group.req_to_blocks.values() for b in blocks]
-    for state in manager._slot_state.values():
+    for state in manager._slot_states.values():
         values += list(state)
     return all(type(v) is int for v in values)
 

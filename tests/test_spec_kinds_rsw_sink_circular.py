@@ -316,7 +316,7 @@ def test_rswa_in_a_hybrid_hits_as_full_attention():
 
 def test_sink_behaves_as_full_attention():
     m = manager_for(sink(sink_len=8))
-    assert m._sole_manager is not None  # the single-group fast path, as full attention
+    assert m.coordinator.plain_full_attention  # the single-group direct path, as full attention
     a = request("a", range(13))
     assert admit(m, a) == (0, ([1, 2, 3, 4],))
     m.free(a)

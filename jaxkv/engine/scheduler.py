@@ -184,9 +184,8 @@ class _Tracked:
     num_null_blocks: list[int] | None = None
 
 
-# `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row): a row unchanged.
+# `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row).
 _BlockChanges = tuple[tuple[list[int], ...], tuple[int, ...], bool]
-_NO_CHANGES: _BlockChanges = ((), (), False)
 
 # The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
 # `FINISHED`).
@@ -526,11 +525,16 @@ class Scheduler:
         start = request.num_computed_tokens
         num_tokens = request.num_tokens
         samples = start + num_new == num_tokens + tracked.num_pending
-        changes = self._block_changes(tracked, new_blocks) if self.with_block_ids else _NO_CHANGES
-        out = ScheduledRequest(
-            request, start, num_new, num_tokens, samples,
-            inputs if type(inputs) is tuple else tuple(inputs), *changes,
-        )  # fmt: skip
+        if type(inputs) is not tuple:
+            inputs = tuple(inputs)
+        if self.with_block_ids:
+            new_block_ids, num_null_blocks, resets_row = self._block_changes(tracked, new_blocks)
+            out = ScheduledRequest(
+                request, start, num_new, num_tokens, samples, inputs,
+                new_block_ids, num_null_blocks, resets_row,
+            )  # fmt: skip
+        else:
+            out = ScheduledRequest(request, start, num_new, num_tokens, samples, inputs)
         request.num_computed_tokens = start + num_new
         if samples:
             tracked.num_pending += 1
