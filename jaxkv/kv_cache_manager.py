@@ -6,7 +6,6 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 
@@ -130,7 +129,8 @@ class CachingMetrics:
         return self.aggregated_query_hit / self.aggregated_query_total
 
 
-class SlotState(NamedTuple):
+@dataclass(slots=True)
+class SlotState:
     """What a request holding blocks can do before `allocate_slots` must change anything.
 
     `capacity`: the tokens (lookahead included) its blocks hold, at most
@@ -140,8 +140,9 @@ class SlotState(NamedTuple):
     its attention window (`NEVER` without sliding-window, chunked-local or Mamba
     groups); `quiet_until`: `min(capacity, caches_at - 1, releases_at)`.
 
-    Invariant: a step of `n >= 1` new tokens, no hits, from `c` computed tokens with
-    `c + n + lookahead <= quiet_until` allocates, caches and releases nothing.
+    Never changed once made (a new one replaces it). Invariant: a step of `n >= 1` new
+    tokens, no hits, from `c` computed tokens with `c + n + lookahead <= quiet_until`
+    allocates, caches and releases nothing.
     """
 
     capacity: int
@@ -179,6 +180,9 @@ class _Step:
     num_tokens: int = 0  # plus the new tokens: where the step ends
     num_slot_tokens: int = 0  # plus the lookahead tokens, at most `max_model_len`
     num_cacheable_tokens: int = 0  # never past `request.num_tokens` (unverified tokens)
+    # `num_tokens` for the groups that give lookahead tokens no slot, when there are
+    # lookahead tokens and such groups; else None.
+    num_tokens_main_model: int | None = None
     cache: bool = False  # caching on and not delayed
 
 
@@ -516,31 +520,32 @@ class KVCacheManager:
             state = self._slot_states.get(request)
         except TypeError:  # unhashable: not a Request
             raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
-        plain = (
-            type(num_new_tokens) is int
+        if (
+            state is not None
+            and type(num_new_tokens) is int
             and type(num_lookahead_tokens) is int
-            and type(num_external_computed_tokens) is int
-            and type(reserved_blocks) is int
-            and type(num_encoder_tokens) is int
             and num_new_tokens > 0
             and num_lookahead_tokens >= 0
-            and not (num_external_computed_tokens or reserved_blocks or num_encoder_tokens)
-        )
-        if (
-            plain
-            and state is not None
-            and new_computed_blocks is None
-            and type(num_new_computed_tokens) is int
-            and not num_new_computed_tokens
-            and not full_sequence_must_fit
             and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
             <= state.quiet_until
+            and new_computed_blocks is None
+            and not full_sequence_must_fit
+            and type(num_new_computed_tokens)
+            is type(num_external_computed_tokens)
+            is type(reserved_blocks)
+            is type(num_encoder_tokens)
+            is int
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or reserved_blocks
+                or num_encoder_tokens
+            )
         ):
             return self.empty_kv_cache_blocks  # a quiet step: no stage would change anything
         step = self._validate(
             request,
             state,
-            plain,
             num_new_tokens,
             num_new_computed_tokens,
             new_computed_blocks,
@@ -562,7 +567,6 @@ class KVCacheManager:
         self,
         request: Request,
         state: SlotState | None,
-        plain: bool,
         num_new_tokens: int,
         num_new_computed_tokens: int,
         new_computed_blocks: KVCacheBlocks | None,
@@ -576,6 +580,14 @@ class KVCacheManager:
         """Stage 1: `allocate_slots`' arguments checked, before any change; a request at
         its first allocation is checked too (one with a `state` holds blocks under this
         object and was checked then)."""
+        plain = (
+            type(num_new_tokens) is type(num_lookahead_tokens) is int
+            and type(num_external_computed_tokens) is type(reserved_blocks) is int
+            and type(num_encoder_tokens) is int
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
+            and not (num_external_computed_tokens or reserved_blocks or num_encoder_tokens)
+        )
         step = _Step(
             request,
             state,
@@ -620,6 +632,8 @@ class KVCacheManager:
                 f"{step.num_new_tokens} new tokens exceed max_model_len={self.max_model_len}"
             )
         step.num_slot_tokens = min(num_tokens + step.num_lookahead_tokens, self.max_model_len)
+        if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead:
+            step.num_tokens_main_model = num_tokens
         step.num_cacheable_tokens = min(num_tokens, request.num_tokens)
         step.cache = self.enable_caching and not delay_cache_blocks
         if step.cache:  # caching would fail half-way otherwise
@@ -688,7 +702,7 @@ class KVCacheManager:
                 step.num_encoder_tokens,
                 step.num_computed_tokens,
                 prefill_end=prefill_end,
-                num_tokens_main_model=self._num_tokens_main_model(step),
+                num_tokens_main_model=step.num_tokens_main_model,
                 num_local_computed_tokens=step.num_local_computed_tokens,
             )
         if num_blocks > free_block_queue.num_free_blocks - step.reserved_blocks:
@@ -713,13 +727,6 @@ class KVCacheManager:
         bound = cdiv(missing, coordinator.min_block_size) * coordinator.blocks_per_missing_block
         return bound if bound <= self.block_pool.free_block_queue.num_free_blocks else None
 
-    def _num_tokens_main_model(self, step: _Step) -> int | None:
-        """The step's tokens without lookahead, for groups that give those no slot; None
-        when no group needs them told apart."""
-        if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead:
-            return step.num_tokens
-        return None
-
     def _take_blocks(self, step: _Step, num_blocks: int) -> KVCacheBlocks:
         """Stage 3: the hits and the KV connector's blocks (every group's hits first), then
         `num_blocks` new blocks across the groups; returns the new blocks."""
@@ -740,7 +747,7 @@ class KVCacheManager:
                 request_id,
                 step.num_slot_tokens,
                 step.num_encoder_tokens,
-                self._num_tokens_main_model(step),
+                step.num_tokens_main_model,
             )
         )
 

@@ -70,7 +70,7 @@ def all_python_ints(manager: KVCacheManager) -> bool:
         values += list(group.num_cached_block.values())
         values += [b.block_id for blocks in group.req_to_blocks.values() for b in blocks]
     for state in manager._slot_states.values():
-        values += list(state)
+        values += [state.capacity, state.caches_at, state.releases_at, state.quiet_until]
     return all(type(v) is int for v in values)
 
 
