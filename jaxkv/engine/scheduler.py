@@ -64,6 +64,7 @@ from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from jaxkv.kv_cache_utils import KVCacheBlockCopy
 from jaxkv.request import Request
+from jaxkv.sampling_params import SamplingParams
 
 __all__ = [
     "FinishReason",
@@ -171,17 +172,37 @@ class RequestUpdate:
 
 @dataclass(slots=True)
 class _Tracked:
+    """The scheduler's record of an unfinished request. Its status is the request's own
+    `status` (the one record of it: waiting, running, preempted, finished)."""
+
     request: Request
     stop_token_ids: frozenset[int]
     num_pending: int = 0  # sampled tokens in flight, not yet appended
-    finish_reason: FinishReason | None = None
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
-    running: bool = False
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
     # Per KV-cache group, the leading null blocks of its lists as last reported; None:
     # its row must be reset (new, or resumed after preemption).
     num_null_blocks: list[int] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.request.status.name == "RUNNING"
+
+
+def stop_token_ids_for(
+    sampling: SamplingParams, eos_token_ids: Iterable[int] = ()
+) -> frozenset[int]:
+    """The tokens that end a request sampled with `sampling`: its `stop_token_ids` and,
+    unless `ignore_eos`, the model's `eos_token_ids` and its own `eos_token_id`. With
+    `Request.max_tokens` and the model length, what `Scheduler.update_from_output` (the
+    one place a request's stop is decided) stops it at."""
+    stop = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        stop.update(eos_token_ids)
+        if sampling.eos_token_id is not None:
+            stop.add(int(sampling.eos_token_id))
+    return frozenset(stop)
 
 
 # `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row).
@@ -418,7 +439,6 @@ class Scheduler:
             if not request.num_preemptions:
                 tracked.num_cached_tokens = num_hits
             _set_status(request, "RUNNING")
-            tracked.running = True
             self.running.append(request)
             if inputs:
                 encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
@@ -572,7 +592,6 @@ class Scheduler:
         tracked = self._tracked[request.request_id]
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
-        tracked.running = False
         tracked.num_null_blocks = None
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -593,7 +612,9 @@ class Scheduler:
         """Append the tokens sampled for `output` (row `i` for `output.scheduled[i]`).
 
         Requests finished or aborted since are skipped (their token is dropped); a
-        preempted request keeps its token. Stop conditions are checked here.
+        preempted request keeps its token. This is the one place a request's stop is
+        decided: a token of its stop set (`stop_token_ids_for`) stops it, reaching
+        `Request.max_tokens` outputs or the model length caps it.
         """
         updates: list[RequestUpdate] = []
         all_tracked = self._tracked
@@ -648,6 +669,5 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
         _set_status(request, _FINISHED_STATUS[reason])
-        tracked.finish_reason = reason
         del self._tracked[request.request_id]
         self._finished_ids.append(request.request_id)
