@@ -1,7 +1,7 @@
 """Issue 10, one test (or a few) per deliverable; each fails on the code before it.
 
 Wrong KV impossible by mistake (item 2), raised errors change nothing (item 3),
-integer sizes (item 4), the seed's encoder semantics (item 5), vLLM 0.33's
+integer sizes (item 4), the seed's encoder semantics (item 5), vLLM's
 signatures (item 6), and the code-structure items that tests can see (item 7).
 """
 
@@ -304,7 +304,7 @@ def test_admission_check_fails_an_item_that_could_never_be_scheduled(cls):
 
 
 # ---------------------------------------------------------------------------
-# Item 6: vLLM 0.33's signatures
+# Item 6: vLLM's signatures
 
 VLLM_SIGNATURES = {
     KVCacheManager.__init__: [
@@ -344,7 +344,7 @@ VLLM_SIGNATURES = {
 
 @pytest.mark.parametrize("fn", list(VLLM_SIGNATURES), ids=lambda f: f.__qualname__)
 def test_positional_parameters_are_vllms(fn):
-    """vLLM 0.33's positional parameters, in its order (jaxkv's extras are keyword-only)."""
+    """vLLM's positional parameters, in its order (jaxkv's extras are keyword-only)."""
     positional = [
         name
         for name, p in inspect.signature(fn).parameters.items()

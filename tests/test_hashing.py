@@ -37,7 +37,7 @@ from jaxkv.hashing import (
 )
 from jaxkv.request_hashing import generate_block_hash_extra_keys
 
-# Digests computed by vLLM 0.33 (sha256_cbor / xxhash_cbor), kept in the repo.
+# Digests computed by vLLM (sha256_cbor / xxhash_cbor), kept in the repo.
 VECTORS_DIR = Path(__file__).resolve().parent / "data"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")

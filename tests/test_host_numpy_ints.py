@@ -316,7 +316,7 @@ def _touch_pool() -> tuple[BlockPool, list[KVCacheBlock]]:
 @pytest.mark.parametrize(
     "form",
     [
-        lambda blocks: blocks,  # vLLM 0.33: a flat sequence
+        lambda blocks: blocks,  # vLLM: a flat sequence
         lambda blocks: tuple(blocks),
         lambda blocks: iter(blocks),
         lambda blocks: [blocks],  # one sequence per group

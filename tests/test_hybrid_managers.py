@@ -280,7 +280,7 @@ def test_mamba_last_state_hits_and_align_caching():
 
 def test_mamba_coarser_block_hits_at_hash_units_with_copy_on_write():
     # Mamba block 32, attention 16, hashed per 16: partial (sub-block) hits are on, as in
-    # vLLM 0.33; a hit inside a Mamba block is served from a private copy of its state.
+    # vLLM; a hit inside a Mamba block is served from a private copy of its state.
     m = manager_for(full(16), mamba(32), num_blocks=40)
     coordinator = m.coordinator
     assert isinstance(coordinator, HybridKVCacheCoordinator)
@@ -514,7 +514,7 @@ def test_hybrid_events_name_their_group_kind_window_and_untagged_extra_keys():
 
 
 def test_a_partial_tail_evicted_while_held_is_keyed_again_at_the_next_step():
-    """As vLLM 0.33, which keys a prompt's partial tail at every caching step: after
+    """As vLLM, which keys a prompt's partial tail at every caching step: after
     `evict_blocks` drops it from a block its request still holds, the request's next step
     keys it again (a `BlockStored`); an evicted full block stays uncached."""
     m = manager_for(full(8), sw(4, bs=4), num_blocks=40, enable_kv_cache_events=True)

@@ -256,7 +256,7 @@ def test_hybrid_grouping_unifies_page_sizes():
     groups = get_kv_cache_groups({"f": full, "s": small})
     assert groups[1].kv_cache_spec.block_size == 32
     assert groups[1].kv_cache_spec.page_size_bytes == full.page_size_bytes
-    # A page that does not divide the largest is padded (vLLM 0.33), except MLA's.
+    # A page that does not divide the largest is padded (as vLLM does), except MLA's.
     odd = SlidingWindowSpec(16, 3, 128, sliding_window=64)
     padded = get_kv_cache_groups({"f": full, "s": odd})[1].kv_cache_spec
     assert padded == replace(odd, page_size_padded=full.page_size_bytes)

@@ -1,4 +1,4 @@
-"""vLLM 0.33's remaining spec kinds, exact numbers: R-SWA (`RSWASpec`), full attention
+"""vLLM's remaining spec kinds, exact numbers: R-SWA (`RSWASpec`), full attention
 with static sinks (`SinkFullAttentionSpec`) and the circular buffer (`CircularBufferSpec`).
 """
 
@@ -96,7 +96,7 @@ def decode(m: KVCacheManager, req: Request, token=7) -> tuple[list[int], ...] | 
 
 def test_rswa_spec_is_full_attention_with_a_decode_window():
     spec = RSWASpec(16, 2, 8, "float32", rswa_window=32)
-    assert spec.kind is KVCacheSpecKind.FULL_ATTENTION  # as vLLM 0.33 reports it
+    assert spec.kind is KVCacheSpecKind.FULL_ATTENTION  # as vLLM reports it
     assert spec.rswa_window == 32
     assert spec.page_size_bytes == 16 * 2 * (8 + 8) * 4 == 2048
     # Sized as full attention: the whole prompt may stay.
@@ -151,7 +151,7 @@ def test_sink_spec():
 
 def test_circular_buffer_spec_holds_one_page_per_request():
     spec = CircularBufferSpec(4, 1, 8, "float16")
-    assert spec.kind is KVCacheSpecKind.UNKNOWN  # as vLLM 0.33 reports it
+    assert spec.kind is KVCacheSpecKind.UNKNOWN  # as vLLM reports it
     assert not spec.prefix_cacheable and not spec.uses_slot_mapping
     assert spec.page_size_bytes == 4 * 1 * 16 * 2 == 128
     for max_model_len in (1, 100, 1 << 20):

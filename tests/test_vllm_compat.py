@@ -1,4 +1,4 @@
-"""vLLM 0.33 behaviours and call forms that vLLM's own v1/core tests showed missing.
+"""vLLM behaviours and call forms that vLLM's own v1/core tests showed missing.
 
 Each test here is ours (not vLLM's); `tools/vllm_core_yardstick.py` runs vLLM's.
 """
@@ -325,7 +325,7 @@ def test_new_attention_block_ids_are_recorded_for_zeroing():
 
 
 def test_single_type_managers_take_connector_tokens_in_vllms_form():
-    # vLLM 0.33's `allocate_external_computed_blocks(request_id, num_local, num_external)`:
+    # vLLM's `allocate_external_computed_blocks(request_id, num_local, num_external)`:
     # blocks up to the connector's tokens, none when the request already holds more (a
     # speculative allocation may have), so the free count never goes up.
     pool = BlockPool(10, enable_caching=False, hash_block_size=4)
@@ -710,7 +710,7 @@ def test_attention_specs_are_dcp_sharded_by_default_as_in_vllm():
 
 
 def test_kv_cache_config_names_the_groups_a_connector_transfers():
-    # vLLM 0.33's `enable_kv_transfer` and the config's views over it, which KV connectors
+    # vLLM's `enable_kv_transfer` and the config's views over it, which KV connectors
     # read: transferred groups, their per-layer index, their block ids, and the ones a
     # hash-addressed store may keep (scratch state such as cross-attention excluded).
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
