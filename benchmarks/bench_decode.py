@@ -92,7 +92,7 @@ def bench_pool_scaling(repeats: int, sizes: list[int], steps: int = 60) -> dict:
     from tqdm import tqdm
 
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+    from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
     model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
     prompt = list(range(3, 40))

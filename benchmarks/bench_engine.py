@@ -25,7 +25,7 @@ from tqdm import tqdm
 from benchmarks._common import add_record_option, print_table, results_name, write_json
 from jaxkv.device import compilation_count
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 
 def spread(values: list[float]) -> dict:

@@ -1,7 +1,7 @@
 """Host-side benchmark: a shared-prefix serving workload through the KV cache manager.
 
     python -m benchmarks.bench_host                # jaxkv only
-    python -m benchmarks.bench_host --peer vllm    # same workload through vLLM 0.33, ratios
+    python -m benchmarks.bench_host --peer vllm    # same workload through vLLM, ratios
 
 The workload: 32 system prompts of 1024 tokens, 1500 requests each made of a
 system prompt and 64-512 unique user tokens, generating 16-96 tokens; block
@@ -336,7 +336,7 @@ def main() -> None:
             "identical_hit_tokens": reference.hit_tokens,
         }
         print_table(
-            "\nratios vs vLLM 0.33 (same process, same workload)",
+            "\nratios vs vLLM (same process, same workload)",
             ["comparison", "speedup", "target"],
             [
                 ["sha256_cbor: vLLM / jaxkv", summary["sha256_cbor_speedup"], ">= 4"],

@@ -1,7 +1,7 @@
 """Hybrid-model benchmark: the shared-prefix serving workload on a Gemma-3-style model.
 
     python -m benchmarks.bench_hybrid                # jaxkv: hybrid vs single group
-    python -m benchmarks.bench_hybrid --peer vllm    # also vLLM 0.33's hybrid coordinator
+    python -m benchmarks.bench_hybrid --peer vllm    # also vLLM's hybrid coordinator
 
 The model: 5 sliding-window layers (window 1024) per global layer, as two KV
 cache groups (global: full attention; local: sliding window), block size 16.

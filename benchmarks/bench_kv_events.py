@@ -36,9 +36,9 @@ from benchmarks._common import (
     write_json,
 )
 from benchmarks.bench_engine import decode_steps, spread
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
 from jaxkv.kv_events import BlockStored
 from jaxkv.kv_events_publisher import ZmqEventPublisher
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 
 def bench_publisher(tmp: str, num_batches: int, events_per_batch: int) -> dict:

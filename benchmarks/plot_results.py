@@ -39,7 +39,7 @@ def plot_host(result: dict, fig) -> None:
     ax_serve.bar([i - 0.2 for i in x], jaxkv, 0.4, label="jaxkv", color=JAXKV_COLOR)
     if all(f"vllm/{n}" in serving for n in names):
         vllm = [serving[f"vllm/{n}"]["seconds"] for n in names]
-        bars = ax_serve.bar([i + 0.2 for i in x], vllm, 0.4, label="vLLM 0.33", color=VLLM_COLOR)
+        bars = ax_serve.bar([i + 0.2 for i in x], vllm, 0.4, label="vLLM", color=VLLM_COLOR)
         _label_bars(ax_serve, bars, [f"{v / j:.1f}×" for v, j in zip(vllm, jaxkv, strict=True)])
     workload = result["workload"]
     ax_serve.set(
@@ -169,7 +169,7 @@ def plot_hybrid(result: dict, fig) -> None:
             medians,
             0.4,
             yerr=[low, high],
-            label="jaxkv" if impl == "jaxkv" else "vLLM 0.33",
+            label="jaxkv" if impl == "jaxkv" else "vLLM",
             color=color,
         )
         if impl == "vllm":

@@ -8,12 +8,12 @@ What it does, in order:
    (any local Gemma/Gemma2/Gemma3-text/Llama checkpoint).
 2. Loads it with `jaxkv.models.load_model`: Flax NNX modules, parameters read from the
    safetensors files by their Hugging Face names.
-3. Generates greedily for a few prompts that share a prefix, through `PagedGenerator`:
-   sliding-window and full-attention layers each get their own KV-cache group
-   (`PagedKVCache` + block tables), prompts are prefilled in small chunks, and later
-   prompts reuse the shared prefix's blocks.
-4. Re-derives every token with `forward_dense` (whole sequence recomputed, no cache) and
-   prints both; exits 1 on any mismatch.
+3. Serves a few prompts that share a prefix through `jaxkv.engine.LLMEngine`, greedily:
+   sliding-window and full-attention layers get their own KV-cache groups, prompts are
+   prefilled in small chunks (`--chunk-size` tokens a step), and the later prompts
+   reuse the shared prefix's blocks from the prefix cache.
+4. Re-derives every token with the dense reference (`forward_dense`, whole sequence
+   recomputed, no cache) and prints both; exits 1 on any mismatch.
 
 Run: `python examples/gemma_style.py` (`--max-tokens 8 --chunk-size 4`).
 """
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.models import load_model, load_tokenizer, save_random_checkpoint, tiny_configs
-from jaxkv.models.paged_generate import PagedGenerator, dense_greedy
 from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.testing.reference import DenseReference
 
 PROMPTS = [
     "<bos> w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22",
@@ -63,22 +64,30 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [tokenizer.encode(p).ids for p in PROMPTS]
         else:
             prompts = [[2, *range(10, 10 + n)] for n in (12, 13, 3)]
-        gen = PagedGenerator(model, block_size=4, max_num_tokens=32, group_by_spec=True)
-        outputs = gen.generate(prompts[:1], args.max_tokens, chunk_size=args.chunk_size)
-        outputs += gen.generate(prompts[1:], args.max_tokens, chunk_size=args.chunk_size)
-        print(f"KV-cache groups: {len(gen.caches)}; prompt tokens from the prefix cache: "
-              f"{gen.num_cached_tokens}")  # fmt: skip
-        dense = model.dense_fn()
+        config = EngineConfig(
+            block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64,
+            max_num_batched_tokens=16, long_prefill_token_threshold=args.chunk_size,
+        )  # fmt: skip
+        engine = LLMEngine(model, config)
+        sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        outputs = engine.generate(prompts[:1], sampling)
+        outputs += engine.generate(prompts[1:], sampling)
+        groups = engine.runner.kv_cache_config.kv_cache_groups
+        print(f"KV-cache groups: {len(groups)}; prompt tokens from the prefix cache: "
+              f"{sum(o.num_cached_tokens for o in outputs)}")  # fmt: skip
+        reference = DenseReference(model, config.max_model_len)
         ok = True
-        for prompt, out in zip(prompts, outputs, strict=True):
-            expected, _ = dense_greedy(dense, prompt, args.max_tokens)
-            ok &= out == expected
-            text = tokenizer.decode(out) if tokenizer is not None else ""
-            print(f"prompt {len(prompt):3d} tokens -> {out} {text!r} "
-                  f"dense: {'same' if out == expected else expected}")  # fmt: skip
+        for out in outputs:
+            expected = reference.expected(out.prompt_token_ids, out.output_token_ids)
+            tokens = out.output_token_ids
+            ok &= tokens == expected
+            text = tokenizer.decode(tokens) if tokenizer is not None else ""
+            print(f"prompt {len(out.prompt_token_ids):3d} tokens -> {tokens} {text!r} "
+                  f"dense: {'same' if tokens == expected else expected}")  # fmt: skip
+        dense = model.dense_fn()
         first = dense(jnp.asarray(prompts[0], jnp.int32))
         print(f"dense logits of prompt 0: shape {tuple(first.shape)}, dtype {first.dtype}")
-    print("paged == dense:", "OK" if ok else "MISMATCH")
+    print("engine == dense:", "OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
 

@@ -36,7 +36,7 @@ def engine_process(rank: int, endpoints: tuple[str, str], num_blocks: int, conn:
     """One engine: serve the prompts sent, answer each prompt's prefix-cache hit tokens
     and how many event batches it has sent (so the router can wait for them)."""
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+    from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
     config = EngineConfig(
         block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=128,

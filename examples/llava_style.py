@@ -8,11 +8,12 @@ What it does, in order:
    `<image>` token) to a temporary directory, or uses `--model DIR`.
 2. Loads it with `jaxkv.models.load_model`; reads an image (`--image FILE`, default a
    synthetic gradient) with Pillow and preprocesses it as preprocessor_config.json says.
-3. Expands the `<image>` placeholder to one token per image feature, runs the vision
-   tower + projector once (`encode_images`), merges the features into the prompt's
-   embeddings and generates greedily through `PagedGenerator` in small prefill chunks
-   (the image rows are cut across chunks).
-4. Re-derives the tokens with `forward_dense` on the same embeddings; exits 1 on mismatch.
+3. Serves the prompt with its image through `jaxkv.engine.LLMEngine`, greedily: the
+   engine expands the `<image>` placeholder to one token per image feature, runs the
+   vision tower + projector once (its encoder cache) and prefills in small chunks (the
+   image rows are cut across chunks).
+4. Re-derives the tokens with the dense reference (`forward_dense` on the same image
+   features); exits 1 on mismatch.
 
 Run: `python examples/llava_style.py` (`--image photo.jpg --max-tokens 8`).
 """
@@ -25,10 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.models import (
     load_model,
     load_tokenizer,
@@ -36,8 +37,8 @@ from jaxkv.models import (
     save_random_checkpoint,
     tiny_configs,
 )
-from jaxkv.models.paged_generate import PagedGenerator, dense_greedy
 from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.testing.reference import DenseReference, image_offsets
 
 PREPROCESSOR = {
     "do_resize": True, "size": {"shortest_edge": 16}, "resample": 3,
@@ -80,20 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         pixels = preprocess_image(image, preprocessor)[None]  # [1, C, H, W]
         image_id = model.config.image_token_id
         ids = tokenizer.encode(PROMPT).ids if tokenizer is not None else [1, 30, image_id, 31]
-        prompt = model.expand_image_tokens(ids)
-        embeds = np.asarray(
-            model.multimodal_embeddings(jnp.asarray(prompt, jnp.int32), jnp.asarray(pixels))
-        )
+        config = EngineConfig(
+            block_size=4, num_blocks=32, max_num_seqs=2, max_model_len=64,
+            max_num_batched_tokens=16, long_prefill_token_threshold=args.chunk_size,
+        )  # fmt: skip
+        engine = LLMEngine(model, config)
+        sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        (result,) = engine.generate([ids], sampling, images=[[pixels[0]]])
+        prompt, out = result.prompt_token_ids, result.output_token_ids
         print(f"image {image.size} -> pixels {pixels.shape}; prompt {len(ids)} tokens -> "
               f"{len(prompt)} with {model.num_image_tokens} image features")  # fmt: skip
-        gen = PagedGenerator(model, block_size=4, max_num_tokens=32)
-        (out,) = gen.generate(
-            [prompt], args.max_tokens, chunk_size=args.chunk_size, prompt_embeds=[embeds]
-        )
-        expected, _ = dense_greedy(model.dense_fn(), prompt, args.max_tokens, embeds)
+        (offset,) = image_offsets(prompt, image_id, model.num_image_tokens)
+        reference = DenseReference(model, config.max_model_len)
+        expected = reference.expected(prompt, out, [(offset, pixels[0])])
         text = tokenizer.decode(out) if tokenizer is not None else ""
         print(f"generated {out} {text!r}; dense: {'same' if out == expected else expected}")
-    print("paged == dense:", "OK" if out == expected else "MISMATCH")
+    print("engine == dense:", "OK" if out == expected else "MISMATCH")
     return 0 if out == expected else 1
 
 

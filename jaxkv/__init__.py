@@ -1,13 +1,33 @@
 """jaxkv: vLLM v1-style KV-cache management for JAX serving.
 
 The top-level package is host-side only (Python + numpy) and never imports
-JAX; the jitted device code lives in `jaxkv.device`.
+JAX; the jitted device code lives in `jaxkv.device`, the serving engine in
+`jaxkv.engine`, the models in `jaxkv.models`.
+
+Exported here is what a user of the cache managers needs (`__all__` lists them
+in these groups):
+
+- requests and their block hashes: a `Request` hashed by
+  `get_request_block_hasher(block_size, get_hash_fn_by_name(name))`;
+- what the cache holds: one spec per attention type, grouped in a `KVCacheConfig`;
+- sizing a cache for a model and a memory budget;
+- the `KVCacheManager` and what it hands out (blocks per group, prefix-cache
+  stats, page copies), the `BlockPool` under it, `BlockTable` for the device;
+- KV events (drained per step by `KVCacheManager.take_events()`);
+- the multimodal encoder cache.
+
+Everything else (the coordinators and per-type managers, hash-key helpers, the
+free-block queue, block-size and DCP resolution helpers, the capacity
+arithmetic) stays importable from its own module, e.g.
+`jaxkv.kv_cache_coordinator.HybridKVCacheCoordinator` or
+`jaxkv.single_type_kv_cache_manager.SlidingWindowManager`. What exists only for
+vLLM's own tests and call shapes is in `jaxkv.compat.vllm`, which the core never
+imports.
 """
 
-from jaxkv._checks import AssertedValueError
 from jaxkv.block_pool import BlockPool
 from jaxkv.block_table import BlockTable
-from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.blocks import KVCacheBlock
 from jaxkv.encoder_cache_manager import (
     EncoderBudget,
     EncoderCacheManager,
@@ -16,23 +36,10 @@ from jaxkv.encoder_cache_manager import (
 )
 from jaxkv.hashing import (
     BlockHash,
-    BlockHashListWithBlockSize,
-    BlockHashWithGroupId,
-    get_block_hash,
-    get_group_id,
     get_hash_fn_by_name,
     get_none_hash,
-    get_none_hash_seed,
     hash_block_tokens,
     init_none_hash,
-    make_block_hash_with_group_id,
-)
-from jaxkv.kv_cache_coordinator import (
-    HybridKVCacheCoordinator,
-    KVCacheCoordinator,
-    KVCacheCoordinatorNoPrefixCache,
-    UnitaryKVCacheCoordinator,
-    get_kv_cache_coordinator,
 )
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -51,18 +58,9 @@ from jaxkv.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-    SpecMergeError,
-    TensorParallelBytes,
     UniformTypeKVCacheSpecs,
-    get_mamba_prefill_checkpoint_position,
-    is_mamba_prefill_checkpoint_valid,
 )
-from jaxkv.kv_cache_manager import (
-    CachingMetrics,
-    KVCacheBlocks,
-    KVCacheManager,
-    PrefixCacheStats,
-)
+from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from jaxkv.kv_cache_planning import (
     KVCacheCapacity,
     check_enough_kv_cache_memory,
@@ -73,22 +71,10 @@ from jaxkv.kv_cache_planning import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
     get_max_concurrency_for_kv_cache_config,
-    kv_cache_per_device_bytes,
-    max_memory_usage_bytes,
-    update_kv_cache_capacity,
 )
-from jaxkv.kv_cache_utils import (
-    KVCacheBlockCopy,
-    eagle_proof_margin,
-    partial_hash_hits_enabled,
-    resolve_block_hashes,
-    resolve_cache_hit_alignment_tokens,
-    resolve_dcp_kv_block_size,
-    resolve_dcp_kv_cache_spec,
-    resolve_kv_cache_block_sizes,
-)
+from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from jaxkv.mm_hashing import hash_mm_item, processor_kwargs_digest
+from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import (
     LoRARequest,
     MultiModalFeatureSpec,
@@ -96,121 +82,70 @@ from jaxkv.request import (
     Request,
     RequestStatus,
 )
-from jaxkv.request_hashing import (
-    BlockHashMemo,
-    RequestBlockHasher,
-    generate_block_hash_extra_keys,
-    get_request_block_hasher,
-)
+from jaxkv.request_hashing import RequestBlockHasher, get_request_block_hasher
 from jaxkv.sampling_params import SamplingParams
-from jaxkv.single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager,
-    CircularBufferManager,
-    CrossAttentionManager,
-    FullAttentionManager,
-    MambaManager,
-    RSWAManager,
-    SingleTypeKVCacheManager,
-    SinkFullAttentionManager,
-    SlidingWindowManager,
-    get_manager_for_kv_cache_spec,
-)
 
 __all__ = [
-    "AllBlocksCleared",
-    "AssertedValueError",
+    # requests and block hashes
     "BlockHash",
-    "BlockHashListWithBlockSize",
-    "BlockHashMemo",
-    "BlockHashWithGroupId",
-    "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
-    "BlockTable",
-    "CachingMetrics",
-    "check_enough_kv_cache_memory",
-    "ChunkedLocalAttentionManager",
-    "ChunkedLocalAttentionSpec",
-    "CircularBufferManager",
-    "CircularBufferSpec",
-    "compute_encoder_budget",
-    "CrossAttentionManager",
-    "CrossAttentionSpec",
-    "eagle_proof_margin",
-    "EncoderBudget",
-    "EncoderCacheManager",
-    "EncoderDecoderCacheManager",
-    "estimate_max_model_len",
-    "FreeKVCacheBlockQueue",
-    "FullAttentionManager",
-    "FullAttentionSpec",
-    "generate_block_hash_extra_keys",
-    "generate_scheduler_kv_cache_config",
-    "get_block_hash",
-    "get_group_id",
+    "LoRARequest",
+    "MultiModalFeatureSpec",
+    "PlaceholderRange",
+    "Request",
+    "RequestBlockHasher",
+    "RequestStatus",
+    "SamplingParams",
     "get_hash_fn_by_name",
-    "get_kv_cache_capacity",
-    "get_kv_cache_config",
-    "get_kv_cache_config_from_groups",
-    "get_kv_cache_coordinator",
-    "get_kv_cache_groups",
-    "get_manager_for_kv_cache_spec",
-    "get_max_concurrency_for_kv_cache_config",
     "get_none_hash",
-    "get_none_hash_seed",
-    "get_mamba_prefill_checkpoint_position",
     "get_request_block_hasher",
     "hash_block_tokens",
     "hash_mm_item",
-    "HybridKVCacheCoordinator",
     "init_none_hash",
-    "is_mamba_prefill_checkpoint_valid",
-    "kv_cache_per_device_bytes",
-    "KVCacheBlock",
-    "KVCacheBlockCopy",
-    "KVCacheBlocks",
-    "KVCacheCapacity",
+    # specs and configs
+    "ChunkedLocalAttentionSpec",
+    "CircularBufferSpec",
+    "CrossAttentionSpec",
+    "FullAttentionSpec",
     "KVCacheConfig",
-    "KVCacheCoordinator",
-    "KVCacheCoordinatorNoPrefixCache",
-    "KVCacheEvent",
     "KVCacheGroupSpec",
-    "KVCacheManager",
     "KVCacheSpec",
     "KVCacheSpecKind",
     "KVCacheTensor",
     "KVQuantMode",
-    "LoRARequest",
-    "make_block_hash_with_group_id",
-    "MambaManager",
-    "MambaSpec",
-    "max_memory_usage_bytes",
     "MLAAttentionSpec",
-    "MultiModalFeatureSpec",
-    "partial_hash_hits_enabled",
-    "PlaceholderRange",
-    "PrefixCacheStats",
-    "processor_kwargs_digest",
-    "Request",
-    "RequestBlockHasher",
-    "RequestStatus",
-    "resolve_block_hashes",
-    "resolve_cache_hit_alignment_tokens",
-    "resolve_dcp_kv_block_size",
-    "resolve_dcp_kv_cache_spec",
-    "resolve_kv_cache_block_sizes",
-    "RSWAManager",
+    "MambaSpec",
     "RSWASpec",
-    "SamplingParams",
-    "SingleTypeKVCacheManager",
-    "SinkFullAttentionManager",
     "SinkFullAttentionSpec",
-    "SlidingWindowManager",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
-    "SpecMergeError",
-    "TensorParallelBytes",
     "UniformTypeKVCacheSpecs",
-    "UnitaryKVCacheCoordinator",
-    "update_kv_cache_capacity",
+    # sizing
+    "KVCacheCapacity",
+    "check_enough_kv_cache_memory",
+    "estimate_max_model_len",
+    "generate_scheduler_kv_cache_config",
+    "get_kv_cache_capacity",
+    "get_kv_cache_config",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_groups",
+    "get_max_concurrency_for_kv_cache_config",
+    "resolve_kv_cache_block_sizes",
+    # the manager
+    "BlockPool",
+    "BlockTable",
+    "KVCacheBlock",
+    "KVCacheBlockCopy",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    # events
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheEvent",
+    # encoder cache
+    "EncoderBudget",
+    "EncoderCacheManager",
+    "EncoderDecoderCacheManager",
+    "compute_encoder_budget",
 ]

@@ -18,7 +18,7 @@ TOKEN_ID_LIMIT = 1 << 63
 
 
 class AssertedValueError(ValueError, AssertionError):
-    """Bad input that vLLM 0.33 rejects with an `assert`: a `ValueError` like every
+    """Bad input that vLLM rejects with an `assert`: a `ValueError` like every
     bad argument in jaxkv, and an `AssertionError` so code written for vLLM that
     expects one still catches it."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
@@ -267,53 +267,6 @@ class BlockHashToBlockMap:
         self._maps.clear()
         self._listed.clear()
 
-    @property
-    def _cache(self) -> _VLLMCacheView:
-        """vLLM's internal dict (combined key -> block, or {block_id: block} for several),
-        as a live view; vLLM's tests read and edit it."""
-        return _VLLMCacheView(self)
-
-
-class _VLLMCacheView(MutableMapping):
-    """`BlockHashToBlockMap` in the shape of vLLM's `_cache` dict (see `_cache`)."""
-
-    def __init__(self, cache: BlockHashToBlockMap) -> None:
-        self._map = cache
-
-    def __getitem__(self, key: BlockHashWithGroupId) -> KVCacheBlock | dict[int, KVCacheBlock]:
-        blocks = self._map.blocks_of(get_block_hash(key), get_group_id(key))
-        if not blocks:
-            raise KeyError(key)
-        return blocks[0] if len(blocks) == 1 else {b.block_id: b for b in blocks}
-
-    def __setitem__(
-        self, key: BlockHashWithGroupId, value: KVCacheBlock | dict[int, KVCacheBlock]
-    ) -> None:
-        if key in self:
-            del self[key]
-        for block in value.values() if isinstance(value, dict) else (value,):
-            self._map.insert(key, block)
-
-    def __delitem__(self, key: BlockHashWithGroupId) -> None:
-        block_hash, group_id = get_block_hash(key), get_group_id(key)
-        blocks = self._map.blocks_of(block_hash, group_id)
-        if not blocks:
-            raise KeyError(key)
-        for block in blocks:
-            self._map.pop(block_hash, group_id, block.block_id)
-
-    def __iter__(self) -> Iterator[BlockHashWithGroupId]:
-        return (key for key, _ in list(self._map.items()))
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def __copy__(self) -> dict:
-        return dict(self.items())
-
-    def clear(self) -> None:
-        self._map.clear()
-
 
 class BlockPool:
     """All KV-cache pages of one pool.
@@ -337,7 +290,7 @@ class BlockPool:
         *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        """vLLM 0.33's positional order; `metrics_collector` and `medium` are accepted and
+        """vLLM's positional order; `metrics_collector` and `medium` are accepted and
         unused, `num_hash_lookahead_tokens` must be 0. Integer arguments may be numpy
         integers (stored as ints)."""
         num_gpu_blocks = check_num_blocks("num_gpu_blocks", num_gpu_blocks)
@@ -424,7 +377,7 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock] | Iterable[Sequence[KVCacheBlock]]) -> None:
         """Take a reference on cache hits; free ones leave the queue.
 
-        `blocks` is vLLM 0.33's flat sequence of blocks, or one sequence per KV cache
+        `blocks` is vLLM's flat sequence of blocks, or one sequence per KV cache
         group (the form the managers use): the flat form is the one whose first element
         is a `KVCacheBlock`. Every block must be one of this pool's (checked first:
         TypeError/ValueError, nothing changed)."""
@@ -614,8 +567,8 @@ class BlockPool:
         block_size: int,
         replace_existing_hashes: bool = False,
     ) -> BlockHashWithGroupId | None:
-        """Make `block` reachable from the prefix boundary `num_tokens` inside it (vLLM
-        0.33's partial entry): its key is the request's hash at that boundary.
+        """Make `block` reachable from the prefix boundary `num_tokens` inside it (vLLM's
+         partial entry): its key is the request's hash at that boundary.
 
         Returns the key, or None when the block is the null block or already holds a
         full-block key (jaxkv keeps one key per block; vLLM adds a second one). An older,
@@ -784,7 +737,7 @@ class BlockPool:
         """Drop cached blocks from the prefix cache (their hashes are reset). `were_free`:
         they were all free pages (taken for allocation), so their contents are garbage.
 
-        The `BlockRemoved` events follow vLLM 0.33's order: block by block, each block's
+        The `BlockRemoved` events follow vLLM's order: block by block, each block's
         own key, then its further keys (`_secondary_keys`) in the order they were added."""
         self.cached_block_hash_to_block.pop_stamped(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:

@@ -24,8 +24,8 @@ from tqdm import tqdm
 from jaxkv.device import compilation_cache_hits, compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.reference import DenseReference, image_offsets
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.reference import DenseReference, image_offsets
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 __all__ = ["main", "run_demo"]
 

@@ -40,7 +40,7 @@ import cbor2
 import numpy as np
 import xxhash
 
-from jaxkv._checks import check_int
+from jaxkv._checks import AssertedValueError, check_int
 from jaxkv.cbor_fast import CBOR_NULL, cbor_head, cbor_uint_arrays
 
 BlockHash = NewType("BlockHash", bytes)
@@ -463,3 +463,43 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
         if not 0 <= idx < n:
             raise IndexError(f"block index {idx} out of range for {n} blocks")
         return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+
+def resolve_block_hashes(
+    block_hashes: Sequence[BlockHash],
+    hash_block_size: int,
+    block_size: int,
+    *,
+    supports_fine_grained_hash_lookup: bool = False,
+    alignment_tokens: int | None = None,
+) -> Sequence[BlockHash]:
+    """The request's hashes viewed at `block_size` (the list itself when equal).
+
+    Fine-grained lookups (alignment below the block, dividing it) keep the raw
+    hash-unit list so interior boundaries can be probed.
+    """
+    if block_size == hash_block_size and type(block_hashes) is list:
+        return block_hashes  # a request's own hashes (checked first: `isinstance` with an
+        # abstract base class costs more than the rest of a lookup's setup)
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        view_block_size = hash_block_size * block_hashes.scale_factor
+        if view_block_size != block_size:
+            raise AssertedValueError(
+                f"block_hashes is a view of {view_block_size}-token blocks; it cannot be read "
+                f"as {block_size}-token blocks"
+            )
+        return block_hashes
+    if block_size == hash_block_size:
+        return block_hashes
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
+        return block_hashes
+    if block_size % hash_block_size:
+        raise ValueError(
+            f"block size {block_size} is not a multiple of the hash block size {hash_block_size}"
+        )
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)

@@ -2,7 +2,7 @@
 
 A coordinator fans the KV cache manager's calls out to the per-group managers
 and finds the longest prefix hit that *every* group can serve (SPEC §5). The
-configuration picks the class, as vLLM 0.33 does: no prefix cache (any number
+configuration picks the class, as vLLM does: no prefix cache (any number
 of groups, never a hit), one group, or a hybrid of several.
 """
 
@@ -26,14 +26,35 @@ from jaxkv.kv_cache_interface import (
 from jaxkv.kv_cache_utils import eagle_proof_margin, partial_hash_hits_enabled
 from jaxkv.single_type_kv_cache_manager import (
     CrossAttentionManager,
+    FullAttentionManager,
     HitBlocks,
     MambaManager,
     SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
     get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
 )
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
+
+
+def resolve_cache_hit_alignment_tokens(
+    kv_cache_config: KVCacheConfig,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    enable_prefix_caching: bool = True,
+    dcp_world_size: int = 1,
+) -> int:
+    """Token granularity of prefix-cache hits: the hash unit for fine-grained
+    (Mamba "align") hybrids, else the scheduler block size."""
+    groups = kv_cache_config.kv_cache_groups
+    if not enable_prefix_caching or len(groups) <= 1:
+        return scheduler_block_size
+    classes = [manager_class_for_spec(g.kv_cache_spec) for g in groups]
+    if partial_hash_hits_enabled(groups, hash_block_size, dcp_world_size, classes):
+        return hash_block_size
+    return scheduler_block_size
 
 
 def validate_prefix_cache_retention_interval(
@@ -168,15 +189,49 @@ class KVCacheCoordinator:
             for manager in self.single_type_managers:
                 if isinstance(manager, MambaManager):
                     manager.drop_eagle_checkpoint_block = True
+        managers = self.single_type_managers
         # Managers whose attention type releases blocks as a request advances.
-        self.skipping_managers = tuple(m for m in self.single_type_managers if m.releases_blocks)
-        self._cross_attention = tuple(
-            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
+        self.skipping_managers = tuple(m for m in managers if m.releases_blocks)
+        self._cross_attention = tuple(isinstance(m, CrossAttentionManager) for m in managers)
+        self.mamba_group_ids = tuple(
+            i for i, m in enumerate(managers) if isinstance(m, MambaManager)
         )
+        # With `prefix_cache_retention_interval` 0 a Mamba group reserves a prefill
+        # checkpoint only on the chunk reaching the prefill's end (as vLLM does), which
+        # `get_num_blocks_to_allocate` is then told.
+        self.checkpoints_at_prefill_end = self.retention_interval == 0 and any(
+            m.reserves_prefill_checkpoints for m in managers
+        )
+        # Some group gets no slots for lookahead tokens (a Mamba "align" group), so the
+        # counts are also told the tokens without them.
+        self.some_group_ignores_lookahead = any(m.ignores_lookahead_tokens for m in managers)
+        # A running request's steps need at most this many blocks per `min_block_size`
+        # tokens beyond its smallest capacity (every group allocates by capacity), or None.
+        self.blocks_per_missing_block: int | None = (
+            len(managers) if all(m.allocates_by_capacity for m in managers) else None
+        )
+        self.min_block_size = min(m.block_size for m in managers)
+
+    # Hits finer than a block (a hybrid with a Mamba "align" group sets it).
+    enable_partial_hash_hits = False
 
     @property
     def num_groups(self) -> int:
         return len(self.single_type_managers)
+
+    def enable_mamba_shared_prefix_checkpoint(self) -> bool:
+        """Turn on vLLM's `mamba_shared_prefix_checkpoint` where it applies (EAGLE groups,
+        partial hits, no re-prefilled tokens): Mamba "align" states are then also keyed
+        at a request's `shared_prefix_boundary`. Returns whether it applies."""
+        applies = (
+            bool(self.eagle_group_ids)
+            and self.enable_partial_hash_hits
+            and self.num_reprefillable_tokens == 0
+        )
+        if applies:
+            for group_id in self.mamba_group_ids:
+                self.single_type_managers[group_id].shared_prefix_checkpoint = True
+        return applies
 
     # -- allocation ----------------------------------------------------------
 
@@ -302,15 +357,14 @@ class KVCacheCoordinator:
                 bool(self.drop_eagle_group_ids),
             )
         for group_id, manager in enumerate(self.single_type_managers):
-            num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
-            if manager.caches_at_step_end:
-                if step_end is not None and step_end != num_computed_tokens:
-                    continue  # the state holds unverified tokens
-                manager.cache_blocks(  # type: ignore[call-arg]
-                    request, num_tokens, retention_interval, boundaries, num_computed_tokens
-                )
-            else:
-                manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
+            manager.cache_step(
+                request,
+                self.get_num_cacheable_tokens(num_computed_tokens, group_id),
+                num_computed_tokens,
+                step_end,
+                retention_interval,
+                boundaries,
+            )
 
     # -- release and queries -------------------------------------------------
 
@@ -386,7 +440,15 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """One KV-cache group: its manager's hit rule on its own block size."""
+    """One KV-cache group: its manager's hit rule on its own block size.
+
+    With one group there is nothing to coordinate: queries and releases go to the
+    manager directly. A plain full-attention group (full or sink full attention, no
+    sparse retention, no re-prefilled tokens) also allocates and caches directly, and,
+    when one request hash covers one block and no block is dropped for EAGLE, its hit
+    is the leading cached blocks. Results equal the general path's
+    (tests/test_kv_cache_manager_slot_state.py).
+    """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, **kwargs) -> None:
         super().__init__(kv_cache_config, max_model_len, **kwargs)
@@ -399,11 +461,87 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"({manager.block_size})"
             )
         manager.use_eagle = 0 in self.drop_eagle_group_ids
+        self.manager = manager
+        self.plain_full_attention = (
+            type(manager) in (FullAttentionManager, SinkFullAttentionManager)
+            and self.retention_interval is None
+            and not self.num_reprefillable_tokens
+        )
+        self.hits_are_leading_blocks = (
+            self.plain_full_attention
+            and self.block_pool.hash_block_size in (None, manager.block_size)
+            and not manager.use_eagle
+        )
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+        num_tokens_main_model: int | None = None,
+        num_local_computed_tokens: int | None = None,
+    ) -> int:
+        if not self.plain_full_attention or apply_admission_cap:
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                num_encoder_tokens,
+                total_computed_tokens,
+                apply_admission_cap,
+                prefill_end,
+                num_tokens_main_model,
+                num_local_computed_tokens,
+            )
+        return self.manager.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks[0],
+            total_computed_tokens,
+            num_local_computed_tokens,
+        )
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        if not self.plain_full_attention:
+            return super().allocate_new_blocks(
+                request_id, num_tokens, num_encoder_tokens, num_tokens_main_model
+            )
+        return (self.manager.allocate_new_blocks(request_id, num_tokens),)
+
+    def cache_blocks(
+        self, request: Request, num_computed_tokens: int, step_end: int | None = None
+    ) -> None:
+        if not self.plain_full_attention:
+            super().cache_blocks(request, num_computed_tokens, step_end)
+        else:
+            self.manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        self.manager.free(request_id)
+
+    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
+        return self.manager.get_slot_state(request_id)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[HitBlocks, int, int]:
-        manager = self.single_type_managers[0]
+        manager = self.manager
+        if self.hits_are_leading_blocks:
+            num_blocks = min(max_cache_hit_length // manager.block_size, len(block_hashes))
+            leading = self.block_pool.cached_block_hash_to_block.get_leading_blocks(
+                block_hashes, 0, num_blocks
+            )
+            return (leading,), len(leading) * manager.block_size, 0
         if not manager.kv_cache_spec.prefix_cacheable:
             return ([],), 0, 0
         blocks, length = type(manager).find_longest_cache_hit(
@@ -583,7 +721,7 @@ def get_kv_cache_coordinator(
 ) -> KVCacheCoordinator:
     """The coordinator class the configuration calls for.
 
-    `allow_partial_hash_hits`: fine-grained hits inside a block where vLLM 0.33
+    `allow_partial_hash_hits`: fine-grained hits inside a block where vLLM
     enables them (`partial_hash_hits_enabled`: a Mamba "align" group coarser than
     the hash unit, every other cacheable group able to look up at hash units). A
     hit ending inside a block is redirected to a private copy of that block (the

@@ -20,7 +20,7 @@ import numpy as np
 from jaxkv._checks import AssertedValueError, check_bool, check_int
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -45,7 +45,7 @@ def dtype_num_bytes(dtype: str | np.dtype | type) -> int:
 
 
 class KVQuantMode(enum.IntEnum):
-    """How an attention layer's KV cache is quantized (vLLM 0.33's values).
+    """How an attention layer's KV cache is quantized (vLLM's values).
 
     The spec carries it for the attention kernels; it does not change the page
     size (a backend that stores scales inline publishes the larger page through
@@ -157,7 +157,7 @@ class KVCacheSpec:
 
     def max_num_blocks_per_req(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Pages one request holds at most: its peak bytes over the page size."""
-        return _cdiv(
+        return cdiv(
             self.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
             self.page_size_bytes,
         )
@@ -305,7 +305,7 @@ class FullAttentionSpec(AttentionSpec):
             )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> FullAttentionSpec:
@@ -379,7 +379,7 @@ class RSWASpec(FullAttentionSpec):
     later token, generated tokens only within the last `rswa_window`.
 
     Paged and prefix-cached as full attention (its kind is FULL_ATTENTION, as
-    vLLM 0.33 reports it), and sized as full attention: a request can hold its
+    vLLM reports it), and sized as full attention: a request can hold its
     whole prompt plus the window. The manager (`RSWAManager`) releases the gap
     blocks between the prompt's last block and the decode window.
     """
@@ -486,7 +486,7 @@ class SlidingWindowSpec(AttentionSpec):
         plus those in flight (released blocks are reused); one more because the window
         can start mid-block."""
         tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
-        return _cdiv(tokens, self.block_size) + 1
+        return cdiv(tokens, self.block_size) + 1
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
@@ -532,7 +532,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         """Blocks a request holds at most at once: the current chunk plus the tokens in
         flight (blocks of finished chunks are released and reused)."""
         tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
-        return _cdiv(tokens, self.block_size)
+        return cdiv(tokens, self.block_size)
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         blocks = self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
@@ -561,17 +561,17 @@ class CrossAttentionSpec(AttentionSpec):
         return False
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return _cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+        return cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
 @dataclass(frozen=True)
 class CircularBufferSpec(AttentionSpec):
     """One ring block per request, for the whole request: the raw keys of the token
-    group a layer is still compressing (vLLM 0.33's circular buffer).
+    group a layer is still compressing (vLLM's circular buffer).
 
     `block_size` is the ring's capacity in tokens. Never prefix-cached (per-request
     scratch), never zeroed on allocation, and a request holds exactly one page
-    however long it grows. Its kind is UNKNOWN, as vLLM 0.33 reports it.
+    however long it grows. Its kind is UNKNOWN, as vLLM reports it.
     """
 
     @property
@@ -613,7 +613,7 @@ class MambaSpec(KVCacheSpec):
     held), "all" (the state at every block boundary is kept and cached),
     "align" (only the latest state is kept; states landing on block boundaries
     are cached). `num_prefill_checkpoint_blocks` (> 0: on) and
-    `prefill_checkpoint_alignment` ("align", vLLM 0.33): a prefill chunk whose
+    `prefill_checkpoint_alignment` ("align", vLLM): a prefill chunk whose
     backend can export the state at the chunk's last hit boundary (the rule of
     `is_mamba_prefill_checkpoint_valid`) gets a spare state block for it, keyed
     there. `tp_replicated`: every tensor-parallel rank holds the whole
@@ -702,7 +702,7 @@ class MambaSpec(KVCacheSpec):
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
-            pages = _cdiv(max_model_len, self.block_size)
+            pages = cdiv(max_model_len, self.block_size)
         elif self.mamba_cache_mode == "align":
             # The running state, the one it continues from, and a prefill checkpoint.
             pages = 2 + self.num_prefill_checkpoint_blocks
@@ -730,7 +730,7 @@ def get_mamba_prefill_checkpoint_position(
     num_hash_lookahead_tokens: int = 0,
 ) -> int:
     """The last position of a `num_tokens`-token prefill whose Mamba state a later request
-    can reuse (vLLM 0.33): a hash boundary that leaves at least one token (or the hash
+    can reuse (as vLLM does): a hash boundary that leaves at least one token (or the hash
     lookahead) to recompute for the logits; with EAGLE one hash unit lower, as its
     attention hit drops one."""
     proof_limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
@@ -749,7 +749,7 @@ def is_mamba_prefill_checkpoint_valid(
     checkpoint_alignment: int | None,
 ) -> bool:
     """Whether a step computing `[query_start, query_end)` can export the state at
-    `checkpoint_position` into a spare state block (vLLM 0.33's rule): the step starts
+    `checkpoint_position` into a spare state block (vLLM's rule): the step starts
     on a hash boundary, the checkpoint lies strictly inside it, at least one hash unit
     past its start and a multiple of `checkpoint_alignment` tokens from it, and its
     column (the block before the step's last) lies past the step's initial state.
@@ -759,7 +759,7 @@ def is_mamba_prefill_checkpoint_valid(
     if checkpoint_alignment <= 0:
         raise ValueError(f"checkpoint_alignment must be positive, got {checkpoint_alignment}")
     initial_state_col = (query_start - 1) // mamba_block_size
-    checkpoint_col = _cdiv(query_end, mamba_block_size) - 2
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
     return (
         query_start % hash_block_size == 0
         and checkpoint_col > initial_state_col
@@ -924,7 +924,7 @@ class KVCacheGroupSpec:
     `is_eagle_group`: the group belongs to an EAGLE/MTP drafter and gets the
     last-block drop. `host_resident`: the group's pages come from a separate
     host pool (`KVCacheConfig.host_num_blocks`). `enable_kv_transfer`: the group
-    is part of the KV state a connector moves (vLLM 0.33's field; jaxkv has no
+    is part of the KV state a connector moves (vLLM's field; jaxkv has no
     connector, the config's `transfer_*` views read it).
     """
 
@@ -947,7 +947,7 @@ class KVCacheTensor:
     """One device buffer of `size` bytes, described in one of two forms.
 
     jaxkv's: `shared_by`, the layers (one per group) whose pages alias this
-    buffer; a block id addresses the same bytes in each. vLLM 0.33's placement
+    buffer; a block id addresses the same bytes in each. vLLM's placement
     form (keywords): `layers` laid out in one allocation, layer l's page of
     block b starting `offset + l * layer_stride + b * block_stride` bytes in.
     A description only: jaxkv's device caches are sized from the specs.

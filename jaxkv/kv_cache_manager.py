@@ -15,22 +15,15 @@ from jaxkv.kv_cache_coordinator import get_kv_cache_coordinator
 from jaxkv.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
+    cdiv,
     get_kv_cache_spec_sliding_window,
 )
 from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, KVCacheEvent
 from jaxkv.request import Request
-from jaxkv.single_type_kv_cache_manager import (
-    FullAttentionManager,
-    MambaManager,
-    SinkFullAttentionManager,
-)
+from jaxkv.single_type_base import NEVER
 
-# `x is _ZERO` is a cheap "x is the int 0" (CPython keeps one object per small int; 0.0,
-# False and numpy zeros are other objects). Where it is False for a zero, the general
-# path answers instead: only slower, never different.
 logger = logging.getLogger("jaxkv")
-_ZERO = 0
 
 
 @dataclass
@@ -136,12 +129,71 @@ class CachingMetrics:
         return self.aggregated_query_hit / self.aggregated_query_total
 
 
+@dataclass(slots=True)
+class SlotState:
+    """What a request holding blocks can do before `allocate_slots` must change anything.
+
+    `capacity`: the tokens (lookahead included) its blocks hold, at most
+    `max_model_len`; `caches_at`: the cacheable-token count at which its next block
+    fills and would be cached (`NEVER` when caching is off); `releases_at`: the
+    local computed-token count at which some group would release a block that left
+    its attention window (`NEVER` without sliding-window, chunked-local or Mamba
+    groups); `quiet_until`: `min(capacity, caches_at - 1, releases_at)`.
+
+    Never changed once made (a new one replaces it). Invariant: a step of `n >= 1` new
+    tokens, no hits, from `c` computed tokens with `c + n + lookahead <= quiet_until`
+    allocates, caches and releases nothing.
+    """
+
+    capacity: int
+    caches_at: int
+    releases_at: int
+    quiet_until: int
+
+
+# What a request's slot state says when it says nothing (every step takes every stage).
+_NO_SLOT_STATE = SlotState(0, 0, 0, 0)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One `allocate_slots` call: its arguments, then (after validation) Python ints,
+    and the token counts of its block layout (see `allocate_slots`)."""
+
+    request: Request
+    state: SlotState | None  # None at the request's first allocation
+    # No encoder, KV-connector or reserved-block arguments: a running request's
+    # missing blocks can be bounded without counting per group.
+    plain: bool
+    num_new_tokens: int
+    num_new_computed_tokens: int
+    num_lookahead_tokens: int
+    num_external_computed_tokens: int
+    num_encoder_tokens: int
+    reserved_blocks: int
+    skip_zeroing_group_ids: Sequence[int]  # a tuple of ints with KV-connector tokens
+    # Filled in by `_lay_out`:
+    hits: tuple[Sequence[KVCacheBlock], ...] = ()  # per group (empty lists: no hits)
+    has_hits: bool = False
+    num_local_computed_tokens: int = 0  # computed before the step, plus the local hits
+    num_computed_tokens: int = 0  # plus the tokens a KV connector computed
+    num_tokens: int = 0  # plus the new tokens: where the step ends
+    num_slot_tokens: int = 0  # plus the lookahead tokens, at most `max_model_len`
+    num_cacheable_tokens: int = 0  # never past `request.num_tokens` (unverified tokens)
+    # `num_tokens` for the groups that give lookahead tokens no slot, when there are
+    # lookahead tokens and such groups; else None.
+    num_tokens_main_model: int | None = None
+    cache: bool = False  # caching on and not delayed
+
+
 class KVCacheManager:
     """Prefix-caching block manager for one pool and one or more KV-cache groups.
 
     Invariants (kept by the layers below): every block is free xor held; a
     request's held blocks are exactly `get_block_ids(request_id)`; a failed
-    `allocate_slots` (it returns None) changes no state.
+    `allocate_slots` (it returns None) changes no state but releasing blocks that
+    left an attention window; `_slot_states[r]` is `_slot_state_for(r)` for every
+    request `r` holding blocks, and `_running` maps their ids to them.
     """
 
     def __init__(
@@ -165,7 +217,7 @@ class KVCacheManager:
         *,
         track_freed_block_ids: bool = False,
     ) -> None:
-        """vLLM 0.33's arguments, in its order (docs/vllm-differences.md lists what differs).
+        """vLLM's arguments, in its order (docs/vllm-differences.md lists what differs).
 
         `scheduler_block_size` defaults to the LCM of the group block sizes and,
         when given, must equal it; `hash_block_size` defaults to vLLM's choice
@@ -179,6 +231,88 @@ class KVCacheManager:
         parallelism, a watermark) must be left at their defaults. Integer arguments may
         be numpy integers (they are converted before anything is built).
         """
+        (
+            max_model_len,
+            scheduler_block_lcm,
+            hash_block_size,
+            max_in_flight_tokens,
+            num_prefill_lookahead,
+        ) = self._check_arguments(
+            kv_cache_config,
+            max_model_len,
+            hash_block_size,
+            max_in_flight_tokens,
+            enable_caching,
+            use_eagle,
+            num_prefill_lookahead,
+            log_stats,
+            enable_kv_cache_events,
+            enable_mamba_shared_prefix_checkpoint,
+            track_freed_block_ids,
+            {
+                "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
+                "dcp_world_size": (dcp_world_size, 1),
+                "pcp_world_size": (pcp_world_size, 1),
+                "watermark": (watermark, 0.0),
+            },
+        )
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.max_in_flight_tokens = max_in_flight_tokens
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.hash_block_size = hash_block_size
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.watermark_blocks = 0
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len,
+            enable_caching,
+            scheduler_block_lcm,
+            hash_block_size,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            track_freed_block_ids=track_freed_block_ids,
+            num_prefill_lookahead=num_prefill_lookahead,
+            max_in_flight_tokens=max_in_flight_tokens,
+        )
+        if scheduler_block_size is not None and (
+            check_int("scheduler_block_size", scheduler_block_size, min_value=1)
+            != self.coordinator.scheduler_block_size
+        ):
+            raise ValueError(
+                f"scheduler_block_size={scheduler_block_size} does not match the KV cache "
+                f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
+            )
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint
+            and self.coordinator.enable_mamba_shared_prefix_checkpoint()
+        )
+        self._derive_state(kv_cache_config)
+
+    @staticmethod
+    def _check_arguments(
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        hash_block_size: int | None,
+        max_in_flight_tokens: int | None,
+        enable_caching: bool,
+        use_eagle: bool,
+        num_prefill_lookahead: int,
+        log_stats: bool,
+        enable_kv_cache_events: bool,
+        enable_mamba_shared_prefix_checkpoint: bool,
+        track_freed_block_ids: bool,
+        unsupported: dict[str, tuple[object, object]],
+    ) -> tuple[int, int, int, int, int]:
+        """The constructor's arguments checked (TypeError/ValueError naming the first bad
+        one): (max_model_len, the LCM of the group block sizes, hash_block_size,
+        max_in_flight_tokens, num_prefill_lookahead) as Python ints, defaults filled
+        in. `unsupported` maps each feature jaxkv lacks to (given, the only allowed
+        value)."""
         max_model_len = check_int("max_model_len", max_model_len, min_value=1)
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
@@ -199,120 +333,45 @@ class KVCacheManager:
             ("log_stats", log_stats),
             ("enable_kv_cache_events", enable_kv_cache_events),
             ("track_freed_block_ids", track_freed_block_ids),
+            ("use_eagle", use_eagle),
+            ("enable_mamba_shared_prefix_checkpoint", enable_mamba_shared_prefix_checkpoint),
         ):
             check_bool(name, value)
-        check_bool("use_eagle", use_eagle)
-        check_bool("enable_mamba_shared_prefix_checkpoint", enable_mamba_shared_prefix_checkpoint)
         num_prefill_lookahead = check_int(
             "num_prefill_lookahead", num_prefill_lookahead, min_value=0
         )
-        unsupported = {
-            "num_hash_lookahead_tokens": (num_hash_lookahead_tokens, 0),
-            "dcp_world_size": (dcp_world_size, 1),
-            "pcp_world_size": (pcp_world_size, 1),
-            "watermark": (watermark, 0.0),
-        }
         for name, (value, default) in unsupported.items():
             if value != default or isinstance(value, bool) != isinstance(default, bool):
                 raise ValueError(
                     f"{name}={value!r} is not supported by jaxkv; only {default!r} is allowed "
                     "(docs/vllm-differences.md)"
                 )
-        self.max_model_len = max_model_len
-        self.max_in_flight_tokens = max_in_flight_tokens or max_model_len
-        self.enable_caching = enable_caching
-        self.enable_kv_cache_events = enable_kv_cache_events
-        self.use_eagle = use_eagle
-        self.hash_block_size = hash_block_size
-        self.log_stats = log_stats
-        self.metrics_collector = metrics_collector
-        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.coordinator = get_kv_cache_coordinator(
-            kv_cache_config,
+        max_in_flight_tokens = max_in_flight_tokens or max_model_len
+        return (
             max_model_len,
-            enable_caching,
             lcm_block_size,
             hash_block_size,
-            use_eagle=use_eagle,
-            enable_kv_cache_events=enable_kv_cache_events,
-            track_freed_block_ids=track_freed_block_ids,
-            num_prefill_lookahead=num_prefill_lookahead,
-            max_in_flight_tokens=self.max_in_flight_tokens,
+            max_in_flight_tokens,
+            num_prefill_lookahead,
         )
-        coordinator = self.coordinator
-        # vLLM 0.33's narrowing: EAGLE groups, partial hits, no re-prefilled (MTP) tokens.
-        self.mamba_shared_prefix_checkpoint = (
-            enable_mamba_shared_prefix_checkpoint
-            and bool(coordinator.eagle_group_ids)
-            and getattr(coordinator, "enable_partial_hash_hits", False)
-            and coordinator.num_reprefillable_tokens == 0
-        )
-        if self.mamba_shared_prefix_checkpoint:
-            for manager in coordinator.single_type_managers:
-                if isinstance(manager, MambaManager):
-                    manager.shared_prefix_checkpoint = True
-        if scheduler_block_size is not None and (
-            check_int("scheduler_block_size", scheduler_block_size, min_value=1)
-            != self.coordinator.scheduler_block_size
-        ):
-            raise ValueError(
-                f"scheduler_block_size={scheduler_block_size} does not match the KV cache "
-                f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
-            )
+
+    def _derive_state(self, kv_cache_config: KVCacheConfig) -> None:
+        """The fields derived from the coordinator, and the per-request records (empty)."""
         self.block_pool = self.coordinator.block_pool
-        # A single full-attention (or sink full-attention) group with nothing hybrid
-        # about it (no retention thinning, no re-prefilled tokens): its manager, which
-        # lookups, allocations, the slot state and `free` call directly, skipping the
-        # coordinator's per-group loops (same results:
-        # tests/test_kv_cache_manager_slot_state.py). None otherwise.
-        managers = self.coordinator.single_type_managers
-        self._sole_manager: FullAttentionManager | None = (
-            managers[0]
-            if len(managers) == 1
-            and type(managers[0]) in (FullAttentionManager, SinkFullAttentionManager)
-            and self.coordinator.retention_interval is None
-            and not self.coordinator.num_reprefillable_tokens
-            else None
-        )
-        self._sole_hashes_per_block = self._sole_manager is not None and (
-            self.block_pool.hash_block_size in (None, self._sole_manager.block_size)
-        )
+        self.num_kv_cache_groups = self.coordinator.num_groups
         # (spec kind, sliding window) per group, for the BlockStored events.
         self._event_metadata = tuple(
             (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
             for g in kv_cache_config.kv_cache_groups
         )
-        self.num_kv_cache_groups = self.coordinator.num_groups
-        # A running request's steps need at most this many blocks per `smallest block size`
-        # tokens beyond its capacity (every group allocates by capacity), or None.
-        self._blocks_per_missing_block: int | None = (
-            self.num_kv_cache_groups if all(m.allocates_by_capacity for m in managers) else None
-        )
-        self._min_block_size = min(m.block_size for m in managers)
-        # With `prefix_cache_retention_interval` 0 a Mamba group reserves a prefill
-        # checkpoint only on the chunk reaching the prefill's end (vLLM 0.33), which the
-        # counts are then told.
-        self._checkpoints_at_prefill_end = self.coordinator.retention_interval == 0 and any(
-            getattr(m, "has_prefill_checkpoint_blocks", False) for m in managers
-        )
-        # A Mamba "align" group gets no state slots for lookahead tokens (vLLM 0.33), so
-        # the counts are told the tokens without them.
-        self._some_group_ignores_lookahead = any(
-            getattr(m, "mamba_cache_mode", None) == "align" for m in managers
-        )
-        self.kv_cache_config = kv_cache_config
-        self.watermark_blocks = 0
         # The last hit `get_computed_blocks` returned: (blocks, tokens, the pool's
         # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
         # hash was removed, its blocks are known to be this pool's cached blocks.
         self._last_lookup: tuple[KVCacheBlocks, int, int] | None = None
-        # Request -> `_get_slot_state(request)` for every request holding blocks (keyed by
-        # the object, so a second Request with a running request's id never matches),
-        # refreshed after every change to its blocks: a step that needs no new block and
-        # fills no block (most decode steps) nor releases one that left an attention
-        # window is answered from it without visiting the per-group managers.
-        self._slot_state: dict[Request, tuple[int, int, int, int]] = {}
-        # Off (tests only), every step takes the general path: the state is a shortcut.
+        # Request -> its `SlotState`, for every request holding blocks (keyed by the
+        # object, so a second Request with a running request's id never matches).
+        self._slot_states: dict[Request, SlotState] = {}
+        # Off (tests only), every step takes every stage: the slot state is a shortcut.
         self._use_slot_state = True
         # request id -> the Request object holding blocks under that id.
         self._running: dict[str, Request] = {}
@@ -365,7 +424,7 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
-        """(hit blocks, hit tokens, shared_prefix_boundary), as vLLM 0.33 returns them.
+        """(hit blocks, hit tokens, shared_prefix_boundary), as vLLM returns them.
 
         The hit is the longest cached prefix, block aligned, of at most
         `max_cache_hit_length` tokens (default `num_tokens - 1`: the last token
@@ -409,18 +468,6 @@ class KVCacheManager:
             )
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return None, 0, 0
-        sole = self._sole_manager
-        if sole is not None and self._sole_hashes_per_block and not sole.use_eagle:
-            # The unitary coordinator's answer when one request hash covers one block
-            # and no block is dropped for EAGLE: the leading cached blocks.
-            block_hashes = request.block_hashes
-            num_blocks = max_cache_hit_length // sole.block_size
-            if num_blocks > len(block_hashes):
-                num_blocks = len(block_hashes)
-            leading = self.block_pool.cached_block_hash_to_block.get_leading_blocks(
-                block_hashes, 0, num_blocks
-            )
-            return (leading,), len(leading) * sole.block_size, 0
         return self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
 
     def allocate_slots(
@@ -440,244 +487,299 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Slots for `num_new_tokens` more tokens (plus hits and lookahead); None if out of blocks.
 
-        vLLM 0.33's arguments in its order. On None nothing changed; bad input
-        raises (ValueError/TypeError) before anything changes. Blocks that
-        became full are cached, but never past `request.num_tokens` (unverified
-        speculative tokens are not cached) and not at all with
-        `delay_cache_blocks`. `full_sequence_must_fit` admits only when the
-        whole request fits; `reserved_blocks` stay free for others.
-        `num_encoder_tokens` sizes cross-attention groups (encoder-decoder
-        models). `num_external_computed_tokens`: tokens after the hits whose KV a
-        KV connector supplies (a request's first allocation only, no Mamba group):
-        they get blocks inside each group's window before the new tokens do, count
-        as computed, and are cached like computed tokens; `num_new_tokens` may then
-        be 0 (an async load), and `skip_zeroing_group_ids` names the groups whose
-        external-token blocks the load writes (not reported for zeroing).
+        vLLM's arguments in its order. A request's blocks, by the tokens they hold:
 
-        Hybrid models: blocks a sliding-window, chunked-local or Mamba group no
-        longer reads are released first (as vLLM does), even when the
-        allocation then returns None; they are never read again.
+            -------------------------------------------------------------------------
+            | < computed > | < new computed > | < external > | < new > | < lookahead > |
+            -------------------------------------------------------------------------
+                           |   local hits     | KV connector |  this step computes
+            |<-- num_local_computed_tokens -->|
+            |<------------ num_computed_tokens ------------>|
+            |<------------------------ num_tokens ----------------------->|
+            |<------------------------- num_slot_tokens (at most max_model_len) ------>|
+            |<-- num_cacheable_tokens: min(num_tokens, request.num_tokens) -->|
+
+        "computed" is `request.num_computed_tokens`; the new computed tokens are the
+        hits `get_computed_blocks` returned (`new_computed_blocks`), the external ones
+        the tokens a KV connector supplies (a request's first allocation only, no
+        Mamba group; `num_new_tokens` may then be 0, an async load, and
+        `skip_zeroing_group_ids` names the groups whose blocks the load writes).
+
+        Four stages, each a method: validate (every argument checked, raising
+        TypeError/ValueError before any change; a quiet step, see `SlotState`, is
+        answered here), count (blocks that left an attention window are released,
+        as vLLM does, even when the allocation then fails; then the blocks every
+        group lacks for `num_slot_tokens`, None when fewer are free than that plus
+        `reserved_blocks`; `full_sequence_must_fit` also wants the whole request to
+        fit), take blocks (every group's hits before any group's new blocks), cache
+        (the blocks `num_cacheable_tokens` fill, unless caching is off or
+        `delay_cache_blocks`). On None nothing else changed. `num_encoder_tokens`
+        sizes cross-attention groups; `has_scheduled_reqs` is accepted, unused.
         """
         try:
-            state = self._slot_state.get(request)
+            state = self._slot_states.get(request)
         except TypeError:  # unhashable: not a Request
             raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
-        # The counts of most steps: no KV-connector, encoder or reservation arguments, and
-        # integers in range. Anything else is checked in detail below, before any change.
-        plain_counts = (
-            type(num_new_tokens) is int
+        if (
+            state is not None
+            and type(num_new_tokens) is int
+            and type(num_lookahead_tokens) is int
             and num_new_tokens > 0
-            and num_external_computed_tokens is reserved_blocks is num_encoder_tokens is _ZERO
-            and (
-                num_lookahead_tokens is _ZERO
-                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
+            and num_lookahead_tokens >= 0
+            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            <= state.quiet_until
+            and new_computed_blocks is None
+            and not full_sequence_must_fit
+            and type(num_new_computed_tokens)
+            is type(num_external_computed_tokens)
+            is type(reserved_blocks)
+            is type(num_encoder_tokens)
+            is int
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or reserved_blocks
+                or num_encoder_tokens
             )
-        )
-        if plain_counts and num_new_computed_tokens is _ZERO:
-            if (
-                state is not None
-                and new_computed_blocks is None
-                and not full_sequence_must_fit
-                and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= state[3]
-            ):
-                # Most decode steps: the request's blocks hold the new tokens, no block
-                # fills up and none leaves an attention window, so the general path below
-                # would change nothing (`state[3]`: see `_get_slot_state`).
-                return self.empty_kv_cache_blocks
-        elif not (
-            plain_counts and type(num_new_computed_tokens) is int and num_new_computed_tokens > 0
         ):
-            # From here on every count is a Python int (numpy integers are converted).
-            (
-                num_new_tokens,
-                num_new_computed_tokens,
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                num_encoder_tokens,
-                reserved_blocks,
-                skip_zeroing_group_ids,
-            ) = self._check_counts(
-                request,
-                num_new_tokens,
-                num_new_computed_tokens,
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                num_encoder_tokens,
-                reserved_blocks,
-                skip_zeroing_group_ids,
-            )
-        # Every other step. A request is checked at its first allocation (one with a
-        # `state` holds blocks under exactly this object, and was checked then).
-        if state is None:
-            try:
-                request_id = request.request_id
-            except AttributeError:
-                raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
-            holder = self._running.get(request_id)
-            if holder is not None:
-                raise ValueError(
-                    f"request id {request_id!r} belongs to a running request; a second "
-                    "Request object with that id cannot share its blocks (free the first one)"
-                )
-            self._check_request(request)
-        else:
-            request_id = request.request_id
-        coordinator = self.coordinator
-        hit_blocks = (
-            None
-            if new_computed_blocks is None and not num_new_computed_tokens
-            else self._check_hits(request, num_new_computed_tokens, new_computed_blocks)
+            return self.empty_kv_cache_blocks  # a quiet step: no stage would change anything
+        step = self._validate(
+            request,
+            state,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            reserved_blocks,
+            skip_zeroing_group_ids,
         )
-        max_model_len = self.max_model_len
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        # Local hits plus the tokens a KV connector computed (0 but at a first allocation).
-        total_computed_tokens = num_computed_tokens + num_external_computed_tokens
-        num_tokens = total_computed_tokens + num_new_tokens
-        if num_tokens > max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: {total_computed_tokens} computed + {num_new_tokens} "
-                f"new tokens exceed max_model_len={max_model_len}"
-            )
-        num_tokens_to_cache = request.num_tokens
-        if num_tokens < num_tokens_to_cache:  # never unverified (speculative) tokens
-            num_tokens_to_cache = num_tokens
-        cache = self.enable_caching and not delay_cache_blocks
-        if cache:
-            # Checked before any change: caching below would fail half-way otherwise.
-            num_to_cache = num_tokens_to_cache // self.hash_block_size
-            if len(request.block_hashes) < num_to_cache:
-                raise ValueError(
-                    f"request {request_id!r} has {len(request.block_hashes)} block hashes but "
-                    f"{num_to_cache} full blocks of {self.hash_block_size} tokens to cache; give "
-                    f"it block_hasher=get_request_block_hasher({self.hash_block_size}, hash_fn)"
-                )
-        hits_or_none = hit_blocks or self.empty_kv_cache_blocks.blocks
-        free_block_queue = self.block_pool.free_block_queue
-        prefill_end = 0
-        if self._checkpoints_at_prefill_end:  # as the scheduler splits chunks against it
-            prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if full_sequence_must_fit:
-            num_full = min(request.num_tokens, max_model_len)
-            # Window groups release blocks as the request advances: each needs at most
-            # its admission cap at once (vLLM's rule).
-            num_blocks_full = coordinator.get_num_blocks_to_allocate(
-                request_id,
-                num_full,
-                hits_or_none,
-                num_encoder_tokens,
-                total_computed_tokens,
-                apply_admission_cap=True,
-                prefill_end=prefill_end,
-                num_local_computed_tokens=num_computed_tokens,
-            )
-            if num_blocks_full > free_block_queue.num_free_blocks - reserved_blocks:
-                return None
-        num_tokens_need_slot = num_tokens + num_lookahead_tokens
-        if num_tokens_need_slot > max_model_len:
-            num_tokens_need_slot = max_model_len
-        num_tokens_main_model = (
-            num_tokens if num_lookahead_tokens and self._some_group_ignores_lookahead else None
-        )
-        if coordinator.skipping_managers and (state is None or num_computed_tokens >= state[2]):
-            # As vLLM, before counting: blocks that left the attention window are
-            # released even when the allocation then fails (they are never read again).
-            # Below `state[2]` no group would release one.
-            coordinator.remove_skipped_blocks(
-                request_id, total_computed_tokens, request.num_prompt_tokens
-            )
-        sole = self._sole_manager
-        num_blocks_to_allocate = -1  # not known yet
-        if plain_counts and state is not None:
-            missing = num_tokens_need_slot - state[0]
-            if missing <= 0:
-                num_blocks_to_allocate = 0  # its blocks hold these tokens (a block fills up)
-            elif self._blocks_per_missing_block is not None:
-                # A running request: a group lacks at most cdiv(missing, its block size)
-                # blocks, `missing` being the tokens beyond the smallest capacity
-                # (`state[0]`). With that many free, no group needs counting.
-                bound = -(-missing // self._min_block_size) * self._blocks_per_missing_block
-                if bound <= free_block_queue.num_free_blocks:
-                    num_blocks_to_allocate = bound
-        if num_blocks_to_allocate >= 0:
-            pass
-        elif sole is not None:
-            num_blocks_to_allocate = sole.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens_need_slot,
-                hits_or_none[0],
-                total_computed_tokens,
-                num_computed_tokens,
-            )
-        else:
-            num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens_need_slot,
-                hits_or_none,
-                num_encoder_tokens,
-                total_computed_tokens,
-                prefill_end=prefill_end,
-                num_tokens_main_model=num_tokens_main_model,
-                num_local_computed_tokens=num_computed_tokens,
-            )
-        if num_blocks_to_allocate > free_block_queue.num_free_blocks - reserved_blocks:
+        num_blocks = self._count_blocks(step, full_sequence_must_fit)
+        if num_blocks is None:
             return None
-        if hit_blocks is not None or num_external_computed_tokens:
-            # Two-phase: every group takes its hits before any group takes new blocks.
-            coordinator.allocate_new_computed_blocks(
-                request_id,
-                hits_or_none,
-                num_computed_tokens,
-                num_external_computed_tokens,
-                skip_zeroing_group_ids,
-            )
-        # Nothing to allocate in any group (most decode steps): skip the per-group calls.
-        if not num_blocks_to_allocate:
-            new_blocks = None
-        elif sole is not None:
-            new_blocks = (sole.allocate_new_blocks(request_id, num_tokens_need_slot),)
-        else:
-            new_blocks = coordinator.allocate_new_blocks(
-                request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
-            )
-        # A running request's `state` says when its next block fills: below that, caching
-        # would stamp nothing (half the steps that allocate a block).
-        if cache and (state is None or num_tokens_to_cache >= state[1]):
-            if sole is not None:
-                sole.cache_blocks(request, num_tokens_to_cache)
-            else:
-                coordinator.cache_blocks(request, num_tokens_to_cache, num_tokens)
-        if state is None:
-            self._running[request_id] = request
-        self._slot_state[request] = self._get_slot_state(request)
-        if new_blocks is None:
-            return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(new_blocks)
+        new_blocks = self._take_blocks(step, num_blocks)
+        self._cache_and_record(step)
+        return new_blocks
 
-    def _check_counts(
+    def _validate(
         self,
         request: Request,
+        state: SlotState | None,
         num_new_tokens: int,
         num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
         num_lookahead_tokens: int,
         num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
         num_encoder_tokens: int,
         reserved_blocks: int,
         skip_zeroing_group_ids: Sequence[int],
-    ) -> tuple[int, int, int, int, int, int, tuple[int, ...]]:
-        """`allocate_slots`' counts checked, in its order, as Python ints (numpy integers
-        converted), then `skip_zeroing_group_ids` as a tuple of ints: checked with
+    ) -> _Step:
+        """Stage 1: `allocate_slots`' arguments checked, before any change; a request at
+        its first allocation is checked too (one with a `state` holds blocks under this
+        object and was checked then)."""
+        plain = (
+            type(num_new_tokens) is type(num_lookahead_tokens) is int
+            and type(num_external_computed_tokens) is type(reserved_blocks) is int
+            and type(num_encoder_tokens) is int
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
+            and not (num_external_computed_tokens or reserved_blocks or num_encoder_tokens)
+        )
+        step = _Step(
+            request,
+            state,
+            plain,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+            skip_zeroing_group_ids,
+        )
+        if not (plain and type(num_new_computed_tokens) is int and num_new_computed_tokens >= 0):
+            self._check_counts(step)
+        if state is None:
+            self._check_new_request(request)
+        hits = None
+        if new_computed_blocks is not None or step.num_new_computed_tokens:
+            hits = self._check_hits(request, step.num_new_computed_tokens, new_computed_blocks)
+        self._lay_out(step, hits, delay_cache_blocks)
+        return step
+
+    def _lay_out(
+        self,
+        step: _Step,
+        hits: tuple[Sequence[KVCacheBlock], ...] | None,
+        delay_cache_blocks: bool,
+    ) -> None:
+        """The step's block layout from its checked counts; raises (before any change)
+        when it passes `max_model_len` or caching would lack block hashes."""
+        request = step.request
+        step.hits = hits or self.empty_kv_cache_blocks.blocks
+        step.has_hits = hits is not None
+        step.num_local_computed_tokens = request.num_computed_tokens + step.num_new_computed_tokens
+        step.num_computed_tokens = (
+            step.num_local_computed_tokens + step.num_external_computed_tokens
+        )
+        step.num_tokens = num_tokens = step.num_computed_tokens + step.num_new_tokens
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {step.num_computed_tokens} computed + "
+                f"{step.num_new_tokens} new tokens exceed max_model_len={self.max_model_len}"
+            )
+        step.num_slot_tokens = min(num_tokens + step.num_lookahead_tokens, self.max_model_len)
+        if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead:
+            step.num_tokens_main_model = num_tokens
+        step.num_cacheable_tokens = min(num_tokens, request.num_tokens)
+        step.cache = self.enable_caching and not delay_cache_blocks
+        if step.cache:  # caching would fail half-way otherwise
+            self._check_block_hashes(request, step.num_cacheable_tokens)
+
+    def _check_new_request(self, request: Request) -> None:
+        """A request's first allocation: a `Request` (`_check_request`) whose id no other
+        Request object holds blocks under."""
+        try:
+            request_id = request.request_id
+        except AttributeError:
+            raise TypeError(f"request must be a jaxkv Request, got {request!r}") from None
+        if self._running.get(request_id) is not None:
+            raise ValueError(
+                f"request id {request_id!r} belongs to a running request; a second "
+                "Request object with that id cannot share its blocks (free the first one)"
+            )
+        self._check_request(request)
+
+    def _check_block_hashes(self, request: Request, num_cacheable_tokens: int) -> None:
+        """The request has a hash for every block its first `num_cacheable_tokens` fill."""
+        num_full_blocks = num_cacheable_tokens // self.hash_block_size
+        if len(request.block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block "
+                f"hashes but {num_full_blocks} full blocks of {self.hash_block_size} tokens "
+                f"to cache; give it block_hasher=get_request_block_hasher("
+                f"{self.hash_block_size}, hash_fn)"
+            )
+
+    def _count_blocks(self, step: _Step, full_sequence_must_fit: bool) -> int | None:
+        """Stage 2: release what left an attention window, then the free blocks the step
+        takes; None when fewer are free (less `reserved_blocks`)."""
+        coordinator = self.coordinator
+        request, state = step.request, step.state
+        request_id = request.request_id
+        prefill_end = 0
+        if coordinator.checkpoints_at_prefill_end:  # as the scheduler splits chunks
+            prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        free_block_queue = self.block_pool.free_block_queue
+        if (
+            full_sequence_must_fit
+            and coordinator.get_num_blocks_to_allocate(
+                request_id,
+                min(request.num_tokens, self.max_model_len),
+                step.hits,
+                step.num_encoder_tokens,
+                step.num_computed_tokens,
+                apply_admission_cap=True,  # window groups hold at most their cap at once
+                prefill_end=prefill_end,
+                num_local_computed_tokens=step.num_local_computed_tokens,
+            )
+            > free_block_queue.num_free_blocks - step.reserved_blocks
+        ):
+            return None
+        if state is None or step.num_local_computed_tokens >= state.releases_at:
+            coordinator.remove_skipped_blocks(
+                request_id, step.num_computed_tokens, request.num_prompt_tokens
+            )
+        num_blocks = self._bounded_count(step)
+        if num_blocks is None:
+            num_blocks = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                step.num_slot_tokens,
+                step.hits,
+                step.num_encoder_tokens,
+                step.num_computed_tokens,
+                prefill_end=prefill_end,
+                num_tokens_main_model=step.num_tokens_main_model,
+                num_local_computed_tokens=step.num_local_computed_tokens,
+            )
+        if num_blocks > free_block_queue.num_free_blocks - step.reserved_blocks:
+            return None
+        return num_blocks
+
+    def _bounded_count(self, step: _Step) -> int | None:
+        """A running request's blocks to take without asking each group, or None: 0 when
+        its blocks hold the slots; else, when every group allocates by capacity, a group
+        lacks at most cdiv(missing, its block size) blocks for the `missing` tokens past
+        the smallest capacity, and that bound is taken when that many are free (every
+        group then takes what it lacks)."""
+        state = step.state
+        if not step.plain or state is None:
+            return None
+        missing = step.num_slot_tokens - state.capacity
+        if missing <= 0:
+            return 0
+        coordinator = self.coordinator
+        if coordinator.blocks_per_missing_block is None:
+            return None
+        bound = cdiv(missing, coordinator.min_block_size) * coordinator.blocks_per_missing_block
+        return bound if bound <= self.block_pool.free_block_queue.num_free_blocks else None
+
+    def _take_blocks(self, step: _Step, num_blocks: int) -> KVCacheBlocks:
+        """Stage 3: the hits and the KV connector's blocks (every group's hits first), then
+        `num_blocks` new blocks across the groups; returns the new blocks."""
+        coordinator = self.coordinator
+        request_id = step.request.request_id
+        if step.has_hits or step.num_external_computed_tokens:
+            coordinator.allocate_new_computed_blocks(
+                request_id,
+                step.hits,
+                step.num_local_computed_tokens,
+                step.num_external_computed_tokens,
+                step.skip_zeroing_group_ids,
+            )
+        if not num_blocks:
+            return self.empty_kv_cache_blocks
+        return self.create_kv_cache_blocks(
+            coordinator.allocate_new_blocks(
+                request_id,
+                step.num_slot_tokens,
+                step.num_encoder_tokens,
+                step.num_tokens_main_model,
+            )
+        )
+
+    def _cache_and_record(self, step: _Step) -> None:
+        """Stage 4: cache the blocks the step filled (below the slot state's `caches_at`
+        nothing fills), then record the request's new slot state."""
+        request, state = step.request, step.state
+        if step.cache and (state is None or step.num_cacheable_tokens >= state.caches_at):
+            self.coordinator.cache_blocks(request, step.num_cacheable_tokens, step.num_tokens)
+        if state is None:
+            self._running[request.request_id] = request
+        self._slot_states[request] = self._slot_state_for(request)
+
+    def _check_counts(self, step: _Step) -> None:
+        """`allocate_slots`' counts checked, in its order, and stored as Python ints (numpy
+        integers converted); `skip_zeroing_group_ids` as a tuple of ints, checked with
         KV-connector tokens, the only time it takes effect, else (). Raises before
         anything changes."""
-        rid = request.request_id
-        num_new_tokens = check_int("num_new_tokens", num_new_tokens)
-        num_new_computed_tokens = check_int(
-            "num_new_computed_tokens", num_new_computed_tokens, min_value=0
+        rid = step.request.request_id
+        num_new_tokens = check_int("num_new_tokens", step.num_new_tokens)
+        step.num_new_computed_tokens = check_int(
+            "num_new_computed_tokens", step.num_new_computed_tokens, min_value=0
         )
-        num_lookahead_tokens = check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
-        reserved_blocks = check_int("reserved_blocks", reserved_blocks, min_value=0)
-        num_encoder_tokens = check_int("num_encoder_tokens", num_encoder_tokens, min_value=0)
+        step.num_lookahead_tokens = check_int(
+            "num_lookahead_tokens", step.num_lookahead_tokens, min_value=0
+        )
+        step.reserved_blocks = check_int("reserved_blocks", step.reserved_blocks, min_value=0)
+        step.num_encoder_tokens = check_int(
+            "num_encoder_tokens", step.num_encoder_tokens, min_value=0
+        )
         num_external = check_int(
-            "num_external_computed_tokens", num_external_computed_tokens, min_value=0
+            "num_external_computed_tokens", step.num_external_computed_tokens, min_value=0
         )
         # An async KV-connector load may adopt its tokens in a step computing none.
         if num_new_tokens < 0 or (num_new_tokens == 0 and not num_external):
@@ -685,21 +787,13 @@ class KVCacheManager:
                 f"request {rid!r}: num_new_tokens must be > 0 (something to allocate), or 0 "
                 f"with num_external_computed_tokens > 0; got {num_new_tokens}"
             )
-        skipped_group_ids: tuple[int, ...] = ()
+        step.num_new_tokens, step.num_external_computed_tokens = num_new_tokens, num_external
+        given_group_ids, step.skip_zeroing_group_ids = step.skip_zeroing_group_ids, ()
         if num_external:
-            num_local = request.num_computed_tokens + num_new_computed_tokens
-            skipped_group_ids = self._check_external_tokens(
-                request, num_local, num_external, skip_zeroing_group_ids
+            num_local = step.request.num_computed_tokens + step.num_new_computed_tokens
+            step.skip_zeroing_group_ids = self._check_external_tokens(
+                step.request, num_local, num_external, given_group_ids
             )
-        return (
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external,
-            num_encoder_tokens,
-            reserved_blocks,
-            skipped_group_ids,
-        )
 
     def _check_external_tokens(
         self,
@@ -728,12 +822,11 @@ class KVCacheManager:
                 f"request {rid!r} already holds blocks; num_external_computed_tokens (KV "
                 "connector) can only be given at a request's first allocation"
             )
-        for group_id, manager in enumerate(self.coordinator.single_type_managers):
-            if isinstance(manager, MambaManager):
-                raise ValueError(
-                    f"num_external_computed_tokens with a Mamba group (group {group_id}) is not "
-                    "supported by jaxkv: a connector's Mamba state is not handled; give 0"
-                )
+        for group_id in self.coordinator.mamba_group_ids:
+            raise ValueError(
+                f"num_external_computed_tokens with a Mamba group (group {group_id}) is not "
+                "supported by jaxkv: a connector's Mamba state is not handled; give 0"
+            )
         if isinstance(skip_zeroing_group_ids, (tuple, list, set, frozenset)):
             group_ids: list[int] = []
             for given in skip_zeroing_group_ids:
@@ -813,15 +906,11 @@ class KVCacheManager:
                     f"{group_id} (block size {manager.block_size}); pass what "
                     "get_computed_blocks returned"
                 )
-            # Only attention types whose hits skip blocks may hold the null block in a hit
-            # (R-SWA releases blocks but hits as full attention: never a null).
-            null_allowed = manager in self.coordinator.skipping_managers and not isinstance(
-                manager, FullAttentionManager
-            )
+            null_allowed = manager.hit_may_hold_null_blocks
             try:
                 for block in group_hits:  # the common case in one pass; errors below
                     if pool_blocks[block.block_id] is not block or (
-                        block._group_id != group_id or block._block_hash is None
+                        block.group_id != group_id or block.block_hash_only is None
                     ):
                         break
                 else:
@@ -853,7 +942,7 @@ class KVCacheManager:
                     f"request {rid!r}: new_computed_blocks holds the null block, which "
                     "cannot be a cache hit"
                 )
-            if block._block_hash is None or block._group_id != group_id:  # type: ignore[attr-defined]
+            if block.block_hash_only is None or block.group_id != group_id:  # type: ignore[attr-defined]
                 raise ValueError(
                     f"request {rid!r}: new_computed_blocks holds block {block_id}, which "
                     f"is not a cached block of group {group_id}"
@@ -864,33 +953,19 @@ class KVCacheManager:
                 )
             seen.add(block_id)
 
-    def _get_slot_state(self, request: Request) -> tuple[int, int, int, int]:
-        """The `_slot_state` entry of a request holding blocks.
-
-        (the most tokens plus lookahead a step may reach without `allocate_slots`
-        allocating a block, the number of tokens to cache at which it would cache
-        one, the computed-token count at which it would release a block that left
-        an attention window, the most tokens plus lookahead of a step that does
-        none of the three): the first is the tokens the request's blocks hold,
-        capped at `max_model_len`; the second the token count that fills the next
-        block, or never when caching is off; the third never without sliding-window,
-        chunked-local or Mamba groups; the fourth `min(first, second - 1, third)`,
-        so a step of `n >= 1` new tokens from `c` computed ones with
-        `c + n + lookahead <= fourth` stays within the first, caches nothing and
-        has `c` below the third.
-        """
+    def _slot_state_for(self, request: Request) -> SlotState:
+        """The `SlotState` of a request holding blocks: over its groups, the fewest tokens
+        held, the first block to fill and the first release (`coordinator.get_slot_state`),
+        the capacity capped at `max_model_len`, caching never when it is off."""
         if not self._use_slot_state:
-            return (0, 0, 0, 0)  # nothing is answered from it
-        groups = self._sole_manager or self.coordinator
-        capacity, next_full, release_at = groups.get_slot_state(request.request_id)
-        if capacity > self.max_model_len:
-            capacity = self.max_model_len
+            return _NO_SLOT_STATE
+        capacity, caches_at, releases_at = self.coordinator.get_slot_state(request.request_id)
+        capacity = min(capacity, self.max_model_len)
         if not self.enable_caching:
-            next_full = 1 << 62
-        quiet = capacity if capacity < next_full else next_full - 1
-        if release_at < quiet:
-            quiet = release_at
-        return (capacity, next_full, release_at, quiet)
+            caches_at = NEVER
+        return SlotState(
+            capacity, caches_at, releases_at, min(capacity, caches_at - 1, releases_at)
+        )
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
@@ -905,8 +980,8 @@ class KVCacheManager:
         num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, min_value=0)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
-            if request in self._slot_state:
-                self._slot_state[request] = self._get_slot_state(request)
+            if request in self._slot_states:
+                self._slot_states[request] = self._slot_state_for(request)
 
     def new_step_starts(self) -> None:
         """Call when the scheduler starts a step, as vLLM's does. Once it is called, a hit
@@ -921,8 +996,8 @@ class KVCacheManager:
             raise TypeError(f"request must be a jaxkv Request, got {request!r}")
         holder = self._running.pop(request.request_id, None)
         if holder is not None:
-            del self._slot_state[holder]
-        (self._sole_manager or self.coordinator).free(request.request_id)
+            del self._slot_states[holder]
+        self.coordinator.free(request.request_id)
 
     # -- queries -------------------------------------------------------------
 
@@ -964,7 +1039,7 @@ class KVCacheManager:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix cache, held or free (a KV connector's failed load:
-        their KV is bad). A running request keeps its blocks; as in vLLM 0.33, one whose
+        their KV is bad). A running request keeps its blocks; as in vLLM, one whose
         prompt's partial tail was keyed on an evicted block keys it again at its next step
         (`note_evicted_blocks`), and no other evicted block it holds is cached again."""
         ids = list(block_ids)
@@ -973,7 +1048,7 @@ class KVCacheManager:
         for manager in self.coordinator.single_type_managers:
             manager.note_evicted_blocks(evicted)
         for request in self._running.values():  # their next caching step may have moved
-            self._slot_state[request] = self._get_slot_state(request)
+            self._slot_states[request] = self._slot_state_for(request)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The step's events; `BlockStored` carries its group's spec kind and window."""
@@ -992,7 +1067,7 @@ class KVCacheManager:
         return events
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """(the page copies queued since the last call, their retained blocks), as vLLM 0.33.
+        """(the page copies queued since the last call, their retained blocks), as vLLM.
 
         A partial (sub-block) hit is redirected to a private copy of its shared tail
         block; the device must run each `KVCacheBlockCopy` before the step that writes
@@ -1003,13 +1078,12 @@ class KVCacheManager:
         synchronous engine: right after handing the copies to the step, as
         `jaxkv.engine.Scheduler` does).
         """
-        pending: list[tuple[KVCacheBlock, KVCacheBlock]] | None = None
-        for manager in self.coordinator.single_type_managers:
-            if manager._pending_cow_copies:  # most steps: none anywhere
-                if pending is None:
-                    pending = []
-                pending.extend(manager.take_pending_cow_copies())
-        if pending is None:
+        pending = [
+            pair
+            for manager in self.coordinator.single_type_managers
+            for pair in manager.take_pending_cow_copies()
+        ]
+        if not pending:
             return [], []
         copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pending]
         return copies, [block for pair in pending for block in pair]

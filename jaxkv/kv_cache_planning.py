@@ -1,6 +1,6 @@
 """KV-cache capacity planning: from `{layer: spec}` and a memory budget to a `KVCacheConfig`.
 
-vLLM 0.33's rules (SPEC §6) with plain arguments where vLLM reads a
+vLLM's rules (SPEC §6) with plain arguments where vLLM reads a
 `VllmConfig`: `max_model_len`, `max_num_batched_tokens` (vLLM's in-flight
 token budget) and a per-device budget in bytes.
 
@@ -29,13 +29,10 @@ from jaxkv.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
+    cdiv,
 )
 
 logger = logging.getLogger("jaxkv")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_args(max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -121,7 +118,7 @@ def check_enough_kv_cache_memory(
 def unify_kv_cache_spec_page_size(
     kv_cache_specs: Mapping[str, KVCacheSpec],
 ) -> dict[str, KVCacheSpec]:
-    """Specs whose pages all have the largest page's size (vLLM 0.33's rule).
+    """Specs whose pages all have the largest page's size (vLLM's rule).
 
     An attention page that divides the largest grows by scaling its block
     size; a Mamba page (its size does not follow the block size), or a non-MLA
@@ -178,7 +175,7 @@ def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCac
         group_size = max(sizes)  # pad a few layers rather than double the groups
     groups = []
     for spec, names in by_spec.items():
-        num_groups = _cdiv(len(names), group_size)
+        num_groups = cdiv(len(names), group_size)
         # layers[i::n]: with pipeline stages each stage keeps whole group slots.
         groups.extend(
             KVCacheGroupSpec(tuple(names[i::num_groups]), spec) for i in range(num_groups)
@@ -264,7 +261,7 @@ def get_max_concurrency_for_kv_cache_config(
     device_blocks = host_blocks = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        required = _cdiv(
+        required = cdiv(
             spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
             spec.page_size_bytes,
         )

@@ -1,7 +1,7 @@
 """Block-size resolution for KV-cache groups (SPEC §5, hybrid models).
 
 Where vLLM reads a `VllmConfig`, these functions take plain arguments. The
-rules are vLLM 0.33's:
+rules are vLLM's:
 
 - scheduler block size: one group: its block size (times the decode context
   parallel degree for DCP-sharded specs); several: the LCM of the groups'
@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-from jaxkv._checks import AssertedValueError, as_int
-from jaxkv.hashing import BlockHash, BlockHashListWithBlockSize
+from jaxkv._checks import as_int
 from jaxkv.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -30,12 +29,15 @@ from jaxkv.kv_cache_interface import (
     iter_layer_specs,
 )
 
-if TYPE_CHECKING:
-    from jaxkv.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+class FineGrainedLookupSupport(Protocol):
+    """What `partial_hash_hits_enabled` reads of a manager class."""
+
+    supports_fine_grained_hash_lookup: bool
 
 
 class KVCacheBlockCopy(NamedTuple):
-    """One page copy the device runs before a step (vLLM 0.33): block `src_block_id`'s
+    """One page copy the device runs before a step (as vLLM does): block `src_block_id`'s
     contents into block `dst_block_id`, in every layer (a partial hit's copy-on-write)."""
 
     src_block_id: int
@@ -68,7 +70,7 @@ def partial_hash_hits_enabled(
     kv_cache_groups: Sequence[KVCacheGroupSpec],
     hash_block_size: int,
     dcp_world_size: int = 1,
-    manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None,
+    manager_classes: Sequence[FineGrainedLookupSupport] | None = None,
 ) -> bool:
     """Whether aligned Mamba states allow prefix hits finer than a Mamba block.
 
@@ -174,63 +176,3 @@ def resolve_kv_cache_block_sizes(
             f"{group_block_sizes}, prefix-cacheable={hashing_sizes}."
         )
     return scheduler_block_size, hash_block_size
-
-
-def resolve_cache_hit_alignment_tokens(
-    kv_cache_config: KVCacheConfig,
-    scheduler_block_size: int,
-    hash_block_size: int,
-    enable_prefix_caching: bool = True,
-    dcp_world_size: int = 1,
-) -> int:
-    """Token granularity of prefix-cache hits: the hash unit for fine-grained
-    (Mamba "align") hybrids, else the scheduler block size."""
-    from jaxkv.single_type_kv_cache_manager import manager_class_for_spec
-
-    groups = kv_cache_config.kv_cache_groups
-    if not enable_prefix_caching or len(groups) <= 1:
-        return scheduler_block_size
-    classes = [manager_class_for_spec(g.kv_cache_spec) for g in groups]
-    if partial_hash_hits_enabled(groups, hash_block_size, dcp_world_size, classes):
-        return hash_block_size
-    return scheduler_block_size
-
-
-def resolve_block_hashes(
-    block_hashes: Sequence[BlockHash],
-    hash_block_size: int,
-    block_size: int,
-    *,
-    supports_fine_grained_hash_lookup: bool = False,
-    alignment_tokens: int | None = None,
-) -> Sequence[BlockHash]:
-    """The request's hashes viewed at `block_size` (the list itself when equal).
-
-    Fine-grained lookups (alignment below the block, dividing it) keep the raw
-    hash-unit list so interior boundaries can be probed.
-    """
-    if block_size == hash_block_size and type(block_hashes) is list:
-        return block_hashes  # a request's own hashes (checked first: `isinstance` with an
-        # abstract base class costs more than the rest of a lookup's setup)
-    if isinstance(block_hashes, BlockHashListWithBlockSize):
-        view_block_size = hash_block_size * block_hashes.scale_factor
-        if view_block_size != block_size:
-            raise AssertedValueError(
-                f"block_hashes is a view of {view_block_size}-token blocks; it cannot be read "
-                f"as {block_size}-token blocks"
-            )
-        return block_hashes
-    if block_size == hash_block_size:
-        return block_hashes
-    if (
-        supports_fine_grained_hash_lookup
-        and alignment_tokens is not None
-        and alignment_tokens < block_size
-        and block_size % alignment_tokens == 0
-    ):
-        return block_hashes
-    if block_size % hash_block_size:
-        raise ValueError(
-            f"block size {block_size} is not a multiple of the hash block size {hash_block_size}"
-        )
-    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)

@@ -49,7 +49,7 @@ def to_event_extra_keys(
 class BlockStored(KVCacheEvent):
     """Blocks that became full and findable; hashes are bare block hashes (no group id).
 
-    vLLM 0.33's fields: `lora_name` and `extra_keys` (untagged, one entry per
+    vLLM's fields: `lora_name` and `extra_keys` (untagged, one entry per
     stored block) let a router recompute the keys; `group_idx` names the KV
     cache group, `kv_cache_spec_kind` ("full_attention", "sliding_window", ...)
     and `kv_cache_spec_sliding_window` describe it (filled in by the KV cache

@@ -12,13 +12,37 @@ import enum
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int, check_str, check_token_ids
+from jaxkv._checks import TOKEN_ID_LIMIT, check_bool, check_int, check_str, check_token_ids
 from jaxkv.hashing import BlockHash
-from jaxkv.request_hashing import RequestBlockHasher
+
+
+class BlockHasher(Protocol):
+    """What a request needs of its block hasher (`get_request_block_hasher` makes one:
+    `jaxkv.request_hashing.RequestBlockHasher`).
+
+    Called with the request once a block has filled, it returns the hashes of every
+    full block after the ones in `request.block_hashes`, each `block_size` tokens, the
+    chain starting from `none_hash` (both fixed when the hasher is made).
+    """
+
+    block_size: int
+    none_hash: BlockHash
+
+    def __call__(self, request: Request) -> list[BlockHash]: ...
+
+
+def _is_block_hasher(obj: object) -> bool:
+    """Whether `obj` has what `BlockHasher` names (checked field by field: a runtime
+    protocol check costs more than building the rest of a request)."""
+    return (
+        callable(obj)
+        and isinstance(getattr(obj, "block_size", None), int)
+        and hasattr(obj, "none_hash")
+    )
 
 
 class RequestStatus(enum.IntEnum):
@@ -181,9 +205,10 @@ class Request:
     `hash_block_size` tokens (when a block hasher is set), chained from the
     hasher's `none_hash`; `0 <= num_computed_tokens <= num_tokens`.
 
-    The positional order is vLLM 0.33's (`request_id, prompt_token_ids,
-    sampling_params, pooling_params, client_index, arrival_time, prompt_embeds,
-    ...`); vLLM arguments jaxkv has no use for are accepted and ignored. A prompt
+    The first four positions are vLLM's (`request_id, prompt_token_ids,
+    sampling_params, pooling_params`), the rest keyword-only; vLLM's full
+    positional shape, with the arguments jaxkv has no use for, is
+    `jaxkv.compat.vllm.Request`. A prompt
     given only as `prompt_embeds` (`prompt_token_ids=None`) gets token id 0 at every
     position, as in vLLM (its blocks are told apart by the embeddings' digests).
     `max_tokens` and `skip_reading_prefix_cache` come from `sampling_params`
@@ -196,23 +221,14 @@ class Request:
         prompt_token_ids: Sequence[int] | np.ndarray,
         sampling_params: Any = None,
         pooling_params: Any = None,
-        client_index: int = 0,
+        *,
         arrival_time: float | None = None,
         prompt_embeds: np.ndarray | None = None,
-        prompt_is_token_ids: Sequence[bool] | None = None,
         mm_features: Sequence[MultiModalFeatureSpec] | None = None,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
-        trace_headers: Any = None,
-        block_hasher: RequestBlockHasher | None = None,
-        resumable: bool = False,
-        session_id: str | None = None,
-        reasoning_ended: bool | None = None,
-        reasoning_parser_kwargs: dict[str, Any] | None = None,
-        abort_immediately: bool = False,
-        kv_hints: Any = None,
-        *,
+        block_hasher: BlockHasher | None = None,
         max_tokens: int | None = None,
         skip_reading_prefix_cache: bool | None = None,
     ) -> None:
@@ -221,7 +237,6 @@ class Request:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
-        self.client_index = client_index
         self.priority = priority
         self.arrival_time = 0.0 if arrival_time is None else arrival_time
         if max_tokens is None:
@@ -290,14 +305,12 @@ class Request:
         if cache_salt is not None and type(cache_salt) is not str:
             check_str("cache_salt", cache_salt, allow_none=True)
         self.cache_salt = cache_salt or None  # "" means no salt, as in vLLM
-        if block_hasher is not None and not isinstance(block_hasher, RequestBlockHasher):
+        if block_hasher is not None and not _is_block_hasher(block_hasher):
             raise TypeError(
                 "block_hasher must come from get_request_block_hasher (it declares the block "
                 f"size and NONE_HASH the hashes chain from), got {block_hasher!r}"
             )
         self.block_hasher = block_hasher
-        # The hasher's bound __call__: calling it directly skips the instance-call lookup.
-        self._hash_new_blocks = None if block_hasher is None else block_hasher.__call__
         self.output_token_ids: list[int] = []
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
@@ -341,9 +354,8 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append one token id or a sequence of them; a bad id raises before anything changes."""
-        # Ids below 2**30 (every vocabulary) take this path: CPython 3.11 specializes a
-        # comparison only between one-digit ints. Larger ids are checked below.
-        if type(token_ids) is int and 0 <= token_ids <= 0x3FFFFFFF:
+        # One plain int in range is taken as is; anything else is checked (and converted).
+        if type(token_ids) is int and 0 <= token_ids < TOKEN_ID_LIMIT:
             self.output_token_ids.append(token_ids)
             self.num_tokens += 1
             self.num_output_tokens += 1
@@ -382,5 +394,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         # The hasher is only called once a block has filled.
         if self.num_tokens >= self._next_hash_at:
-            self.block_hashes.extend(self._hash_new_blocks(self))  # type: ignore[misc]
+            self.block_hashes.extend(self.block_hasher(self))  # type: ignore[misc]
             self._next_hash_at = (len(self.block_hashes) + 1) * self.hash_block_size  # type: ignore[operator]

@@ -3,7 +3,8 @@ nothing" checks (imported by several test modules)."""
 
 from __future__ import annotations
 
-from jaxkv import BlockPool, FreeKVCacheBlockQueue, KVCacheManager
+from jaxkv import BlockPool, KVCacheManager
+from jaxkv.blocks import FreeKVCacheBlockQueue
 
 
 def queue_state(queue: FreeKVCacheBlockQueue) -> tuple:
@@ -37,7 +38,7 @@ def manager_state(manager: KVCacheManager) -> tuple:
             )
             for m in manager.coordinator.single_type_managers
         ],
-        {id(r): s for r, s in manager._slot_state.items()},
+        {id(r): s for r, s in manager._slot_states.items()},
         dict(manager._running),
     )
 

@@ -18,7 +18,7 @@ SLOW_MODULES = {
     # 8 simulated devices, each test in its own JAX process
     "test_device_sharding", "test_engine_sharding", "test_models_sharding",
     "test_device_distributed",
-    # against vLLM 0.33 / transformers in the peer environment
+    # against vLLM / transformers in the peer environment
     "test_vllm_differential", "test_hybrid_vllm_diff", "test_vllm_yardstick", "test_models_hf",
     "test_scheduler_vllm",
 }  # fmt: skip

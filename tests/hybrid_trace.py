@@ -1,4 +1,4 @@
-"""Replays seeded random scheduling traces through jaxkv or vLLM 0.33 and logs every result.
+"""Replays seeded random scheduling traces through jaxkv or vLLM and logs every result.
 
 Both sides run this same code: the decisions come from one seeded RNG and from
 the results (a failed allocation changes what happens next), so two managers
@@ -111,7 +111,7 @@ def _build_vllm(case: dict[str, Any]):
         elif kind == "rswa":
             spec = RSWASpec(**common, rswa_window=param)
         elif kind == "sink":
-            # vLLM 0.33's coordinator cannot build its SinkFullAttentionManager (its
+            # vLLM's coordinator cannot build its SinkFullAttentionManager (its
             # __init__ refuses `needs_kv_cache_zeroing`: TypeError), which adds nothing
             # to FullAttentionManager but the sink_len check: run the group as the
             # full attention it is on the host side (the spec is still checked).
@@ -168,13 +168,13 @@ def _new_ids(new) -> list | None:
 
 
 def _checkpoint_position(num_tokens: int, unit: int, eagle: bool) -> int:
-    """vLLM 0.33's `get_mamba_prefill_checkpoint_position` (no hash lookahead)."""
+    """vLLM's `get_mamba_prefill_checkpoint_position` (no hash lookahead)."""
     position = (num_tokens if eagle else num_tokens - 1) // unit * unit
     return max(position - unit if eagle else position, 0)
 
 
 def _checkpoint_valid(start: int, end: int, position: int, unit: int, block: int, align) -> bool:
-    """vLLM 0.33's `is_mamba_prefill_checkpoint_valid`."""
+    """vLLM's `is_mamba_prefill_checkpoint_valid`."""
     if not align:
         return False
     return (
@@ -188,7 +188,7 @@ def _checkpoint_valid(start: int, end: int, position: int, unit: int, block: int
 
 def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
     """A prefill chunk from `start`: a random length, clipped with a Mamba "align" group as
-    vLLM 0.33's scheduler clips it (`Scheduler._mamba_block_aligned_split`: states are
+    vLLM's scheduler clips it (`Scheduler._mamba_block_aligned_split`: states are
     written at chunk ends, so chunks end on Mamba block boundaries, at the prompt's
     partial tail, at a shared-prefix junction; a backend that exports checkpoints lets
     the last chunk run through). 0: the request is not scheduled this step."""
@@ -234,7 +234,7 @@ def _chunk(rng: random.Random, case: dict[str, Any], req, start: int) -> int:
 
 def _evicted_ids(rng: random.Random, case: dict[str, Any], manager, running: list) -> set[int]:
     """Block ids a KV connector hands `evict_blocks` after a failed load: a running request's
-    blocks from some token on (the failed block and every later one, as vLLM 0.33's
+    blocks from some token on (the failed block and every later one, as vLLM's
     `_update_requests_with_invalid_blocks` collects them) in one group or in all, or a few
     ids anywhere in the pool (held, free and cached, or never cached). Never the null block
     (jaxkv refuses its id)."""
@@ -264,7 +264,7 @@ def _events(manager) -> list:
         hashes = [bytes(h).hex() for h in getattr(event, "block_hashes", ())]
         if name == "BlockStored":
             if not hashes:
-                # vLLM 0.33 reports a caching step whose blocks were all masked out (sparse
+                # vLLM reports a caching step whose blocks were all masked out (sparse
                 # hits, retention) with no hashes; jaxkv reports none (as later vLLM does,
                 # docs/vllm-differences.md): not compared.
                 continue
@@ -279,7 +279,7 @@ def _events(manager) -> list:
                     event.group_idx,
                     event.lora_id,
                     event.medium,
-                    # vLLM 0.33 lists None per block where no block has extra keys,
+                    # vLLM lists None per block where no block has extra keys,
                     # jaxkv gives None (docs/vllm-differences.md): compared as equal.
                     event.extra_keys
                     if any(k is not None for k in event.extra_keys or ())

@@ -1,5 +1,5 @@
 """Runs under the vLLM peer env: one workload through `jaxkv.engine.scheduler.Scheduler`
-over jaxkv's `KVCacheManager` and over vLLM 0.33's, printing both per-step traces as JSON.
+over jaxkv's `KVCacheManager` and over vLLM's, printing both per-step traces as JSON.
 
 Used by tests/test_scheduler_vllm.py. The scheduler module must not import JAX (this
 environment has none).

@@ -20,16 +20,12 @@ from hypothesis import strategies as st
 
 import jaxkv.hashing as hashing
 from jaxkv import (
-    BlockHashListWithBlockSize,
-    BlockHashMemo,
     BlockPool,
     BlockTable,
     EncoderBudget,
     EncoderCacheManager,
     EncoderDecoderCacheManager,
-    FreeKVCacheBlockQueue,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheBlocks,
     KVCacheConfig,
     KVCacheManager,
@@ -43,8 +39,10 @@ from jaxkv import (
     hash_block_tokens,
     hash_mm_item,
     init_none_hash,
-    make_block_hash_with_group_id,
 )
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.hashing import BlockHashListWithBlockSize, make_block_hash_with_group_id
+from jaxkv.request_hashing import BlockHashMemo
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 BS = 4

@@ -14,14 +14,13 @@ from jaxkv import (
     BlockPool,
     BlockRemoved,
     BlockStored,
-    FreeKVCacheBlockQueue,
-    KVCacheBlock,
     Request,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    make_block_hash_with_group_id,
 )
 from jaxkv.block_pool import BlockHashToBlockMap
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.hashing import make_block_hash_with_group_id
 
 BS = 4
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")

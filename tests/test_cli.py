@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxkv import cli, models
-from jaxkv.engine.reference import DenseReference
+from jaxkv.testing.reference import DenseReference
 
 
 @pytest.fixture(scope="module")

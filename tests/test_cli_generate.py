@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from jaxkv import cli, models
-from jaxkv.engine.reference import DenseReference
 from jaxkv.models.prompting import PromptEncoder
 from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.testing.reference import DenseReference
 
 SPECIALS = {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"}
 TEMPLATE = (

@@ -18,7 +18,7 @@ SERVE = """
 import json, time
 from jaxkv.device import compilation_cache_hits, compilation_count
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 model = TinyCausalLM(tiny_configs()["gemma-style-tiny"])  # before the engine turns it on
 base, base_hits = compilation_count(), compilation_cache_hits()
 start = time.perf_counter()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import demo
-from jaxkv.engine.reference import DenseReference
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.reference import DenseReference
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 
 @pytest.mark.timeout(300)

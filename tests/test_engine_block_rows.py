@@ -19,8 +19,8 @@ import pytest
 from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.engine.model_runner import RowSampling
-from jaxkv.engine.reference import DenseReference
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.reference import DenseReference
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 CONFIG = EngineConfig(
     block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=80

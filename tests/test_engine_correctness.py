@@ -13,8 +13,8 @@ import pytest
 
 from jaxkv.device import compilation_count
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.reference import DenseReference, image_offsets
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.reference import DenseReference, image_offsets
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 MAX_LEN = 184  # 23 blocks of 8: the 23 usable blocks of the pool hold one request
 BASE = EngineConfig(

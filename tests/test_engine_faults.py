@@ -18,8 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.engine.engine import fold_seed
 from jaxkv.engine.model_runner import RowSampling
-from jaxkv.engine.reference import DenseReference
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.reference import DenseReference
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 CONFIG = EngineConfig(
     block_size=8, num_blocks=25, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=192

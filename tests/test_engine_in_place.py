@@ -17,8 +17,8 @@ from eight_devices import call_on_8_devices
 
 from jaxkv.device.in_place import check_in_place
 from jaxkv.engine import EngineConfig, LLMEngine
-from jaxkv.engine.tiny_model import TinyCausalLM
-from jaxkv.engine.tiny_model import tiny_configs as engine_tiny_configs
+from jaxkv.testing.tiny_model import TinyCausalLM
+from jaxkv.testing.tiny_model import tiny_configs as engine_tiny_configs
 
 NUM_BLOCKS = 4096
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.reference import DenseReference, image_offsets
+from jaxkv.testing.reference import DenseReference, image_offsets
 
 MAX_LEN = 92  # 23 blocks of 4: the usable blocks of the pool hold one request
 CONFIG = EngineConfig(

@@ -44,8 +44,8 @@ def child(workdir: str) -> dict:
     from jaxkv import cli
     from jaxkv.device import make_mesh
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from jaxkv.engine.reference import DenseReference, image_offsets
     from jaxkv.models import load_model, save_random_checkpoint, tiny_configs
+    from jaxkv.testing.reference import DenseReference, image_offsets
 
     assert len(jax.devices()) == 8
     work = Path(workdir)

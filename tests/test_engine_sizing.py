@@ -6,7 +6,7 @@ import pytest
 
 from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 # The tiny engine model: 2 layers, 2 KV heads of 32, float32: one block of 16 tokens is
 # 16 * 2 * 2 * 32 * 4 = 8 KiB per layer.

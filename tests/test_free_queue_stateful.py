@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from jaxkv import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 
 NUM_BLOCKS = 8
 

@@ -1,7 +1,7 @@
 """Issue 10, one test (or a few) per deliverable; each fails on the code before it.
 
 Wrong KV impossible by mistake (item 2), raised errors change nothing (item 3),
-integer sizes (item 4), the seed's encoder semantics (item 5), vLLM 0.33's
+integer sizes (item 4), the seed's encoder semantics (item 5), vLLM's
 signatures (item 6), and the code-structure items that tests can see (item 7).
 """
 
@@ -23,9 +23,7 @@ from jaxkv import (
     BlockTable,
     EncoderCacheManager,
     EncoderDecoderCacheManager,
-    FreeKVCacheBlockQueue,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheBlocks,
     KVCacheConfig,
     KVCacheManager,
@@ -37,8 +35,10 @@ from jaxkv import (
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
-    make_block_hash_with_group_id,
 )
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.compat.vllm import Request as VLLMRequest
+from jaxkv.hashing import make_block_hash_with_group_id
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 BS = 4
@@ -304,7 +304,7 @@ def test_admission_check_fails_an_item_that_could_never_be_scheduled(cls):
 
 
 # ---------------------------------------------------------------------------
-# Item 6: vLLM 0.33's signatures
+# Item 6: vLLM's signatures
 
 VLLM_SIGNATURES = {
     KVCacheManager.__init__: [
@@ -321,7 +321,7 @@ VLLM_SIGNATURES = {
         "skip_zeroing_group_ids",
     ],
     KVCacheManager.get_computed_blocks: ["self", "request", "max_cache_hit_length"],
-    Request.__init__: [
+    VLLMRequest.__init__: [
         "self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params",
         "client_index", "arrival_time", "prompt_embeds", "prompt_is_token_ids", "mm_features",
         "lora_request", "cache_salt", "priority", "trace_headers", "block_hasher", "resumable",
@@ -344,7 +344,7 @@ VLLM_SIGNATURES = {
 
 @pytest.mark.parametrize("fn", list(VLLM_SIGNATURES), ids=lambda f: f.__qualname__)
 def test_positional_parameters_are_vllms(fn):
-    """vLLM 0.33's positional parameters, in its order (jaxkv's extras are keyword-only)."""
+    """vLLM's positional parameters, in its order (jaxkv's extras are keyword-only)."""
     positional = [
         name
         for name, p in inspect.signature(fn).parameters.items()
@@ -464,7 +464,7 @@ def test_blocks_are_stamped_through_the_blocks_api(monkeypatch):
 
 
 def test_decode_shortcut_and_general_path_agree_on_every_step():
-    """The shortcut answers from limits `_get_slot_state` derives; with it off, the general
+    """The shortcut answers from limits `_slot_state_for` derives; with it off, the general
     path must give the same results on the same steps."""
     results = []
     for use_shortcut in (True, False):

@@ -19,23 +19,25 @@ from hypothesis import strategies as st
 
 import jaxkv.hashing as hashing
 from jaxkv import (
-    BlockHashListWithBlockSize,
     LoRARequest,
     MultiModalFeatureSpec,
     Request,
-    generate_block_hash_extra_keys,
-    get_block_hash,
-    get_group_id,
     get_hash_fn_by_name,
     get_none_hash,
-    get_none_hash_seed,
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
+)
+from jaxkv.hashing import (
+    BlockHashListWithBlockSize,
+    get_block_hash,
+    get_group_id,
+    get_none_hash_seed,
     make_block_hash_with_group_id,
 )
+from jaxkv.request_hashing import generate_block_hash_extra_keys
 
-# Digests computed by vLLM 0.33 (sha256_cbor / xxhash_cbor), kept in the repo.
+# Digests computed by vLLM (sha256_cbor / xxhash_cbor), kept in the repo.
 VECTORS_DIR = Path(__file__).resolve().parent / "data"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
@@ -217,7 +219,7 @@ def _stdout_of_fresh_process(code: str) -> str:
 
 def test_sha256_cbor_default_reproducible_across_processes():
     code = (
-        "from jaxkv import get_hash_fn_by_name, init_none_hash, get_none_hash_seed\n"
+        "from jaxkv.hashing import get_hash_fn_by_name, init_none_hash, get_none_hash_seed\n"
         "print(init_none_hash(get_hash_fn_by_name('sha256_cbor')).hex(), get_none_hash_seed())\n"
     )
     outs = [_stdout_of_fresh_process(code).split() for _ in range(2)]

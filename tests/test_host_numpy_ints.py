@@ -19,9 +19,7 @@ from hypothesis import strategies as st
 
 from jaxkv import (
     BlockPool,
-    FreeKVCacheBlockQueue,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheConfig,
     KVCacheManager,
     MultiModalFeatureSpec,
@@ -30,6 +28,7 @@ from jaxkv import (
     get_hash_fn_by_name,
     get_request_block_hasher,
 )
+from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.kv_cache_utils import resolve_kv_cache_block_sizes
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
@@ -70,8 +69,8 @@ def all_python_ints(manager: KVCacheManager) -> bool:
     for group in manager.coordinator.single_type_managers:
         values += list(group.num_cached_block.values())
         values += [b.block_id for blocks in group.req_to_blocks.values() for b in blocks]
-    for state in manager._slot_state.values():
-        values += list(state)
+    for state in manager._slot_states.values():
+        values += [state.capacity, state.caches_at, state.releases_at, state.quiet_until]
     return all(type(v) is int for v in values)
 
 
@@ -317,7 +316,7 @@ def _touch_pool() -> tuple[BlockPool, list[KVCacheBlock]]:
 @pytest.mark.parametrize(
     "form",
     [
-        lambda blocks: blocks,  # vLLM 0.33: a flat sequence
+        lambda blocks: blocks,  # vLLM: a flat sequence
         lambda blocks: tuple(blocks),
         lambda blocks: iter(blocks),
         lambda blocks: [blocks],  # one sequence per group

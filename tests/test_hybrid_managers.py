@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -22,8 +23,8 @@ from jaxkv import (
     SlidingWindowSpec,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    make_block_hash_with_group_id,
 )
+from jaxkv.hashing import make_block_hash_with_group_id
 from jaxkv.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
@@ -32,7 +33,9 @@ from jaxkv.kv_cache_coordinator import (
 )
 from jaxkv.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
+    FullAttentionManager,
     MambaManager,
+    SingleTypeKVCacheManager,
     SlidingWindowManager,
     _rightmost_aligned_run,
     _rightmost_run,
@@ -277,7 +280,7 @@ def test_mamba_last_state_hits_and_align_caching():
 
 def test_mamba_coarser_block_hits_at_hash_units_with_copy_on_write():
     # Mamba block 32, attention 16, hashed per 16: partial (sub-block) hits are on, as in
-    # vLLM 0.33; a hit inside a Mamba block is served from a private copy of its state.
+    # vLLM; a hit inside a Mamba block is served from a private copy of its state.
     m = manager_for(full(16), mamba(32), num_blocks=40)
     coordinator = m.coordinator
     assert isinstance(coordinator, HybridKVCacheCoordinator)
@@ -511,7 +514,7 @@ def test_hybrid_events_name_their_group_kind_window_and_untagged_extra_keys():
 
 
 def test_a_partial_tail_evicted_while_held_is_keyed_again_at_the_next_step():
-    """As vLLM 0.33, which keys a prompt's partial tail at every caching step: after
+    """As vLLM, which keys a prompt's partial tail at every caching step: after
     `evict_blocks` drops it from a block its request still holds, the request's next step
     keys it again (a `BlockStored`); an evicted full block stays uncached."""
     m = manager_for(full(8), sw(4, bs=4), num_blocks=40, enable_kv_cache_events=True)
@@ -599,3 +602,20 @@ def test_gap_by_gap_run_search_equals_the_block_by_block_scan(is_cached, need, e
     start, end = expected
     assert all(c is not None for c in cached[start:end])
     assert end - start == need or start == 0
+
+
+def test_patching_a_base_class_method_reaches_every_subclass():
+    """A method the per-type managers inherit is looked up on the base class, so
+    `mock.patch.object(SingleTypeKVCacheManager, ...)` sees every group's calls."""
+    calls = []
+    original = SingleTypeKVCacheManager.allocate_new_blocks
+
+    def spy(self, *args, **kwargs):
+        calls.append(type(self))
+        return original(self, *args, **kwargs)
+
+    m = manager_for(full(), sw(32), num_blocks=32)
+    with mock.patch.object(SingleTypeKVCacheManager, "allocate_new_blocks", spy):
+        assert m.allocate_slots(request("a", range(40)), 40) is not None
+    assert calls == [FullAttentionManager, SlidingWindowManager]
+    m.free(request("a", range(40)))

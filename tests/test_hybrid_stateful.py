@@ -33,9 +33,8 @@ from jaxkv import (
     get_hash_fn_by_name,
     get_request_block_hasher,
     init_none_hash,
-    make_block_hash_with_group_id,
 )
-from jaxkv.hashing import BlockHashListWithBlockSize
+from jaxkv.hashing import BlockHashListWithBlockSize, make_block_hash_with_group_id
 from jaxkv.single_type_kv_cache_manager import (
     CircularBufferManager,
     FullAttentionManager,

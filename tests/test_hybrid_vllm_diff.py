@@ -1,4 +1,4 @@
-"""Differential test: random hybrid traces through jaxkv and vLLM 0.33's hybrid coordinator.
+"""Differential test: random hybrid traces through jaxkv and vLLM's hybrid coordinator.
 
 vLLM runs in a subprocess under `REPO_ROOT/.venv-vllm/bin/python` (it has no
 JAX; `tests/hybrid_trace.py` never imports it); skipped when that environment
@@ -111,7 +111,7 @@ def test_random_traces_with_kv_connector_tokens_match_vllm():
     """Admissions whose tokens after the hit come partly from a KV connector
     (`num_external_computed_tokens`): the blocks each group gets for them (only inside
     its window), the new blocks after them, what is cached and the free queue all match
-    vLLM 0.33's two-phase allocation."""
+    vLLM's two-phase allocation."""
     cases = [dict(case, external=True) for case in random_cases(40, seed=21)]
     num_external = 0
     for got in assert_traces_match(cases):
@@ -165,7 +165,7 @@ def test_random_traces_with_evict_blocks_and_kv_events_match_vllm():
     """`evict_blocks` on held and free blocks of groups with different block sizes: the
     KV events (in order: one eviction's `BlockRemoved`s block by block, each block's own
     key before a partial tail's), the held blocks, the free queue and what is cached after
-    every step all match vLLM 0.33, including a prompt's partial tail keyed again at the
+    every step all match vLLM, including a prompt's partial tail keyed again at the
     step after `evict_blocks` dropped it from a block its request still holds."""
     cases = evict_cases(60, seed=41)
     num_recached = num_mixed_removals = 0

@@ -20,8 +20,8 @@ from jaxkv import (
     Request,
     get_hash_fn_by_name,
     get_request_block_hasher,
-    make_block_hash_with_group_id,
 )
+from jaxkv.hashing import make_block_hash_with_group_id
 
 SHA_CBOR = get_hash_fn_by_name("sha256_cbor")
 BS = 4
@@ -700,7 +700,7 @@ def test_two_groups_different_block_sizes():
     assert pool.blocks[6].block_hash == key(a.block_hashes[1], 1)
     assert pool.blocks[7].block_hash == key(a.block_hashes[3], 1)
     assert pool.blocks[8].block_hash is None
-    # As vLLM 0.33's hybrid coordinator: only the scheduler-block-aligned 16 tokens are
+    # As vLLM's hybrid coordinator: only the scheduler-block-aligned 16 tokens are
     # cached (a hit can never end at 20), so group 0's fifth block stays unhashed.
     assert pool.blocks[4].block_hash == key(a.block_hashes[3], 0)
     assert pool.blocks[5].block_hash is None

@@ -52,14 +52,17 @@ def _manager(
         manager = KVCacheManager(config, 64, enable_kv_cache_events=True)
     else:
         manager = KVCacheManager.from_spec(spec, 24, 64, enable_kv_cache_events=True)
-    # A plain (or sink) full-attention group takes that path; the others never do.
-    takes_sole_path = type(spec) in (FullAttentionSpec, SinkFullAttentionSpec)
-    assert (manager._sole_manager is not None) == takes_sole_path
+    # A plain (or sink) full-attention group takes the single-group coordinator's direct
+    # path; the others never do.
+    coordinator = manager.coordinator
+    takes_direct_path = type(spec) in (FullAttentionSpec, SinkFullAttentionSpec)
+    assert getattr(coordinator, "plain_full_attention", False) == takes_direct_path
     manager._use_slot_state = use_slot_state
     if not use_slot_state:
-        manager._blocks_per_missing_block = None  # every allocation is counted per group
-    if not single_group_path:
-        manager._sole_manager = None  # every step goes through the coordinator
+        coordinator.blocks_per_missing_block = None  # every allocation is counted per group
+    if not single_group_path and takes_direct_path:
+        # Every step goes through the general per-group path.
+        coordinator.plain_full_attention = coordinator.hits_are_leading_blocks = False
     return manager
 
 

@@ -31,14 +31,12 @@ from jaxkv import (
     FullAttentionSpec,
     KVCacheManager,
     Request,
-    get_block_hash,
-    get_group_id,
     get_hash_fn_by_name,
     get_request_block_hasher,
     init_none_hash,
-    make_block_hash_with_group_id,
 )
 from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
+from jaxkv.hashing import get_block_hash, get_group_id, make_block_hash_with_group_id
 
 MAX_MODEL_LEN = 24
 BASE_PREFIXES = ([0, 1, 2, 3] * 5, [1, 1, 0, 0] * 5, [2, 3, 2, 3, 0] * 4)

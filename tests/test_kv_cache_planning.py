@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.hashing import resolve_block_hashes
+from jaxkv.kv_cache_coordinator import resolve_cache_hit_alignment_tokens
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -36,8 +38,6 @@ from jaxkv.kv_cache_planning import (
 )
 from jaxkv.kv_cache_utils import (
     partial_hash_hits_enabled,
-    resolve_block_hashes,
-    resolve_cache_hit_alignment_tokens,
     resolve_dcp_kv_block_size,
     resolve_dcp_kv_cache_spec,
     resolve_kv_cache_block_sizes,
@@ -256,7 +256,7 @@ def test_hybrid_grouping_unifies_page_sizes():
     groups = get_kv_cache_groups({"f": full, "s": small})
     assert groups[1].kv_cache_spec.block_size == 32
     assert groups[1].kv_cache_spec.page_size_bytes == full.page_size_bytes
-    # A page that does not divide the largest is padded (vLLM 0.33), except MLA's.
+    # A page that does not divide the largest is padded (as vLLM does), except MLA's.
     odd = SlidingWindowSpec(16, 3, 128, sliding_window=64)
     padded = get_kv_cache_groups({"f": full, "s": odd})[1].kv_cache_spec
     assert padded == replace(odd, page_size_padded=full.page_size_bytes)

@@ -1,6 +1,6 @@
 """Tokens a KV connector computed (`allocate_slots(num_external_computed_tokens=...)`).
 
-vLLM 0.33's two-phase rule: every group touches its local hits, then every group gets
+vLLM's two-phase rule: every group touches its local hits, then every group gets
 blocks for the connector's tokens inside its attention window, then the new tokens'
 blocks. `tests/test_hybrid_vllm_diff.py` replays random traces of this against vLLM.
 """

@@ -276,8 +276,8 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
     joins after the engine has served some requests catches up through the replay and
     then predicts the engine's own prefix hits."""
     from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from jaxkv.engine.tiny_model import TinyCausalLM, tiny_configs
     from jaxkv.request import Request
+    from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
     config = EngineConfig(
         block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32,

@@ -1,6 +1,6 @@
 """Mamba "align" hybrids: partial (sub-block) prefix hits with copy-on-write, exact numbers.
 
-As vLLM 0.33: where `partial_hash_hits_enabled` holds (a Mamba "align" group coarser than
+As vLLM: where `partial_hash_hits_enabled` holds (a Mamba "align" group coarser than
 the hash unit), a hit may end inside a block; that shared block is redirected to a
 private copy before the request writes into it, and `take_kv_cache_block_copies()`
 hands the copies (and their retained endpoints) to the device side. The last test runs
@@ -22,12 +22,14 @@ from jaxkv import (
     KVCacheManager,
     MambaSpec,
     Request,
-    get_mamba_prefill_checkpoint_position,
     get_request_block_hasher,
-    is_mamba_prefill_checkpoint_valid,
-    make_block_hash_with_group_id,
 )
 from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
+from jaxkv.hashing import make_block_hash_with_group_id
+from jaxkv.kv_cache_interface import (
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
+)
 
 pytestmark = pytest.mark.usefixtures("fixed_none_hash")
 
@@ -174,7 +176,7 @@ def test_secondary_partial_key_and_eviction():
     assert [e.block_hashes for e in events][-1] == [req.block_hashes[2]]
     pool.evict_blocks([blocks[1].block_id])
     assert pool.get_one_block(key48) is None and pool.get_one_block(full_key) is None
-    # Both keys removed, its own first (vLLM 0.33's order).
+    # Both keys removed, its own first (vLLM's order).
     assert [e.block_hashes for e in pool.take_events()] == [
         [req.block_hashes[3]],
         [req.block_hashes[2]],
@@ -187,7 +189,7 @@ def test_secondary_partial_key_and_eviction():
 
 
 def test_one_eviction_removes_keys_block_by_block_each_blocks_own_key_first():
-    """vLLM 0.33's `BlockRemoved` order when one allocation evicts several cached blocks,
+    """vLLM's `BlockRemoved` order when one allocation evicts several cached blocks,
     some with a further (partial) key: block by block in queue order, each block's own
     key, then its further keys."""
     pool = BlockPool(8, True, 16, enable_kv_cache_events=True)
@@ -409,7 +411,7 @@ def retention_manager(retention: int | None, *specs, hash_block_size=16, **kwarg
 def test_retention_zero_reserves_a_checkpoint_only_on_the_chunk_reaching_the_prefill_end(
     retention: int | None,
 ):
-    # vLLM 0.33: with `prefix_cache_retention_interval` 0 only the reachable states are
+    # vLLM: with `prefix_cache_retention_interval` 0 only the reachable states are
     # kept, so a chunk short of the prefill's end exports no checkpoint and reserves no
     # spare block; the chunk reaching it still does.
     m = retention_manager(retention, full(32), mamba_with_checkpoints(16))
@@ -436,7 +438,7 @@ def test_retention_zero_reserves_a_checkpoint_only_on_the_chunk_reaching_the_pre
 def test_tail_state_on_a_block_boundary_is_kept_where_retention_drops_its_block():
     # EAGLE, hash unit 4, Mamba block 8, retention 32: a 20-token prompt's tail state (16:
     # one hash unit below its last boundary) ends Mamba block 1, which the mask drops (its
-    # segment ends at 32, the replay boundary is 8). vLLM 0.33 keys it anyway.
+    # segment ends at 32, the replay boundary is 8). vLLM keys it anyway.
     m = retention_manager(32, full(8), mamba(8), hash_block_size=4, use_eagle=True)
     hasher = get_request_block_hasher(4, SHA)
     a = Request("a", PREFIX[:20], block_hasher=hasher)
@@ -455,7 +457,7 @@ def test_tail_state_on_a_block_boundary_is_kept_where_retention_drops_its_block(
 def test_a_chunk_running_on_from_inside_a_block_leaves_that_block_uncached():
     # b resumes at 4 (a copy of a's state there, in Mamba block 0) and one chunk exporting
     # a checkpoint runs on to its prompt's end. Block 0 then still holds the state at 4:
-    # keyed as the state at 8 (vLLM 0.33 does so) it would resume a later request wrongly.
+    # keyed as the state at 8 (vLLM does so) it would resume a later request wrongly.
     m = retention_manager(
         None, full(8), mamba_with_checkpoints(4, bs=8), hash_block_size=4, use_eagle=True
     )
@@ -479,7 +481,7 @@ def test_a_chunk_running_on_from_inside_a_block_leaves_that_block_uncached():
 
 
 def test_lookahead_tokens_get_attention_slots_but_no_mamba_state_slot():
-    # vLLM 0.33: draft models have no Mamba layers, so a Mamba "align" group allocates for
+    # vLLM: draft models have no Mamba layers, so a Mamba "align" group allocates for
     # the main model's tokens only; attention groups hold the lookahead slots too.
     m = manager_for(full(32), mamba(32))
     a = request("a", PREFIX[:60])

@@ -13,7 +13,7 @@ import pytest
 from models_util import family_configs
 
 from jaxkv.models import load_model, save_random_checkpoint
-from jaxkv.models.paged_generate import PagedGenerator, dense_greedy
+from jaxkv.testing.paged_generate import PagedGenerator, dense_greedy
 
 NUM_NEW = 5
 

@@ -1,5 +1,5 @@
 """The model examples (examples/gemma_style.py, examples/llava_style.py) run end to end and
-their paged-vs-dense checks hold."""
+their engine-vs-dense checks hold."""
 
 from __future__ import annotations
 
@@ -24,6 +24,6 @@ def load(name: str):
 def test_example_runs_and_matches_dense(name, capsys):
     assert load(name).main(["--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "paged == dense: OK" in out
+    assert "engine == dense: OK" in out
     if name == "gemma_style":
-        assert "KV-cache groups: 2" in out and "prefix cache: 12" in out
+        assert "KV-cache groups: 4" in out and "prefix cache: 12" in out

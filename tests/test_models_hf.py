@@ -17,7 +17,7 @@ from models_util import HF_PYTHON, family_configs, run_hf, save_with_transformer
 from test_models_checkpoint import gemma3_v4_config
 
 from jaxkv.models import load_model, save_random_checkpoint, tiny_configs
-from jaxkv.models.paged_generate import dense_greedy
+from jaxkv.testing.paged_generate import dense_greedy
 
 pytestmark = pytest.mark.skipif(not HF_PYTHON.exists(), reason="no .venv-vllm with transformers")
 

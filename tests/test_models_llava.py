@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv.models import load_model, merge_image_features, save_random_checkpoint, tiny_configs
-from jaxkv.models.paged_generate import PagedGenerator, dense_greedy
+from jaxkv.testing.paged_generate import PagedGenerator, dense_greedy
 
 NUM_NEW = 4
 IMAGE = 255  # tiny_configs()["llava-tiny"]["image_token_index"]

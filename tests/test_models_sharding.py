@@ -23,7 +23,7 @@ def child(workdir: str) -> dict:
 
     from jaxkv.device import make_mesh
     from jaxkv.models import load_model, save_random_checkpoint, tiny_configs
-    from jaxkv.models.paged_generate import PagedGenerator
+    from jaxkv.testing.paged_generate import PagedGenerator
 
     assert len(jax.devices()) == 8
     work = Path(workdir)

@@ -1,4 +1,4 @@
-"""The engine's scheduler drives vLLM 0.33's `KVCacheManager` exactly as it drives jaxkv's.
+"""The engine's scheduler drives vLLM's `KVCacheManager` exactly as it drives jaxkv's.
 
 The scheduler calls only vLLM-signature manager methods, so one class serves both (this
 is what benchmarks/bench_host.py relies on). A workload with shared prefixes, chunked

@@ -1,4 +1,4 @@
-"""vLLM 0.33's remaining spec kinds, exact numbers: R-SWA (`RSWASpec`), full attention
+"""vLLM's remaining spec kinds, exact numbers: R-SWA (`RSWASpec`), full attention
 with static sinks (`SinkFullAttentionSpec`) and the circular buffer (`CircularBufferSpec`).
 """
 
@@ -9,7 +9,6 @@ import pytest
 from jaxkv import (
     BlockPool,
     BlockStored,
-    CircularBufferManager,
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheBlocks,
@@ -17,17 +16,13 @@ from jaxkv import (
     KVCacheManager,
     KVCacheSpecKind,
     Request,
-    RSWAManager,
     RSWASpec,
-    SinkFullAttentionManager,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
-    SpecMergeError,
     UniformTypeKVCacheSpecs,
     get_hash_fn_by_name,
     get_kv_cache_capacity,
     get_kv_cache_config,
-    get_manager_for_kv_cache_spec,
     get_request_block_hasher,
 )
 from jaxkv.kv_cache_coordinator import (
@@ -35,8 +30,18 @@ from jaxkv.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from jaxkv.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-from jaxkv.single_type_kv_cache_manager import manager_class_for_spec
+from jaxkv.kv_cache_interface import (
+    SpecMergeError,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from jaxkv.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    RSWAManager,
+    SinkFullAttentionManager,
+    get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
+)
 
 SHA = get_hash_fn_by_name("sha256_cbor")
 pytestmark = pytest.mark.usefixtures("fixed_none_hash")
@@ -91,7 +96,7 @@ def decode(m: KVCacheManager, req: Request, token=7) -> tuple[list[int], ...] | 
 
 def test_rswa_spec_is_full_attention_with_a_decode_window():
     spec = RSWASpec(16, 2, 8, "float32", rswa_window=32)
-    assert spec.kind is KVCacheSpecKind.FULL_ATTENTION  # as vLLM 0.33 reports it
+    assert spec.kind is KVCacheSpecKind.FULL_ATTENTION  # as vLLM reports it
     assert spec.rswa_window == 32
     assert spec.page_size_bytes == 16 * 2 * (8 + 8) * 4 == 2048
     # Sized as full attention: the whole prompt may stay.
@@ -146,7 +151,7 @@ def test_sink_spec():
 
 def test_circular_buffer_spec_holds_one_page_per_request():
     spec = CircularBufferSpec(4, 1, 8, "float16")
-    assert spec.kind is KVCacheSpecKind.UNKNOWN  # as vLLM 0.33 reports it
+    assert spec.kind is KVCacheSpecKind.UNKNOWN  # as vLLM reports it
     assert not spec.prefix_cacheable and not spec.uses_slot_mapping
     assert spec.page_size_bytes == 4 * 1 * 16 * 2 == 128
     for max_model_len in (1, 100, 1 << 20):
@@ -311,7 +316,7 @@ def test_rswa_in_a_hybrid_hits_as_full_attention():
 
 def test_sink_behaves_as_full_attention():
     m = manager_for(sink(sink_len=8))
-    assert m._sole_manager is not None  # the single-group fast path, as full attention
+    assert m.coordinator.plain_full_attention  # the single-group direct path, as full attention
     a = request("a", range(13))
     assert admit(m, a) == (0, ([1, 2, 3, 4],))
     m.free(a)

@@ -1,4 +1,4 @@
-"""vLLM 0.33 behaviours and call forms that vLLM's own v1/core tests showed missing.
+"""vLLM behaviours and call forms that vLLM's own v1/core tests showed missing.
 
 Each test here is ours (not vLLM's); `tools/vllm_core_yardstick.py` runs vLLM's.
 """
@@ -6,6 +6,8 @@ Each test here is ours (not vLLM's); `tools/vllm_core_yardstick.py` runs vLLM's.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -13,14 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import jaxkv
 from jaxkv import (
-    BlockHashListWithBlockSize,
     BlockPool,
     BlockStored,
-    CachingMetrics,
     CrossAttentionSpec,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheBlocks,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -32,14 +32,19 @@ from jaxkv import (
     SamplingParams,
     SlidingWindowSpec,
     get_hash_fn_by_name,
-    get_manager_for_kv_cache_spec,
     get_request_block_hasher,
     hashing,
-    make_block_hash_with_group_id,
-    resolve_block_hashes,
 )
 from jaxkv.block_pool import BlockHashToBlockMap
-from jaxkv.hashing import resolve_none_hash_seed
+from jaxkv.blocks import KVCacheBlock
+from jaxkv.compat.vllm import Request as VLLMRequest
+from jaxkv.compat.vllm import VLLMCacheView, install_private_views
+from jaxkv.hashing import (
+    BlockHashListWithBlockSize,
+    make_block_hash_with_group_id,
+    resolve_block_hashes,
+    resolve_none_hash_seed,
+)
 from jaxkv.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     KVCacheSpecKind,
@@ -53,12 +58,14 @@ from jaxkv.kv_cache_interface import (
     is_full_attention_spec,
     iter_layer_specs,
 )
+from jaxkv.kv_cache_manager import CachingMetrics
 from jaxkv.kv_cache_planning import unify_kv_cache_spec_page_size
 from jaxkv.kv_cache_utils import resolve_dcp_kv_block_size, resolve_dcp_kv_cache_spec
 from jaxkv.single_type_kv_cache_manager import (
     FullAttentionManager,
     MambaManager,
     SlidingWindowManager,
+    get_manager_for_kv_cache_spec,
 )
 
 SHA = get_hash_fn_by_name("sha256_cbor")
@@ -179,9 +186,10 @@ keys = st.sampled_from(
     st.lists(st.tuples(st.sampled_from(["insert", "pop", "del", "set"]), keys, st.integers(1, 6)))
 )
 def test_vllm_cache_view_matches_a_dict_model(ops):
-    """`_cache` (vLLM's dict shape) stays equal to a model dict under random edits."""
+    """`VLLMCacheView` (vLLM's `_cache` dict shape) stays equal to a model dict under
+    random edits."""
     cache = BlockHashToBlockMap()
-    view = cache._cache
+    view = VLLMCacheView(cache)
     blocks = {i: KVCacheBlock(i) for i in range(1, 7)}
     model: dict[bytes, dict[int, KVCacheBlock]] = {}
     for op, key, block_id in ops:
@@ -317,7 +325,7 @@ def test_new_attention_block_ids_are_recorded_for_zeroing():
 
 
 def test_single_type_managers_take_connector_tokens_in_vllms_form():
-    # vLLM 0.33's `allocate_external_computed_blocks(request_id, num_local, num_external)`:
+    # vLLM's `allocate_external_computed_blocks(request_id, num_local, num_external)`:
     # blocks up to the connector's tokens, none when the request already holds more (a
     # speculative allocation may have), so the free count never goes up.
     pool = BlockPool(10, enable_caching=False, hash_block_size=4)
@@ -702,7 +710,7 @@ def test_attention_specs_are_dcp_sharded_by_default_as_in_vllm():
 
 
 def test_kv_cache_config_names_the_groups_a_connector_transfers():
-    # vLLM 0.33's `enable_kv_transfer` and the config's views over it, which KV connectors
+    # vLLM's `enable_kv_transfer` and the config's views over it, which KV connectors
     # read: transferred groups, their per-layer index, their block ids, and the ones a
     # hash-addressed store may keep (scratch state such as cross-attention excluded).
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
@@ -723,3 +731,30 @@ def test_kv_cache_config_names_the_groups_a_connector_transfers():
         config.select_transfer_block_ids(([1], [2]))
     with pytest.raises(TypeError, match="enable_kv_transfer must be a bool"):
         KVCacheGroupSpec(["a"], spec, enable_kv_transfer=1)
+
+
+def test_compat_request_takes_vllms_positional_shape():
+    """vLLM's full positional signature; the arguments jaxkv has no use for are ignored."""
+    request = VLLMRequest(
+        "r", [1, 2, 3], None, None, 7, 1.5, None, None, None, None, "salt", 2, {"h": "v"},
+        None, True, "session", None, None, False, None,
+    )  # fmt: skip
+    assert isinstance(request, jaxkv.Request)
+    assert (request.client_index, request.arrival_time, request.cache_salt) == (7, 1.5, "salt")
+    assert (request.priority, request.max_tokens) == (2, 16)
+
+
+def test_install_private_views_gives_vllms_cache_view():
+    cache = BlockHashToBlockMap()
+    install_private_views()
+    assert isinstance(cache._cache, VLLMCacheView)
+    assert len(cache._cache) == 0
+
+
+def test_the_core_never_imports_the_compat_layer():
+    code = (
+        "import sys, jaxkv, jaxkv.engine.scheduler, jaxkv.kv_cache_manager; "
+        "print(sorted(m for m in sys.modules if m.startswith('jaxkv.compat')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

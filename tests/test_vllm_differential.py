@@ -1,4 +1,4 @@
-"""Differential test against vLLM 0.33: random traces replayed through both, in lockstep.
+"""Differential test against vLLM: random traces replayed through both, in lockstep.
 
 Skipped when the peer environment (`REPO_ROOT/.venv-vllm`, built by
 `tools/vllm-peer-venv.sh`) is absent. vLLM runs in a subprocess under that

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+import jaxkv.blocks
 from jaxkv import hashing
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -75,7 +76,7 @@ def test_names_resolve_to_jaxkv_objects():
     block, queue = shim.names(
         "vllm.v1.core.kv_cache_utils", "KVCacheBlock", "FreeKVCacheBlockQueue"
     )
-    assert block is jaxkv.KVCacheBlock and queue is jaxkv.FreeKVCacheBlockQueue
+    assert block is jaxkv.KVCacheBlock and queue is jaxkv.blocks.FreeKVCacheBlockQueue
     assert shim.names("vllm.utils.hashing", "sha256_cbor") is hashing.get_hash_fn_by_name(
         "sha256_cbor"
     )

@@ -1,4 +1,4 @@
-"""Replay random scheduling traces through jaxkv and vLLM 0.33 in lockstep.
+"""Replay random scheduling traces through jaxkv and vLLM in lockstep.
 
 Run under the vLLM peer environment with the repository on PYTHONPATH:
 

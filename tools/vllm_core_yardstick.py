@@ -15,7 +15,7 @@ skipped, and the failures grouped by cause (the missing vLLM name, or the
 exception type and first line). ``--json`` writes the same per test.
 
 ``--target vllm --python /path/to/.venv-vllm/bin/python`` runs the same rewritten
-files against vLLM itself (the baseline: how many pass on vLLM 0.33);
+files against vLLM itself (the baseline: how many pass on vLLM);
 ``--compare baseline.json`` then counts, per file, how many of the tests passing
 there pass against jaxkv. The target
 interpreter needs no pytest of its own: this interpreter's pytest is appended to

@@ -13,8 +13,8 @@ its `tensor_data` (an array's bytes), the opaque multimodal payload
 `MultiModalKwargsItem`, and the constant `GiB_bytes`.
 
 With ``JAXKV_YARDSTICK_TARGET=vllm`` every name resolves to vLLM itself (torch
-included), so the same rewritten files measure vLLM 0.33 as the baseline; names
-vLLM 0.33 lacks (the tests may be newer) become `Missing` there too.
+included), so the same rewritten files measure vLLM as the baseline; names
+vLLM lacks (the tests may be newer) become `Missing` there too.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ from typing import Any
 import numpy as np
 
 TARGET = os.environ.get("JAXKV_YARDSTICK_TARGET", "jaxkv")
+if TARGET == "jaxkv":
+    # vLLM's tests read private attributes (`BlockHashToBlockMap._cache`).
+    from jaxkv.compat.vllm import install_private_views
+
+    install_private_views()
 
 # vLLM module -> the jaxkv modules searched, in order, for its names.
 MODULE_MAP: dict[str, tuple[str, ...]] = {
@@ -35,16 +40,25 @@ MODULE_MAP: dict[str, tuple[str, ...]] = {
         "jaxkv.blocks",
         "jaxkv.request_hashing",
         "jaxkv.kv_cache_utils",
+        "jaxkv.kv_cache_coordinator",
         "jaxkv.kv_cache_planning",
         "jaxkv.kv_events",
     ),
     "vllm.v1.core.block_pool": ("jaxkv.block_pool", "jaxkv.blocks", "jaxkv.hashing"),
-    "vllm.v1.core.kv_cache_manager": ("jaxkv.kv_cache_manager", "jaxkv.request"),
+    "vllm.v1.core.kv_cache_manager": (
+        "jaxkv.kv_cache_manager",
+        "jaxkv.compat.vllm",
+        "jaxkv.request",
+    ),
     "vllm.v1.core.kv_cache_coordinator": ("jaxkv.kv_cache_coordinator",),
-    "vllm.v1.core.single_type_kv_cache_manager": ("jaxkv.single_type_kv_cache_manager",),
+    "vllm.v1.core.single_type_kv_cache_manager": (
+        "jaxkv.single_type_kv_cache_manager",
+        "jaxkv.single_type_base",
+        "jaxkv.mamba_manager",
+    ),
     "vllm.v1.core.encoder_cache_manager": ("jaxkv.encoder_cache_manager",),
     "vllm.v1.kv_cache_interface": ("jaxkv.kv_cache_interface",),
-    "vllm.v1.request": ("jaxkv.request",),
+    "vllm.v1.request": ("jaxkv.compat.vllm", "jaxkv.request"),
     "vllm.sampling_params": ("jaxkv.sampling_params",),
     "vllm.lora.request": ("jaxkv.request",),
     "vllm.multimodal.inputs": ("jaxkv.request",),
@@ -70,7 +84,7 @@ RENAMED: dict[tuple[str, str], Any] = {
 
 
 class NoJaxkvEquivalentError(NotImplementedError):
-    """A vLLM test touched a name that the target (jaxkv, or vLLM 0.33) lacks."""
+    """A vLLM test touched a name that the target (jaxkv, or vLLM) lacks."""
 
 
 class Missing:

@@ -47,6 +47,7 @@ from jaxkv.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    stop_token_ids_for,
 )
 from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
@@ -404,11 +405,7 @@ class LLMEngine:
             request_id, ids, sampling, mm_features=features, block_hasher=self._block_hasher,
             cache_salt=cache_salt or None,
         )  # fmt: skip
-        stop = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop.update(self.eos_token_ids)
-            if sampling.eos_token_id is not None:
-                stop.add(int(sampling.eos_token_id))
+        stop = stop_token_ids_for(sampling, self.eos_token_ids)
         rank = 0
         if len(self.schedulers) > 1:
             rank = choose_data_rank(

@@ -26,7 +26,7 @@ the rank, one scheduler per rank): `execute` takes one `SchedulerOutput` per dat
 The buffer then has one row per rank (its metadata and its token/sampling rows); the
 step's token rows, logits and sampled tokens are rank-major.
 
-A model follows the contract of `jaxkv.models` (see `jaxkv/engine/tiny_model.py` for the
+A model follows the contract of `jaxkv.models` (see `jaxkv/testing/tiny_model.py` for the
 smallest one): `kv_cache_specs(block_size, dtype)`, `forward_paged(token_ids, kv_cache,
 ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 """

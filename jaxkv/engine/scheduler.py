@@ -3,7 +3,7 @@
 One `schedule()` call plans one device step; `update_from_output()` applies the tokens the
 step sampled. Pure Python + numpy: no JAX, so host benchmarks and tests drive it directly.
 
-It uses only vLLM 0.33's `KVCacheManager` API (`get_computed_blocks`, `allocate_slots`,
+It uses only vLLM's `KVCacheManager` API (`get_computed_blocks`, `allocate_slots`,
 `free`, `get_blocks`, `block_pool.get_num_free_blocks`, `max_model_len`,
 `coordinator.scheduler_block_size`) and request attributes both `jaxkv.Request` and vLLM's `Request`
 have, so the same class drives jaxkv's manager and vLLM's (benchmarks/bench_host.py). A
@@ -11,7 +11,7 @@ request's `status` is set to the members of its own `RequestStatus` enum, found 
 jaxkv extensions are used only where present: freed block ids
 (`track_freed_block_ids=True`), and whether any group turns blocks into the null block
 (`coordinator.skipping_managers`; assumed with vLLM's manager). Partial-hit page copies
-(`take_kv_cache_block_copies`, vLLM 0.33's) go into the step's output; their retained
+(`take_kv_cache_block_copies`, vLLM's) go into the step's output; their retained
 blocks are released at once, as the step that runs the copies is executed before any
 later step can reuse them.
 
@@ -64,6 +64,7 @@ from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from jaxkv.kv_cache_utils import KVCacheBlockCopy
 from jaxkv.request import Request
+from jaxkv.sampling_params import SamplingParams
 
 __all__ = [
     "FinishReason",
@@ -171,22 +172,41 @@ class RequestUpdate:
 
 @dataclass(slots=True)
 class _Tracked:
+    """The scheduler's record of an unfinished request. Its status is the request's own
+    `status` (the one record of it: waiting, running, preempted, finished)."""
+
     request: Request
     stop_token_ids: frozenset[int]
     num_pending: int = 0  # sampled tokens in flight, not yet appended
-    finish_reason: FinishReason | None = None
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
-    running: bool = False
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
     # Per KV-cache group, the leading null blocks of its lists as last reported; None:
     # its row must be reset (new, or resumed after preemption).
     num_null_blocks: list[int] | None = None
 
+    @property
+    def running(self) -> bool:
+        return self.request.status.name == "RUNNING"
 
-# `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row): a row unchanged.
+
+def stop_token_ids_for(
+    sampling: SamplingParams, eos_token_ids: Iterable[int] = ()
+) -> frozenset[int]:
+    """The tokens that end a request sampled with `sampling`: its `stop_token_ids` and,
+    unless `ignore_eos`, the model's `eos_token_ids` and its own `eos_token_id`. With
+    `Request.max_tokens` and the model length, what `Scheduler.update_from_output` (the
+    one place a request's stop is decided) stops it at."""
+    stop = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        stop.update(eos_token_ids)
+        if sampling.eos_token_id is not None:
+            stop.add(int(sampling.eos_token_id))
+    return frozenset(stop)
+
+
+# `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row).
 _BlockChanges = tuple[tuple[list[int], ...], tuple[int, ...], bool]
-_NO_CHANGES: _BlockChanges = ((), (), False)
 
 # The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
 # `FINISHED`).
@@ -240,7 +260,7 @@ class Scheduler:
         self.config = config
         self.encoder_cache_manager = encoder_cache_manager
         self.encoder_budget = encoder_budget
-        # Partial-hit copies (jaxkv's and vLLM 0.33's managers have them).
+        # Partial-hit copies (jaxkv's and vLLM's managers have them).
         self.takes_block_copies = hasattr(kv_cache_manager, "take_kv_cache_block_copies")
         self.track_freed_blocks = getattr(
             kv_cache_manager.block_pool, "track_freed_block_ids", False
@@ -332,58 +352,28 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
-        # Bound once: the loop below runs once per running request every step.
-        running, all_tracked, plan_tokens, advance, block_changes = (
-            self.running, self._tracked, self._plan, self._advance, self._block_changes,
-        )  # fmt: skip
-        text_only = self.encoder_cache_manager is None
-        with_block_ids = self.with_block_ids
-        max_model_len = self.config.max_model_len
+        running = self.running
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            tracked = all_tracked[request.request_id]
-            start = request.num_computed_tokens
-            # A text request's decode step, the hot path, skips `_plan` and `_advance`
-            # (a call each per running request per step): it computes one token, which
-            # no cap can cut below the model length, and none while its last token is in
-            # flight.
-            decode = (
-                text_only
-                and request.num_tokens + tracked.num_pending == start + 1
-                and start < max_model_len
-            )
-            if decode:
-                if request.num_output_tokens + tracked.num_pending >= request.max_tokens:
-                    i += 1
-                    continue
-                num_new, inputs = 1, ()
-            else:
-                plan = plan_tokens(tracked, start, budget, encoder_budget)
-                if plan is None:
-                    i += 1
-                    continue
-                num_new, inputs = plan
-            # Positional (vLLM 0.33's order): a keyword argument would keep CPython from
-            # specializing this call.
-            while (new_blocks := allocate_slots(request, num_new, 0, None, lookahead)) is None:
+            tracked = self._tracked[request.request_id]
+            plan = self._plan(tracked, request.num_computed_tokens, budget, encoder_budget)
+            if plan is None:
+                i += 1
+                continue
+            num_new, inputs = plan
+            while (
+                new_blocks := allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+            ) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                if decode:  # `_advance` of one token, which samples
-                    changes = block_changes(tracked, new_blocks) if with_block_ids else _NO_CHANGES
-                    scheduled.append(
-                        ScheduledRequest(request, start, 1, request.num_tokens, True, (), *changes)
-                    )
-                    request.num_computed_tokens = start + 1
-                    tracked.num_pending += 1
-                else:
-                    if inputs:
-                        encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-                    scheduled.append(advance(tracked, num_new, inputs, new_blocks))
+                if inputs:
+                    encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
+                scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
                 budget -= num_new
                 i += 1
                 continue
@@ -449,7 +439,6 @@ class Scheduler:
             if not request.num_preemptions:
                 tracked.num_cached_tokens = num_hits
             _set_status(request, "RUNNING")
-            tracked.running = True
             self.running.append(request)
             if inputs:
                 encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
@@ -556,11 +545,16 @@ class Scheduler:
         start = request.num_computed_tokens
         num_tokens = request.num_tokens
         samples = start + num_new == num_tokens + tracked.num_pending
-        changes = self._block_changes(tracked, new_blocks) if self.with_block_ids else _NO_CHANGES
-        out = ScheduledRequest(
-            request, start, num_new, num_tokens, samples,
-            inputs if type(inputs) is tuple else tuple(inputs), *changes,
-        )  # fmt: skip
+        if type(inputs) is not tuple:
+            inputs = tuple(inputs)
+        if self.with_block_ids:
+            new_block_ids, num_null_blocks, resets_row = self._block_changes(tracked, new_blocks)
+            out = ScheduledRequest(
+                request, start, num_new, num_tokens, samples, inputs,
+                new_block_ids, num_null_blocks, resets_row,
+            )  # fmt: skip
+        else:
+            out = ScheduledRequest(request, start, num_new, num_tokens, samples, inputs)
         request.num_computed_tokens = start + num_new
         if samples:
             tracked.num_pending += 1
@@ -598,7 +592,6 @@ class Scheduler:
         tracked = self._tracked[request.request_id]
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
-        tracked.running = False
         tracked.num_null_blocks = None
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -619,7 +612,9 @@ class Scheduler:
         """Append the tokens sampled for `output` (row `i` for `output.scheduled[i]`).
 
         Requests finished or aborted since are skipped (their token is dropped); a
-        preempted request keeps its token. Stop conditions are checked here.
+        preempted request keeps its token. This is the one place a request's stop is
+        decided: a token of its stop set (`stop_token_ids_for`) stops it, reaching
+        `Request.max_tokens` outputs or the model length caps it.
         """
         updates: list[RequestUpdate] = []
         all_tracked = self._tracked
@@ -674,6 +669,5 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._free_encoder_inputs(tracked)
         _set_status(request, _FINISHED_STATUS[reason])
-        tracked.finish_reason = reason
         del self._tracked[request.request_id]
         self._finished_ids.append(request.request_id)

@@ -54,8 +54,8 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
 - `jaxkv.models.load_tokenizer(path)`: `tokenizers.Tokenizer` of `tokenizer.json` or None.
 - Tests and examples: `jaxkv.models.tiny_configs()` ("gemma3-tiny", "llama-tiny",
   "llava-tiny": HF config dicts), `save_random_checkpoint(path, config, seed,
-  num_shards=1, layout="model")`, `jaxkv.models.paged_generate.PagedGenerator` (a
-  minimal paged greedy loop, one or per-spec KV-cache groups) and `dense_greedy`.
+  num_shards=1, layout="model")`, `jaxkv.testing.paged_generate.PagedGenerator` (the
+  models' paged-vs-dense logits harness; serving is `jaxkv.engine`) and `dense_greedy`.
 """
 
 from __future__ import annotations

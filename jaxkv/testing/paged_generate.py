@@ -1,17 +1,19 @@
-"""A small paged greedy generation loop over `CausalLM.forward_paged`, without the engine.
+"""A model-test harness: greedy generation over `CausalLM.forward_paged`, logits kept.
 
-`PagedGenerator` batches every request of a `generate` call into each step: prompts are
-prefilled in chunks of at most `chunk_size` tokens, then decoded one token per step. Each
-request owns fresh blocks (the pool is never recycled: size it for the run); full
-blocks are remembered by their token prefix, so a later request whose prompt starts
-with the same tokens reuses those blocks instead of computing them (a prefix hit).
-By default all layers form one KV-cache group with full-attention block tables and
-sliding layers pass their window to the attention (correct, just no block release);
-`group_by_spec=True` gives each distinct `kv_cache_specs` entry its own group, cache
-and block ids (the hybrid layout: sliding vs full layers), packed per group into one
-`PagedContext`. On a mesh with several data ranks the requests are spread over them
-(request i on rank i mod dp, blocks local to its rank). It exists for the examples and
-the model tests; serving belongs to `jaxkv.engine`.
+Not a serving loop (serving, examples included, is `jaxkv.engine`): it checks a model's
+paged forward pass against its dense one at the logits level, which the engine does not
+return. `PagedGenerator` batches every request of a `generate` call into each step:
+prompts are prefilled in chunks of at most `chunk_size` tokens, then decoded one token
+per step. Each request owns fresh blocks (the pool is never recycled: size it for the
+run); full blocks are remembered by their token prefix, so a later request whose prompt
+starts with the same tokens reuses those blocks (a prefix hit: the test that a hit
+gives the same logits as a miss). By default all layers form one KV-cache group with
+full-attention block tables and sliding layers pass their window to the attention
+(correct, just no block release); `group_by_spec=True` gives each distinct
+`kv_cache_specs` entry its own group, cache and block ids (the hybrid layout: sliding vs
+full layers), packed per group into one `PagedContext`. On a mesh with several data
+ranks the requests are spread over them (request i on rank i mod dp, blocks local to
+its rank). `dense_greedy` is the dense side of the comparison.
 """
 
 from __future__ import annotations
