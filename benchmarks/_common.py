@@ -111,6 +111,8 @@ def results_name(
     for option, value in vars(args).items():
         if option in measurement_options or value == parser.get_default(option):
             continue
+        if isinstance(value, list | tuple):
+            value = "-".join(map(str, value))
         parts.append(option if value is True else f"{value}_{option}")
     return "_".join(parts)
 

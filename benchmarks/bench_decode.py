@@ -8,8 +8,9 @@ transformers (float32, eager, CPU).
    costs the same at every pool size: the ratio 8,192 / 64 should be about 1.
 2. Real shapes (random weights, written by this benchmark): a SmolLM2-135M-shaped Llama
    and a Gemma-3-270M-shaped Gemma 3 (real layer counts, widths and vocabularies). Each
-   round runs jaxkv (one scanned layer body, the default), jaxkv with one stack per
-   layer (`scan_layers=False`) and transformers in their own processes, one after the
+   round runs jaxkv with one scanned layer body (`scan_layers=True`, the default on
+   TPU/GPU), jaxkv with one stack per layer (`scan_layers=False`, the default on CPU)
+   and transformers in their own processes, one after the
    other: load (safetensors), time to the first token of the first request (jaxkv:
    compiling the programs it needs; the first round with an empty XLA compilation
    cache, later rounds with the cache the first filled), start-up to that token (from

@@ -24,6 +24,8 @@ NUM_BLOCKS = 4096
 
 
 def _model(family: str, dtype: str, mesh=None):
+    """`family`, or `family+scan` for one scanned layer body (the default off CPU)."""
+    family, _, scan = family.partition("+")
     if family == "tiny":
         return TinyCausalLM(engine_tiny_configs()["gemma-style-tiny"])
     import tempfile
@@ -33,7 +35,7 @@ def _model(family: str, dtype: str, mesh=None):
     names = {"gemma3": "gemma3-tiny", "llama": "llama-tiny", "llava": "llava-tiny"}
     path = tempfile.mkdtemp(prefix=f"jaxkv-{family}-")
     models.save_random_checkpoint(path, models.tiny_configs()[names[family]], seed=0)
-    return models.load_model(path, dtype=dtype, mesh=mesh)
+    return models.load_model(path, dtype=dtype, mesh=mesh, scan_layers=True if scan else None)
 
 
 def engine_programs_report(family: str, dtype: str, kv_cache_dtype: str, devices: str = "1"):
@@ -65,6 +67,8 @@ CASES = [
     pytest.param("tiny", "float32", "fp8", marks=pytest.mark.slow),
     pytest.param("gemma3", "float32", "auto", marks=pytest.mark.slow),
     ("gemma3", "bfloat16", "auto"),
+    ("gemma3+scan", "bfloat16", "auto"),
+    pytest.param("llama+scan", "float32", "int8", marks=pytest.mark.slow),
     pytest.param("llama", "float32", "int8", marks=pytest.mark.slow),
     pytest.param("llama", "bfloat16", "fp8", marks=pytest.mark.slow),
     pytest.param("llava", "float32", "auto", marks=pytest.mark.slow),
@@ -76,13 +80,15 @@ def test_every_engine_program_updates_its_caches_in_place(family, dtype, kv_cach
     report = engine_programs_report(family, dtype, kv_cache_dtype)
     kinds = {name.split()[0] for name in report}
     assert {"step", "zero_blocks", "copy_blocks"} <= kinds
-    if family == "llava":
+    if family.startswith("llava"):
         assert "encoder_store" in kinds
     assert not any(report.values()), report
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "dtype"), [("gemma3", "bfloat16"), ("llava", "float32")])
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("gemma3", "bfloat16"), ("gemma3+scan", "bfloat16"), ("llava", "float32")]
+)
 def test_every_engine_program_is_in_place_on_8_devices(family, dtype):
     report = call_on_8_devices(
         "test_engine_in_place", "engine_programs_report", family, dtype, "auto", "8"
