@@ -344,7 +344,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
     rng = np.random.default_rng()
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     (kv,) = cache.allocate()
-    packer = _packer()
+    packer = _packer(min_num_tokens=1)
     hq = 4
 
     def run(kv, buf, shape):
@@ -360,7 +360,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
         kv, *_ = run(kv, packer.empty(shape), shape)
     warm = compilation_count()
     assert warm - start >= len(packer.all_shapes()), "the counter must see warm-up compiles"
-    assert len(packer.all_shapes()) == 15  # 5 token buckets x 3 request buckets
+    assert len(packer.all_shapes()) == 5  # 5 token buckets, one request bucket each
 
     model = np.asarray(kv).reshape(-1, 4, 8).copy()
     seen: set[StepShape] = set()
@@ -374,7 +374,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
             slots = fields["slot_mapping"][:n]
             model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
             assert np.isfinite(np.asarray(out)).all()
-    assert len(seen) >= 8, f"the random stream should hit many buckets, hit {sorted(seen)}"
+    assert len(seen) >= 4, f"the random stream should hit most buckets, hit {seen}"
     np.testing.assert_array_equal(np.asarray(kv).reshape(-1, 4, 8), model)
 
     x = jnp.asarray(np.arange(5))
