@@ -3,7 +3,7 @@ knows them only through those events sends each request to the engine holding th
 its prompt, against round-robin.
 
 Each engine (the tiny built-in Gemma-style model, random weights, CPU) publishes on its own
-ipc socket with a replay socket (`EngineConfig.kv_events_*`, vLLM 0.33's wire, hashes by
+ipc socket with a replay socket (`EngineConfig.kv_events_*`, vLLM's wire, hashes by
 `sha256_cbor` as vLLM's). The router's `PrefixIndex` subscribes to all of them
 (`ZmqKVEventSubscriber`) and places each request with `choose_engine`: the longest cached
 prefix among the engines within a load slack of the least loaded (the engine's own

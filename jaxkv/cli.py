@@ -136,7 +136,7 @@ def _kv_events_settings(args: argparse.Namespace) -> dict:
 
 
 def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
-    """The `--kv-events-*` flags of the serving commands (vLLM 0.33's wire)."""
+    """The `--kv-events-*` flags of the serving commands (vLLM's wire)."""
     p.add_argument(
         "--kv-events-endpoint", metavar="ADDR",
         help="publish KV cache events on this ZeroMQ address, e.g. tcp://*:5557 (binds for "

@@ -1,4 +1,4 @@
-"""Publishing KV events over ZeroMQ as vLLM 0.33 does (host only, no JAX).
+"""Publishing KV events over ZeroMQ as vLLM does (host only, no JAX).
 
 `ZmqEventPublisher` sends each step's events (`KVCacheManager.take_events()`) on a PUB
 socket, one three-frame message per batch: the topic, the sequence number (8 bytes,
@@ -47,7 +47,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM 0.33's `KVEventsConfig` fields, plus `int_block_hashes` (vLLM's
+    """vLLM's `KVEventsConfig` fields, plus `int_block_hashes` (vLLM's
     `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: hashes as 64-bit ints, else digest bytes).
 
     `endpoint` binds when it names a wildcard host (`*`, `::`) or an ipc/inproc address

@@ -1,4 +1,4 @@
-"""KV events on the wire: vLLM 0.33's msgpack encoding, byte for byte (host only, no JAX).
+"""KV events on the wire: vLLM's msgpack encoding, byte for byte (host only, no JAX).
 
 A payload is the msgpack array `[ts, [events], data_parallel_rank]` (`KVEventBatch`);
 each event a map tagged `"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"`
@@ -39,7 +39,7 @@ ExternalBlockHash = int | bytes
 
 
 def block_hash_to_wire(block_hash: bytes, int_block_hashes: bool = True) -> ExternalBlockHash:
-    """`block_hash` as vLLM 0.33 publishes it: the low 64 bits of the digest read
+    """`block_hash` as vLLM publishes it: the low 64 bits of the digest read
     big-endian (`int.from_bytes(digest, "big") & (2**64 - 1)`), or the bytes unchanged."""
     if not int_block_hashes:
         return block_hash
@@ -202,7 +202,7 @@ def decode_event_batch(payload: bytes) -> DecodedBatch:
     """Decode one payload, all or nothing.
 
     Events of an unknown type are skipped (named in `unknown_types`); anything else that
-    does not match vLLM 0.33's schema (not msgpack, not a `[ts, events, rank]` array, a
+    does not match vLLM's schema (not msgpack, not a `[ts, events, rank]` array, a
     known event with a missing or mistyped field) raises `KVEventDecodeError` naming the
     offending place, and nothing of the payload is returned.
     """

@@ -11,7 +11,7 @@ Three layers, each testable without the one above:
   sequence number, payload): it drops duplicates, detects gaps (asking its caller to
   replay from the first missing sequence number) and counts and skips bad messages.
 - `ZmqKVEventSubscriber` connects a stream to a publisher's PUB socket (jaxkv's
-  `ZmqEventPublisher` or vLLM 0.33's) and recovers gaps through its replay socket.
+  `ZmqEventPublisher` or vLLM's) and recovers gaps through its replay socket.
 """
 
 from __future__ import annotations
@@ -166,16 +166,14 @@ class PrefixIndex:
         `extra_keys`: the blocks' hash extra keys as `generate_block_hash_extra_keys`
         gives them (tagged, one entry per block, None for none); at least as many entries
         as blocks. Without them each block's keys are built from `lora_name` with
-        `lora_path` (vLLM 0.33 hashes both: ``("lora", name, path)``) and, on the first
+        `lora_path` (vLLM hashes both: ``("lora", name, path)``) and, on the first
         block, `cache_salt`. ValueError for `lora_name` without `lora_path`, or too few
         `extra_keys`.
         """
         num_blocks = max(len(token_ids) - 1, 0) // self.block_size
         if extra_keys is None:
             if lora_name is not None and lora_path is None:
-                raise ValueError(
-                    "lora_name needs lora_path (vLLM 0.33 hashes both); or pass extra_keys"
-                )
+                raise ValueError("lora_name needs lora_path (vLLM hashes both); or pass extra_keys")
             lora: tuple[tuple[Any, ...], ...] = (
                 (("lora", lora_name, lora_path),) if lora_name is not None else ()
             )

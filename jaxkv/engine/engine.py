@@ -85,7 +85,7 @@ class EngineConfig:
     model's `max_position_embeddings`. `LLMEngine.config` holds the resolved values.
     `kv_cache_dtype` "int8" / "fp8" stores the KV cache quantised, a float32 scale per
     token and head (`jaxkv.device.storage`); "auto" stores it in `dtype`.
-    `kv_events_endpoint` (None: off) publishes each step's KV events as vLLM 0.33 does
+    `kv_events_endpoint` (None: off) publishes each step's KV events as vLLM does
     (`jaxkv.kv_events_publisher`), data rank `k` on the endpoint's port + `k`;
     `kv_events_replay_endpoint` adds the replay socket; `kv_events_topic` is the topic
     frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints."""
