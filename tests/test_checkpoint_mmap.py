@@ -48,11 +48,24 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+def layer_weight(model, module: str, layer: int) -> np.ndarray:
+    """Layer `layer`'s weight of `module` (`up_proj`, ...), whatever the stacks' layout."""
+    first = 0
+    for run in model.decoder.layers:
+        weight = np.asarray(getattr(run, module).weight[...])
+        if layer < first + weight.shape[0]:
+            return weight[layer - first]
+        first += weight.shape[0]
+    raise IndexError(layer)
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
-def test_blocks_are_read_from_the_mapped_file(checkpoint, monkeypatch):
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_blocks_are_read_from_the_mapped_file(checkpoint, monkeypatch, scan_layers):
     """No host copy of a shard before placement: what JAX is handed for a tensor placed
-    as stored (embeddings, norms) is the file's mapped pages; a stacked layer weight is
-    built straight from the mapped tensors (the one copy stacking needs)."""
+    as stored (embeddings, norms, one layer's weights) is the file's mapped pages; a
+    weight stacked over several layers is built straight from the mapped tensors (the
+    one copy stacking needs)."""
     file = checkpoint / "model.safetensors"
     handed: list[tuple[tuple[int, ...], np.ndarray]] = []
     make_array = checkpoint_module.jax.make_array_from_callback
@@ -65,21 +78,21 @@ def test_blocks_are_read_from_the_mapped_file(checkpoint, monkeypatch):
         return make_array(shape, sharding, block)
 
     monkeypatch.setattr(checkpoint_module.jax, "make_array_from_callback", recording)
-    model = models.load_model(checkpoint)
+    model = models.load_model(checkpoint, scan_layers=scan_layers)
     ranges = mapped_ranges(file)
     assert ranges, "the checkpoint file is not mapped"
     layers = SMOLLM2_WIDTHS["num_hidden_layers"]
-    unstacked = [block for shape, block in handed if shape[0] != layers]
-    assert len(unstacked) == 2  # the embeddings and the final norm
-    for block in unstacked:
+    views = [block for shape, block in handed if not scan_layers or shape[0] != layers]
+    assert len(views) == (2 if scan_layers else len(MappedSafetensors(file).names))
+    for block in views:
         start = block.ctypes.data
         assert any(lo <= start and start + block.nbytes <= hi for lo, hi in ranges), (
             "a float32 tensor of a float32 model was copied before placement"
         )
     mapped = MappedSafetensors(file)
-    stored = [mapped.array(f"model.layers.{i}.mlp.down_proj.weight") for i in range(layers)]
-    placed = np.asarray(model.decoder.layers[0].down_proj.weight[...])
-    np.testing.assert_array_equal(placed, np.stack(stored))
+    for i in range(layers):
+        stored = mapped.array(f"model.layers.{i}.mlp.down_proj.weight")
+        np.testing.assert_array_equal(layer_weight(model, "down_proj", i), stored)
 
 
 def test_a_converted_dtype_is_read_from_the_mapping(checkpoint):
@@ -89,5 +102,5 @@ def test_a_converted_dtype_is_read_from_the_mapping(checkpoint):
     stored = mapped.array(name)
     assert isinstance(stored.base, np.memmap) or isinstance(stored, np.memmap)
     model = models.load_model(checkpoint, dtype="bfloat16")
-    placed = np.asarray(model.decoder.layers[0].up_proj.weight[...][1]).astype(np.float32)
+    placed = layer_weight(model, "up_proj", 1).astype(np.float32)
     np.testing.assert_array_equal(placed, stored.astype(model.decoder.dtype).astype(np.float32))

@@ -205,7 +205,10 @@ class CheckpointReader(MeshPlacement):
         stored = [self._checked(name, shape) for name in names]
 
         def read(index: tuple[slice, ...]) -> np.ndarray:
-            return np.stack([x[index[1:]] for x in stored[index[0]]], dtype=self.dtype)
+            selected = stored[index[0]]
+            if len(selected) == 1:  # a stack of one layer: a view of the mapping
+                return selected[0][index[1:]][None]
+            return np.stack([x[index[1:]] for x in selected], dtype=self.dtype)
 
         layer_spec = self.spec_for(shape, spec or P(), units)
         return self._place((len(names), *shape), P(None, *layer_spec), None, read)
