@@ -193,7 +193,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         **kv_events,
     )  # fmt: skip
     enable_compilation_cache(args.compilation_cache)  # loading compiles programs too
-    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh)
+    scan_layers = {"auto": None, "on": True, "off": False}[args.scan_layers]
+    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh, scan_layers=scan_layers)
     if images:
         image_token_id = getattr(model.config, "image_token_id", None)
         if image_token_id is not None and image_token_id not in prompts[0]:
@@ -446,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     p.add_argument("--cache-salt", help="tenant key: prefix-cache blocks are shared only within it")
+    p.add_argument(
+        "--scan-layers", choices=("auto", "on", "off"), default="auto",
+        help="one scanned layer body (compiles in seconds; on CPU, decode copies each "
+        "layer's weights) or one program region per layer ('auto': scan off CPU)",
+    )  # fmt: skip
     p.add_argument(
         "--compilation-cache", default="auto", metavar="DIR",
         help="XLA's persistent compilation cache ('auto': $JAXKV_COMPILATION_CACHE or "

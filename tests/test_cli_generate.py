@@ -169,3 +169,13 @@ def test_kv_events_flags_publish_the_batch(checkpoint, capsys, tmp_path, monkeyp
     assert publisher.num_sent > 0 and publisher.num_dropped == 0
     with pytest.raises(RuntimeError, match="shut down"):
         publisher.publish([])
+
+
+def test_scan_layers_on_and_off_give_the_same_tokens(checkpoint, capsys) -> None:
+    argv = ("--prompt", "w10 w11 w12 w13", "--max-tokens", "4", "--kv-cache-memory", "4MiB")
+    scanned, _ = generate(checkpoint, capsys, *argv, "--scan-layers", "on")
+    per_layer, _ = generate(checkpoint, capsys, *argv, "--scan-layers", "off")
+    assert scanned[0]["output_token_ids"] == per_layer[0]["output_token_ids"]
+    assert len(scanned[0]["output_token_ids"]) == 4
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(checkpoint), "--prompt", "w1", "--scan-layers", "x"])
