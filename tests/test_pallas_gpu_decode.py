@@ -237,3 +237,16 @@ def test_rows_kernel_serves_mixed_steps(group, window, chunk, soft_cap, spans) -
     assert np.isfinite(got).all()
     assert rel_error(got[:num_q], want[:num_q]) < 1e-5
     assert not got[num_q:].any()
+
+
+@pytest.mark.slow
+def test_decode_matches_jax_paged_attention_in_interpret_mode() -> None:
+    """The GPU script's comparison with JAX's own kernels, dry-run on CPU: jaxkv's Triton
+    decode kernel and `jax.experimental.pallas.ops.gpu.paged_attention` (both in Pallas
+    interpret mode) agree on the same pages; the prefill agrees with XLA's attention over
+    the gathered pages (that side in bfloat16, as cuDNN runs it)."""
+    from benchmarks.gpu_check import compare_with_jax_kernels
+
+    report = compare_with_jax_kernels(4800.0, small=True)
+    assert report["decode_max_abs_diff"] < 1e-5, report
+    assert report["prefill_max_abs_diff"] < 5e-2, report
