@@ -161,7 +161,7 @@ def test_step_layout_refuses_a_field_that_does_not_fit(change, error, match) -> 
 def test_step_layout_checks_itself_and_the_buffers_it_slices() -> None:
     with pytest.raises(ValueError, match="must be unique"):
         StepLayout((StepField("a", 1), StepField("a", 2)))
-    with pytest.raises(ValueError, match=r"length of step field 'a' must lie in \[0, inf\]"):
+    with pytest.raises(ValueError, match=r"length of step field 'a' must be >= 0"):
         StepLayout((StepField("a", -1),))
     with pytest.raises(ValueError, match="dtype\\('int64'\\); allowed: np.dtype int32"):
         StepLayout((StepField("a", 1, np.dtype(np.int64)),))
@@ -202,9 +202,9 @@ def test_pack_rejects_bad_steps(step: StepInputs, match: str) -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: _packer(block_size=4.0), r"block_size must be an int, got 4.0"),
-        (lambda: _packer(max_num_tokens="16"), r"max_num_tokens must be an int, got '16'"),
-        (lambda: _packer(max_num_reqs=True), r"max_num_reqs must be an int, got True"),
+        (lambda: _packer(block_size=4.0), r"block_size must be an integer, got 4.0"),
+        (lambda: _packer(max_num_tokens="16"), r"max_num_tokens must be an integer, got '16'"),
+        (lambda: _packer(max_num_reqs=True), r"max_num_reqs must be an integer, got True"),
         (lambda: _packer().pack(StepInputs(np.zeros((1, 4)), [4], [1], [4])), r"dtype float64"),
         (lambda: _packer().pack(StepInputs(np.zeros((1, 4), int), [4.0], [1], [4])), "seq_len"),
         (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8.5), "num_blocks .*8.5"),

@@ -299,9 +299,9 @@ def test_pages_of_other_items_out_of_range_pages_and_bare_strings_are_rejected()
         s.gather([-1], 1)
     with pytest.raises(TypeError, match="bare string 'a'"):
         s.free("a")
-    with pytest.raises(TypeError, match="num_embeds must be an int, got 2.5"):
+    with pytest.raises(TypeError, match="num_embeds must be an integer, got 2.5"):
         s.allocate("c", 2.5)
-    with pytest.raises(TypeError, match="num_pages must be an int, got True"):
+    with pytest.raises(TypeError, match="num_pages must be an integer, got True"):
         store(num_pages=True)
     assert "a" in s and "b" in s and s.num_free_pages == 3
     np.testing.assert_array_equal(

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
+from jaxkv._checks import check_int
+from jaxkv.device.host_inputs import check_ids, pad_to_bucket, place
 from jaxkv.device.storage import from_storage, resolve_storage_dtype, to_storage
 
 __all__ = ["EmbedPlacement", "EncoderCacheStore"]

@@ -9,23 +9,11 @@ what is allowed, and changes nothing. Sizes must be real integers: `8.5`,
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
-
-
-def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
-    """`value` as an int in `[lo, hi]` (either bound optional); bools and floats rejected."""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        allowed = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise ValueError(f"{name} must lie in {allowed}, got {value}")
-    return value
 
 
 def check_ids(

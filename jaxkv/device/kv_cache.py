@@ -45,8 +45,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv._checks import check_int
 from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
-from jaxkv.device.host_inputs import check_ids, check_int, pad_to_bucket, place
+from jaxkv.device.host_inputs import check_ids, pad_to_bucket, place
 from jaxkv.device.mesh import MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
     StepMetadataPacker,
@@ -319,7 +320,7 @@ class PagedKVCache:
     # ----------------------------------------------------------- allocation
     def allocate(self, num_layers: int = 1) -> list[jax.Array]:
         """Zeroed caches for `num_layers` layers, created on device by one jitted call."""
-        num_layers = check_int("num_layers", num_layers, lo=1)
+        num_layers = check_int("num_layers", num_layers, min_value=1)
         alloc = self._alloc_fns.get(num_layers)
         if alloc is None:
             shape, dtype = self.shape, self.storage_dtype
@@ -332,7 +333,7 @@ class PagedKVCache:
     def allocate_stacked(self, num_layers: int) -> jax.Array:
         """One zeroed `[num_layers, *shape]` array holding every layer's cache, created on
         device (for a model that scans its layers: `stacked_layer_step`)."""
-        struct = self.stacked_struct(check_int("num_layers", num_layers, lo=1))
+        struct = self.stacked_struct(check_int("num_layers", num_layers, min_value=1))
         return jax.jit(
             lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=self.stacked_sharding
         )()
@@ -621,7 +622,7 @@ class PagedKVCache:
         if not kvs:
             raise ValueError("warmup needs at least one layer's cache")
         q_dtype = self.dtype if q_dtype is None else resolve_dtype(q_dtype)
-        num_q_heads = check_int("num_q_heads", num_q_heads, lo=1)
+        num_q_heads = check_int("num_q_heads", num_q_heads, min_value=1)
         for shape in packer.all_shapes():
             tokens = self.dp_size * shape.num_tokens
             q = jnp.zeros((tokens, num_q_heads, self.head_size), q_dtype)

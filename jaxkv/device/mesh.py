@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.device.host_inputs import check_int
+from jaxkv._checks import check_int
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"

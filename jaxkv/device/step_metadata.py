@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-from jaxkv.device.host_inputs import check_ids, check_int, place
+from jaxkv._checks import check_int
+from jaxkv.device.host_inputs import check_ids, place
 
 
 def padding_buckets(max_size: int, linear_start: int = 256, min_size: int = 1) -> tuple[int, ...]:
@@ -101,7 +102,7 @@ class StepLayout:
         if len(set(names)) != len(names):
             raise ValueError(f"step layout field names must be unique, got {names}")
         for f in self.fields:
-            check_int(f"length of step field {f.name!r}", f.length, lo=0)
+            check_int(f"length of step field {f.name!r}", f.length, min_value=0)
             if not isinstance(f.dtype, np.dtype) or f.dtype not in (_INT32, _FLOAT32):
                 allowed = "np.dtype int32 or float32"
                 raise ValueError(f"step field {f.name!r} has dtype {f.dtype!r}; allowed: {allowed}")
@@ -286,11 +287,11 @@ class StepMetadataPacker:
         num_blocks: int,
         min_num_tokens: int = 16,
     ) -> None:
-        max_num_tokens = check_int("max_num_tokens", max_num_tokens, lo=1)
-        max_num_reqs = check_int("max_num_reqs", max_num_reqs, lo=1)
-        max_blocks_per_req = check_int("max_blocks_per_req", max_blocks_per_req, lo=1)
-        block_size = check_int("block_size", block_size, lo=1)
-        min_num_tokens = check_int("min_num_tokens", min_num_tokens, lo=1)
+        max_num_tokens = check_int("max_num_tokens", max_num_tokens, min_value=1)
+        max_num_reqs = check_int("max_num_reqs", max_num_reqs, min_value=1)
+        max_blocks_per_req = check_int("max_blocks_per_req", max_blocks_per_req, min_value=1)
+        block_size = check_int("block_size", block_size, min_value=1)
+        min_num_tokens = check_int("min_num_tokens", min_num_tokens, min_value=1)
         num_blocks = check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (null block + 1), got {num_blocks}")
