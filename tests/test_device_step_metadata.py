@@ -247,12 +247,14 @@ def test_fused_step_writes_and_attends(dtype: str) -> None:
     assert rel_error(out[:num_q], want[:num_q]) < (1e-5 if dtype == "float32" else 2e-2)
 
 
-def _run_step(case, rng, **kw) -> np.ndarray:
-    """`case`'s batch through `PagedKVCache.step` (same K/V rewritten); output rows."""
+def _packed(case, max_num_tokens: int):
+    """`case`'s batch packed on device: (buffer, shape, query rows, queries padded to the
+    shape's tokens)."""
     cache, n = case.cache, case.num_seqs
     packer = StepMetadataPacker(
-        max_num_tokens=32, max_num_reqs=8, max_blocks_per_req=case.block_tables.shape[1],
-        block_size=cache.block_size, num_blocks=cache.num_blocks,
+        max_num_tokens=max_num_tokens, max_num_reqs=8,
+        max_blocks_per_req=case.block_tables.shape[1], block_size=cache.block_size,
+        num_blocks=cache.num_blocks,
     )  # fmt: skip
     buf, shape = packer.pack(
         StepInputs(case.block_tables[:n], case.seq_lens[:n], case.q_lens, case.slots)
@@ -260,13 +262,20 @@ def _run_step(case, rng, **kw) -> np.ndarray:
     num_q = int(case.q_lens.sum())
     pad = shape.num_tokens - num_q
     q = np.concatenate([case.q[:num_q], np.zeros((pad, *case.q.shape[1:]), cache.dtype)])
+    return packer.put(buf), shape, num_q, q
+
+
+def _run_step(case, rng, **kw) -> np.ndarray:
+    """`case`'s batch through `PagedKVCache.step` (same K/V rewritten); output rows."""
+    cache = case.cache
+    buf, shape, num_q, q = _packed(case, 32)
+    pad = shape.num_tokens - num_q
     k, v = (np.concatenate([x, np.zeros((pad, *x.shape[1:]), cache.dtype)]) for x in query_kv(case))
     if kw.get("span_ends") is not None:
         kw["span_ends"] = jnp.asarray(np.pad(kw["span_ends"][:num_q], (0, pad)), jnp.int32)
     case.kv, out = cache.step(
-        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
-        sm_scale=0.4, **kw,
-    )  # fmt: skip
+        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape, sm_scale=0.4, **kw
+    )
     return np.asarray(out)[:num_q]
 
 
@@ -390,22 +399,12 @@ def test_stacked_layer_step_is_the_layer_step_on_one_layer_of_the_stack(window) 
     are untouched."""
     rng = np.random.default_rng(7)
     case = random_case(rng, [12, 7, 9, 1], [4, 1, 9, 1], pad_tokens=0)
-    cache, n = case.cache, case.num_seqs
-    packer = StepMetadataPacker(
-        max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=case.block_tables.shape[1],
-        block_size=cache.block_size, num_blocks=cache.num_blocks,
-    )  # fmt: skip
-    buf, shape = packer.pack(
-        StepInputs(case.block_tables[:n], case.seq_lens[:n], case.q_lens, case.slots)
-    )
-    num_q = int(case.q_lens.sum())
-    pad = shape.num_tokens - num_q
-    q = np.concatenate([case.q[:num_q], np.zeros((pad, *case.q.shape[1:]), cache.dtype)])
+    cache = case.cache
+    buf, shape, num_q, q = _packed(case, 16)
     k, v = (rng.standard_normal((shape.num_tokens, 2, 8)).astype(cache.dtype) for _ in "kv")
     layers = [rng.standard_normal(cache.shape).astype(cache.dtype) for _ in range(3)]
     layers[1] = np.asarray(case.kv)
     stack = jax.device_put(np.stack(layers), cache.stacked_sharding)
-    buf = packer.put(buf)
 
     @jax.jit
     def stacked_step(stack, layer, window):

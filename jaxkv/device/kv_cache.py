@@ -283,7 +283,7 @@ class PagedKVCache:
         )
         self._step_fns: dict[tuple, object] = {}
         self._layer_fns: dict[tuple, object] = {}
-        self._alloc_fns: dict[int, object] = {}
+        self._alloc_fns: dict[int | tuple[int, ...], object] = {}  # layers or stack shape
         self._all_layer_fns: dict[tuple, object] = {}
         self._stacked_fns: dict[object, object] = {}
 
@@ -334,9 +334,12 @@ class PagedKVCache:
         """One zeroed `[num_layers, *shape]` array holding every layer's cache, created on
         device (for a model that scans its layers: `stacked_layer_step`)."""
         struct = self.stacked_struct(check_int("num_layers", num_layers, min_value=1))
-        return jax.jit(
-            lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=self.stacked_sharding
-        )()
+        alloc = self._alloc_fns.get(struct.shape)
+        if alloc is None:
+            alloc = self._alloc_fns[struct.shape] = jax.jit(
+                lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=self.stacked_sharding
+            )
+        return alloc()
 
     def stacked_struct(self, num_layers: int) -> jax.ShapeDtypeStruct:
         """A stacked cache of `num_layers` layers as an abstract value."""
