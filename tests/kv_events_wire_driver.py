@@ -39,6 +39,7 @@ import msgspec  # noqa: E402
 from vllm.distributed import kv_events as vllm_events  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
+from jaxkv.compat.vllm import install_private_views  # noqa: E402
 from jaxkv.hashing import get_block_hash  # noqa: E402
 from jaxkv.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from jaxkv.kv_events_wire import (  # noqa: E402
@@ -53,6 +54,7 @@ from jaxkv.prefix_index import EngineRank, PrefixIndex, ZmqKVEventSubscriber  # 
 VLLM_DECODER = msgspec.msgpack.Decoder(vllm_events.KVEventBatch)
 VLLM_ENCODER = msgspec.msgpack.Encoder()
 HOLDER = EngineRank("engine", 0)
+install_private_views()  # jaxkv's pool read as vLLM's `_cache` dict, like vLLM's
 
 
 def vllm_event_of(event: Any) -> Any:

@@ -299,7 +299,8 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
         wait_for(subscriber, publisher.num_sent)
         manager = engine.kv_cache_manager
         pool = manager.block_pool
-        held = {int.from_bytes(k[-12:-4], "big") for k in pool.cached_block_hash_to_block._cache}
+        cached = pool.cached_block_hash_to_block.items()
+        held = {int.from_bytes(k[-12:-4], "big") for k, _ in cached}
         assert index.block_hashes(E0) == held and len(held) > 3
         for i, prompt in enumerate(prompts + [system + [7] * 9, [1, 2, 3] * 9]):
             request = Request(f"q{i}", prompt, block_hasher=engine._block_hasher)
