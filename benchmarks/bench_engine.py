@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from benchmarks._common import add_record_option, print_table, results_name, write_json
 from jaxkv.device import compilation_count
-from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
 
@@ -90,9 +90,16 @@ def bench_prefix(model, repeats: int, num_requests: int) -> dict:
 # -- 2. host vs device time per step ----------------------------------------------------
 
 
-def decode_steps(model, num_running: int, overlap: bool, steps: int, **config_fields) -> dict:
-    """Time `steps` steps in which `num_running` requests all decode (`config_fields`:
-    further `EngineConfig` settings)."""
+def decode_steps(
+    model,
+    num_running: int,
+    overlap: bool,
+    steps: int,
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    **config_fields,
+) -> dict:
+    """Time `steps` steps in which `num_running` requests all decode, streaming
+    `output_kind` outputs (`config_fields`: further `EngineConfig` settings)."""
     config = EngineConfig(
         block_size=16, num_blocks=num_running * 8 + 1, max_num_seqs=num_running,
         max_num_batched_tokens=2 * num_running, max_model_len=128, async_scheduling=overlap,
@@ -103,7 +110,7 @@ def decode_steps(model, num_running: int, overlap: bool, steps: int, **config_fi
     for _ in range(num_running):
         engine.add_request(
             rng.integers(3, 512, 8).tolist(),
-            sampling=SamplingParams(max_tokens=40, ignore_eos=True),
+            sampling=SamplingParams(max_tokens=40, ignore_eos=True, output_kind=output_kind),
         )
     while len(engine.scheduler.running) < num_running or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running

@@ -83,7 +83,7 @@ from jaxkv.request import (
     RequestStatus,
 )
 from jaxkv.request_hashing import RequestBlockHasher, get_request_block_hasher
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     # requests and block hashes
@@ -93,6 +93,7 @@ __all__ = [
     "PlaceholderRange",
     "Request",
     "RequestBlockHasher",
+    "RequestOutputKind",
     "RequestStatus",
     "SamplingParams",
     "get_hash_fn_by_name",

@@ -11,13 +11,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from jaxkv._checks import as_int
 
-__all__ = ["SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams"]
+
+
+class RequestOutputKind(Enum):
+    """What the engine streams for a request (vLLM's enum): every output with all tokens
+    so far (`CUMULATIVE`), each output with only what is new since the last (`DELTA`),
+    or nothing but the final output, with all tokens (`FINAL_ONLY`)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,8 @@ class SamplingParams:
     number; any other int is the seed, except -1, which means None as in vLLM. The
     request stops after `max_tokens` outputs, on an EOS token of the model (unless
     `ignore_eos`), or on any of `stop_token_ids` (kept in the output, as vLLM does for
-    stop token ids).
+    stop token ids). `output_kind` says what `LLMEngine.step` streams for it
+    (`RequestOutputKind`; vLLM's default, `CUMULATIVE`).
 
     As in vLLM, `skip_reading_prefix_cache` left at None becomes True exactly when
     `prompt_logprobs` is requested (a prefix-cache hit would skip the prompt positions
@@ -51,6 +63,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_reading_prefix_cache: bool | None = None
     eos_token_id: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -90,6 +103,8 @@ class SamplingParams:
         ):
             raise bad("skip_reading_prefix_cache", "None or a bool")
         eos_token_id = None if self.eos_token_id is None else _check_eos(self.eos_token_id)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for name, value in (
             ("max_tokens", max_tokens),
             ("temperature", temperature),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxkv.device import compilation_count
-from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from jaxkv.testing.reference import DenseReference, image_offsets
 from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
@@ -161,19 +161,60 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(text_model) -> No
     assert one[0].output_token_ids == greedy[0].output_token_ids
 
 
-def test_streaming_outputs_add_up_to_the_final_output(text_model) -> None:
-    engine = LLMEngine(text_model, BASE)
-    ids = [engine.add_request(p, sampling=GREEDY) for p in shared_prefix_prompts(3, seed=9)]
+class WordDecoder:
+    """A tokenizer's `decode`: token `i` is the word `w{i}`, words joined by spaces."""
+
+    def decode(self, ids) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_streamed_outputs_follow_each_requests_output_kind(text_model) -> None:
+    """One batch mixing vLLM's three output kinds: cumulative outputs carry every token so
+    far, delta outputs only the new ones (adding up to the whole), final-only requests
+    stream nothing before their one final output; all give the same tokens."""
+    engine = LLMEngine(text_model, BASE, tokenizer=WordDecoder())
+    kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY]
+    prompt = shared_prefix_prompts(1, seed=9)[0]
+    ids = {
+        engine.add_request(prompt, sampling=dataclasses.replace(GREEDY, output_kind=kind)): kind
+        for kind in kinds
+    }
     streamed: dict[str, list[int]] = {i: [] for i in ids}
-    finals = {}
+    outputs: dict[str, list] = {i: [] for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
+            outputs[out.request_id].append(out)
             streamed[out.request_id] += out.new_token_ids
-            assert out.output_token_ids == streamed[out.request_id]
-            if out.finished:
-                finals[out.request_id] = out
-    assert set(finals) == set(ids)
-    assert all(len(streamed[i]) == GREEDY.max_tokens for i in ids)
+            if ids[out.request_id] is RequestOutputKind.DELTA:
+                assert out.output_token_ids == out.new_token_ids
+            else:
+                assert out.output_token_ids == streamed[out.request_id]
+    by_kind = {kind: outputs[i] for i, kind in ids.items()}
+    assert all(o[-1].finished and not any(x.finished for x in o[:-1]) for o in by_kind.values())
+    assert len(by_kind[RequestOutputKind.FINAL_ONLY]) == 1
+    assert len(by_kind[RequestOutputKind.DELTA]) == GREEDY.max_tokens
+    whole = by_kind[RequestOutputKind.CUMULATIVE][-1].output_token_ids
+    assert len(whole) == GREEDY.max_tokens
+    assert by_kind[RequestOutputKind.FINAL_ONLY][0].output_token_ids == whole
+    assert [t for o in by_kind[RequestOutputKind.DELTA] for t in o.output_token_ids] == whole
+    text = by_kind[RequestOutputKind.CUMULATIVE][-1].text
+    assert text == WordDecoder().decode(whole)
+    assert "".join(o.text for o in by_kind[RequestOutputKind.DELTA]) == text
+    assert by_kind[RequestOutputKind.FINAL_ONLY][0].text == text
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=2)
+
+
+def test_generate_without_on_step_streams_nothing_and_returns_everything(text_model) -> None:
+    """`generate` with nobody watching the stream asks for final outputs only (as vLLM's
+    `LLM`), whatever kind the params name; the final outputs are complete."""
+    prompts = shared_prefix_prompts(2, seed=11)
+    delta = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+    engine, outputs = run(text_model, BASE, prompts, delta)
+    _, streamed = run(text_model, BASE, prompts, GREEDY, on_step=lambda outs: None)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in streamed]
+    assert all(len(o.output_token_ids) == GREEDY.max_tokens for o in outputs)
+    assert engine.stats.steps  # the engine ran; nothing but the finals was returned
 
 
 def test_abort_frees_the_request_and_others_finish(text_model, text_reference) -> None:

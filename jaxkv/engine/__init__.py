@@ -16,6 +16,7 @@ _EXPORTS = {
     "RowSampling": "model_runner",
     "group_kv_cache_specs": "model_runner",
     "RequestOutput": "outputs",
+    "RequestOutputKind": "sampling",
     "SamplingParams": "sampling",
     "sample_tokens": "sampling",
     "FinishReason": "scheduler",

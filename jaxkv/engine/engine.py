@@ -40,7 +40,7 @@ from jaxkv.engine.model_runner import (
     image_inputs,
 )
 from jaxkv.engine.outputs import RequestOutput
-from jaxkv.engine.sampling import SamplingParams
+from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
     FinishReason,
     RequestUpdate,
@@ -488,7 +488,9 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that got a token or finished.
+        """Run one step; returns the outputs of the requests that got a token or finished,
+        as each one's `SamplingParams.output_kind` asks (none before the last for
+        `FINAL_ONLY`).
 
         One request never fails the step for the others: a request whose part of the step
         cannot be prepared or applied on the host finishes with `finish_reason="error"`
@@ -518,7 +520,10 @@ class LLMEngine:
                 rows = tokens[rank * width : (rank + 1) * width]
                 updates += scheduler.update_from_output(out, rows)
         outputs, self._final_outputs = self._final_outputs, []
-        outputs += [self._output(u) for u in updates]
+        for update in updates:
+            output = self._output(update)
+            if output is not None:
+                outputs.append(output)
         self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
@@ -548,7 +553,9 @@ class LLMEngine:
                         s for s in out.scheduled if s.request.request_id != error.request_id
                     ]
 
-    def _output(self, update: RequestUpdate) -> RequestOutput:
+    def _output(self, update: RequestUpdate) -> RequestOutput | None:
+        """The request's output for this update; None for a `FINAL_ONLY` request that is
+        not finished."""
         request = update.request
         if request.num_output_tokens == 1 and update.new_token_id is not None:
             self._num_cached[request.request_id] = update.num_cached_tokens
@@ -557,6 +564,11 @@ class LLMEngine:
                 request.num_prompt_tokens,
                 update.num_cached_tokens,
             )
+        if (
+            update.finish_reason is None
+            and request.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
+        ):
+            return None
         output = self._request_output(
             request, update.new_token_id, update.finish_reason, update.num_cached_tokens
         )
@@ -571,17 +583,27 @@ class LLMEngine:
         reason: FinishReason | None,
         num_cached_tokens: int,
     ) -> RequestOutput:
+        kind = request.sampling_params.output_kind
+        delta = kind is RequestOutputKind.DELTA
+        if kind is RequestOutputKind.FINAL_ONLY:  # new since the last output: everything
+            new_token_ids = list(request.output_token_ids)
+        else:
+            new_token_ids = [] if new_token_id is None else [new_token_id]
         text, error = None, None
         if self.tokenizer is not None:
             try:
                 text = self.tokenizer.decode(request.output_token_ids)
+                if delta and new_token_ids:  # what the new token added to the text
+                    text = text[len(self.tokenizer.decode(request.output_token_ids[:-1])) :]
+                elif delta:
+                    text = ""
             except Exception as failure:  # a tokenizer that cannot decode: tokens still count
                 error = f"the tokenizer could not decode the output: {failure}"
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,  # one list per request, as vLLM
-            new_token_ids=[] if new_token_id is None else [new_token_id],
-            output_token_ids=list(request.output_token_ids),
+            new_token_ids=new_token_ids,
+            output_token_ids=list(new_token_ids if delta else request.output_token_ids),
             finished=reason is not None,
             finish_reason=None if reason is None else str(reason),
             text=text,
@@ -632,6 +654,15 @@ class LLMEngine:
         """
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
+        if on_step is None:  # nobody sees the streamed outputs: make none (as vLLM's LLM)
+            sampling = [
+                params
+                if not isinstance(params, SamplingParams | None)
+                else dataclasses.replace(
+                    params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY
+                )
+                for params in sampling
+            ]
         if images is None:
             images = [None] * len(prompts)
         if not len(sampling) == len(images) == len(prompts):

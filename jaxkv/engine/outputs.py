@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestOutput:
-    """A request's progress: the tokens new in this step and all of its tokens so far.
+    """A request's progress: the tokens new since its last output (`new_token_ids`) and
+    all of its tokens so far (`output_token_ids`; for a `RequestOutputKind.DELTA` request
+    only the new tokens, and `text` only the new text). The new tokens of all of a
+    request's outputs add up to all of its tokens, whatever the kind.
 
     `finished` is True exactly once, on the last output of a request; `finish_reason`
     is then "length", "stop", "abort" or "error". `error` says what went wrong: for a

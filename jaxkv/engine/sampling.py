@@ -9,9 +9,9 @@ the batch it ran in.
 
 from __future__ import annotations
 
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["SamplingParams", "sample_tokens"]
+__all__ = ["RequestOutputKind", "SamplingParams", "sample_tokens"]
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seeds, counters):
