@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,14 +55,12 @@ def _start(args: list[str], devices: int) -> subprocess.Popen:
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     """Every process's output; kills what is left after `timeout` seconds in all."""
     deadline, logs = time.monotonic() + timeout, []
-    try:
-        for p in procs:
+    for p in procs:
+        try:
             logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0] + "\n(killed by the test: it ran past its timeout)")
     return logs
 
 
@@ -188,6 +187,101 @@ def test_two_processes_give_the_tokens_of_one(checkpoints: Path) -> None:
     assert one["llava"]["encoded"] == 2
 
 
+def serve_until_killed(work: str, out: str, address: str, n: str, pid: str) -> None:
+    """Scenario `kill`: process 0 serves round after round (printing `ROUND` after each)
+    until process 1 is killed; the watchdog must then end it."""
+    import jax
+
+    from jaxkv.engine import multihost
+
+    multihost.initialize(multihost.DistributedConfig(address, int(n), int(pid), TIMEOUT_S))
+    from jaxkv.device import make_mesh
+    from jaxkv.engine import LLMEngine, SamplingParams
+    from jaxkv.models import load_model
+
+    mesh = make_mesh(*MESH, jax.devices())
+    engine = LLMEngine(load_model(Path(work) / "gemma3", mesh=mesh), _config(), mesh=mesh)
+    if jax.process_index() != 0:
+        engine.follow()
+        return
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    try:
+        for _ in range(1000):
+            engine.generate(_workload()[:2], sampling)
+            print("ROUND", flush=True)
+    except multihost.DistributedError as error:
+        multihost.exit_now(error)
+
+
+def test_a_killed_process_ends_the_other_with_an_error(checkpoints: Path) -> None:
+    p0, p1 = procs = _two_processes("kill", checkpoints)
+    try:
+        lines = iter(p0.stdout.readline, "")
+        assert any(line.strip() == "ROUND" for line in lines), "process 0 never served"
+        p1.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        log = p0.communicate(timeout=6 * TIMEOUT_S)[0]
+        elapsed = time.monotonic() - killed
+    finally:
+        _finish(procs, 1)
+    assert p0.returncode not in (0, None)
+    assert "process 1 stopped" in log and "--distributed-timeout" in log, log[-3000:]
+    assert elapsed < 3 * TIMEOUT_S, elapsed
+
+
+def _generate(work: Path, *flags: str) -> list[str]:
+    return ["-m", "jaxkv", "generate", "--model", str(work / "gemma3"),
+            "--prompt-token-ids", "5,6,7,8,9", "--max-tokens", "4", "--max-model-len", "32",
+            "--json", "--data-parallel-size", "2", "--tensor-parallel-size", "4",
+            "--num-blocks", "16", "--compilation-cache", "none", *flags]  # fmt: skip
+
+
+def _cli_processes(work: Path, flags: list[list[str]], devices: int = 4):
+    port = _free_port()
+    return [
+        _start(_generate(work, "--coordinator-address", f"127.0.0.1:{port}",
+                         "--num-processes", str(len(flags)), "--process-id", str(i),
+                         "--distributed-timeout", str(TIMEOUT_S), *extra), devices)
+        for i, extra in enumerate(flags)
+    ]  # fmt: skip
+
+
+def test_generate_over_two_processes_from_the_command_line(checkpoints: Path) -> None:
+    procs = [*_cli_processes(checkpoints, [[], []]), _start(_generate(checkpoints), 8)]
+    logs = _finish(procs, 600)
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    (two,), (one,) = (
+        [json.loads(ln) for ln in log.splitlines() if ln.startswith("{")] for log in logs[::2]
+    )
+    assert not [ln for ln in logs[1].splitlines() if ln.startswith("{")], "only process 0 prints"
+    assert two["output_token_ids"] == one["output_token_ids"] and len(one["output_token_ids"]) == 4
+
+
+def test_processes_with_different_flags_are_refused_at_start(checkpoints: Path) -> None:
+    procs = _cli_processes(checkpoints, [[], ["--max-num-seqs", "4"]])
+    logs = _finish(procs, 120)
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 1, log[-3000:]
+        assert "started with different settings: --max-num-seqs is" in log, log[-3000:]
+        assert "'8' on process 0" in log and "'4' on process 1" in log, log[-3000:]
+
+
+def test_a_process_that_never_joins_ends_the_other_with_an_error(checkpoints: Path) -> None:
+    port = _free_port()  # process 0 of 2; process 1 never starts
+    p0 = _start(_generate(checkpoints, "--coordinator-address", f"127.0.0.1:{port}",
+                          "--num-processes", "2", "--process-id", "0",
+                          "--distributed-timeout", "5"), 4)  # fmt: skip
+    start = time.monotonic()
+    (log,) = _finish([p0], 120)
+    assert p0.returncode == 1, log[-3000:]
+    assert "did not all join the coordinator" in log and "within 5 s" in log, log[-3000:]
+    assert time.monotonic() - start < 60
+
+
 if __name__ == "__main__":
     scenario, rest = sys.argv[1], sys.argv[2:]
-    {"serve": lambda: serve(rest[0], rest[1], rest[2:])}[scenario]()
+    if scenario == "serve":
+        serve(rest[0], rest[1], rest[2:])
+    else:
+        serve_until_killed(*rest)

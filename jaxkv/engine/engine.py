@@ -532,9 +532,11 @@ class LLMEngine:
         Several processes: process 0's calls since the last step are replayed on the others
         first (`multihost.RequestStream`), so every process schedules the same step.
         """
-        if self._stream is not None:
+        if self._stream is None:
+            return self._step()
+        with multihost.peers_alive(self._stream):
             self._stream.replay(self._stream.exchange() or [], self._apply)
-        return self._step()
+            return self._step()
 
     def follow(self) -> None:
         """On a process other than 0: step with process 0 until it shuts its engine down."""
@@ -542,9 +544,10 @@ class LLMEngine:
             raise RuntimeError(
                 "follow() is for the processes other than 0 of a multi-process engine"
             )
-        while (ops := self._stream.exchange()) is not None:
-            self._stream.replay(ops, self._apply)
-            self._step()
+        with multihost.peers_alive(self._stream):
+            while (ops := self._stream.exchange()) is not None:
+                self._stream.replay(ops, self._apply)
+                self._step()
         self._stream = None
 
     def _apply(self, op: multihost.Op) -> None:

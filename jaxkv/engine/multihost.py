@@ -30,6 +30,7 @@ Payloads are pickled: the processes of one job trust each other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,10 @@ __all__ = [
     "Watchdog",
     "check_same_everywhere",
     "digest",
+    "exit_now",
     "host_tokens",
     "initialize",
+    "peers_alive",
 ]
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -132,27 +135,32 @@ _state: dict[str, Any] = {}  # "config", "watchdog", "exchanges": this process's
 
 
 def initialize(config: DistributedConfig) -> None:
-    """Join the job: `jax.distributed.initialize` with gloo CPU collectives, the join and
-    the heartbeat bounded by `config.timeout_s`, then a `Watchdog`. Call before anything
-    touches a device. DistributedError naming the coordinator when the processes do not
-    all join in time."""
+    """Join the job: `jax.distributed.initialize` with gloo CPU collectives, the heartbeat
+    bounded by `config.timeout_s`, then a `Watchdog`. Call before anything touches a
+    device. When the processes do not all join within the timeout, this process ends
+    (`exit_now`) with an error naming the coordinator: JAX's own join timeout (a few
+    seconds later) would abort the process from C++."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = max(1, round(config.timeout_s))
+    late = DistributedError(
+        f"process {config.process_id}: the {config.num_processes} processes did not all join "
+        f"the coordinator at {config.coordinator_address} within {timeout} s "
+        "(--distributed-timeout): one was not started, has other --num-processes or died"
+    )
+    timer = threading.Timer(timeout, exit_now, (late,))
+    timer.daemon = True
+    timer.start()
     try:
         jax.distributed.initialize(
             coordinator_address=config.coordinator_address,
             num_processes=config.num_processes,
             process_id=config.process_id,
-            initialization_timeout=timeout,
+            initialization_timeout=timeout + 10,
             heartbeat_timeout_seconds=timeout,
             shutdown_timeout_seconds=timeout,
         )
-    except Exception as error:  # XlaRuntimeError: DEADLINE_EXCEEDED, UNAVAILABLE, ...
-        raise DistributedError(
-            f"process {config.process_id}: the {config.num_processes} processes did not all "
-            f"join the coordinator at {config.coordinator_address} within {timeout} s "
-            f"(--distributed-timeout): {str(error).splitlines()[0]}"
-        ) from None
+    finally:
+        timer.cancel()
     _state.update(config=config, exchanges=0)
     _state["watchdog"] = Watchdog(config.num_processes, config.timeout_s)
 
@@ -203,11 +211,63 @@ def check_same_everywhere(settings: Mapping[str, str], what: str = "settings") -
                 )
 
 
+def _missing(num_processes: int) -> list[int] | None:
+    """The processes the coordinator does not list as alive (None: it did not answer)."""
+    try:
+        live = _client().get_live_nodes(list(range(num_processes)))
+    except Exception:
+        return None
+    return [pid for pid in range(num_processes) if pid not in live]
+
+
+def _lost(missing: list[int] | None, timeout_s: float) -> DistributedError:
+    why = (
+        "the coordinator (process 0) stopped answering"
+        if missing is None
+        else f"process {', '.join(map(str, missing))} stopped (no heartbeat)"
+    )
+    return DistributedError(
+        f"process {jax.process_index()}: {why} within {timeout_s:g} s (--distributed-timeout); "
+        "the engine cannot go on without every process"
+    )
+
+
+def exit_now(error: BaseException) -> None:
+    """Print `jaxkv: error: ...` and end this process with status 1 at once: with a peer
+    gone, JAX's orderly shutdown would wait for it (then abort)."""
+    print(f"jaxkv: error: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def peers_alive(stream: RequestStream) -> Iterator[None]:
+    """Around the engine's collectives: a runtime error there (a peer's connection closed)
+    becomes a DistributedError naming the dead process, once the coordinator names it
+    (waiting at most the timeout for its heartbeat to lapse). Any error marks `stream`
+    lost: its `stop` then sends nothing."""
+    try:
+        yield
+    except BaseException as error:
+        stream.lost = True
+        if not isinstance(error, jax.errors.JaxRuntimeError):
+            raise
+        config = _state["config"]
+        deadline = time.monotonic() + config.timeout_s + 1
+        missing = _missing(config.num_processes)
+        while missing == [] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            missing = _missing(config.num_processes)
+        if missing == []:
+            raise
+        raise _lost(missing, config.timeout_s) from error
+
+
 class Watchdog:
     """A daemon thread that asks the coordinator every `timeout_s / 10` seconds which
     processes are alive; when one is not (dead for longer than the heartbeat timeout, or
-    the coordinator itself gone), it prints an error naming it and ends this process with
-    status 1, instead of leaving it blocked in a collective forever."""
+    the coordinator itself gone that long), it ends this process (`exit_now`) with an error
+    naming it, instead of leaving it blocked in a collective forever."""
 
     def __init__(self, num_processes: int, timeout_s: float) -> None:
         self.num_processes, self.timeout_s = num_processes, timeout_s
@@ -215,18 +275,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="jaxkv-watchdog", daemon=True)
         self._thread.start()
 
-    def _missing(self) -> list[int] | None:
-        """The processes the coordinator does not list as alive (None: it did not answer)."""
-        try:
-            live = _client().get_live_nodes(list(range(self.num_processes)))
-        except Exception:
-            return None
-        return [pid for pid in range(self.num_processes) if pid not in live]
-
     def _run(self) -> None:
         silent_since = None
         while not self._stop.wait(max(self.timeout_s / 10, 0.1)):
-            missing = self._missing()
+            missing = _missing(self.num_processes)
             if missing == []:
                 silent_since = None
                 continue
@@ -234,19 +286,8 @@ class Watchdog:
                 silent_since = silent_since or time.monotonic()
                 if time.monotonic() - silent_since < self.timeout_s:
                     continue
-                why = "the coordinator (process 0) stopped answering"
-            else:
-                why = f"process {', '.join(map(str, missing))} stopped (no heartbeat)"
-            if self._stop.is_set():
-                return
-            print(
-                f"jaxkv: error: process {jax.process_index()}: {why} within "
-                f"{self.timeout_s:g} s (--distributed-timeout); the engine cannot go on without "
-                "every process, exiting",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)
+            if not self._stop.is_set():
+                exit_now(_lost(missing, self.timeout_s))
 
     def stop(self) -> None:
         self._stop.set()
@@ -287,6 +328,7 @@ class RequestStream:
         self.is_source = jax.process_index() == 0
         self._pending: list[Op] = []
         self.replaying = False
+        self.lost = False  # a step failed part-way: the processes are out of step
         self.num_bytes = 0  # payload bytes exchanged so far
 
     def record(self, op: Op) -> None:
@@ -324,9 +366,12 @@ class RequestStream:
         return pickle.loads(np.asarray(buf[:n]).tobytes())
 
     def stop(self) -> None:
-        """Process 0: release the others from `LLMEngine.follow()` (once, at shutdown)."""
+        """Process 0: release the others from `LLMEngine.follow()` (once, at shutdown;
+        nothing once `lost`)."""
         from jax.experimental.multihost_utils import broadcast_one_to_all
 
+        if self.lost:
+            return
         broadcast_one_to_all((np.array([_STOP], np.int32),))
 
     def replay(self, ops: list[Op], apply: Callable[[Op], None]) -> None:
