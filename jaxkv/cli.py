@@ -152,12 +152,11 @@ def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of one engine over several processes (`jax.distributed`; default: one)."""
-    p.add_argument(
-        "--coordinator-address", metavar="HOST:PORT",
-        help="run as one of --num-processes processes of one engine; process 0 serves this "
-        "address, takes the prompts and prints (default: $JAX_COORDINATOR_ADDRESS, else one "
-        "process)",
-    )  # fmt: skip
+    address_help = (
+        "run as one of --num-processes processes of one engine; process 0 serves this address, "
+        "takes the prompts and prints (default: $JAX_COORDINATOR_ADDRESS, else one process)"
+    )
+    p.add_argument("--coordinator-address", metavar="HOST:PORT", help=address_help)
     p.add_argument("--num-processes", type=int, help="processes (default: $JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, help="this process, 0.. (default: $JAX_PROCESS_ID)")
     p.add_argument(
