@@ -330,6 +330,7 @@ class RequestStream:
         self.replaying = False
         self.lost = False  # a step failed part-way: the processes are out of step
         self.num_bytes = 0  # payload bytes exchanged so far
+        self.seconds = 0.0  # time spent in `exchange` so far
 
     def record(self, op: Op) -> None:
         if self.is_source and not self.replaying:
@@ -346,6 +347,13 @@ class RequestStream:
     def exchange(self) -> list[Op] | None:
         from jax.experimental.multihost_utils import broadcast_one_to_all
 
+        start = time.perf_counter()
+        try:
+            return self._exchange(broadcast_one_to_all)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _exchange(self, broadcast_one_to_all) -> list[Op] | None:
         payload = pickle.dumps(self._pending) if self._pending else b""
         self._pending = []
         length = np.array([len(payload)], np.int32)
