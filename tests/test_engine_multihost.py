@@ -229,6 +229,70 @@ def test_a_killed_process_ends_the_other_with_an_error(checkpoints: Path) -> Non
     assert elapsed < 3 * TIMEOUT_S, elapsed
 
 
+def slices(work: str, out: str, address: str, n: str, pid: str) -> None:
+    """Scenario `slices`: the weights on a 1x8 mesh (the model axis over both processes),
+    counting the checkpoint bytes this process reads; an engine with KV events on it."""
+    import jax
+    from flax import nnx
+
+    from jaxkv.engine import multihost
+
+    multihost.initialize(multihost.DistributedConfig(address, int(n), int(pid), TIMEOUT_S))
+    from jaxkv.device import make_mesh
+    from jaxkv.engine import LLMEngine
+    from jaxkv.models import checkpoint, load_model
+
+    read_bytes = [0]
+    place = checkpoint.CheckpointReader._place
+
+    def counting(self, shape, spec, units, read):
+        def counted(index):
+            block = read(index)
+            read_bytes[0] += block.nbytes
+            return block
+
+        return place(self, shape, spec, units, counted)
+
+    checkpoint.CheckpointReader._place = counting
+    mesh = make_mesh(1, 8, jax.devices())
+    model = load_model(Path(work) / "gemma3", mesh=mesh)
+    engine = LLMEngine(model, _config(kv_events_endpoint="inproc://multihost-events"), mesh=mesh)
+    cache = engine.runner.kv_cache
+    result = {
+        "read_bytes": read_bytes[0],
+        "param_bytes": sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))),
+        "cache_local_shards": len(cache.addressable_shards),
+        "cache_fully_addressable": cache.is_fully_addressable,
+        "publisher_ranks": [p.data_parallel_rank for p in engine.kv_event_publishers],
+        "ranks": len(engine.schedulers),
+    }  # fmt: skip
+    Path(out).write_text(json.dumps(result))
+    if jax.process_index() == 0:
+        engine.shutdown()
+    else:
+        engine.follow()
+    multihost.shutdown()
+
+
+def test_each_process_reads_only_its_slices_and_publishes_nothing(checkpoints: Path) -> None:
+    """Item 2 and 4: with the model axis over both processes each reads about half of the
+    split weights (never all of them); the KV cache is allocated with its global sharding
+    (4 local shards of 8); process 0 publishes every data rank's KV events (each publisher
+    stamped with its `data_parallel_rank`), process 1 none."""
+    procs = _two_processes("slices", checkpoints)
+    logs = _finish(procs, 300)
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    p0, p1 = (json.loads((checkpoints / f"slices.p{i}.json").read_text()) for i in range(2))
+    whole = p0["param_bytes"]
+    for p in (p0, p1):
+        assert p["read_bytes"] < 0.8 * whole, (p, whole)
+        assert p["cache_local_shards"] == 4 and not p["cache_fully_addressable"]
+    assert p0["read_bytes"] + p1["read_bytes"] >= whole
+    assert p0["publisher_ranks"] == list(range(p0["ranks"])) and p0["ranks"] > 1
+    assert p1["publisher_ranks"] == []
+
+
 def _generate(work: Path, *flags: str) -> list[str]:
     return ["-m", "jaxkv", "generate", "--model", str(work / "gemma3"),
             "--prompt-token-ids", "5,6,7,8,9", "--max-tokens", "4", "--max-model-len", "32",
@@ -284,4 +348,4 @@ if __name__ == "__main__":
     if scenario == "serve":
         serve(rest[0], rest[1], rest[2:])
     else:
-        serve_until_killed(*rest)
+        {"kill": serve_until_killed, "slices": slices}[scenario](*rest)
