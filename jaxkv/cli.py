@@ -566,7 +566,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if multihost is None or not isinstance(error, multihost.DistributedError):
             raise
         multihost.exit_now(error)  # status 1, without waiting on the lost process
-        raise
 
 
 if __name__ == "__main__":

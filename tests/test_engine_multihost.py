@@ -210,7 +210,7 @@ def serve_until_killed(work: str, out: str, address: str, n: str, pid: str) -> N
             engine.generate(_workload()[:2], sampling)
             print("ROUND", flush=True)
     except multihost.DistributedError as error:
-        multihost.exit_now(error)
+        multihost.exit_now(error)  # as `jaxkv generate` does
 
 
 def test_a_killed_process_ends_the_other_with_an_error(checkpoints: Path) -> None:

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -232,7 +232,7 @@ def _lost(missing: list[int] | None, timeout_s: float) -> DistributedError:
     )
 
 
-def exit_now(error: BaseException) -> None:
+def exit_now(error: BaseException) -> NoReturn:
     """Print `jaxkv: error: ...` and end this process with status 1 at once: with a peer
     gone, JAX's orderly shutdown would wait for it (then abort)."""
     print(f"jaxkv: error: {error}", file=sys.stderr, flush=True)
