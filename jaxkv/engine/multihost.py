@@ -169,8 +169,11 @@ def _client():
     from jax._src import distributed
 
     client = distributed.global_state.client
-    if client is None:
-        raise DistributedError("jax.distributed is not initialized: call multihost.initialize")
+    if client is None or "config" not in _state:
+        raise DistributedError(
+            "several processes need jaxkv.engine.multihost.initialize (not a bare "
+            "jax.distributed.initialize): it bounds the timeouts and starts the watchdog"
+        )
     return client
 
 
@@ -186,7 +189,8 @@ def check_same_everywhere(settings: Mapping[str, str], what: str = "settings") -
     timeout; a no-op in one process."""
     if jax.process_count() == 1:
         return
-    client, config = _client(), _state["config"]
+    client = _client()
+    config = _state["config"]
     n = _state["exchanges"] = _state["exchanges"] + 1
     mine = json.dumps(list(settings.items()))
     client.key_value_set(f"jaxkv/check/{n}/{jax.process_index()}", mine)
@@ -252,7 +256,7 @@ def peers_alive(stream: RequestStream) -> Iterator[None]:
         stream.lost = True
         if not isinstance(error, jax.errors.JaxRuntimeError):
             raise
-        config = _state["config"]
+        config = _state["config"]  # set: the engine checked its settings through it
         deadline = time.monotonic() + config.timeout_s + 1
         missing = _missing(config.num_processes)
         while missing == [] and time.monotonic() < deadline:
