@@ -112,7 +112,7 @@ def _memory_settings(args: argparse.Namespace, mesh) -> dict:
         return {"memory_utilization": utilization}
     import jax
 
-    device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+    device = jax.local_devices()[0]  # the mesh's devices are all of one kind
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
         return {"memory_utilization": DEFAULT_MEMORY_UTILIZATION}
@@ -150,6 +150,21 @@ def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
 
 
+def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of one engine over several processes (`jax.distributed`; default: one)."""
+    address_help = (
+        "run as one of --num-processes processes of one engine; process 0 serves this address, "
+        "takes the prompts and prints (default: $JAX_COORDINATOR_ADDRESS, else one process)"
+    )
+    p.add_argument("--coordinator-address", metavar="HOST:PORT", help=address_help)
+    p.add_argument("--num-processes", type=int, help="processes (default: $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="this process, 0.. (default: $JAX_PROCESS_ID)")
+    p.add_argument(
+        "--distributed-timeout", type=float, default=20.0, metavar="SECONDS",
+        help="a process that does not join, or dies, ends the others with an error after this",
+    )  # fmt: skip
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxkv.device.compilation_cache import enable_compilation_cache
     from jaxkv.engine import EngineConfig, LLMEngine
@@ -164,7 +179,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from jaxkv import models
     except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
         raise SystemExit(f"jaxkv generate needs jaxkv.models: {error}") from None
-    mesh = _mesh(args.data_parallel_size, args.tensor_parallel_size)
+    distributed = _join(args)
+    mesh = _mesh(args.data_parallel_size, args.tensor_parallel_size, distributed)
     # The small inputs first, so that a bad one is reported before the weights are read.
     tokenizer = models.load_tokenizer(args.model)
     texts = [(args.prompt, None)] if args.prompt is not None else None
@@ -201,9 +217,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompts[0] = [image_token_id] + prompts[0]  # the image goes before the text
     engine = LLMEngine(model, config, tokenizer=tokenizer, mesh=mesh)
     try:
-        return _serve(engine, args, prompts, max_tokens, images)
+        if distributed and distributed.process_id != 0:
+            engine.follow()  # process 0 takes the requests and prints the outputs
+            status = 0
+        else:
+            status = _serve(engine, args, prompts, max_tokens, images)
     finally:
         engine.shutdown()
+    if distributed:  # all processes got here: leave the job together
+        from jaxkv.engine import multihost
+
+        multihost.shutdown()
+    return status
+
+
+def _join(args: argparse.Namespace):
+    """`--coordinator-address` (or `JAX_COORDINATOR_ADDRESS`...): join the job, then refuse
+    to go on unless every process got the same flags, checkpoint and jaxkv version. The
+    job's `DistributedConfig`, or None for one process."""
+    from importlib.metadata import version
+
+    from jaxkv.engine import multihost
+    from jaxkv.models.checkpoint import checkpoint_index
+
+    distributed = multihost.DistributedConfig.resolve(
+        args.coordinator_address, args.num_processes, args.process_id, args.distributed_timeout
+    )
+    if distributed is None:
+        return None
+    multihost.initialize(distributed)
+    settings = {"jaxkv version": version("jaxkv"), "checkpoint index": checkpoint_index(args.model)}
+    for name, value in sorted(vars(args).items()):
+        if name not in ("func", "process_id", "coordinator_address"):
+            settings["--" + name.replace("_", "-")] = repr(value)
+    multihost.check_same_everywhere(settings, "settings")
+    return distributed
 
 
 def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int:
@@ -257,15 +305,22 @@ def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int
     return 0
 
 
-def _mesh(data: int, model: int):
-    """The `(data, model)` mesh over the first `data * model` devices (None: one device)."""
-    if data == model == 1:
-        return None
+def _mesh(data: int, model: int, distributed=None):
+    """The `(data, model)` mesh over the first `data * model` devices (None: one device).
+    Over several processes it must take every process's devices (all of them)."""
     import jax
 
+    devices = jax.devices()
+    if distributed is not None and data * model != len(devices):
+        raise ValueError(
+            f"--data-parallel-size {data} x --tensor-parallel-size {model} must be the "
+            f"{len(devices)} devices of the {distributed.num_processes} processes: each process "
+            "drives its own devices"
+        )
+    if data == model == 1:
+        return None
     from jaxkv.device import make_mesh
 
-    devices = jax.devices()
     if data * model > len(devices):
         raise ValueError(
             f"--data-parallel-size {data} x --tensor-parallel-size {model} needs "
@@ -467,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print prompt and output token ids")
     add_kv_events_arguments(p)
+    add_distributed_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plan", help="KV-cache capacity plan for a checkpoint")
@@ -505,6 +561,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as error:  # bad input; anything else is a bug
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # a process of the job missing or configured differently
+        multihost = sys.modules.get("jaxkv.engine.multihost")
+        if multihost is None or not isinstance(error, multihost.DistributedError):
+            raise
+        multihost.exit_now(error)  # status 1, without waiting on the lost process
 
 
 if __name__ == "__main__":

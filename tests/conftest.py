@@ -17,7 +17,7 @@ import jaxkv.hashing as hashing
 SLOW_MODULES = {
     # 8 simulated devices, each test in its own JAX process
     "test_device_sharding", "test_engine_sharding", "test_models_sharding",
-    "test_device_distributed",
+    "test_device_distributed", "test_engine_multihost",
     # against vLLM / transformers in the peer environment
     "test_vllm_differential", "test_hybrid_vllm_diff", "test_vllm_yardstick", "test_models_hf",
     "test_scheduler_vllm",

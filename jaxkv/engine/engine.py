@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxkv.device import compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
+from jaxkv.engine import multihost
 from jaxkv.engine.model_runner import (
     ModelRunner,
     RequestStepError,
@@ -141,6 +142,10 @@ class LLMEngine:
     `(data, model)` mesh from `jaxkv.device.make_mesh`. `schedulers[k]` and
     `kv_cache_managers[k]` serve data rank `k`, each with `config.num_blocks` blocks;
     `scheduler` and `kv_cache_manager` are rank 0's (the only ones on one data rank).
+
+    Several processes (`jaxkv.engine.multihost.initialize` first, the same model, config
+    and mesh on each, checked at construction): requests enter on process 0; the others
+    call `follow()` until process 0's `shutdown()`. Every process holds the same host state.
     """
 
     def __init__(
@@ -229,6 +234,10 @@ class LLMEngine:
             for manager in self.kv_cache_managers
         ]
         self.kv_cache_manager, self.scheduler = self.kv_cache_managers[0], self.schedulers[0]
+        self._stream: multihost.RequestStream | None = None  # several processes: replay
+        if jax.process_count() > 1:
+            multihost.check_same_everywhere(self._settings(), "engine settings")
+            self._stream = multihost.RequestStream()
         self._rank_of: dict[str, int] = {}  # unfinished request id -> its data rank
         hash_fn = get_hash_fn_by_name(c.hash_fn)
         init_none_hash(hash_fn)
@@ -246,9 +255,21 @@ class LLMEngine:
         self.stats = EngineStats()
         self.num_steps = 0
 
+    def _settings(self) -> dict[str, str]:
+        """What every process of a multi-process engine must agree on, in order."""
+        from importlib.metadata import version
+
+        settings = {"jaxkv version": version("jaxkv")}
+        for f in dataclasses.fields(self.config):
+            settings[f"EngineConfig.{f.name}"] = repr(getattr(self.config, f.name))
+        settings["model config"] = multihost.digest(repr(self.model.config))
+        settings["mesh"] = repr(None if self.mesh is None else dict(self.mesh.shape))
+        return settings
+
     def _event_publishers(self, c: EngineConfig) -> list[EventPublisher]:
-        """One publisher per data rank when `kv_events_endpoint` is set, else none."""
-        if c.kv_events_endpoint is None:
+        """One publisher per data rank when `kv_events_endpoint` is set, else none (and
+        none on processes other than 0: process 0 publishes every rank's events)."""
+        if c.kv_events_endpoint is None or jax.process_index() != 0:
             return []
         events_config = KVEventsConfig(
             enable_kv_cache_events=True,
@@ -268,22 +289,32 @@ class LLMEngine:
         return publishers
 
     def _publish_events(self) -> None:
-        """Hand each rank's pending KV events to its publisher (a queue append each)."""
-        for rank, publisher in enumerate(self.kv_event_publishers):
-            events = self.kv_cache_managers[rank].take_events()
-            if events:
-                publisher.publish(events)
+        """Hand each rank's pending KV events to its publisher (a queue append each);
+        without publishers (processes other than 0) they are dropped."""
+        if self.config.kv_events_endpoint is None:
+            return
+        for rank, manager in enumerate(self.kv_cache_managers):
+            events = manager.take_events()
+            if events and self.kv_event_publishers:
+                self.kv_event_publishers[rank].publish(events)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's prefix cache (vLLM's `reset_prefix_cache`); False, changing
         nothing on the ranks still holding blocks, while requests run. The
         `AllBlocksCleared` events go out now, not with the next step."""
+        if self._stream is not None:
+            self._stream.check_source("reset_prefix_cache")
+            self._stream.record(("reset_prefix_cache",))
         reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
         self._publish_events()
         return reset
 
     def shutdown(self) -> None:
-        """Flush and close the KV event publishers (nothing else holds resources)."""
+        """Flush and close the KV event publishers (nothing else holds resources); on
+        process 0 of several, release the others from `follow()`."""
+        if self._stream is not None and self._stream.is_source:
+            self._stream.stop()
+            self._stream = None
         for publisher in self.kv_event_publishers:
             publisher.shutdown()
 
@@ -379,6 +410,8 @@ class LLMEngine:
         `lora_request`: the engine serves no LoRA adapters, so anything but None is
         refused (vLLM's behaviour without `enable_lora`).
         """
+        if self._stream is not None:
+            self._stream.check_source("add_request")
         if sampling is None:
             sampling = SamplingParams()
         if not isinstance(sampling, SamplingParams):
@@ -420,6 +453,8 @@ class LLMEngine:
         for feature, image in zip(features, pixels, strict=True):
             self._images.setdefault(feature.identifier, image)
             self._image_refs[feature.identifier] = self._image_refs.get(feature.identifier, 0) + 1
+        if self._stream is not None:
+            self._stream.record(("add", prompt, images, sampling, request_id, cache_salt))
         return request_id
 
     def _row_sampling(self, sampling: SamplingParams, request_id: str) -> RowSampling:
@@ -438,9 +473,13 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request now; KeyError naming it when no unfinished request has that id.
         Its final output (`finish_reason="abort"`) comes with the next `step()`."""
+        if self._stream is not None:
+            self._stream.check_source("abort")
         rank = self._rank_of.get(request_id)
         if rank is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
+        if self._stream is not None:
+            self._stream.record(("abort", request_id))
         request = self.schedulers[rank].abort_request(request_id)
         self._finish_now(request, FinishReason.ABORT)
 
@@ -495,7 +534,39 @@ class LLMEngine:
         One request never fails the step for the others: a request whose part of the step
         cannot be prepared or applied on the host finishes with `finish_reason="error"`
         (its blocks and encoder entries freed) and the step goes on without it.
+
+        Several processes: process 0's calls since the last step are replayed on the others
+        first (`multihost.RequestStream`), so every process schedules the same step.
         """
+        if self._stream is None:
+            return self._step()
+        with multihost.peers_alive(self._stream):
+            self._stream.replay(self._stream.exchange() or [], self._apply)
+            return self._step()
+
+    def follow(self) -> None:
+        """On a process other than 0: step with process 0 until it shuts its engine down."""
+        if self._stream is None or self._stream.is_source:
+            raise RuntimeError(
+                "follow() is for the processes other than 0 of a multi-process engine"
+            )
+        with multihost.peers_alive(self._stream):
+            while (ops := self._stream.exchange()) is not None:
+                self._stream.replay(ops, self._apply)
+                self._step()
+        self._stream = None
+
+    def _apply(self, op: multihost.Op) -> None:
+        """Replay one of process 0's calls (`RequestStream.record`)."""
+        if op[0] == "add":
+            prompt, images, sampling, request_id, cache_salt = op[1:]
+            self.add_request(prompt, images, sampling, request_id, cache_salt=cache_salt)
+        elif op[0] == "abort":
+            self.abort(op[1])
+        else:
+            self.reset_prefix_cache()
+
+    def _step(self) -> list[RequestOutput]:
         compiled = compilation_count()
         t0 = time.perf_counter()
         outs = [scheduler.schedule() for scheduler in self.schedulers]
@@ -511,7 +582,7 @@ class LLMEngine:
         updates: list[RequestUpdate] = []
         if done is not None:
             t_wait = time.perf_counter()
-            tokens = np.asarray(done.sampled)  # the one place the host waits for the device
+            tokens = multihost.host_tokens(done.sampled)  # the one place the host waits
             wait_s = time.perf_counter() - t_wait
             width = self.runner.max_num_seqs
             for rank, (scheduler, out) in enumerate(

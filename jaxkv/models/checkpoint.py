@@ -118,6 +118,24 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     return files
 
 
+def checkpoint_index(path: str | Path) -> str:
+    """A digest of what a checkpoint directory holds, without reading any weight: its
+    `config.json` and, for every safetensors file, its name, size and header (the names,
+    dtypes, shapes and offsets of its tensors). Equal digests: the same checkpoint, as
+    far as a file's size and header tell (processes of one job compare them)."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256()
+    config = path / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for file in sorted(set(checkpoint_files(path).values())):
+        with open(file, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            h.update(f"{file.name}:{file.stat().st_size}:".encode() + handle.read(header_len))
+    return h.hexdigest()[:16]
+
+
 class MeshPlacement:
     """How a reader places a tensor on its `mesh` (a `(data, model)` mesh): `spec_for`."""
 

@@ -1,0 +1,395 @@
+"""One engine over several processes (JAX's multi-controller runtime, `jax.distributed`).
+
+Every process runs the same engine over one global `(data, model)` mesh; each drives
+only its own devices. Requests enter on process 0. **Replay**: at the start of every
+step process 0 broadcasts what changed since the last one (the requests added, aborted,
+the prefix caches reset: `RequestStream`), every process applies it in the same order,
+and every process then runs the same deterministic schedulers, packs the same step
+buffer and dispatches the same device step. The sampled tokens are replicated on every
+device, so each process reads them from its own and updates identical host state; only
+process 0 returns outputs to a caller.
+
+Why replay rather than process 0 scheduling and broadcasting each step's packed buffer:
+the buffer alone does not make a step (the runner also zeroes and copies blocks, keeps
+row tables and the encoder store from the scheduler's output), so the other processes
+would need a second, buffer-driven path through the runner and a broadcast of kilobytes
+every step; replay needs one 4-byte broadcast on a step with no new requests (plus one of
+the pickled requests when some arrive) and no second code path. The price: host
+scheduling runs on every process (in parallel, so it adds no latency), and it must be
+deterministic, which the schedulers and block pools are (no clock, no iteration over
+sets of strings).
+
+Faults: `initialize` bounds the join (`timeout_s`) and the heartbeat that declares a
+process dead; `Watchdog` polls the coordinator's list of live processes and ends this
+process with an error naming the dead ones (a collective waiting on a dead peer would
+otherwise never return). `check_same_everywhere` refuses processes started with
+different settings, naming the first difference.
+
+Payloads are pickled: the processes of one job trust each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistributedConfig",
+    "DistributedError",
+    "RequestStream",
+    "Watchdog",
+    "check_same_everywhere",
+    "digest",
+    "exit_now",
+    "host_tokens",
+    "initialize",
+    "peers_alive",
+]
+
+DEFAULT_TIMEOUT_S = 20.0
+_ENV = {
+    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+
+
+class DistributedError(RuntimeError):
+    """A process of the job is missing, dead or configured differently."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Where the processes of one job meet. Invariant: `0 <= process_id < num_processes`,
+    `coordinator_address` is `HOST:PORT` (process 0 serves it), `timeout_s > 0` bounds
+    the join, each exchange of settings and the silence of a dead process."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def resolve(
+        cls,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        environ: Mapping[str, str] | None = None,
+    ) -> DistributedConfig | None:
+        """The settings given, else from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+        `JAX_PROCESS_ID`; None when neither names a coordinator (one process). ValueError
+        naming the setting when one is missing or out of range."""
+        env = os.environ if environ is None else environ
+        given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+                 "process_id": process_id}  # fmt: skip
+        for name, var in _ENV.items():
+            if given[name] is None and env.get(var):
+                given[name] = env[var]
+        if given["coordinator_address"] is None:
+            if given["num_processes"] is not None or given["process_id"] is not None:
+                raise ValueError(
+                    "--num-processes and --process-id need --coordinator-address HOST:PORT "
+                    "(or JAX_COORDINATOR_ADDRESS)"
+                )
+            return None
+        address = str(given["coordinator_address"])
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--coordinator-address {address!r} must be HOST:PORT")
+        ints = {}
+        for name in ("num_processes", "process_id"):
+            flag, value = "--" + name.replace("_", "-"), given[name]
+            if value is None:
+                raise ValueError(f"{flag} is required with --coordinator-address (or {_ENV[name]})")
+            try:
+                ints[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{flag} must be an integer, got {value!r}") from None
+        if ints["num_processes"] < 1:
+            raise ValueError(f"--num-processes must be >= 1, got {ints['num_processes']}")
+        if not 0 <= ints["process_id"] < ints["num_processes"]:
+            raise ValueError(
+                f"--process-id must be in [0, {ints['num_processes']}), got {ints['process_id']}"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"--distributed-timeout must be > 0 seconds, got {timeout_s}")
+        return cls(address, ints["num_processes"], ints["process_id"], float(timeout_s))
+
+
+_state: dict[str, Any] = {}  # "config", "watchdog", "exchanges": this process's runtime
+
+
+def initialize(config: DistributedConfig) -> None:
+    """Join the job: `jax.distributed.initialize` with gloo CPU collectives, the heartbeat
+    bounded by `config.timeout_s`, then a `Watchdog`. Call before anything touches a
+    device. When the processes do not all join within the timeout, this process ends
+    (`exit_now`) with an error naming the coordinator: JAX's own join timeout (a few
+    seconds later) would abort the process from C++."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = max(1, round(config.timeout_s))
+    late = DistributedError(
+        f"process {config.process_id}: the {config.num_processes} processes did not all join "
+        f"the coordinator at {config.coordinator_address} within {timeout} s "
+        "(--distributed-timeout): one was not started, has other --num-processes or died"
+    )
+    timer = threading.Timer(timeout, exit_now, (late,))
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            initialization_timeout=timeout + 10,
+            heartbeat_timeout_seconds=timeout,
+            shutdown_timeout_seconds=timeout,
+        )
+    finally:
+        timer.cancel()
+    _state.update(config=config, exchanges=0)
+    _state["watchdog"] = Watchdog(config.num_processes, config.timeout_s)
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or "config" not in _state:
+        raise DistributedError(
+            "several processes need jaxkv.engine.multihost.initialize (not a bare "
+            "jax.distributed.initialize): it bounds the timeouts and starts the watchdog"
+        )
+    return client
+
+
+def digest(data: bytes | str) -> str:
+    """A short content digest (SHA-256, 16 hex digits)."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
+
+
+def check_same_everywhere(settings: Mapping[str, str], what: str = "settings") -> None:
+    """DistributedError on every process unless all processes give equal `settings`
+    (name -> short text or digest, compared in order), naming the first difference and
+    the processes. Exchanged through the coordinator's key-value store, bounded by the
+    timeout; a no-op in one process."""
+    if jax.process_count() == 1:
+        return
+    client = _client()
+    config = _state["config"]
+    n = _state["exchanges"] = _state["exchanges"] + 1
+    mine = json.dumps(list(settings.items()))
+    client.key_value_set(f"jaxkv/check/{n}/{jax.process_index()}", mine)
+    timeout_ms = int(config.timeout_s * 1000)
+    base = dict(settings)
+    for pid in range(jax.process_count()):
+        try:
+            theirs = client.blocking_key_value_get(f"jaxkv/check/{n}/{pid}", timeout_ms)
+        except Exception:
+            raise DistributedError(
+                f"process {pid} did not report its {what} within {config.timeout_s:g} s "
+                "(--distributed-timeout): it died or was started with other flags"
+            ) from None
+        other = dict(json.loads(theirs))
+        for name in [*base, *(k for k in other if k not in base)]:
+            if base.get(name) != other.get(name):
+                raise DistributedError(
+                    f"the processes were started with different {what}: {name} is "
+                    f"{base.get(name)!r} on process {jax.process_index()} but "
+                    f"{other.get(name)!r} on process {pid}; start every process with the same "
+                    "flags, checkpoint and jaxkv version"
+                )
+
+
+def _missing(num_processes: int) -> list[int] | None:
+    """The processes the coordinator does not list as alive (None: it did not answer)."""
+    try:
+        live = _client().get_live_nodes(list(range(num_processes)))
+    except Exception:
+        return None
+    return [pid for pid in range(num_processes) if pid not in live]
+
+
+def _lost(missing: list[int] | None, timeout_s: float) -> DistributedError:
+    why = (
+        "the coordinator (process 0) stopped answering"
+        if missing is None
+        else f"process {', '.join(map(str, missing))} stopped (no heartbeat)"
+    )
+    return DistributedError(
+        f"process {jax.process_index()}: {why} within {timeout_s:g} s (--distributed-timeout); "
+        "the engine cannot go on without every process"
+    )
+
+
+def exit_now(error: BaseException) -> NoReturn:
+    """Print `jaxkv: error: ...` and end this process with status 1 at once: with a peer
+    gone, JAX's orderly shutdown would wait for it (then abort)."""
+    print(f"jaxkv: error: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def peers_alive(stream: RequestStream) -> Iterator[None]:
+    """Around the engine's collectives: a runtime error there (a peer's connection closed)
+    becomes a DistributedError naming the dead process, once the coordinator names it
+    (waiting at most the timeout for its heartbeat to lapse). Any error marks `stream`
+    lost: its `stop` then sends nothing."""
+    try:
+        yield
+    except BaseException as error:
+        stream.lost = True
+        if not isinstance(error, jax.errors.JaxRuntimeError):
+            raise
+        config = _state["config"]  # set: the engine checked its settings through it
+        deadline = time.monotonic() + config.timeout_s + 1
+        missing = _missing(config.num_processes)
+        while missing == [] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            missing = _missing(config.num_processes)
+        if missing == []:
+            raise
+        raise _lost(missing, config.timeout_s) from error
+
+
+class Watchdog:
+    """A daemon thread that asks the coordinator every `timeout_s / 10` seconds which
+    processes are alive; when one is not (dead for longer than the heartbeat timeout, or
+    the coordinator itself gone that long), it ends this process (`exit_now`) with an error
+    naming it, instead of leaving it blocked in a collective forever."""
+
+    def __init__(self, num_processes: int, timeout_s: float) -> None:
+        self.num_processes, self.timeout_s = num_processes, timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxkv-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        silent_since = None
+        while not self._stop.wait(max(self.timeout_s / 10, 0.1)):
+            missing = _missing(self.num_processes)
+            if missing == []:
+                silent_since = None
+                continue
+            if missing is None:  # the coordinator (process 0) did not answer
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since < self.timeout_s:
+                    continue
+            if not self._stop.is_set():
+                exit_now(_lost(missing, self.timeout_s))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def shutdown() -> None:
+    """Stop the watchdog and leave the job (every process must call it)."""
+    watchdog = _state.pop("watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
+    jax.distributed.shutdown()
+
+
+def host_tokens(sampled: jax.Array) -> np.ndarray:
+    """The step's sampled tokens on this host (they are replicated on every device)."""
+    if sampled.is_fully_addressable or sampled.is_fully_replicated:
+        return np.asarray(sampled)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(sampled, tiled=True))
+
+
+Op = tuple  # ("add", kwargs) | ("abort", request_id) | ("reset_prefix_cache",)
+_STOP = -1
+
+
+class RequestStream:
+    """What process 0 tells the others at each step: the engine calls changing requests
+    since the last step, in order. `record` (process 0) queues one; `exchange` (every
+    process, once a step, in the same order everywhere) returns the calls to replay (none
+    on process 0, which made them already), or None once process 0 called `stop`.
+
+    Wire: a 1-element int32 broadcast (the payload's length; -1: stop), then, when
+    positive, the pickled calls padded to a power of two (so few programs compile), both
+    with `multihost_utils.broadcast_one_to_all`."""
+
+    def __init__(self) -> None:
+        self.is_source = jax.process_index() == 0
+        self._pending: list[Op] = []
+        self.replaying = False
+        self.lost = False  # a step failed part-way: the processes are out of step
+        self.num_bytes = 0  # payload bytes exchanged so far
+        self.seconds = 0.0  # time spent in `exchange` so far
+
+    def record(self, op: Op) -> None:
+        if self.is_source and not self.replaying:
+            self._pending.append(op)
+
+    def check_source(self, call: str) -> None:
+        """RuntimeError unless `call` happens on process 0 (or replays its call)."""
+        if not (self.is_source or self.replaying):
+            raise RuntimeError(
+                f"{call} on process {jax.process_index()}: requests enter on process 0 only; "
+                "the other processes call LLMEngine.follow()"
+            )
+
+    def exchange(self) -> list[Op] | None:
+        from jax.experimental.multihost_utils import broadcast_one_to_all
+
+        start = time.perf_counter()
+        try:
+            return self._exchange(broadcast_one_to_all)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _exchange(self, broadcast_one_to_all) -> list[Op] | None:
+        payload = pickle.dumps(self._pending) if self._pending else b""
+        self._pending = []
+        length = np.array([len(payload)], np.int32)
+        (length,) = broadcast_one_to_all((length,))
+        n = int(length[0])
+        if n == _STOP:
+            return None
+        if n == 0:
+            return []
+        size = max(256, 1 << (n - 1).bit_length())
+        buf = np.zeros(size, np.uint8)
+        if self.is_source:
+            buf[:n] = np.frombuffer(payload, np.uint8)
+        (buf,) = broadcast_one_to_all((buf,))
+        self.num_bytes += n
+        if self.is_source:
+            return []
+        return pickle.loads(np.asarray(buf[:n]).tobytes())
+
+    def stop(self) -> None:
+        """Process 0: release the others from `LLMEngine.follow()` (once, at shutdown;
+        nothing once `lost`)."""
+        from jax.experimental.multihost_utils import broadcast_one_to_all
+
+        if self.lost:
+            return
+        broadcast_one_to_all((np.array([_STOP], np.int32),))
+
+    def replay(self, ops: list[Op], apply: Callable[[Op], None]) -> None:
+        self.replaying = True
+        try:
+            for op in ops:
+                apply(op)
+        finally:
+            self.replaying = False

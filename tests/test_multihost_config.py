@@ -1,0 +1,37 @@
+"""`DistributedConfig.resolve`: the flags of one engine over several processes, from the
+command line or the environment; bad values are refused naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.engine.multihost import DEFAULT_TIMEOUT_S, DistributedConfig
+
+
+def test_flags_win_over_the_environment_and_fill_from_it() -> None:
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+           "JAX_PROCESS_ID": "3"}  # fmt: skip
+    assert DistributedConfig.resolve(environ=env) == DistributedConfig(
+        "10.0.0.1:1234", 4, 3, DEFAULT_TIMEOUT_S
+    )
+    got = DistributedConfig.resolve("h:1", None, 0, 5, environ=env)
+    assert got == DistributedConfig("h:1", 4, 0, 5.0)
+    assert DistributedConfig.resolve(environ={}) is None  # one process
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("h:1", None, 0), "--num-processes is required"),
+        (("h:1", 2, None), "--process-id is required"),
+        (("h:1", 2, 2), r"--process-id must be in \[0, 2\), got 2"),
+        (("h:1", 0, 0), "--num-processes must be >= 1"),
+        (("h:1", "two", 0), "--num-processes must be an integer, got 'two'"),
+        (("nohost", 2, 0), "must be HOST:PORT"),
+        ((None, 2, 0), "need --coordinator-address"),
+        (("h:1", 2, 0, 0), "--distributed-timeout must be > 0"),
+    ],
+)
+def test_bad_settings_name_the_flag(args, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        DistributedConfig.resolve(*args, environ={})
