@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -39,6 +39,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
+from jaxkv.engine.offload import HostOffload, OffloadStats, PendingStore
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.engine.scheduler import (
@@ -52,6 +53,8 @@ from jaxkv.engine.scheduler import (
 from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
+from jaxkv.host_tier import HostKVTier
+from jaxkv.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
 from jaxkv.mm_hashing import hash_mm_item
@@ -88,7 +91,12 @@ class EngineConfig:
     `kv_events_endpoint` (None: off) publishes each step's KV events as vLLM does
     (`jaxkv.kv_events_publisher`), data rank `k` on the endpoint's port + `k`;
     `kv_events_replay_endpoint` adds the replay socket; `kv_events_topic` is the topic
-    frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints."""
+    frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints.
+    `kv_offloading_size` (vLLM's name; bytes, None: off) keeps blocks in a host-memory
+    tier behind the device pool (`jaxkv.engine.offload`), evicting by
+    `kv_offloading_policy` ("lru" or "arc"), with optional per-`cache_salt` byte caps
+    `kv_offloading_tenant_quotas` (each at least one block, at most the budget); one
+    data rank, one full-attention KV-cache group."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -112,6 +120,61 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
     kv_events_topic: str = ""
     kv_events_int_block_hashes: bool = True
+    kv_offloading_size: int | None = None  # bytes of host memory, e.g. 8 * 2**30
+    kv_offloading_policy: str = "lru"
+    kv_offloading_tenant_quotas: Mapping[str, int] | None = None
+
+
+def host_offload(config: EngineConfig, runner: ModelRunner) -> HostOffload | None:
+    """The host tier `config.kv_offloading_size` asks for (None: off), its blocks shaped as
+    `runner` stores them (every layer of one block). ValueError/TypeError naming the
+    setting and what is allowed when the budget, policy or quotas are bad, or the model
+    or mesh is one the tier does not serve."""
+    size = config.kv_offloading_size
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int | np.integer):
+        raise TypeError(
+            f"EngineConfig.kv_offloading_size must be an int (bytes) or None, got {size!r}"
+        )
+    groups = runner.kv_cache_config.kv_cache_groups
+    if (
+        len(groups) != 1
+        or get_kv_cache_spec_kind(groups[0].kv_cache_spec) != KVCacheSpecKind.FULL_ATTENTION
+    ):
+        kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
+        raise ValueError(
+            f"EngineConfig.kv_offloading_size: the host tier serves models with one "
+            f"full-attention KV-cache group; this model has {kinds}"
+        )
+    if runner.dp_size != 1:
+        raise ValueError(
+            f"EngineConfig.kv_offloading_size: the host tier serves one data rank; the mesh "
+            f"has {runner.dp_size}"
+        )
+    kv = runner.kv_cache
+    block_shape = (kv.shape[0], *kv.shape[2:])
+    block_bytes = int(np.prod(block_shape)) * np.dtype(kv.dtype).itemsize
+    if size < block_bytes:
+        raise ValueError(
+            f"EngineConfig.kv_offloading_size must hold at least one block ({block_bytes} "
+            f"bytes: {kv.shape[0]} layers of {groups[0].kv_cache_spec.block_size} tokens), "
+            f"got {size}"
+        )
+    quotas = config.kv_offloading_tenant_quotas
+    if quotas is not None and not isinstance(quotas, Mapping):
+        raise TypeError(
+            "EngineConfig.kv_offloading_tenant_quotas must map cache_salt to bytes, or be "
+            f"None; got {quotas!r}"
+        )
+    try:
+        tier = HostKVTier(
+            block_bytes, int(size), config.kv_offloading_policy, quotas,
+            group_specs=[groups[0].kv_cache_spec],
+        )  # fmt: skip
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"EngineConfig kv_offloading_*: {error}") from None
+    return HostOffload(tier, block_shape, np.dtype(kv.dtype), groups[0].kv_cache_spec.block_size)
 
 
 @dataclass
@@ -218,6 +281,7 @@ class LLMEngine:
             )
             for _ in range(self.runner.dp_size)
         ]
+        self.offload = host_offload(c, self.runner)
         self.kv_event_publishers: list[EventPublisher] = self._event_publishers(c)
         self.schedulers = [
             Scheduler(
@@ -225,6 +289,7 @@ class LLMEngine:
                 scheduler_config,
                 encoder_cache_manager=encoder_cache,
                 encoder_budget=encoder_budget,
+                offload=self.offload,
             )  # fmt: skip
             for manager in self.kv_cache_managers
         ]
@@ -240,7 +305,8 @@ class LLMEngine:
         self._image_refs: dict[str, int] = {}
         self._in_flight: _InFlight | None = None
         self._salt_of: dict[str, str | None] = {}  # unfinished request id -> its cache salt
-        self._num_cached: dict[str, int] = {}  # its prefix-cache hit tokens, once admitted
+        # its cached tokens (prefix cache and host tier, host tier), once admitted
+        self._num_cached: dict[str, tuple[int, int]] = {}
         self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -269,16 +335,20 @@ class LLMEngine:
 
     def _publish_events(self) -> None:
         """Hand each rank's pending KV events to its publisher (a queue append each)."""
+        host_events = self.offload.tier.take_events() if self.offload is not None else []
         for rank, publisher in enumerate(self.kv_event_publishers):
-            events = self.kv_cache_managers[rank].take_events()
+            events = self.kv_cache_managers[rank].take_events() + (host_events if not rank else [])
             if events:
                 publisher.publish(events)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's prefix cache (vLLM's `reset_prefix_cache`); False, changing
-        nothing on the ranks still holding blocks, while requests run. The
+        nothing on the ranks still holding blocks, while requests run. The host tier is
+        cleared with the device pool (its `AllBlocksCleared` has `medium="CPU"`). The
         `AllBlocksCleared` events go out now, not with the next step."""
         reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
+        if reset and self.offload is not None:
+            reset = self.offload.reset()
         self._publish_events()
         return reset
 
@@ -305,7 +375,10 @@ class LLMEngine:
 
     def warm_up(self) -> int:
         """Compile every step shape now, so serving compiles nothing; returns the count."""
-        return self.runner.warm_up()
+        count = self.runner.warm_up()
+        if self.offload is not None:
+            self.runner.warm_up_transfers()
+        return count
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -453,7 +526,9 @@ class LLMEngine:
     def _finish_now(self, request: Request, reason: FinishReason, error: str | None = None):
         """Queue the final output of a request finished outside a step's token update."""
         self._final_outputs.append(
-            self._request_output(request, None, reason, self._num_cached.get(request.request_id, 0))
+            self._request_output(
+                request, None, reason, *self._num_cached.get(request.request_id, (0, 0))
+            )
         )
         if error is not None:
             self._final_outputs[-1].error = error
@@ -496,7 +571,10 @@ class LLMEngine:
         """
         compiled = compilation_count()
         t0 = time.perf_counter()
+        if self.offload is not None:
+            self.offload.complete_stores()  # gathered before the last step ran: ready
         outs = [scheduler.schedule() for scheduler in self.schedulers]
+        self._store_freed_blocks()  # before this step can write into a freed block
         empty = all(out.is_empty for out in outs)
         if empty and self._in_flight is None:
             self._fail_unschedulable()
@@ -517,11 +595,34 @@ class LLMEngine:
             ):
                 rows = tokens[rank * width : (rank + 1) * width]
                 updates += scheduler.update_from_output(out, rows)
+        self._store_freed_blocks()
         outputs, self._final_outputs = self._final_outputs, []
         outputs += [self._output(u) for u in updates]
         self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
+
+    def _store_freed_blocks(self) -> None:
+        """Start copying the blocks freed requests left to the host tier (their gather is
+        dispatched now, so it reads them before any later step reuses them), one batch
+        per tenant; a tenant the tier has no room for stores nothing."""
+        if self.offload is None:
+            return
+        block_ids, keys, digests, tenants = self.offload.take_stores()
+        for tenant in dict.fromkeys(tenants):
+            mine = [i for i, t in enumerate(tenants) if t == tenant]
+            taken = self.offload.prepare_store([keys[i] for i in mine], tenant)
+            if taken is None or not taken[0]:
+                continue
+            chosen = [mine[j] for j in taken[0]]
+            self.offload.pending_stores.append(
+                PendingStore(
+                    [keys[i] for i in chosen],
+                    taken[1],
+                    [digests[i] for i in chosen],
+                    self.runner.gather_blocks([block_ids[i] for i in chosen]),
+                )  # fmt: skip
+            )
 
     def _fail_unschedulable(self) -> None:
         """With nothing running or in flight, a waiting request that still cannot be
@@ -551,15 +652,18 @@ class LLMEngine:
     def _output(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
         if request.num_output_tokens == 1 and update.new_token_id is not None:
-            self._num_cached[request.request_id] = update.num_cached_tokens
+            self._num_cached[request.request_id] = (
+                update.num_cached_tokens, update.num_host_cached_tokens,
+            )  # fmt: skip
             self.stats.record_admission(
                 self._salt_of.get(request.request_id),
                 request.num_prompt_tokens,
                 update.num_cached_tokens,
             )
         output = self._request_output(
-            request, update.new_token_id, update.finish_reason, update.num_cached_tokens
-        )
+            request, update.new_token_id, update.finish_reason, update.num_cached_tokens,
+            update.num_host_cached_tokens,
+        )  # fmt: skip
         if output.finished:
             self._forget(request)
         return output
@@ -570,6 +674,7 @@ class LLMEngine:
         new_token_id: int | None,
         reason: FinishReason | None,
         num_cached_tokens: int,
+        num_host_cached_tokens: int = 0,
     ) -> RequestOutput:
         text, error = None, None
         if self.tokenizer is not None:
@@ -588,11 +693,13 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             error=error,
             num_cached_tokens=num_cached_tokens,
+            num_host_cached_tokens=num_host_cached_tokens,
         )
 
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
         """One step's stats, summed over the data ranks (KV usage: their mean)."""
         prefix = [m.make_prefix_cache_stats() for m in self.kv_cache_managers]
+        host = self.offload.take_stats() if self.offload is not None else OffloadStats()
         self.stats.record(
             StepStats(
                 step=self.num_steps,
@@ -611,6 +718,11 @@ class LLMEngine:
                 host_s=host_s,
                 wait_s=wait_s,
                 compilations=compilation_count() - compiled,
+                host_queried_tokens=host.queried_tokens,
+                host_hit_tokens=host.hit_tokens,
+                host_loaded_bytes=host.loaded_bytes,
+                host_stored_bytes=host.stored_bytes,
+                host_failed_loads=host.failed_loads,
             )
         )
         self.num_steps += 1

@@ -1,0 +1,238 @@
+"""The engine's host-memory KV tier: a `HostKVTier` plus the host buffer of its slots.
+
+Host only (numpy, no JAX): the scheduler asks it for the blocks that follow a request's
+device prefix hit and reports the blocks of requests it frees; the engine moves the
+bytes with the model runner's block gather and in-place scatter. vLLM's offloading
+connector, reduced to one process, a synchronous load and a store at request end:
+
+* **Store** (`request_freed`, `take_stores`, `complete_stores`): when a request finishes
+  or is preempted, its full, cached blocks the tier does not hold yet are queued with a
+  digest of what they claim to hold (their token ids and block-hash extra keys). The
+  engine gathers them off the device before any later step can reuse the blocks, and
+  once the copy lands the tier keeps each block with the checksum of digest and bytes.
+* **Load** (`lookup`, `start_load`, `cancel`, `take_loads`): on admission, after the
+  device prefix hit, the following blocks found in the tier are pinned, read out of the
+  host buffer and verified (digest of the request's own tokens plus the bytes read,
+  against the stored checksum) before anything else happens; a mismatch ends the hit
+  there (the block is dropped from the tier, counted, never served), the rest is
+  recomputed. The read blocks are unpinned at once: the load owns a copy. The
+  scheduler allocates them as connector tokens
+  (`allocate_slots(num_external_computed_tokens=...)`), and the engine scatters the
+  copy into those device blocks ahead of the step, so the step that computes the rest
+  of the request reads them. A load is thus all or nothing inside one step: aborting
+  or preempting the request afterwards frees device blocks as for any request and
+  leaves no pin in the tier.
+
+Invariants: no key of the tier is pinned between scheduler calls; every queued store
+names a block whose bytes are final (full and computed by steps already dispatched);
+`pending_stores` is empty after `complete_stores()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxkv.blocks import KVCacheBlock
+from jaxkv.hashing import BlockHashWithGroupId, make_block_hash_with_group_id
+from jaxkv.host_tier import HostKVTier
+from jaxkv.request import Request
+from jaxkv.request_hashing import generate_block_hash_extra_keys
+
+__all__ = ["HostOffload", "OffloadStats", "PendingStore", "block_digest"]
+
+
+def block_digest(request: Request, block_index: int, block_size: int) -> bytes:
+    """What block `block_index` of `request` claims to hold: a digest of its token ids and
+    its block-hash extra keys (cache salt, images, LoRA), which its block hash commits to
+    as well; two blocks with equal hashes but different contents (a collision) differ
+    here."""
+    start = block_index * block_size
+    tokens = np.asarray(request.all_token_ids[start : start + block_size], np.int64)
+    extra, _ = generate_block_hash_extra_keys(request, start, start + block_size)
+    digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
+    digest.update(repr(extra).encode())
+    return digest.digest()
+
+
+def _checksum(digest: bytes, block: np.ndarray) -> bytes:
+    """The stored block's checksum: its content digest and its KV bytes."""
+    return hashlib.blake2b(digest + np.ascontiguousarray(block).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class OffloadStats:
+    """Counters (since the last `take_stats`): tokens looked up in the tier after a device prefix
+    hit and found there (verified), bytes moved each way, loads cut short by a
+    verification mismatch."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    failed_loads: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class _Store:
+    """Blocks of freed requests to copy out: device block ids, keys, digests, tenants."""
+
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[BlockHashWithGroupId] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    tenants: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class PendingStore:
+    """A gather in flight: `keys[i]` goes to host slot `slots[i]` with `digests[i]`;
+    `read()` returns the gathered blocks `[n, *block_shape]` (waiting for the copy)."""
+
+    keys: list[BlockHashWithGroupId]
+    slots: list[int]
+    digests: list[bytes]
+    read: Callable[[], np.ndarray]
+
+
+class HostOffload:
+    """Host tier of one data rank: which blocks (`tier`) and their bytes (`buffer`,
+    `[num_slots, *block_shape]`, as the device stores them). See the module docstring.
+
+    `block_size`: tokens per block of the one full-attention KV-cache group served.
+    """
+
+    def __init__(
+        self, tier: HostKVTier, block_shape: tuple[int, ...], dtype: np.dtype, block_size: int
+    ) -> None:
+        self.tier = tier
+        self.block_size = block_size
+        self.buffer = np.empty((tier.num_slots, *block_shape), dtype)
+        self.block_bytes = int(np.prod(block_shape)) * np.dtype(dtype).itemsize
+        self.stats = OffloadStats()
+        self._queued = _Store()
+        self._queued_keys: set[BlockHashWithGroupId] = set()
+        self._staged: dict[str, np.ndarray] = {}  # request id -> its verified blocks
+        self._loads: list[tuple[list[int], np.ndarray]] = []
+        self.pending_stores: list[PendingStore] = []
+
+    # -- loads (scheduler) -------------------------------------------------------------
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens after the first `num_computed_tokens` (a whole number of blocks) that the
+        tier serves verified, whole blocks only, leaving at least the request's last
+        token to compute. The verified blocks are staged for `start_load`; a mismatch
+        drops that block from the tier and ends the hit before it."""
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        if num_computed_tokens % bs or first >= last:
+            return 0
+        keys = [
+            make_block_hash_with_group_id(request.block_hashes[i], 0) for i in range(first, last)
+        ]
+        self.stats.queried_tokens += len(keys) * bs
+        num_hits = self.tier.lookup(keys)
+        if not num_hits:
+            return 0
+        keys = keys[:num_hits]
+        blocks = self.buffer[self.tier.prepare_load(keys)]  # a copy: the pins end below
+        checksums = [
+            _checksum(block_digest(request, first + i, bs), block) for i, block in enumerate(blocks)
+        ]
+        rejected = set(self.tier.complete_load(keys, checksums))
+        if rejected:
+            self.stats.failed_loads += 1
+            num_hits = next(i for i, key in enumerate(keys) if key in rejected)
+        if num_hits:
+            self._staged[request.request_id] = blocks[:num_hits]
+        self.stats.hit_tokens += num_hits * bs
+        return num_hits * bs
+
+    def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
+        """The staged blocks of `request` go to device blocks `block_ids` (the ones
+        `allocate_slots` gave its connector tokens) with the next step."""
+        blocks = self._staged.pop(request.request_id)
+        self._loads.append((list(block_ids), blocks))
+        self.stats.loaded_bytes += blocks.shape[0] * self.block_bytes
+
+    def cancel(self, request: Request) -> None:
+        """Forget what `lookup` staged for `request` (its allocation was refused)."""
+        self._staged.pop(request.request_id, None)
+
+    def take_loads(self) -> tuple[list[int], np.ndarray | None]:
+        """The device block ids and blocks `[n, *block_shape]` to scatter before the next
+        step (None: nothing)."""
+        loads, self._loads = self._loads, []
+        if not loads:
+            return [], None
+        ids = [i for block_ids, _ in loads for i in block_ids]
+        return ids, np.concatenate([blocks for _, blocks in loads])
+
+    # -- stores (scheduler, then engine) ---------------------------------------------
+
+    def request_freed(self, request: Request, blocks: Sequence[KVCacheBlock]) -> None:
+        """Queue the full, cached blocks of `request` (its group-0 block list, read before
+        the pool frees them) that the tier does not hold yet."""
+        q = self._queued
+        for i, block in enumerate(blocks):
+            key = block.block_hash
+            if key is None or block.is_null:
+                continue
+            if key in self._queued_keys or self.tier.block_state(key) is not None:
+                continue
+            self._queued_keys.add(key)
+            q.block_ids.append(block.block_id)
+            q.keys.append(key)
+            q.digests.append(block_digest(request, i, self.block_size))
+            q.tenants.append(request.cache_salt)
+
+    def take_stores(self) -> tuple[list[int], list[BlockHashWithGroupId], list[bytes], list]:
+        """The queued stores (device block ids, keys, digests, tenants), emptied."""
+        q, self._queued = self._queued, _Store()
+        self._queued_keys.clear()
+        return q.block_ids, q.keys, q.digests, q.tenants
+
+    def prepare_store(
+        self, keys: list[BlockHashWithGroupId], tenant: str | None
+    ) -> tuple[list[int], list[int]] | None:
+        """Slots for the `keys` (of one tenant) the tier takes: (their indices in `keys`,
+        their slots); None when the tier has no room (nothing stored, nothing changed)."""
+        out = self.tier.prepare_store(keys, tenant)
+        if out is None:
+            return None
+        index = {key: i for i, key in enumerate(keys)}
+        return [index[key] for key in out.keys_to_store], out.slots
+
+    def complete_stores(self) -> None:
+        """Land every pending gather in the host buffer (waiting for it) and make its
+        blocks readable with their checksums."""
+        pending, self.pending_stores = self.pending_stores, []
+        for store in pending:
+            blocks = store.read()
+            self.buffer[store.slots] = blocks
+            self.tier.complete_store(
+                store.keys,
+                True,
+                [_checksum(d, b) for d, b in zip(store.digests, blocks, strict=True)],
+            )
+            self.stats.stored_bytes += len(store.keys) * self.block_bytes
+
+    def take_stats(self) -> OffloadStats:
+        """The counters since the last call; they restart."""
+        stats, self.stats = self.stats, OffloadStats()
+        return stats
+
+    def reset(self) -> bool:
+        """Land the pending stores, drop the queued ones and clear the tier
+        (`AllBlocksCleared`); False, changing nothing, while a load is staged."""
+        if self._staged or self._loads:
+            return False
+        self.complete_stores()
+        self.take_stores()
+        return self.tier.reset()
