@@ -10,7 +10,7 @@ connector, reduced to one process, a synchronous load and a store at request end
   digest of what they claim to hold (their token ids and block-hash extra keys). The
   engine gathers them off the device before any later step can reuse the blocks, and
   once the copy lands the tier keeps each block with the checksum of digest and bytes.
-* **Load** (`lookup`, `start_load`, `cancel`, `take_loads`): on admission, after the
+* **Load** (`lookup`, `admitted`, `cancel`, `take_loads`): on admission, after the
   device prefix hit, the following blocks found in the tier are pinned, read out of the
   host buffer and verified (digest of the request's own tokens plus the bytes read,
   against the stored checksum) before anything else happens; a mismatch ends the hit
@@ -119,6 +119,7 @@ class HostOffload:
         self._queued = _Store()
         self._queued_keys: set[BlockHashWithGroupId] = set()
         self._staged: dict[str, np.ndarray] = {}  # request id -> its verified blocks
+        self._queried: dict[str, int] = {}  # request id -> tokens its lookup asked for
         self._loads: list[tuple[list[int], np.ndarray]] = []
         self.pending_stores: list[PendingStore] = []
 
@@ -127,7 +128,7 @@ class HostOffload:
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens after the first `num_computed_tokens` (a whole number of blocks) that the
         tier serves verified, whole blocks only, leaving at least the request's last
-        token to compute. The verified blocks are staged for `start_load`; a mismatch
+        token to compute. The verified blocks are staged for `admitted`; a mismatch
         drops that block from the tier and ends the hit before it."""
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
@@ -136,7 +137,7 @@ class HostOffload:
         keys = [
             make_block_hash_with_group_id(request.block_hashes[i], 0) for i in range(first, last)
         ]
-        self.stats.queried_tokens += len(keys) * bs
+        self._queried[request.request_id] = len(keys) * bs
         num_hits = self.tier.lookup(keys)
         if not num_hits:
             return 0
@@ -151,19 +152,24 @@ class HostOffload:
             num_hits = next(i for i, key in enumerate(keys) if key in rejected)
         if num_hits:
             self._staged[request.request_id] = blocks[:num_hits]
-        self.stats.hit_tokens += num_hits * bs
         return num_hits * bs
 
-    def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
-        """The staged blocks of `request` go to device blocks `block_ids` (the ones
-        `allocate_slots` gave its connector tokens) with the next step."""
-        blocks = self._staged.pop(request.request_id)
+    def admitted(self, request: Request, block_ids: Sequence[int]) -> None:
+        """`request`, looked up last, is admitted: its staged blocks (if any) go to device
+        blocks `block_ids` (the ones `allocate_slots` gave its connector tokens) with
+        the next step. Its lookup counts in the stats from here."""
+        self.stats.queried_tokens += self._queried.pop(request.request_id, 0)
+        blocks = self._staged.pop(request.request_id, None)
+        if blocks is None:
+            return
         self._loads.append((list(block_ids), blocks))
+        self.stats.hit_tokens += blocks.shape[0] * self.block_size
         self.stats.loaded_bytes += blocks.shape[0] * self.block_bytes
 
     def cancel(self, request: Request) -> None:
-        """Forget what `lookup` staged for `request` (its allocation was refused)."""
+        """Forget what `lookup` staged for `request` (it was not admitted)."""
         self._staged.pop(request.request_id, None)
+        self._queried.pop(request.request_id, None)
 
     def take_loads(self) -> tuple[list[int], np.ndarray | None]:
         """The device block ids and blocks `[n, *block_shape]` to scatter before the next
@@ -231,7 +237,7 @@ class HostOffload:
     def reset(self) -> bool:
         """Land the pending stores, drop the queued ones and clear the tier
         (`AllBlocksCleared`); False, changing nothing, while a load is staged."""
-        if self._staged or self._loads:
+        if self._staged or self._queried or self._loads:
             return False
         self.complete_stores()
         self.take_stores()

@@ -437,7 +437,7 @@ class Scheduler:
             num_host = 0 if self.offload is None else self.offload.lookup(request, num_hits)
             plan = self._plan(tracked, num_hits + num_host, budget, encoder_budget)
             if plan is None:
-                self._cancel_load(request, num_host)
+                self._cancel_load(request)
                 break
             num_new, inputs = plan
             new_blocks = manager.allocate_slots(
@@ -450,12 +450,12 @@ class Scheduler:
             )
             if new_blocks is None:
                 self._release_planned(request, inputs)
-                self._cancel_load(request, num_host)
+                self._cancel_load(request)
                 break
-            if num_host:
+            if self.offload is not None:
                 bs = self.offload.block_size
                 loaded = manager.get_blocks(request.request_id).blocks[0]
-                self.offload.start_load(
+                self.offload.admitted(
                     request,
                     [b.block_id for b in loaded[num_hits // bs : (num_hits + num_host) // bs]],
                 )
@@ -473,8 +473,8 @@ class Scheduler:
             scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
             budget -= num_new
 
-    def _cancel_load(self, request: Request, num_host: int) -> None:
-        if num_host:
+    def _cancel_load(self, request: Request) -> None:
+        if self.offload is not None:
             self.offload.cancel(request)
 
     def _plan(
