@@ -572,7 +572,8 @@ class LLMEngine:
         compiled = compilation_count()
         t0 = time.perf_counter()
         if self.offload is not None:
-            self.offload.complete_stores()  # gathered before the last step ran: ready
+            # Gathers of two steps ago were dispatched before the step just waited for.
+            self.offload.complete_stores(before_step=self.num_steps - 1)
         outs = [scheduler.schedule() for scheduler in self.schedulers]
         self._store_freed_blocks()  # before this step can write into a freed block
         empty = all(out.is_empty for out in outs)
@@ -621,6 +622,7 @@ class LLMEngine:
                     taken[1],
                     [digests[i] for i in chosen],
                     self.runner.gather_blocks([block_ids[i] for i in chosen]),
+                    self.num_steps,
                 )  # fmt: skip
             )
 

@@ -34,7 +34,7 @@ ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -341,6 +341,20 @@ def _encode_images(state, pixel_values, *, graphdef):
     return nnx.merge(graphdef, state).encode_images(pixel_values)
 
 
+@dataclass(frozen=True)
+class GatheredBlocks:
+    """Blocks on their way to host memory: `(gathered array, blocks used)` per transfer."""
+
+    parts: list[tuple[jax.Array, int]]
+
+    def ready(self) -> bool:
+        return all(g.is_ready() for g, _ in self.parts)
+
+    def read(self) -> np.ndarray:
+        """The blocks `[n, num_layers, *page_shape]` as stored (waits for the copies)."""
+        return np.concatenate([np.moveaxis(np.asarray(g)[:, :n], 1, 0) for g, n in self.parts])
+
+
 class ModelRunner:
     """Device state and the jitted step of one model (see the module docstring).
 
@@ -641,12 +655,11 @@ class ModelRunner:
             self.kv_cache, src.ravel(), dst.ravel(), allow_padding=True
         )
 
-    def gather_blocks(self, block_ids: Sequence[int]) -> Callable[[], np.ndarray]:
+    def gather_blocks(self, block_ids: Sequence[int]) -> GatheredBlocks:
         """Read device blocks `block_ids` (data rank 0) of every layer out of the KV cache:
         one gather program per transfer bucket, dispatched now, each result's copy to host
-        memory started at once; neither waits. Returns a reader that waits for the copies
-        and gives the blocks `[n, num_layers, *page_shape]` as stored. What is read is the
-        cache as of this call, whatever later steps write."""
+        memory started at once; neither waits. What is read is the cache as of this
+        call, whatever later steps write."""
         paged = self.paged[0]
         chunk = paged.transfer_buckets[-1]
         parts = []
@@ -655,11 +668,7 @@ class ModelRunner:
             gathered = paged.gather_blocks_stacked(self.kv_cache, ids)
             gathered.copy_to_host_async()
             parts.append((gathered, len(ids)))
-
-        def read() -> np.ndarray:
-            return np.concatenate([np.moveaxis(np.asarray(g)[:, :n], 1, 0) for g, n in parts])
-
-        return read
+        return GatheredBlocks(parts)
 
     def _load_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
         """Scatter the host blocks each output loads (`kv_load_blocks`) into their device

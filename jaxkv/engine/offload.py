@@ -31,8 +31,9 @@ names a block whose bytes are final (full and computed by steps already dispatch
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -42,7 +43,7 @@ from jaxkv.host_tier import HostKVTier
 from jaxkv.request import Request
 from jaxkv.request_hashing import generate_block_hash_extra_keys
 
-__all__ = ["HostOffload", "OffloadStats", "PendingStore", "block_digest"]
+__all__ = ["Gathered", "HostOffload", "OffloadStats", "PendingStore", "block_digest"]
 
 
 def block_digest(request: Request, block_index: int, block_size: int) -> bytes:
@@ -90,15 +91,26 @@ class _Store:
     tenants: list[str | None] = field(default_factory=list)
 
 
+class Gathered(Protocol):
+    """Blocks being copied off the device (`ModelRunner.gather_blocks`)."""
+
+    def ready(self) -> bool:
+        """Whether `read` would return without waiting."""
+
+    def read(self) -> np.ndarray:
+        """The blocks `[n, *block_shape]` as stored (waits for the copy)."""
+
+
 @dataclass
 class PendingStore:
-    """A gather in flight: `keys[i]` goes to host slot `slots[i]` with `digests[i]`;
-    `read()` returns the gathered blocks `[n, *block_shape]` (waiting for the copy)."""
+    """A gather in flight since engine step `step`: `keys[i]` goes to host slot
+    `slots[i]` with `digests[i]`."""
 
     keys: list[BlockHashWithGroupId]
     slots: list[int]
     digests: list[bytes]
-    read: Callable[[], np.ndarray]
+    blocks: Gathered
+    step: int
 
 
 class HostOffload:
@@ -118,7 +130,9 @@ class HostOffload:
         self.stats = OffloadStats()
         self._queued = _Store()
         self._queued_keys: set[BlockHashWithGroupId] = set()
-        self._staged: dict[str, np.ndarray] = {}  # request id -> its verified blocks
+        # request id -> (first block index, its verified blocks), kept until it is admitted
+        # or freed: a request retried step after step is read and verified once
+        self._staged: dict[str, tuple[int, np.ndarray]] = {}
         self._queried: dict[str, int] = {}  # request id -> tokens its lookup asked for
         self._loads: list[tuple[list[int], np.ndarray]] = []
         self.pending_stores: list[PendingStore] = []
@@ -128,8 +142,9 @@ class HostOffload:
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens after the first `num_computed_tokens` (a whole number of blocks) that the
         tier serves verified, whole blocks only, leaving at least the request's last
-        token to compute. The verified blocks are staged for `admitted`; a mismatch
-        drops that block from the tier and ends the hit before it."""
+        token to compute. The verified blocks are staged for `admitted` (a copy, reused
+        when the request is looked up again from the same block); a mismatch drops
+        that block from the tier and ends the hit before it."""
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
         if num_computed_tokens % bs or first >= last:
@@ -138,6 +153,9 @@ class HostOffload:
             make_block_hash_with_group_id(request.block_hashes[i], 0) for i in range(first, last)
         ]
         self._queried[request.request_id] = len(keys) * bs
+        staged = self._staged.get(request.request_id)
+        if staged is not None and staged[0] == first:
+            return staged[1].shape[0] * bs
         num_hits = self.tier.lookup(keys)
         if not num_hits:
             return 0
@@ -151,7 +169,7 @@ class HostOffload:
             self.stats.failed_loads += 1
             num_hits = next(i for i, key in enumerate(keys) if key in rejected)
         if num_hits:
-            self._staged[request.request_id] = blocks[:num_hits]
+            self._staged[request.request_id] = (first, blocks[:num_hits])
         return num_hits * bs
 
     def admitted(self, request: Request, block_ids: Sequence[int]) -> None:
@@ -159,16 +177,17 @@ class HostOffload:
         blocks `block_ids` (the ones `allocate_slots` gave its connector tokens) with
         the next step. Its lookup counts in the stats from here."""
         self.stats.queried_tokens += self._queried.pop(request.request_id, 0)
-        blocks = self._staged.pop(request.request_id, None)
-        if blocks is None:
+        staged = self._staged.pop(request.request_id, None)
+        if staged is None:
             return
+        blocks = staged[1]
         self._loads.append((list(block_ids), blocks))
         self.stats.hit_tokens += blocks.shape[0] * self.block_size
         self.stats.loaded_bytes += blocks.shape[0] * self.block_bytes
 
     def cancel(self, request: Request) -> None:
-        """Forget what `lookup` staged for `request` (it was not admitted)."""
-        self._staged.pop(request.request_id, None)
+        """`request`, looked up last, was not admitted (its staged blocks are kept for its
+        next attempt)."""
         self._queried.pop(request.request_id, None)
 
     def take_loads(self) -> tuple[list[int], np.ndarray | None]:
@@ -184,7 +203,8 @@ class HostOffload:
 
     def request_freed(self, request: Request, blocks: Sequence[KVCacheBlock]) -> None:
         """Queue the full, cached blocks of `request` (its group-0 block list, read before
-        the pool frees them) that the tier does not hold yet."""
+        the pool frees them) that the tier does not hold yet; drop what was staged for it."""
+        self._staged.pop(request.request_id, None)
         q = self._queued
         for i, block in enumerate(blocks):
             key = block.block_hash
@@ -215,12 +235,16 @@ class HostOffload:
         index = {key: i for i, key in enumerate(keys)}
         return [index[key] for key in out.keys_to_store], out.slots
 
-    def complete_stores(self) -> None:
-        """Land every pending gather in the host buffer (waiting for it) and make its
-        blocks readable with their checksums."""
+    def complete_stores(self, before_step: int | None = None) -> None:
+        """Land pending gathers in the host buffer and make their blocks readable with
+        their checksums: those done, and (waiting for them) those dispatched before step
+        `before_step` (None: all)."""
         pending, self.pending_stores = self.pending_stores, []
         for store in pending:
-            blocks = store.read()
+            if before_step is not None and store.step >= before_step and not store.blocks.ready():
+                self.pending_stores.append(store)
+                continue
+            blocks = store.blocks.read()
             self.buffer[store.slots] = blocks
             self.tier.complete_store(
                 store.keys,
@@ -235,10 +259,12 @@ class HostOffload:
         return stats
 
     def reset(self) -> bool:
-        """Land the pending stores, drop the queued ones and clear the tier
-        (`AllBlocksCleared`); False, changing nothing, while a load is staged."""
-        if self._staged or self._queried or self._loads:
+        """Land the pending stores, drop the queued ones and what lookups staged, and clear
+        the tier (`AllBlocksCleared`); False, changing nothing, while loads are taken
+        for a step not yet dispatched."""
+        if self._loads:
             return False
         self.complete_stores()
         self.take_stores()
+        self._staged.clear()
         return self.tier.reset()
