@@ -14,33 +14,20 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_engine_correctness import BASE, text_model, text_reference
 
 from jaxkv.device import PagedKVCache
-from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine import LLMEngine, SamplingParams
 from jaxkv.engine.offload import block_digest
 from jaxkv.kv_cache_interface import FullAttentionSpec
 from jaxkv.kv_events import AllBlocksCleared, BlockStored
 from jaxkv.testing.reference import DenseReference
-from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
-MAX_LEN = 184
-# 23 usable blocks of 8 tokens: one conversation's history is up to 12 of them, six
-# conversations' about 60: the pool holds about a third of the working set.
-BASE = EngineConfig(
-    block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_LEN
-)
+# BASE: 23 usable blocks of 8 tokens. One conversation's history is up to 12 of them,
+# six conversations' about 60: the pool holds about a third of the working set.
 TIER = dataclasses.replace(BASE, kv_offloading_size=1 << 20)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    return DenseReference(model, MAX_LEN)
+__all__ = ["text_model", "text_reference"]  # the fixtures, shared with the correctness tests
 
 
 def chat(engine: LLMEngine, turns: int = 3, num_convs: int = 6, between=None):
@@ -79,13 +66,15 @@ def assert_nothing_held(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_multi_turn_tokens_equal_without_tier_and_dense_with_host_hits(
-    model, reference, async_scheduling
+    text_model, text_reference, async_scheduling
 ):
-    without = chat(LLMEngine(model, dataclasses.replace(BASE, async_scheduling=async_scheduling)))
-    engine = LLMEngine(model, dataclasses.replace(TIER, async_scheduling=async_scheduling))
+    without = chat(
+        LLMEngine(text_model, dataclasses.replace(BASE, async_scheduling=async_scheduling))
+    )
+    engine = LLMEngine(text_model, dataclasses.replace(TIER, async_scheduling=async_scheduling))
     with_tier = chat(engine)
     assert tokens(with_tier) == tokens(without)
-    assert_dense(reference, with_tier)
+    assert_dense(text_reference, with_tier)
     later = [o for outputs in with_tier[1:] for o in outputs]
     # Most of each returning conversation comes back from host memory.
     assert (
@@ -110,8 +99,8 @@ def _stored(engine: LLMEngine) -> list[bytes]:
     ]
 
 
-def test_corrupt_entry_and_hash_collision_are_recomputed_not_served(model, reference):
-    engine = LLMEngine(model, TIER)
+def test_corrupt_entry_and_hash_collision_are_recomputed_not_served(text_model, text_reference):
+    engine = LLMEngine(text_model, TIER)
     tier = engine.offload.tier
 
     def corrupt(turn: int) -> None:
@@ -125,7 +114,7 @@ def test_corrupt_entry_and_hash_collision_are_recomputed_not_served(model, refer
         a.checksum, b.checksum = b.checksum, a.checksum
 
     turns_out = chat(engine, turns=2, between=corrupt)
-    assert_dense(reference, turns_out)
+    assert_dense(text_reference, turns_out)
     stats = tier.stats()
     assert stats.verify_mismatches >= 2
     assert engine.stats.total("host_failed_loads") >= 2
@@ -133,8 +122,8 @@ def test_corrupt_entry_and_hash_collision_are_recomputed_not_served(model, refer
     assert_nothing_held(engine)
 
 
-def test_abort_right_after_a_load_and_preemption_leak_nothing(model, reference):
-    engine = LLMEngine(model, TIER)
+def test_abort_right_after_a_load_and_preemption_leak_nothing(text_model, text_reference):
+    engine = LLMEngine(text_model, TIER)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 512, 62).tolist() for _ in range(4)]
     first = engine.generate(prompts, GREEDY)
@@ -155,7 +144,7 @@ def test_abort_right_after_a_load_and_preemption_leak_nothing(model, reference):
             if o.finished:
                 done[o.request_id] = o
     assert [done[r].finish_reason for r in ids] == ["abort", "abort", "length", "length"]
-    assert_dense(reference, [[first[i] for i in range(4)], [done[r] for r in ids[2:]]])
+    assert_dense(text_reference, [[first[i] for i in range(4)], [done[r] for r in ids[2:]]])
     assert_nothing_held(engine)
 
 
@@ -170,8 +159,8 @@ class _Recorder:
         pass
 
 
-def test_reset_prefix_cache_clears_both_tiers_with_cpu_events(model, reference):
-    engine = LLMEngine(model, TIER)
+def test_reset_prefix_cache_clears_both_tiers_with_cpu_events(text_model, text_reference):
+    engine = LLMEngine(text_model, TIER)
     recorder = _Recorder()
     engine.kv_event_publishers = [recorder]
     chat(engine, turns=1)
@@ -185,7 +174,7 @@ def test_reset_prefix_cache_clears_both_tiers_with_cpu_events(model, reference):
     # After the reset nothing is served from either tier, and tokens stay right.
     outputs = chat(engine, turns=1)
     assert all(o.num_cached_tokens == 0 for o in outputs[0])
-    assert_dense(reference, outputs)
+    assert_dense(text_reference, outputs)
 
 
 @pytest.mark.parametrize(
@@ -201,9 +190,9 @@ def test_reset_prefix_cache_clears_both_tiers_with_cpu_events(model, reference):
         ({"kv_offloading_tenant_quotas": [1]}, TypeError, "must map cache_salt"),
     ],
 )
-def test_bad_settings_are_refused_clearly(model, changes, error, match):
+def test_bad_settings_are_refused_clearly(text_model, changes, error, match):
     with pytest.raises(error, match=match):
-        LLMEngine(model, dataclasses.replace(TIER, **changes))
+        LLMEngine(text_model, dataclasses.replace(TIER, **changes))
 
 
 def test_device_gather_and_in_place_scatter_round_trip():

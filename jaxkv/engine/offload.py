@@ -66,19 +66,15 @@ def _checksum(digest: bytes, block: np.ndarray) -> bytes:
 
 @dataclass
 class OffloadStats:
-    """Counters (since the last `take_stats`): tokens looked up in the tier after a device prefix
-    hit and found there (verified), bytes moved each way, loads cut short by a
-    verification mismatch."""
+    """Counters since the last `take_stats` (the engine's `StepStats.host_*`): tokens
+    looked up in the tier after a device prefix hit and found there (verified), bytes
+    moved each way, loads cut short by a verification mismatch."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
     loaded_bytes: int = 0
     stored_bytes: int = 0
     failed_loads: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass
