@@ -39,7 +39,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
-from jaxkv.engine.offload import HostOffload, OffloadStats, PendingStore
+from jaxkv.engine.offload import HostOffload, PendingStore
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.engine.scheduler import (
@@ -701,7 +701,7 @@ class LLMEngine:
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
         """One step's stats, summed over the data ranks (KV usage: their mean)."""
         prefix = [m.make_prefix_cache_stats() for m in self.kv_cache_managers]
-        host = self.offload.take_stats() if self.offload is not None else OffloadStats()
+        host = self.offload.take_stats() if self.offload is not None else {}
         self.stats.record(
             StepStats(
                 step=self.num_steps,
@@ -720,11 +720,7 @@ class LLMEngine:
                 host_s=host_s,
                 wait_s=wait_s,
                 compilations=compilation_count() - compiled,
-                host_queried_tokens=host.queried_tokens,
-                host_hit_tokens=host.hit_tokens,
-                host_loaded_bytes=host.loaded_bytes,
-                host_stored_bytes=host.stored_bytes,
-                host_failed_loads=host.failed_loads,
+                **{f"host_{name}": value for name, value in host.items()},
             )
         )
         self.num_steps += 1

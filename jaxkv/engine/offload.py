@@ -31,6 +31,7 @@ names a block whose bytes are final (full and computed by steps already dispatch
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,7 +44,7 @@ from jaxkv.host_tier import HostKVTier
 from jaxkv.request import Request
 from jaxkv.request_hashing import generate_block_hash_extra_keys
 
-__all__ = ["Gathered", "HostOffload", "OffloadStats", "PendingStore", "block_digest"]
+__all__ = ["Gathered", "HostOffload", "STAT_NAMES", "PendingStore", "block_digest"]
 
 
 def block_digest(request: Request, block_index: int, block_size: int) -> bytes:
@@ -64,17 +65,10 @@ def _checksum(digest: bytes, block: np.ndarray) -> bytes:
     return hashlib.blake2b(digest + np.ascontiguousarray(block).tobytes(), digest_size=16).digest()
 
 
-@dataclass
-class OffloadStats:
-    """Counters since the last `take_stats` (the engine's `StepStats.host_*`): tokens
-    looked up in the tier after a device prefix hit and found there (verified), bytes
-    moved each way, loads cut short by a verification mismatch."""
-
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
-    failed_loads: int = 0
+# The counters `HostOffload.take_stats` returns (the engine's `StepStats.host_*`): tokens
+# looked up in the tier after a device prefix hit and found there (verified), bytes
+# moved each way, loads cut short by a verification mismatch.
+STAT_NAMES = ("queried_tokens", "hit_tokens", "loaded_bytes", "stored_bytes", "failed_loads")
 
 
 @dataclass
@@ -123,7 +117,7 @@ class HostOffload:
         self.block_size = block_size
         self.buffer = np.empty((tier.num_slots, *block_shape), dtype)
         self.block_bytes = int(np.prod(block_shape)) * np.dtype(dtype).itemsize
-        self.stats = OffloadStats()
+        self.stats: Counter[str] = Counter()
         self._queued = _Store()
         self._queued_keys: set[BlockHashWithGroupId] = set()
         # request id -> (first block index, its verified blocks), kept until it is admitted
@@ -162,7 +156,7 @@ class HostOffload:
         ]
         rejected = set(self.tier.complete_load(keys, checksums))
         if rejected:
-            self.stats.failed_loads += 1
+            self.stats["failed_loads"] += 1
             num_hits = next(i for i, key in enumerate(keys) if key in rejected)
         if num_hits:
             self._staged[request.request_id] = (first, blocks[:num_hits])
@@ -172,14 +166,14 @@ class HostOffload:
         """`request`, looked up last, is admitted: its staged blocks (if any) go to device
         blocks `block_ids` (the ones `allocate_slots` gave its connector tokens) with
         the next step. Its lookup counts in the stats from here."""
-        self.stats.queried_tokens += self._queried.pop(request.request_id, 0)
+        self.stats["queried_tokens"] += self._queried.pop(request.request_id, 0)
         staged = self._staged.pop(request.request_id, None)
         if staged is None:
             return
         blocks = staged[1]
         self._loads.append((list(block_ids), blocks))
-        self.stats.hit_tokens += blocks.shape[0] * self.block_size
-        self.stats.loaded_bytes += blocks.shape[0] * self.block_bytes
+        self.stats["hit_tokens"] += blocks.shape[0] * self.block_size
+        self.stats["loaded_bytes"] += blocks.shape[0] * self.block_bytes
 
     def cancel(self, request: Request) -> None:
         """`request`, looked up last, was not admitted (its staged blocks are kept for its
@@ -247,12 +241,12 @@ class HostOffload:
                 True,
                 [_checksum(d, b) for d, b in zip(store.digests, blocks, strict=True)],
             )
-            self.stats.stored_bytes += len(store.keys) * self.block_bytes
+            self.stats["stored_bytes"] += len(store.keys) * self.block_bytes
 
-    def take_stats(self) -> OffloadStats:
-        """The counters since the last call; they restart."""
-        stats, self.stats = self.stats, OffloadStats()
-        return stats
+    def take_stats(self) -> dict[str, int]:
+        """The `STAT_NAMES` counters since the last call; they restart."""
+        stats, self.stats = self.stats, Counter()
+        return {name: stats[name] for name in STAT_NAMES}
 
     def reset(self) -> bool:
         """Land the pending stores, drop the queued ones and what lookups staged, and clear
