@@ -15,8 +15,11 @@ rounds each (median and range):
 
 Reported: prefill tokens computed (the target: tier on within 1.15x of unbounded),
 time to first token p50/p90 and throughput (ratios of tier on to tier off), host-tier
-hit rate and bytes moved. The tokens of all three must be equal. Tiny built-in
-Gemma-style model, random weights, CPU.
+hit rate and bytes moved. The tokens of all three must be equal. Random weights, CPU:
+`--model tiny` (the built-in Gemma-style tiny model: prefill costs little, so the tier
+saves little time) or `--model 270m-shaped` (Gemma-3-270M's width and attention: hidden
+640, 4 query heads, 1 KV head of 256; 6 of its 18 layers, all full attention, as the
+tier serves one full-attention group).
 """
 
 from __future__ import annotations
@@ -31,10 +34,17 @@ from tqdm import tqdm
 
 from benchmarks._common import add_record_option, print_table, results_name, write_json
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
+from jaxkv.testing.tiny_model import TinyCausalLM, TinyConfig, tiny_configs
 
 BLOCK = 16
 REPLY = SamplingParams(max_tokens=16, ignore_eos=True)
+MODELS = {
+    "tiny": tiny_configs()["gemma-style-tiny"],
+    "270m-shaped": TinyConfig(
+        hidden_size=640, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256,
+    ),
+}  # fmt: skip
 
 
 def spread(values: list[float]) -> dict:
@@ -163,9 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     add_record_option(parser)
     args = parser.parse_args(argv)
-    model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
+    model = TinyCausalLM(MODELS[args.model], seed=0)
     result = bench(model, args.repeats, args.conversations, args.turns)
     rows = [
         [name, _cell(r["prefill_tokens"], "{:.0f}"), _cell(r["ttft_p50"]), _cell(r["ttft_p90"]),
@@ -175,8 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
         for name, r in result["runs"].items()
     ]  # fmt: skip
     print_table(
-        f"multi-turn chat: {args.conversations} conversations x {args.turns} turns, working set "
-        f"{result['working_set_blocks']} blocks, device pool {result['device_blocks']}",
+        f"{args.model} model, multi-turn chat: {args.conversations} conversations x "
+        f"{args.turns} turns, working set {result['working_set_blocks']} blocks, device pool "
+        f"{result['device_blocks']}",
         ["config", "prefill tokens", "TTFT p50 s", "TTFT p90 s", "tokens/s", "host hits",
          "host MiB in/out", "preempt"],
         rows,

@@ -39,7 +39,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
-from jaxkv.engine.offload import HostOffload, PendingStore
+from jaxkv.engine.offload import PendingStore, host_offload
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.engine.scheduler import (
@@ -53,8 +53,6 @@ from jaxkv.engine.scheduler import (
 from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
-from jaxkv.host_tier import HostKVTier
-from jaxkv.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
 from jaxkv.mm_hashing import hash_mm_item
@@ -123,58 +121,6 @@ class EngineConfig:
     kv_offloading_size: int | None = None  # bytes of host memory, e.g. 8 * 2**30
     kv_offloading_policy: str = "lru"
     kv_offloading_tenant_quotas: Mapping[str, int] | None = None
-
-
-def host_offload(config: EngineConfig, runner: ModelRunner) -> HostOffload | None:
-    """The host tier `config.kv_offloading_size` asks for (None: off), its blocks shaped as
-    `runner` stores them (every layer of one block). ValueError/TypeError naming the
-    setting and what is allowed when the budget, policy or quotas are bad, or the model
-    or mesh is one the tier does not serve."""
-    size = config.kv_offloading_size
-    if size is None:
-        return None
-    if isinstance(size, bool) or not isinstance(size, int | np.integer):
-        raise TypeError(
-            f"EngineConfig.kv_offloading_size must be an int (bytes) or None, got {size!r}"
-        )
-    groups = runner.kv_cache_config.kv_cache_groups
-    if (
-        len(groups) != 1
-        or get_kv_cache_spec_kind(groups[0].kv_cache_spec) != KVCacheSpecKind.FULL_ATTENTION
-    ):
-        kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
-        raise ValueError(
-            f"EngineConfig.kv_offloading_size: the host tier serves models with one "
-            f"full-attention KV-cache group; this model has {kinds}"
-        )
-    if runner.dp_size != 1:
-        raise ValueError(
-            f"EngineConfig.kv_offloading_size: the host tier serves one data rank; the mesh "
-            f"has {runner.dp_size}"
-        )
-    kv = runner.kv_cache
-    block_shape = (kv.shape[0], *kv.shape[2:])
-    block_bytes = int(np.prod(block_shape)) * np.dtype(kv.dtype).itemsize
-    if size < block_bytes:
-        raise ValueError(
-            f"EngineConfig.kv_offloading_size must hold at least one block ({block_bytes} "
-            f"bytes: {kv.shape[0]} layers of {groups[0].kv_cache_spec.block_size} tokens), "
-            f"got {size}"
-        )
-    quotas = config.kv_offloading_tenant_quotas
-    if quotas is not None and not isinstance(quotas, Mapping):
-        raise TypeError(
-            "EngineConfig.kv_offloading_tenant_quotas must map cache_salt to bytes, or be "
-            f"None; got {quotas!r}"
-        )
-    try:
-        tier = HostKVTier(
-            block_bytes, int(size), config.kv_offloading_policy, quotas,
-            group_specs=[groups[0].kv_cache_spec],
-        )  # fmt: skip
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"EngineConfig kv_offloading_*: {error}") from None
-    return HostOffload(tier, block_shape, np.dtype(kv.dtype), groups[0].kv_cache_spec.block_size)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,10 +41,11 @@ import numpy as np
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.hashing import BlockHashWithGroupId, make_block_hash_with_group_id
 from jaxkv.host_tier import HostKVTier
+from jaxkv.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 from jaxkv.request import Request
 from jaxkv.request_hashing import generate_block_hash_extra_keys
 
-__all__ = ["Gathered", "HostOffload", "STAT_NAMES", "PendingStore", "block_digest"]
+__all__ = ["STAT_NAMES", "Gathered", "HostOffload", "PendingStore", "block_digest", "host_offload"]
 
 
 def block_digest(request: Request, block_index: int, block_size: int) -> bytes:
@@ -258,3 +259,56 @@ class HostOffload:
         self.take_stores()
         self._staged.clear()
         return self.tier.reset()
+
+
+def host_offload(config, runner) -> HostOffload | None:
+    """The host tier an `EngineConfig`'s `kv_offloading_size` asks for (None: off), its
+    blocks shaped as the `ModelRunner`'s stacked KV cache stores them (every layer of
+    one block). ValueError/TypeError naming the
+    setting and what is allowed when the budget, policy or quotas are bad, or the model
+    or mesh is one the tier does not serve."""
+    size = config.kv_offloading_size
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int | np.integer):
+        raise TypeError(
+            f"EngineConfig.kv_offloading_size must be an int (bytes) or None, got {size!r}"
+        )
+    groups = runner.kv_cache_config.kv_cache_groups
+    if (
+        len(groups) != 1
+        or get_kv_cache_spec_kind(groups[0].kv_cache_spec) != KVCacheSpecKind.FULL_ATTENTION
+    ):
+        kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
+        raise ValueError(
+            f"EngineConfig.kv_offloading_size: the host tier serves models with one "
+            f"full-attention KV-cache group; this model has {kinds}"
+        )
+    if runner.dp_size != 1:
+        raise ValueError(
+            f"EngineConfig.kv_offloading_size: the host tier serves one data rank; the mesh "
+            f"has {runner.dp_size}"
+        )
+    kv = runner.kv_cache
+    block_shape = (kv.shape[0], *kv.shape[2:])
+    block_bytes = int(np.prod(block_shape)) * np.dtype(kv.dtype).itemsize
+    if size < block_bytes:
+        raise ValueError(
+            f"EngineConfig.kv_offloading_size must hold at least one block ({block_bytes} "
+            f"bytes: {kv.shape[0]} layers of {groups[0].kv_cache_spec.block_size} tokens), "
+            f"got {size}"
+        )
+    quotas = config.kv_offloading_tenant_quotas
+    if quotas is not None and not isinstance(quotas, Mapping):
+        raise TypeError(
+            "EngineConfig.kv_offloading_tenant_quotas must map cache_salt to bytes, or be "
+            f"None; got {quotas!r}"
+        )
+    try:
+        tier = HostKVTier(
+            block_bytes, int(size), config.kv_offloading_policy, quotas,
+            group_specs=[groups[0].kv_cache_spec],
+        )  # fmt: skip
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"EngineConfig kv_offloading_*: {error}") from None
+    return HostOffload(tier, block_shape, np.dtype(kv.dtype), groups[0].kv_cache_spec.block_size)

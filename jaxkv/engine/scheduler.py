@@ -291,7 +291,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last `schedule()`
         self.num_preemptions = 0
         # Over all admissions (a preempted request counts again when readmitted): tokens
-        # of the admitted requests, and how many of them the prefix cache served.
+        # of the admitted requests, and how many of them the prefix cache or host tier served.
         self.num_admitted_tokens = 0
         self.num_admitted_hit_tokens = 0
 
