@@ -125,7 +125,7 @@ def test_host_tier_lookups_as_connector_tokens_match_vllm():
     `num_external_computed_tokens` (whole blocks), as the engine's offload does. Same
     tokens from the tier, same block ids, cached blocks and free queue as vLLM's."""
     cases = [
-        dict(case, groups=[("full", 4, 0)], host_tier=True, use_eagle=False)
+        dict(case, groups=[("full", 4, 0)], host_tier=True, use_eagle=False, retention=None)
         for case in random_cases(30, seed=23)
     ]
     num_external = 0
