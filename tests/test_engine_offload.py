@@ -223,3 +223,23 @@ def test_block_digest_commits_to_tokens_and_salt():
     assert block_digest(a, 0, 8) != block_digest(b, 0, 8)  # the salt keys block 0
     assert block_digest(a, 1, 8) == block_digest(b, 1, 8)
     assert block_digest(a, 1, 8) != block_digest(c, 1, 8)
+
+
+def test_tenant_quota_caps_a_salts_host_bytes_and_spares_the_others(text_model, text_reference):
+    block_bytes = 2 * 8 * 4 * 32 * 4  # layers x tokens x (K, V) heads x head size x f32
+    engine = LLMEngine(
+        text_model, dataclasses.replace(TIER, kv_offloading_tenant_quotas={"a": 3 * block_bytes})
+    )
+    assert engine.offload.block_bytes == block_bytes
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 512, 40).tolist() for _ in range(4)]
+    plain = engine.generate(prompts[:2], GREEDY)
+    salted = []
+    for prompt in prompts[2:]:  # one after the other: the second evicts the first
+        salted += engine.generate([prompt], GREEDY, cache_salt="a")
+        engine.step()  # lands its stores
+    tier = engine.offload.tier
+    assert tier.tenant_bytes_used("a") == 3 * block_bytes  # capped, its own LRU evicted
+    assert tier.tenant_bytes_used(None) == 2 * (40 // 8) * block_bytes  # untouched
+    assert tier.stats().tenants["a"].blocks_evicted > 0
+    assert_dense(text_reference, [plain, salted])

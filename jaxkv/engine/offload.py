@@ -218,9 +218,12 @@ class HostOffload:
     def prepare_store(
         self, keys: list[BlockHashWithGroupId], tenant: str | None
     ) -> tuple[list[int], list[int]] | None:
-        """Slots for the `keys` (of one tenant) the tier takes: (their indices in `keys`,
-        their slots); None when the tier has no room (nothing stored, nothing changed)."""
-        out = self.tier.prepare_store(keys, tenant)
+        """Slots for the `keys` (of one tenant, in order) the tier takes: (their indices in
+        `keys`, their slots); at most the tenant's quota (the first ones: the leading
+        blocks of a prefix serve the most requests); None when the tier has no room
+        (nothing stored, nothing changed)."""
+        new = [k for k in dict.fromkeys(keys) if self.tier.block_state(k) is None]
+        out = self.tier.prepare_store(new[: self.tier.max_store_blocks(tenant)], tenant)
         if out is None:
             return None
         index = {key: i for i, key in enumerate(keys)}
