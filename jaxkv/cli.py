@@ -119,6 +119,13 @@ def _memory_settings(args: argparse.Namespace, mesh) -> dict:
     return {"kv_cache_memory": DEFAULT_KV_CACHE_MEMORY}
 
 
+def _offloading_settings(args: argparse.Namespace) -> dict:
+    """The EngineConfig field of `--kv-offloading-size` (the host tier is off without it)."""
+    if args.kv_offloading_size is None:
+        return {}
+    return {"kv_offloading_size": parse_memory(args.kv_offloading_size, "--kv-offloading-size")}
+
+
 def _kv_events_settings(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of the `--kv-events-*` flags (publishing is off without
     `--kv-events-endpoint`)."""
@@ -206,7 +213,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
-        **kv_events,
+        **kv_events, **_offloading_settings(args),
     )  # fmt: skip
     enable_compilation_cache(args.compilation_cache)  # loading compiles programs too
     scan_layers = {"auto": None, "on": True, "off": False}[args.scan_layers]
@@ -288,6 +295,7 @@ def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int
                 "text": out.text,
                 "finish_reason": out.finish_reason,
                 "num_cached_tokens": out.num_cached_tokens,
+                "num_host_cached_tokens": out.num_host_cached_tokens,
                 "error": out.error,
             }))  # fmt: skip
         elif out.error:
@@ -299,7 +307,8 @@ def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int
         print(
             f"{len(outputs)} prompts, {generated} tokens in {elapsed:.2f} s: "
             f"{generated / elapsed:.1f} tokens/s; prefix-cache hits "
-            f"{engine.stats.prefix_hit_rate:.0%}",
+            f"{engine.stats.prefix_hit_rate:.0%}"
+            + (f", host-tier hits {engine.stats.host_hit_rate:.0%}" if engine.offload else ""),
             file=sys.stderr,
         )
     return 0
@@ -496,6 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
         "its memory, else 1GiB)",
     )  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, help="share of device memory, (0, 1]")
+    p.add_argument(
+        "--kv-offloading-size", metavar="SIZE",
+        help="host memory for a KV tier behind the device pool (vLLM's name), e.g. 8GiB: "
+        "evicted prefixes are loaded back instead of recomputed (default: off)",
+    )  # fmt: skip
     p.add_argument("--num-blocks", type=int, help="KV blocks (instead of a memory budget)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=8)

@@ -21,6 +21,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from jaxkv.cli import parse_memory
 from jaxkv.device import compilation_cache_hits, compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
@@ -151,6 +152,11 @@ def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wa
         "host_ms_per_step": 1e3 * sum(s.host_s for s in steady) / max(len(steady), 1),
         "wait_ms_per_step": 1e3 * sum(s.wait_s for s in steady) / max(len(steady), 1),
         "wall_s": wall_s,
+        "host_tier": engine.offload is not None,
+        "host_hit_rate": engine.stats.host_hit_rate,
+        "host_hit_tokens": int(engine.stats.total("host_hit_tokens")),
+        "host_loaded_bytes": int(engine.stats.total("host_loaded_bytes")),
+        "host_stored_bytes": int(engine.stats.total("host_stored_bytes")),
         "num_free_blocks": engine.kv_cache_manager.num_free_blocks,
         "num_blocks": engine.config.num_blocks,
         "dense_mismatched": mismatched,
@@ -162,6 +168,8 @@ def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wa
                 s.num_scheduled_tokens / max(s.host_s + s.wait_s, 1e-9) for s in steps
             ],
             "compiling": [s.compilations > 0 for s in steps],
+            "host_hit_tokens": [s.host_hit_tokens for s in steps],
+            "host_mib_moved": [(s.host_loaded_bytes + s.host_stored_bytes) / 2**20 for s in steps],
         },
     }
 
@@ -172,6 +180,12 @@ ROWS = [
     ("prefix-cache hit rate", lambda s: f"{s['prefix_cache_hit_rate']:.1%}"),
     ("encoder-cache hit rate", lambda s: f"{s['encoder_cache_hit_rate']:.1%} "
                                          f"({s['images_encoded']} encoded)"),
+    ("host-tier hit rate (tokens)", lambda s: f"{s['host_hit_rate']:.1%} "
+                                              f"({s['host_hit_tokens']})"
+                                              if s["host_tier"] else "off"),
+    ("host-tier MiB loaded / stored", lambda s: f"{s['host_loaded_bytes'] / 2**20:.2f} / "
+                                                f"{s['host_stored_bytes'] / 2**20:.2f}"
+                                                if s["host_tier"] else "off"),
     ("preemptions", lambda s: s["preemptions"]),
     ("steps (compiling)", lambda s: f"{s['steps']} ({s['steps_compiling']})"),
     ("XLA compilations (bound)", lambda s: f"{s['compilations']} ({s['compile_bound']})"),
@@ -209,9 +223,12 @@ def plot(summaries: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=False)
     panels = [("prefix_hit_rate", "prefix-cache hit rate"), ("kv_usage", "KV usage"),
               ("tokens_per_s", "tokens/s")]  # fmt: skip
+    if any(s["host_tier"] for s in summaries):
+        panels[2:2] = [("host_hit_tokens", "host-tier hit tokens"),
+                       ("host_mib_moved", "host-tier MiB moved")]  # fmt: skip
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.7 * len(panels)), sharex=False)
     for ax, (key, label) in zip(axes, panels, strict=True):
         for s in summaries:
             ax.plot(s["series"][key], label=s["model"], lw=1)
@@ -227,10 +244,15 @@ def plot(summaries: list[dict], path: str) -> None:
 
 
 def run_demo(
-    quick: bool = False, seed: int = 0, progress: bool = True, num_chats: int | None = None
+    quick: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    num_chats: int | None = None,
+    kv_offloading_size: int | None = None,
 ) -> list[dict]:
-    """Serve the workload on both tiny models; one summary per model."""
-    base = QUICK if quick else ENGINE
+    """Serve the workload on both tiny models; one summary per model.
+    `kv_offloading_size`: bytes of a host-memory KV tier behind the device pool."""
+    base = dataclasses.replace(QUICK if quick else ENGINE, kv_offloading_size=kv_offloading_size)
     num_chats = num_chats if num_chats is not None else (6 if quick else 12)
     rng = np.random.default_rng(seed)
     summaries = []
@@ -264,12 +286,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="plot per-step stats to FILE.png")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--kv-offloading-size", metavar="SIZE",
+        help="host memory for a KV tier behind the device pool, e.g. 64MiB (default: off)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     enable_compilation_cache("auto")  # before the models are built: their programs too
     compiled, cache_hits = compilation_count(), compilation_cache_hits()
-    summaries = run_demo(args.quick, args.seed, not args.no_progress, args.chats)
+    offloading = None
+    if args.kv_offloading_size is not None:
+        offloading = parse_memory(args.kv_offloading_size, "--kv-offloading-size")
+    summaries = run_demo(args.quick, args.seed, not args.no_progress, args.chats, offloading)
     print_table(summaries)
     if args.plot:
         plot(summaries, args.plot)

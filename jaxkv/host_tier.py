@@ -218,6 +218,12 @@ class HostKVTier:
     def tenant_bytes_used(self, tenant: str | None) -> int:
         return self._tenant_blocks.get(tenant, 0) * self.block_bytes
 
+    def max_store_blocks(self, tenant: str | None = None) -> int:
+        """The most new blocks one `prepare_store` of `tenant` can take (its quota in
+        blocks, else every slot); a larger batch is refused whole."""
+        tenant = check_str("tenant", tenant, allow_none=True)
+        return self._quota_blocks.get(tenant, self.num_slots)
+
     def block_state(self, key: BlockHashWithGroupId) -> str | None:
         """ "pending", "ready" or "dropped"; None for a key the tier does not hold."""
         entry = self._entries.get(key)

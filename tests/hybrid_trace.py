@@ -295,6 +295,41 @@ def _events(manager) -> list:
     return out
 
 
+class _Tier:
+    """A host tier (`jaxkv.host_tier.HostKVTier`, host-only, runs beside either backend)
+    in front of one full-attention group of `block_size`: a freed request's computed
+    blocks are stored by their keys, an admission's blocks after the device hit looked
+    up; the hits become `num_external_computed_tokens` (whole blocks, the last token
+    left to compute), as `jaxkv.engine.offload.HostOffload.lookup` computes them."""
+
+    def __init__(self, block_size: int) -> None:
+        from jaxkv.host_tier import HostKVTier
+        from jaxkv.kv_cache_interface import FullAttentionSpec
+
+        spec = FullAttentionSpec(block_size, 1, 4, "float32")
+        self.tier = HostKVTier(1, 12, "lru", group_specs=[spec])  # 12 one-byte blocks
+        self.block_size = block_size
+
+    def _keys(self, req, first: int, last: int) -> list:
+        from jaxkv.hashing import make_block_hash_with_group_id
+
+        return [make_block_hash_with_group_id(bytes(h), 0) for h in req.block_hashes[first:last]]
+
+    def store(self, req) -> None:
+        out = self.tier.prepare_store(
+            self._keys(req, 0, req.num_computed_tokens // self.block_size)
+        )
+        if out is not None:
+            self.tier.complete_store(out.keys_to_store)
+
+    def lookup_tokens(self, req, num_hit: int) -> int:
+        bs = self.block_size
+        first, last = num_hit // bs, (req.num_tokens - 1) // bs
+        if num_hit % bs or first >= last:
+            return 0
+        return self.tier.lookup(self._keys(req, first, last)) * bs
+
+
 def replay(backend: str, case: dict[str, Any]) -> list:
     """Run one case; the log holds every hit length, every block id returned or held, the
     copies, and after each step the free queue (in eviction order) and the cached blocks.
@@ -302,6 +337,7 @@ def replay(backend: str, case: dict[str, Any]) -> list:
     (`evict_blocks`, `_evicted_ids`); with `case["events"]` each step also logs its KV
     events in order."""
     manager, make_request = (_build_jaxkv if backend == "jaxkv" else _build_vllm)(case)
+    tier = _Tier(case["groups"][0][1]) if case.get("host_tier") else None
     rng = random.Random(case["seed"])
     max_len = case["max_model_len"]
     prefixes = [[rng.randrange(VOCAB) for _ in range(max_len)] for _ in range(3)]
@@ -340,6 +376,8 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             external = 0
             if case.get("external") and rng.random() < 0.6:
                 external = rng.randrange(req.num_tokens - num_hit)
+            elif tier is not None:
+                external = tier.lookup_tokens(req, num_hit)
             chunk = _chunk(rng, case, req, num_hit + external)
             if chunk == 0:
                 continue  # not admitted this step
@@ -366,11 +404,15 @@ def replay(backend: str, case: dict[str, Any]) -> list:
             if new is not None:
                 req.num_computed_tokens += n
             elif n == 1 and req.num_computed_tokens == req.num_tokens - 1:
+                if tier is not None:
+                    tier.store(req)
                 manager.free(req)  # preempt the decode that did not fit
                 running.remove(req)
                 log.append(("preempt", req.request_id))
         elif running:
             req = running.pop(rng.randrange(len(running)))
+            if tier is not None:
+                tier.store(req)
             manager.free(req)
             log.append(("finish", req.request_id))
         if steps:  # a synchronous engine: the copies run with the step, then release

@@ -100,3 +100,16 @@ def test_python_dash_m_jaxkv_help() -> None:
     assert result.returncode == 0
     for command in ("demo", "generate", "plan"):
         assert command in result.stdout
+
+
+def test_generate_with_a_host_tier_and_bad_tier_sizes(checkpoint, capsys) -> None:
+    argv = ["generate", "--model", str(checkpoint), "--prompt-token-ids", "5,6,7,8,9",
+            "--max-tokens", "3", "--json", "--max-model-len", "64"]  # fmt: skip
+    assert cli.main([*argv, "--kv-offloading-size", "8MiB"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_host_cached_tokens"] == 0 and len(result["output_token_ids"]) == 3
+    for size, message in (("1KiB", "at least one block"), ("-1GiB", "is not a size")):
+        assert cli.main([*argv, f"--kv-offloading-size={size}"]) == 2
+        err = capsys.readouterr().err
+        assert "kv_offloading_size" in err or "--kv-offloading-size" in err
+        assert message in err

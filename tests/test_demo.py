@@ -43,3 +43,13 @@ def test_dense_reference_depends_on_the_context() -> None:
     after = np.array(reference.expected(changed[:1], changed[1:]))
     assert (before[64:] != after[64:]).mean() > 0.5, "later tokens must depend on earlier ones"
     assert (before != np.array(tokens[1:])).mean() > 0.9, "the model must not echo its input"
+
+
+@pytest.mark.timeout(300)
+def test_quick_demo_with_a_host_tier_shows_its_hits(capsys) -> None:
+    summaries = demo.main(["--quick", "--no-progress", "--kv-offloading-size", "16MiB"])
+    for s in summaries:
+        assert s["dense_check"] == "OK", s["dense_mismatched"]
+        assert s["host_tier"] and s["num_free_blocks"] == s["num_blocks"] - 1
+    assert summaries[0]["host_hit_rate"] > 0 and summaries[0]["host_loaded_bytes"] > 0
+    assert "host-tier hit rate" in capsys.readouterr().out

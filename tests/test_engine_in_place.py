@@ -4,8 +4,9 @@ Compiled at a pool of 4,096 blocks (a cache buffer far larger than any step
 temporary), each program's optimized HLO must alias every cache parameter to an
 output and hold no copy or temporary of a cache buffer's size
 (`jaxkv.device.in_place.check_in_place`): the forward + sampling step (smallest and
-largest step shape), block zeroing and copy-on-write block copies per KV-cache group,
-and the encoder store's write. For the tiny engine model, both real decoder families
+largest step shape), block zeroing, copy-on-write block copies and host-tier loads
+(the block scatter) per KV-cache group, and the encoder store's write. For the tiny
+engine model, both real decoder families
 (Gemma 3 with sliding and full layers in two groups, Llama), LLaVA; float32, bfloat16
 (kept as uint16 bits on CPU), int8 and fp8 caches; one device and 8 simulated devices.
 """

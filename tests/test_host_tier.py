@@ -95,6 +95,7 @@ def test_quotas_isolate_tenants():
     assert out.evicted_keys == [key(4)]
     assert store(t, [6], tenant="b").evicted_keys == [key(3)]
     assert t.prepare_store([key(8), key(9), key(10)], "b") is None  # more than b's quota
+    assert (t.max_store_blocks("b"), t.max_store_blocks(None), t.max_store_blocks("c")) == (2, 6, 6)
     assert held(t, [1, 2]) == [1, 2]
     s = t.stats()
     assert s.tenants["a"].bytes_used == 2 * B and s.tenants["b"].bytes_used == 2 * B

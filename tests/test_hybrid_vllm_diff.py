@@ -119,6 +119,21 @@ def test_random_traces_with_kv_connector_tokens_match_vllm():
     assert num_external > 100  # admitted with connector tokens, across the mixes
 
 
+def test_host_tier_lookups_as_connector_tokens_match_vllm():
+    """The host tier (`HostKVTier`) beside each manager: freed requests' blocks stored,
+    an admission's blocks after the device hit looked up and passed as
+    `num_external_computed_tokens` (whole blocks), as the engine's offload does. Same
+    tokens from the tier, same block ids, cached blocks and free queue as vLLM's."""
+    cases = [
+        dict(case, groups=[("full", 4, 0)], host_tier=True, use_eagle=False, retention=None)
+        for case in random_cases(30, seed=23)
+    ]
+    num_external = 0
+    for got in assert_traces_match(cases):
+        num_external += sum(1 for e in got if e[0] == "admit" and e[2] and e[3] is not None)
+    assert num_external > 20  # admissions served by the tier
+
+
 def evict_cases(n: int, seed: int) -> list[dict]:
     """Full-attention, sliding-window, R-SWA and circular-buffer mixes of two or three
     groups, always with two block sizes or more (hashed at their GCD: full-attention groups

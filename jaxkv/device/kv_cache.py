@@ -27,7 +27,9 @@ Stacked caches: `allocate_stacked(L)` holds every layer in one `[L, ...]` array,
 model can run one layer body under `jax.lax.scan` (compile time independent of
 depth): `stacked_layer_step` writes and reads layer `layer` of the stack in place,
 `layer` and the sliding window being traced scalars; `zero_blocks_stacked` and
-`copy_blocks_stacked` update every layer of the stack in one call.
+`copy_blocks_stacked` update every layer of the stack in one call;
+`gather_blocks_stacked` reads blocks of every layer out (for a host-memory tier) and
+`scatter_blocks_stacked` writes such blocks back, in place.
 
 Token-indexed inputs of a data-parallel cache are rank-major: with `dp` ranks
 and `T` tokens per rank, rows `[d*T, (d+1)*T)` belong to rank `d` and their
@@ -158,6 +160,18 @@ def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
     return _in_chunks(zero, kv, (ids,), (kv.shape[-4],))
 
 
+def _gather_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
+    """Blocks `ids` of every layer of a stacked cache, `[L, n, bs, 2H, D]`, as stored (bits,
+    quantisation scales); the padding id `num_blocks` reads zeros."""
+    return kv.at[:, ids].get(mode="fill", fill_value=0)
+
+
+def _scatter_local(kv: jax.Array, ids: jax.Array, blocks: jax.Array) -> jax.Array:
+    """`blocks [L, n, bs, 2H, D]` (as stored) onto blocks `ids` of every layer of a stacked
+    cache; the padding id `num_blocks` is dropped (ids are distinct, checked on the host)."""
+    return kv.at[:, ids].set(blocks, mode="drop")
+
+
 def _read_local(
     kv: jax.Array, slots: jax.Array, compute, kv_quant=None
 ) -> tuple[jax.Array, jax.Array]:
@@ -237,6 +251,9 @@ class PagedKVCache:
         self._stacked_spec = P(None, *self.layout.cache_spec)
         self.stacked_sharding = NamedSharding(self.mesh, self._stacked_spec)
         self.id_buckets = padding_buckets(num_blocks)
+        # Block transfers to and from host memory move at most this many blocks per rank
+        # per call, so a program's temporaries stay a small fraction of the cache.
+        self.transfer_buckets = padding_buckets(min(num_blocks, _IDS_PER_CHUNK))
         # The spec's own mask: a step applies it without being told again.
         self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         self.attention_chunk = (
@@ -538,6 +555,91 @@ class PagedKVCache:
         src_ids, dst_ids = (self.put(ids, self._rank_spec) for ids in padded)
         return self._stacked_fn(_copy_local, 2)(kv, src_ids, dst_ids)
 
+    def gather_blocks_stacked(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
+        """Blocks `ids` (rank-major, local ids, `[1, num_blocks)`) of every layer of a stacked
+        cache, read by one jitted program per id bucket: `[L, dp * size, *shape[1:]]` as
+        stored, rank `d`'s blocks at `[d * size, d * size + n)` (`size`: the bucket; the
+        rest pads with zeros). Not donated, not waited for: the caller copies the result
+        to host memory (`copy_to_host_async`, then `np.asarray`) while the device goes on,
+        and the blocks read are those of the cache at this call, whatever later programs
+        write."""
+        self._check_cache(kv, stacked=True)
+        arr = self._check_ids("block id", ids, 1, self.num_blocks)
+        padded = self.put(self._pad_transfer_ids(arr), self._rank_spec)
+        return self._transfer_fn("gather")(kv, padded)
+
+    def scatter_blocks_stacked(
+        self, kv: jax.Array, ids: np.ndarray | Sequence[int], blocks: np.ndarray
+    ) -> jax.Array:
+        """Write host `blocks [L, dp * n, *shape[1:]]` (as stored, rank-major like
+        `gather_blocks_stacked`'s result without its padding) onto blocks `ids` (distinct per
+        rank, `[1, num_blocks)`) of every layer of a stacked cache: one donated, in-place
+        program per id bucket (donates `kv`). Bad ids or a block array of the wrong shape
+        or dtype raise `ValueError` before anything is sent."""
+        self._check_cache(kv, stacked=True)
+        arr = self._check_ids("block id", ids, 1, self.num_blocks)
+        padded_ids = self._pad_transfer_ids(arr)
+        want = (kv.shape[0], arr.size, *self.shape[1:])
+        if tuple(np.shape(blocks)) != want or np.asarray(blocks).dtype != self.storage_dtype:
+            raise ValueError(
+                f"blocks has shape {tuple(np.shape(blocks))} dtype {np.asarray(blocks).dtype}; "
+                f"expected shape {want} dtype {self.storage_dtype} (one block per id, as stored)"
+            )
+        if arr.size == 0:
+            return kv
+        size = padded_ids.size // self.dp_size
+        per_rank = np.asarray(blocks).reshape(want[0], self.dp_size, -1, *want[2:])
+        padded = np.zeros((want[0], self.dp_size, size, *want[2:]), self.storage_dtype)
+        padded[:, :, : per_rank.shape[2]] = per_rank
+        placed = self.put(padded.reshape(want[0], -1, *want[2:]), self._stacked_spec)
+        return self._transfer_fn("scatter")(kv, self.put(padded_ids, self._rank_spec), placed)
+
+    def warmup_transfers(self, kv: jax.Array) -> jax.Array:
+        """Compile `gather_blocks_stacked` and `scatter_blocks_stacked` for every transfer
+        bucket, run on padding ids only (no block changes). Donates and returns `kv`."""
+        self._check_cache(kv, stacked=True)
+        for size in self.transfer_buckets:
+            ids = self.put(np.full(self.dp_size * size, self.num_blocks, np.int32))
+            blocks = np.zeros(
+                (kv.shape[0], self.dp_size * size, *self.shape[1:]), self.storage_dtype
+            )
+            self._transfer_fn("gather")(kv, ids)
+            kv = self._transfer_fn("scatter")(kv, ids, self.put(blocks, self._stacked_spec))
+        return kv
+
+    def _pad_transfer_ids(self, arr: np.ndarray) -> np.ndarray:
+        """Checked transfer ids (distinct per rank, at most `transfer_buckets[-1]` per
+        rank) padded to their bucket with `num_blocks` (a negative pad would wrap)."""
+        self._check_unique("block id", arr)
+        per_rank = arr.size // self.dp_size
+        if per_rank > self.transfer_buckets[-1]:
+            raise ValueError(
+                f"{per_rank} block ids per data rank; a transfer moves at most "
+                f"{self.transfer_buckets[-1]} (split the batch)"
+            )
+        size = pick_bucket(max(per_rank, 1), self.transfer_buckets)
+        return pad_to_bucket(arr.reshape(self.dp_size, -1), size, self.num_blocks).reshape(-1)
+
+    def _transfer_fn(self, op: str):
+        """The jitted block gather (`op="gather"`) or donated scatter (`"scatter"`)."""
+        fn = self._stacked_fns.get(op)
+        if fn is None:
+            spec, rank = self._stacked_spec, self._rank_spec
+            if op == "gather":
+                local = jax.shard_map(
+                    _gather_local, mesh=self.mesh, in_specs=(spec, rank), out_specs=spec,
+                    check_vma=False,
+                )  # fmt: skip
+                fn = jax.jit(local, out_shardings=self.stacked_sharding)
+            else:
+                local = jax.shard_map(
+                    _scatter_local, mesh=self.mesh, in_specs=(spec, rank, spec), out_specs=spec,
+                    check_vma=False,
+                )  # fmt: skip
+                fn = jax.jit(local, donate_argnums=0, out_shardings=self.stacked_sharding)
+            self._stacked_fns[op] = fn
+        return fn
+
     def _stacked_fn(self, local_fn, num_id_args: int):
         fn = self._stacked_fns.get(local_fn)
         if fn is None:
@@ -554,14 +656,23 @@ class PagedKVCache:
     def lower_blocks_stacked(
         self, op: str, num_layers: int, num_ids: int | None = None
     ) -> jax.stages.Lowered:
-        """The lowered `zero_blocks_stacked` (`op="zero"`) or `copy_blocks_stacked`
-        (`op="copy"`) program, for the id bucket holding `num_ids` ids per data rank
-        (default: the largest bucket)."""
-        local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
-        size = pick_bucket(num_ids or self.id_buckets[-1], self.id_buckets)
+        """The lowered `zero_blocks_stacked` (`op="zero"`), `copy_blocks_stacked`
+        (`op="copy"`), `gather_blocks_stacked` (`op="gather"`) or `scatter_blocks_stacked`
+        (`op="scatter"`) program, for the id bucket holding `num_ids` ids per data rank
+        (default: the largest bucket; `transfer_buckets` for the last two)."""
+        buckets = self.transfer_buckets if op in ("gather", "scatter") else self.id_buckets
+        size = pick_bucket(num_ids or buckets[-1], buckets)
         ids = jax.ShapeDtypeStruct(
             (self.dp_size * size,), np.int32, sharding=NamedSharding(self.mesh, self._rank_spec)
         )
+        if op in ("gather", "scatter"):
+            blocks = jax.ShapeDtypeStruct(
+                (num_layers, self.dp_size * size, *self.shape[1:]), self.storage_dtype,
+                sharding=self.stacked_sharding,
+            )  # fmt: skip
+            args = (ids,) if op == "gather" else (ids, blocks)
+            return self._transfer_fn(op).lower(self.stacked_struct(num_layers), *args)
+        local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
         fn = self._stacked_fn(local_fn, num_id_args)
         return fn.lower(self.stacked_struct(num_layers), *(ids,) * num_id_args)
 

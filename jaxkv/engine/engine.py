@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -40,6 +40,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
+from jaxkv.engine.offload import PendingStore, host_offload
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
@@ -89,7 +90,12 @@ class EngineConfig:
     `kv_events_endpoint` (None: off) publishes each step's KV events as vLLM does
     (`jaxkv.kv_events_publisher`), data rank `k` on the endpoint's port + `k`;
     `kv_events_replay_endpoint` adds the replay socket; `kv_events_topic` is the topic
-    frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints."""
+    frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints.
+    `kv_offloading_size` (vLLM's name; bytes, None: off) keeps blocks in a host-memory
+    tier behind the device pool (`jaxkv.engine.offload`), evicting by
+    `kv_offloading_policy` ("lru" or "arc"), with optional per-`cache_salt` byte caps
+    `kv_offloading_tenant_quotas` (each at least one block, at most the budget); one
+    data rank, one full-attention KV-cache group."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -113,6 +119,9 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
     kv_events_topic: str = ""
     kv_events_int_block_hashes: bool = True
+    kv_offloading_size: int | None = None  # bytes of host memory, e.g. 8 * 2**30
+    kv_offloading_policy: str = "lru"
+    kv_offloading_tenant_quotas: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -223,6 +232,7 @@ class LLMEngine:
             )
             for _ in range(self.runner.dp_size)
         ]
+        self.offload = host_offload(c, self.runner)
         self.kv_event_publishers: list[EventPublisher] = self._event_publishers(c)
         self.schedulers = [
             Scheduler(
@@ -230,6 +240,7 @@ class LLMEngine:
                 scheduler_config,
                 encoder_cache_manager=encoder_cache,
                 encoder_budget=encoder_budget,
+                offload=self.offload,
             )  # fmt: skip
             for manager in self.kv_cache_managers
         ]
@@ -249,7 +260,8 @@ class LLMEngine:
         self._image_refs: dict[str, int] = {}
         self._in_flight: _InFlight | None = None
         self._salt_of: dict[str, str | None] = {}  # unfinished request id -> its cache salt
-        self._num_cached: dict[str, int] = {}  # its prefix-cache hit tokens, once admitted
+        # its cached tokens (prefix cache and host tier, host tier), once admitted
+        self._num_cached: dict[str, tuple[int, int]] = {}
         self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -289,23 +301,28 @@ class LLMEngine:
         return publishers
 
     def _publish_events(self) -> None:
-        """Hand each rank's pending KV events to its publisher (a queue append each);
-        without publishers (processes other than 0) they are dropped."""
+        """Hand each rank's pending KV events (the host tier's with rank 0's) to its
+        publisher (a queue append each); without publishers (processes other than 0)
+        they are dropped."""
         if self.config.kv_events_endpoint is None:
             return
+        host_events = self.offload.tier.take_events() if self.offload is not None else []
         for rank, manager in enumerate(self.kv_cache_managers):
-            events = manager.take_events()
+            events = manager.take_events() + (host_events if not rank else [])
             if events and self.kv_event_publishers:
                 self.kv_event_publishers[rank].publish(events)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's prefix cache (vLLM's `reset_prefix_cache`); False, changing
-        nothing on the ranks still holding blocks, while requests run. The
+        nothing on the ranks still holding blocks, while requests run. The host tier is
+        cleared with the device pool (its `AllBlocksCleared` has `medium="CPU"`). The
         `AllBlocksCleared` events go out now, not with the next step."""
         if self._stream is not None:
             self._stream.check_source("reset_prefix_cache")
             self._stream.record(("reset_prefix_cache",))
         reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
+        if reset and self.offload is not None:
+            reset = self.offload.reset()
         self._publish_events()
         return reset
 
@@ -336,7 +353,10 @@ class LLMEngine:
 
     def warm_up(self) -> int:
         """Compile every step shape now, so serving compiles nothing; returns the count."""
-        return self.runner.warm_up()
+        count = self.runner.warm_up()
+        if self.offload is not None:
+            self.runner.warm_up_transfers()
+        return count
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -492,7 +512,9 @@ class LLMEngine:
     def _finish_now(self, request: Request, reason: FinishReason, error: str | None = None):
         """Queue the final output of a request finished outside a step's token update."""
         self._final_outputs.append(
-            self._request_output(request, None, reason, self._num_cached.get(request.request_id, 0))
+            self._request_output(
+                request, None, reason, *self._num_cached.get(request.request_id, (0, 0))
+            )
         )
         if error is not None:
             self._final_outputs[-1].error = error
@@ -569,7 +591,11 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         compiled = compilation_count()
         t0 = time.perf_counter()
+        if self.offload is not None:
+            # Gathers of two steps ago were dispatched before the step just waited for.
+            self.offload.complete_stores(before_step=self.num_steps - 1)
         outs = [scheduler.schedule() for scheduler in self.schedulers]
+        self._store_freed_blocks()  # before this step can write into a freed block
         empty = all(out.is_empty for out in outs)
         if empty and self._in_flight is None:
             self._fail_unschedulable()
@@ -590,6 +616,7 @@ class LLMEngine:
             ):
                 rows = tokens[rank * width : (rank + 1) * width]
                 updates += scheduler.update_from_output(out, rows)
+        self._store_freed_blocks()
         outputs, self._final_outputs = self._final_outputs, []
         for update in updates:
             output = self._output(update)
@@ -598,6 +625,29 @@ class LLMEngine:
         self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
+
+    def _store_freed_blocks(self) -> None:
+        """Start copying the blocks freed requests left to the host tier (their gather is
+        dispatched now, so it reads them before any later step reuses them), one batch
+        per tenant; a tenant the tier has no room for stores nothing."""
+        if self.offload is None:
+            return
+        block_ids, keys, digests, tenants = self.offload.take_stores()
+        for tenant in dict.fromkeys(tenants):
+            mine = [i for i, t in enumerate(tenants) if t == tenant]
+            taken = self.offload.prepare_store([keys[i] for i in mine], tenant)
+            if taken is None or not taken[0]:
+                continue
+            chosen = [mine[j] for j in taken[0]]
+            self.offload.pending_stores.append(
+                PendingStore(
+                    [keys[i] for i in chosen],
+                    taken[1],
+                    [digests[i] for i in chosen],
+                    self.runner.gather_blocks([block_ids[i] for i in chosen]),
+                    self.num_steps,
+                )  # fmt: skip
+            )
 
     def _fail_unschedulable(self) -> None:
         """With nothing running or in flight, a waiting request that still cannot be
@@ -629,7 +679,9 @@ class LLMEngine:
         not finished."""
         request = update.request
         if request.num_output_tokens == 1 and update.new_token_id is not None:
-            self._num_cached[request.request_id] = update.num_cached_tokens
+            self._num_cached[request.request_id] = (
+                update.num_cached_tokens, update.num_host_cached_tokens,
+            )  # fmt: skip
             self.stats.record_admission(
                 self._salt_of.get(request.request_id),
                 request.num_prompt_tokens,
@@ -641,8 +693,9 @@ class LLMEngine:
         ):
             return None
         output = self._request_output(
-            request, update.new_token_id, update.finish_reason, update.num_cached_tokens
-        )
+            request, update.new_token_id, update.finish_reason, update.num_cached_tokens,
+            update.num_host_cached_tokens,
+        )  # fmt: skip
         if output.finished:
             self._forget(request)
         return output
@@ -653,6 +706,7 @@ class LLMEngine:
         new_token_id: int | None,
         reason: FinishReason | None,
         num_cached_tokens: int,
+        num_host_cached_tokens: int = 0,
     ) -> RequestOutput:
         kind = request.sampling_params.output_kind
         delta = kind is RequestOutputKind.DELTA
@@ -681,11 +735,13 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             error=error,
             num_cached_tokens=num_cached_tokens,
+            num_host_cached_tokens=num_host_cached_tokens,
         )
 
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
         """One step's stats, summed over the data ranks (KV usage: their mean)."""
         prefix = [m.make_prefix_cache_stats() for m in self.kv_cache_managers]
+        host = self.offload.take_stats() if self.offload is not None else {}
         self.stats.record(
             StepStats(
                 step=self.num_steps,
@@ -704,6 +760,7 @@ class LLMEngine:
                 host_s=host_s,
                 wait_s=wait_s,
                 compilations=compilation_count() - compiled,
+                **{f"host_{name}": value for name, value in host.items()},
             )
         )
         self.num_steps += 1

@@ -341,6 +341,20 @@ def _encode_images(state, pixel_values, *, graphdef):
     return nnx.merge(graphdef, state).encode_images(pixel_values)
 
 
+@dataclass(frozen=True)
+class GatheredBlocks:
+    """Blocks on their way to host memory: `(gathered array, blocks used)` per transfer."""
+
+    parts: list[tuple[jax.Array, int]]
+
+    def ready(self) -> bool:
+        return all(g.is_ready() for g, _ in self.parts)
+
+    def read(self) -> np.ndarray:
+        """The blocks `[n, num_layers, *page_shape]` as stored (waits for the copies)."""
+        return np.concatenate([np.moveaxis(np.asarray(g)[:, :n], 1, 0) for g, n in self.parts])
+
+
 class ModelRunner:
     """Device state and the jitted step of one model (see the module docstring).
 
@@ -641,6 +655,33 @@ class ModelRunner:
             self.kv_cache, src.ravel(), dst.ravel(), allow_padding=True
         )
 
+    def gather_blocks(self, block_ids: Sequence[int]) -> GatheredBlocks:
+        """Read device blocks `block_ids` (data rank 0) of every layer out of the KV cache:
+        one gather program per transfer bucket, dispatched now, each result's copy to host
+        memory started at once; neither waits. What is read is the cache as of this
+        call, whatever later steps write."""
+        paged = self.paged[0]
+        chunk = paged.transfer_buckets[-1]
+        parts = []
+        for i in range(0, len(block_ids), chunk):
+            ids = block_ids[i : i + chunk]
+            gathered = paged.gather_blocks_stacked(self.kv_cache, ids)
+            gathered.copy_to_host_async()
+            parts.append((gathered, len(ids)))
+        return GatheredBlocks(parts)
+
+    def _load_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
+        """Scatter the host blocks each output loads (`kv_load_blocks`) into their device
+        blocks, in place, one donated program per transfer bucket (data rank 0 only)."""
+        paged = self.paged[0]
+        chunk = paged.transfer_buckets[-1]
+        for out in outs:
+            ids, blocks = out.kv_load_block_ids, out.kv_load_blocks
+            for i in range(0, len(ids), chunk):
+                self.kv_cache = paged.scatter_blocks_stacked(
+                    self.kv_cache, ids[i : i + chunk], np.moveaxis(blocks[i : i + chunk], 0, 1)
+                )
+
     def execute(
         self,
         outs: SchedulerOutput | Sequence[SchedulerOutput],
@@ -664,6 +705,7 @@ class ModelRunner:
         if self.zero_freed_blocks:
             self._zero_freed(outs)
         self._copy_blocks(outs)  # after zeroing: a copy's destination may be a freed page
+        self._load_blocks(outs)  # after zeroing, too
         if self.encoder_store is not None:
             self._run_encoder(outs, images or {})
         if all(out.is_empty for out in outs):
@@ -710,9 +752,9 @@ class ModelRunner:
         """Every kind of program `execute` runs on the donated caches, lowered (not run):
         name -> (lowered program, the cache buffers it donates, as abstract values).
 
-        The step for the smallest and the largest step shape, block zeroing and block
-        copies per KV-cache group at their largest id bucket, and the encoder store's
-        write. `jaxkv.device.in_place.check_in_place` says whether each updates its
+        The step for the smallest and the largest step shape, block zeroing, block
+        copies and host-tier loads (block scatter) at their largest id bucket, and the
+        encoder store's write. `jaxkv.device.in_place.check_in_place` says whether each updates its
         caches in place.
         """
         programs: dict[str, tuple[jax.stages.Lowered, list]] = {}
@@ -724,7 +766,7 @@ class ModelRunner:
             programs[f"step tokens={shapes[0].num_tokens} reqs={shapes[0].num_reqs}"] = (
                 self.lower_step(shapes), caches,
             )  # fmt: skip
-        for op in ("zero", "copy"):
+        for op in ("zero", "copy", "scatter"):
             programs[f"{op}_blocks"] = (self.paged[0].lower_blocks_stacked(op, num_layers), caches)
         if store is not None:
             lowered, store_struct = store.lower_write()
@@ -747,3 +789,9 @@ class ModelRunner:
                 self.kv_cache = self.paged[0].zero_blocks_stacked(self.kv_cache, ids)
         jax.block_until_ready(self.kv_cache)
         return len(shapes_per_group[0])
+
+    def warm_up_transfers(self) -> None:
+        """Compile the host-tier block gather and scatter for every transfer bucket (on
+        padding only: no block changes)."""
+        self.kv_cache = self.paged[0].warmup_transfers(self.kv_cache)
+        jax.block_until_ready(self.kv_cache)

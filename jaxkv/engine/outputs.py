@@ -16,6 +16,9 @@ class RequestOutput:
     is then "length", "stop", "abort" or "error". `error` says what went wrong: for a
     request `generate` could not accept (nothing else happened), or one whose part of a
     step failed (`finish_reason="error"`; the other requests were served).
+    `num_cached_tokens`: prompt tokens served from a cache at first admission, the
+    device prefix cache or the host tier (vLLM counts a connector's tokens too);
+    `num_host_cached_tokens`: the host tier's share.
     """
 
     request_id: str
@@ -28,3 +31,4 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None
     num_cached_tokens: int = field(default=0)
+    num_host_cached_tokens: int = 0

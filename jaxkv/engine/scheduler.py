@@ -61,6 +61,7 @@ import numpy as np
 
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
+from jaxkv.engine.offload import HostOffload
 from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from jaxkv.kv_cache_utils import KVCacheBlockCopy
 from jaxkv.request import Request
@@ -148,6 +149,10 @@ class SchedulerOutput:
     kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
     # Requests finished (stopped, aborted, failed) since the previous `schedule()`.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Host-tier loads to run before the step (after zeroing and copies): blocks
+    # `[n, num_layers, *page_shape]` onto device blocks `kv_load_block_ids` (rank-local).
+    kv_load_block_ids: list[int] = field(default_factory=list)
+    kv_load_blocks: np.ndarray | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -162,12 +167,14 @@ class SchedulerOutput:
 class RequestUpdate:
     """A token appended to a request (None for a request finished without one).
 
-    `num_cached_tokens`: prompt tokens its first admission found in the prefix cache."""
+    `num_cached_tokens`: prompt tokens its first admission found in the prefix cache or
+    the host tier; `num_host_cached_tokens`: the host tier's share of them."""
 
     request: Request
     new_token_id: int | None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -180,7 +187,8 @@ class _Tracked:
     num_pending: int = 0  # sampled tokens in flight, not yet appended
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
-    num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+    num_cached_tokens: int = 0  # prefix-cache and host-tier hits at its first admission
+    num_host_cached_tokens: int = 0  # the host tier's share
     # Per KV-cache group, the leading null blocks of its lists as last reported; None:
     # its row must be reset (new, or resumed after preemption).
     num_null_blocks: list[int] | None = None
@@ -237,7 +245,11 @@ class Scheduler:
 
     `kv_cache_manager`: a jaxkv `KVCacheManager`, or vLLM's (the methods used are vLLM's).
     `with_block_ids=False` leaves `ScheduledRequest.new_block_ids` empty (a host-only
-    simulation needs no block tables).
+    simulation needs no block tables). `offload`: a host-memory KV tier
+    (`jaxkv.engine.offload.HostOffload`, one full-attention group): an admitted
+    request's blocks after its device prefix hit are looked up there and allocated as
+    connector tokens, their load going with the step (`kv_load_block_ids`); a freed
+    request's cached blocks are offered to it.
     """
 
     def __init__(
@@ -248,6 +260,7 @@ class Scheduler:
         encoder_cache_manager: EncoderCacheManager | None = None,
         encoder_budget: EncoderBudget | None = None,
         with_block_ids: bool = True,
+        offload: HostOffload | None = None,
     ) -> None:
         if (encoder_cache_manager is None) != (encoder_budget is None):
             raise ValueError("give both encoder_cache_manager and encoder_budget, or neither")
@@ -266,6 +279,7 @@ class Scheduler:
             kv_cache_manager.block_pool, "track_freed_block_ids", False
         )
         self.with_block_ids = with_block_ids
+        self.offload = offload
         # Whether a running request's leading blocks may turn into the null block.
         self.blocks_turn_null = bool(
             getattr(kv_cache_manager.coordinator, "skipping_managers", True)
@@ -277,7 +291,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last `schedule()`
         self.num_preemptions = 0
         # Over all admissions (a preempted request counts again when readmitted): tokens
-        # of the admitted requests, and how many of them the prefix cache served.
+        # of the admitted requests, and how many of them the prefix cache or host tier served.
         self.num_admitted_tokens = 0
         self.num_admitted_hit_tokens = 0
 
@@ -392,6 +406,8 @@ class Scheduler:
         out = SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
         if self._finished_ids:
             out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        if self.offload is not None:
+            out.kv_load_block_ids, out.kv_load_blocks = self.offload.take_loads()
         if self.takes_block_copies:
             copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
             if copies:
@@ -418,8 +434,10 @@ class Scheduler:
                 break  # cheap pre-check, so hopeless attempts do not count as cache lookups
             hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = shared_prefix_boundary
-            plan = self._plan(tracked, num_hits, budget, encoder_budget)
+            num_host = 0 if self.offload is None else self.offload.lookup(request, num_hits)
+            plan = self._plan(tracked, num_hits + num_host, budget, encoder_budget)
             if plan is None:
+                self._cancel_load(request)
                 break
             num_new, inputs = plan
             new_blocks = manager.allocate_slots(
@@ -428,22 +446,36 @@ class Scheduler:
                 num_hits,
                 hit_blocks,
                 num_lookahead_tokens=self.config.num_lookahead_tokens,
+                num_external_computed_tokens=num_host,
             )
             if new_blocks is None:
                 self._release_planned(request, inputs)
+                self._cancel_load(request)
                 break
+            if self.offload is not None:
+                bs = self.offload.block_size
+                loaded = manager.get_blocks(request.request_id).blocks[0]
+                self.offload.admitted(
+                    request,
+                    [b.block_id for b in loaded[num_hits // bs : (num_hits + num_host) // bs]],
+                )
             self.waiting.popleft()
             self.num_admitted_tokens += request.num_tokens
-            self.num_admitted_hit_tokens += num_hits
-            request.num_computed_tokens = num_hits
+            self.num_admitted_hit_tokens += num_hits + num_host
+            request.num_computed_tokens = num_hits + num_host
             if not request.num_preemptions:
-                tracked.num_cached_tokens = num_hits
+                tracked.num_cached_tokens = num_hits + num_host
+                tracked.num_host_cached_tokens = num_host
             _set_status(request, "RUNNING")
             self.running.append(request)
             if inputs:
                 encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
             scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
             budget -= num_new
+
+    def _cancel_load(self, request: Request) -> None:
+        if self.offload is not None:
+            self.offload.cancel(request)
 
     def _plan(
         self, tracked: _Tracked, start: int, budget: int, encoder_budget: int
@@ -588,9 +620,17 @@ class Scheduler:
     def _lists_of(self, tracked: _Tracked) -> tuple[Sequence[KVCacheBlock], ...]:
         return self.kv_cache_manager.get_blocks(tracked.request.request_id).blocks
 
+    def _free_blocks(self, request: Request) -> None:
+        """Free the request's blocks, offering its cached ones to the host tier first."""
+        if self.offload is not None:
+            self.offload.request_freed(
+                request, self._lists_of(self._tracked[request.request_id])[0]
+            )
+        self.kv_cache_manager.free(request)
+
     def _preempt(self, request: Request) -> None:
         tracked = self._tracked[request.request_id]
-        self.kv_cache_manager.free(request)
+        self._free_blocks(request)
         self._free_encoder_inputs(tracked)
         tracked.num_null_blocks = None
         request.num_computed_tokens = 0
@@ -646,7 +686,15 @@ class Scheduler:
                     reason = FinishReason.LENGTH
                 if reason is not None:
                     self._finish(tracked, reason)
-                updates.append(RequestUpdate(request, token, reason, tracked.num_cached_tokens))
+                updates.append(
+                    RequestUpdate(
+                        request,
+                        token,
+                        reason,
+                        tracked.num_cached_tokens,
+                        tracked.num_host_cached_tokens,
+                    )  # fmt: skip
+                )
             if tracked.held_inputs and tracked.running:
                 self._release_done_inputs(tracked)
         return updates
@@ -666,7 +714,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+        self._free_blocks(request)
         self._free_encoder_inputs(tracked)
         _set_status(request, _FINISHED_STATUS[reason])
         del self._tracked[request.request_id]

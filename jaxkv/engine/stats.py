@@ -30,6 +30,13 @@ class StepStats:
     host_s: float = 0.0
     wait_s: float = 0.0
     compilations: int = 0
+    # Host tier: tokens looked up after the device prefix hit, found (verified), bytes
+    # loaded and stored, loads cut short by a verification mismatch.
+    host_queried_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_loaded_bytes: int = 0
+    host_stored_bytes: int = 0
+    host_failed_loads: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -80,6 +87,12 @@ class EngineStats:
         return self.total("prefix_hits") / queries if queries else 0.0
 
     @property
+    def host_hit_rate(self) -> float:
+        """Tokens the host tier served over those looked up in it."""
+        queried = self.total("host_queried_tokens")
+        return self.total("host_hit_tokens") / queried if queried else 0.0
+
+    @property
     def encoder_hit_rate(self) -> float:
         total = self.total("encoder_hits") + self.total("encoder_misses")
         return self.total("encoder_hits") / total if total else 0.0
@@ -92,5 +105,6 @@ class EngineStats:
                 out[f.name] = self.total(f.name)
         out["prefix_hit_rate"] = self.prefix_hit_rate
         out["encoder_hit_rate"] = self.encoder_hit_rate
+        out["host_hit_rate"] = self.host_hit_rate
         out["max_kv_usage"] = max((s.kv_usage for s in self.steps), default=0.0)
         return out
