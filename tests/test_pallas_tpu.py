@@ -35,6 +35,7 @@ from test_device_quant import ATTENTION_BOUND
 from test_device_step_metadata import _run_step
 
 from jaxkv.device import (
+    AttentionOptions,
     PagedKVCache,
     StepInputs,
     StepMetadataPacker,
@@ -193,7 +194,7 @@ def test_replicated_kv_head_slice() -> None:
 
 
 def test_step_dispatches_the_kernel_when_forced() -> None:
-    """`PagedKVCache.step(impl=TPU_IMPL)`: write, then the TPU kernel."""
+    """`PagedKVCache.step` with `impl=TPU_IMPL`: write, then the TPU kernel."""
     rng = np.random.default_rng()
     case = random_case(rng, [19, 7, 13], [9, 1, 4], pad_tokens=0)
     num_q = int(case.q_lens.sum())
@@ -344,8 +345,8 @@ def _sharded_step(num_kv_heads: int, group: int, policy: str, seed: int) -> dict
     q, k, v = (np.pad(x[:n], ((0, t - n), (0, 0), (0, 0))) for x in (case.q, *query_kv(case)))
     kv = cache.put(np.asarray(case.kv), cache.layout.cache_spec)
     _, out = cache.step(
-        kv, cache.put(q), cache.put(k), cache.put(v), packer.put(buf), shape, sm_scale=0.3,
-        impl=TPU_IMPL,
+        kv, cache.put(q), cache.put(k), cache.put(v), packer.put(buf), shape,
+        AttentionOptions(sm_scale=0.3, impl=TPU_IMPL),
     )  # fmt: skip
     out = np.asarray(out)
     return {

@@ -4,7 +4,11 @@ Never imports the host scheduler (`jaxkv.kv_cache_manager`, `jaxkv.block_pool`, 
 the host hands over plain int32 numpy data, the device makes no allocation decisions.
 """
 
-from jaxkv.device.attention import paged_decode_attention, ragged_paged_attention
+from jaxkv.device.attention import (
+    AttentionOptions,
+    paged_decode_attention,
+    ragged_paged_attention,
+)
 from jaxkv.device.compile_guard import (
     CompilationCounter,
     CompilationError,
@@ -30,6 +34,7 @@ from jaxkv.device.step_metadata import (
 __all__ = [
     "DATA_AXIS",
     "MODEL_AXIS",
+    "AttentionOptions",
     "CompilationCounter",
     "CompilationError",
     "EmbedPlacement",

@@ -54,12 +54,15 @@ probability times a NaN value is still NaN); rows with no visible key return 0.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._checks import check_int
 from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
     PAGES_PER_COMPUTE_BLOCK,
@@ -79,6 +82,51 @@ from jaxkv.device.storage import (
 _MASKED = -1e30
 AttentionImpl = Literal["auto", "reference", "pallas", "pallas_tpu_interpret"]
 _IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret")
+
+
+def _positive_number(name: str, value: object) -> float:
+    """`value` as a Python float; TypeError unless a real number, ValueError unless > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer attends: the one spelling every attention entry point of
+    `PagedKVCache` takes (`step`, `layer_step`, `stacked_layer_step`, `warmup`).
+
+    * `sm_scale`: the logit scale (None: `head_size ** -0.5`),
+    * `sliding_window`, `attention_chunk`: None or a positive int (module docstring,
+      "Masks"); a cache built from a `SlidingWindowSpec` / `ChunkedLocalAttentionSpec`
+      applies its own and accepts only None or that value,
+    * `soft_cap`: None or a positive number (`cap * tanh(s / cap)`),
+    * `impl`: the dispatch table's column.
+
+    Invariants: validated at construction (TypeError / ValueError naming the field);
+    numbers are Python ints and floats, so equal options compare and hash equal, and an
+    `AttentionOptions` is a static jit argument and part of a compiled program's key.
+    What is data is passed beside it: per-token bidirectional spans (`span_ends`) and a
+    stacked cache's per-layer window (traced under a scan over the layers).
+    """
+
+    sm_scale: float | None = None
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    attention_chunk: int | None = None
+    impl: AttentionImpl = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("sliding_window", "attention_chunk"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(name, getattr(self, name), min_value=1))
+        for name in ("sm_scale", "soft_cap"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_number(name, getattr(self, name)))
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
 
 
 class TokenIntervals(NamedTuple):
