@@ -16,7 +16,7 @@ from jaxkv.device.compile_guard import (
     compilation_count,
     no_compilation,
 )
-from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
+from jaxkv.device.encoder_store import EncoderCacheStore
 from jaxkv.device.kv_cache import PagedKVCache
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
@@ -37,7 +37,6 @@ __all__ = [
     "AttentionOptions",
     "CompilationCounter",
     "CompilationError",
-    "EmbedPlacement",
     "EncoderCacheStore",
     "KVLayout",
     "PagedKVCache",
