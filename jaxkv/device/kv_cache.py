@@ -21,7 +21,8 @@ bf16's bytes; `bytes_per_block` counts the scales.
 
 Serving: `warmup` compiles every program a serving loop runs, `layer_step` puts
 all layers' updates and attention in the caller's one jitted forward, and
-`zero_blocks_all` zeroes freed blocks in every layer with one call.
+`zero_blocks_all` zeroes freed blocks in every layer with one call. Every step entry
+point takes how the layer attends as one `AttentionOptions` (`jaxkv.device.attention`).
 
 Stacked caches: `allocate_stacked(L)` holds every layer in one `[L, ...]` array, so a
 model can run one layer body under `jax.lax.scan` (compile time independent of
