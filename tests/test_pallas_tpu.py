@@ -30,6 +30,7 @@ from test_device_attention import (
     reference_attention,
     rel_error,
     run_attention,
+    split_options,
 )
 from test_device_quant import ATTENTION_BOUND
 from test_device_step_metadata import _run_step
@@ -227,11 +228,11 @@ def test_auto_dispatch_by_platform(monkeypatch) -> None:
     assert len(calls) == 3
     with pytest.raises(ValueError, match="a quantised cache is not supported"):
         run_attention(quant, sm_scale=0.5, platform="gpu", impl="pallas", kv_quant="int8")
-    f32_bits_as_bf16 = {"platform": "tpu", "impl": "pallas", "kv_dtype": "bfloat16"}
     with pytest.raises(ValueError, match="needs a cache whose storage dtype"):
-        ragged_paged_attention(
+        ragged_paged_attention(  # f32 bits read as bf16
             jnp.asarray(case.q), case.kv, case.block_tables, case.seq_lens,
-            case.query_start_loc, case.num_seqs, sm_scale=0.5, **f32_bits_as_bf16,
+            case.query_start_loc, case.num_seqs, AttentionOptions(sm_scale=0.5, impl="pallas"),
+            platform="tpu", kv_dtype="bfloat16",
         )  # fmt: skip
 
 
@@ -296,9 +297,11 @@ def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, storage, masks) -> None:
     tokens, num_reqs = 20, 5
     stored_head = 128 + (4 if "kv_quant" in masks else 0)
 
+    options, masks = split_options({"sm_scale": 0.1, **masks})
+
     def attend(q, kv, tables, seq_lens, qsl, num_seqs, *span_ends):
         return ragged_paged_attention(
-            q, kv, tables, seq_lens, qsl, num_seqs, sm_scale=0.1, platform="tpu",
+            q, kv, tables, seq_lens, qsl, num_seqs, options, platform="tpu",
             kv_dtype=dtype, span_ends=span_ends[0] if spans else None, **masks,
         )  # fmt: skip
 

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._checks import check_int
-from jaxkv.device.attention import AttentionOptions, ragged_paged_attention
+from jaxkv.device.attention import _DEFAULT_OPTIONS, AttentionOptions, ragged_paged_attention
 from jaxkv.device.host_inputs import check_ids, pad_to_bucket, place
 from jaxkv.device.mesh import MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
@@ -111,9 +111,6 @@ def _write_local(
     k_lanes = 2 * jnp.arange(combined // 2, dtype=slots.dtype)[None, :]
     kv = kv.at[(*stack, blocks, offsets, k_lanes)].set(stored(k), mode="drop")
     return kv.at[(*stack, blocks, offsets, k_lanes + 1)].set(stored(v), mode="drop")
-
-
-_DEFAULT_OPTIONS = AttentionOptions()
 
 
 class _StepKey(NamedTuple):
@@ -873,7 +870,7 @@ class PagedKVCache:
 
         def local(kv, q, k, v, buf, *extra):
             # extra: (layer, window) of a stacked cache, then (span_ends,) with spans.
-            layer, window = extra[:2] if stacked else (None, options.sliding_window)
+            layer, window = extra[:2] if stacked else (None, None)
             md = unpack_step(buf[0], shape)
             kv = _write_local(
                 kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant, layer
@@ -882,11 +879,9 @@ class PagedKVCache:
             if replicated_kv_split_q:
                 kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group
             out = ragged_paged_attention(
-                q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
-                sm_scale=options.sm_scale, sliding_window=window, soft_cap=options.soft_cap,
-                kv_dtype=self.dtype, impl=options.impl, platform=self.platform, kv_head=kv_head,
-                kv_quant=self.kv_quant, layer=layer, attention_chunk=options.attention_chunk,
-                span_ends=extra[-1] if key.spans else None,
+                q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs, options,
+                window=window, span_ends=extra[-1] if key.spans else None, kv_dtype=self.dtype,
+                platform=self.platform, kv_head=kv_head, kv_quant=self.kv_quant, layer=layer,
             )  # fmt: skip
             return kv, out
 
