@@ -39,7 +39,13 @@ from benchmarks._common import (
     results_name,
     write_json,
 )
-from jaxkv.device import PagedKVCache, StepInputs, StepMetadataPacker, ragged_paged_attention
+from jaxkv.device import (
+    AttentionOptions,
+    PagedKVCache,
+    StepInputs,
+    StepMetadataPacker,
+    ragged_paged_attention,
+)
 from jaxkv.device.storage import to_storage
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
@@ -179,8 +185,8 @@ class PagedBatch:
         n = jnp.int32(len(self.reqs))
         fn = jax.jit(
             lambda q, kv, bt: ragged_paged_attention(
-                q, kv, bt, self.seq_lens, self.qsl, n, sm_scale=self.scale,
-                kv_dtype=self.cache.dtype, kv_quant=self.cache.kv_quant, **kw,
+                q, kv, bt, self.seq_lens, self.qsl, n, AttentionOptions(sm_scale=self.scale, **kw),
+                kv_dtype=self.cache.dtype, kv_quant=self.cache.kv_quant,
             )
         )  # fmt: skip
         return lambda: _ready(fn(self.q, self.kv, bt))
@@ -189,7 +195,7 @@ class PagedBatch:
         n = jnp.int32(len(self.reqs))
         return jax.jit(
             lambda q, kv, bt: ragged_paged_attention(
-                q, kv, bt, self.seq_lens, self.qsl, n, sm_scale=self.scale, **kw
+                q, kv, bt, self.seq_lens, self.qsl, n, AttentionOptions(sm_scale=self.scale, **kw)
             )
         ).lower(self.q, self.kv, jnp.asarray(self.tables))
 

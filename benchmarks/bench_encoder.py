@@ -227,6 +227,7 @@ def store_run(variant: str, items: int, seed: int) -> dict:
     from jaxkv.device import compilation_count
     from jaxkv.device.encoder_store import EncoderCacheStore, _bucket
     from jaxkv.device.host_inputs import pad_to_bucket
+    from jaxkv.encoder_pages import EncoderPageAllocator
 
     page_size, hidden, max_embeds = 16, 2048, 1024
     num_pages = 8 * max_embeds // page_size
@@ -234,30 +235,32 @@ def store_run(variant: str, items: int, seed: int) -> dict:
     store = EncoderCacheStore(
         num_pages, page_size, hidden, dtype=jnp.bfloat16, storage_dtype=storage
     )
+    allocator = EncoderPageAllocator(num_pages, page_size)
+    array = store.allocate()
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, max_embeds + 1, size=items)
     data = [rng.standard_normal((int(n), hidden)).astype(jnp.bfloat16) for n in sizes]
-    jax.block_until_ready(store.cache)
-    pointer = store.cache.unsafe_buffer_pointer()
+    jax.block_until_ready(array)
+    pointer = array.unsafe_buffer_pointer()
     resident, programs = _resident_bytes(), compilation_count()
     start = time.perf_counter()
     live: list[str] = []
     for i, x in enumerate(data):
         embeds = jax.device_put(x) if i % 2 else x  # jnp.asarray would compile per shape
         n, mm_hash = x.shape[0], f"item{i}"
-        while store.num_free_pages * page_size < n:
-            store.free([live.pop(0)])
+        while allocator.num_free_pages * page_size < n:
+            allocator.free([live.pop(0)])
+        pages = allocator.allocate(mm_hash, n)
         if variant == "before":
-            pages = store.allocate(mm_hash, n)
             bucket = _bucket(len(pages))
             pad = ((0, bucket * page_size - n), (0, 0))
             values = np.pad(embeds, pad) if isinstance(embeds, np.ndarray) else jnp.pad(embeds, pad)
             padded = pad_to_bucket(pages, bucket, num_pages)
-            store.cache = store._write(store.cache, padded, values)
-            out = store.gather_padded(pages)[:n]
+            array = store._write(array, padded, values)
+            out = store.gather_padded(array, pages)[:n]
         else:
-            store.put(mm_hash, embeds)
-            out = store.get(mm_hash)
+            array = store.write(array, embeds, pages)
+            out = store.gather(array, pages, n)
         live.append(mm_hash)
         jax.block_until_ready(out)
     seconds = time.perf_counter() - start
@@ -268,7 +271,7 @@ def store_run(variant: str, items: int, seed: int) -> dict:
         "seconds": seconds,
         "storage_dtype": str(store.storage_dtype),
         "store_mib": store.nbytes / 2**20,
-        "buffer_kept": store.cache.unsafe_buffer_pointer() == pointer,
+        "buffer_kept": array.unsafe_buffer_pointer() == pointer,
         "distinct_sizes": len(set(sizes.tolist())),
     }
 

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.bench_device import bench_scaling, bench_updates  # noqa: E402
-from jaxkv.device import ragged_paged_attention  # noqa: E402
+from jaxkv.device import AttentionOptions, ragged_paged_attention  # noqa: E402
 
 # (name, seq_lens, q_lens, group, window, chunk, soft_cap, spans, dtype)
 CASES = [
@@ -69,8 +69,9 @@ def check_kernels() -> list[dict]:
             for impl in ("pallas", "reference"):
                 fn = jax.jit(
                     functools.partial(
-                        ragged_paged_attention, num_seqs=jnp.int32(case.num_seqs), sm_scale=0.1,
-                        kv_dtype=case.cache.dtype, impl=impl, **masks,
+                        ragged_paged_attention, num_seqs=jnp.int32(case.num_seqs),
+                        options=AttentionOptions(sm_scale=0.1, impl=impl, **masks),
+                        kv_dtype=case.cache.dtype,
                         interpret=impl == "pallas" and jax.default_backend() == "cpu",
                     )
                 )  # fmt: skip
@@ -134,8 +135,8 @@ def compare_with_jax_kernels(hbm_gbs: float, small: bool) -> dict:
     interpret = jax.default_backend() == "cpu"
     ours = jax.jit(
         functools.partial(
-            ragged_paged_attention, num_seqs=jnp.int32(seqs), sm_scale=head**-0.5,
-            impl="pallas" if interpret else "auto", interpret=interpret,
+            ragged_paged_attention, num_seqs=jnp.int32(seqs),
+            options=AttentionOptions(impl="pallas" if interpret else "auto"), interpret=interpret,
         )
     )  # fmt: skip
     theirs = jax.jit(
@@ -162,8 +163,8 @@ def compare_with_jax_kernels(hbm_gbs: float, small: bool) -> dict:
     )  # fmt: skip
     prefill_ours = jax.jit(
         functools.partial(
-            ragged_paged_attention, num_seqs=jnp.int32(1), sm_scale=head**-0.5,
-            impl="reference" if interpret else "auto",
+            ragged_paged_attention, num_seqs=jnp.int32(1),
+            options=AttentionOptions(impl="reference" if interpret else "auto"),
         )
     )  # fmt: skip
     one_table, one_len = tables[:1], lengths[:1]

@@ -4,7 +4,7 @@ jaxkv's host block manager and device paged cache.
 Two requests share a 32-token prefix; the second one reads it from the prefix cache.
 Each step: the host `KVCacheManager` allocates slots, a `BlockTable` turns block ids
 into a slot mapping, `StepMetadataPacker` packs the step into one int32 buffer (one
-transfer), and inside YOUR jit `PagedKVCache.step` writes this step's K/V into the
+transfer), and inside YOUR jit `PagedKVCache.layer_step` writes this step's K/V into the
 donated cache and runs paged attention. The last line checks the greedy tokens against a
 dense forward pass. Run: `python examples/embed_in_your_loop.py`.
 """
@@ -52,7 +52,7 @@ cache = PagedKVCache(spec, NUM_BLOCKS)
 def step(kv, buffer, token_ids, shape):
     x = W["embed"][token_ids]  # (a real model adds RoPE at the packed positions)
     q, k, v = qkv(x)
-    kv, attn = cache.step(kv, q, k, v, buffer, shape)  # write K/V, then paged attention
+    kv, attn = cache.layer_step(kv, q, k, v, buffer, shape)  # write K/V, then paged attention
     h = x + attn.reshape(len(x), -1) @ W["o"]
     return kv, jnp.argmax(h @ W["out"], axis=-1)
 

@@ -6,8 +6,8 @@ Capacity is counted in *embeddings*: only the placeholder positions of an item
 that receive an encoder embedding count, never the text or break tokens
 between them.
 
-This module is bookkeeping only. Device memory is released when the device
-side (`jaxkv.device.encoder_store.EncoderCacheStore`) is handed the hashes
+This module is bookkeeping only. Store pages are released when the store's host
+page allocator (`jaxkv.encoder_pages.EncoderPageAllocator`) is handed the hashes
 returned by `get_freed_mm_hashes()`.
 
 Requests are duck-typed: the managers use only `request.request_id`,

@@ -6,6 +6,7 @@ Also home of the helpers the other device tests import (`random_case`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxkv.block_table import BlockTable
-from jaxkv.device import PagedKVCache, ragged_paged_attention
+from jaxkv.device import AttentionOptions, PagedKVCache, ragged_paged_attention
 from jaxkv.kv_cache_interface import FullAttentionSpec
 
 
@@ -167,10 +168,24 @@ def reference_attention(
     return out
 
 
+OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(AttentionOptions))
+
+
+def split_options(kw: dict) -> tuple[AttentionOptions, dict]:
+    """`kw`'s `AttentionOptions` fields as options, and the other keywords."""
+    options = AttentionOptions(**{k: v for k, v in kw.items() if k in OPTION_FIELDS})
+    return options, {k: v for k, v in kw.items() if k not in OPTION_FIELDS}
+
+
 def run_attention(
     case: Case, span_ends: np.ndarray | None = None, tables: np.ndarray | None = None, **kw
 ) -> np.ndarray:
-    fn = jax.jit(functools.partial(ragged_paged_attention, kv_dtype=case.cache.dtype, **kw))
+    """`ragged_paged_attention` over `case`, jitted; `kw` holds `AttentionOptions` fields
+    and the function's other keywords."""
+    options, kw = split_options(kw)
+    fn = jax.jit(
+        functools.partial(ragged_paged_attention, options=options, kv_dtype=case.cache.dtype, **kw)
+    )
     return np.asarray(
         fn(
             jnp.asarray(case.q),
@@ -273,9 +288,9 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"num_q_heads=3 must be a multiple of num_kv_heads=2"):
         ragged_paged_attention(
             jnp.zeros((2, 3, 8)), case.kv, case.block_tables, case.seq_lens,
-            case.query_start_loc, case.num_seqs, sm_scale=1.0,
+            case.query_start_loc, case.num_seqs, AttentionOptions(sm_scale=1.0),
         )  # fmt: skip
-    with pytest.raises(ValueError, match="sliding_window must be positive, got 0"):
+    with pytest.raises(ValueError, match="sliding_window must be >= 1, got 0"):
         run_attention(case, sm_scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match="impl='pallas' needs a GPU"):
         run_attention(case, sm_scale=1.0, impl="pallas", platform="cpu")

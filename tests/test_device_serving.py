@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 from test_device_step_metadata import _packer, _random_step
 
-from jaxkv.device import PagedKVCache, compilation_count, no_compilation
+from jaxkv.device import AttentionOptions, PagedKVCache, compilation_count, no_compilation
 from jaxkv.kv_cache_interface import FullAttentionSpec
+
+HALF = AttentionOptions(sm_scale=0.5)
 
 
 def test_no_compilation_after_warmup_over_300_random_steps_two_layers() -> None:
@@ -17,7 +19,7 @@ def test_no_compilation_after_warmup_over_300_random_steps_two_layers() -> None:
     packer = _packer()
     kvs = cache.allocate(2)
     start = compilation_count()
-    kvs = cache.warmup(kvs, packer, num_q_heads=4, sm_scale=0.5)
+    kvs = cache.warmup(kvs, packer, num_q_heads=4, options=HALF)
     assert compilation_count() > start
     models = [np.asarray(kv).reshape(-1, 4, 8).copy() for kv in kvs]
     bs = cache.block_size
@@ -40,7 +42,7 @@ def test_no_compilation_after_warmup_over_300_random_steps_two_layers() -> None:
                 k = rng.standard_normal((t, 2, 8)).astype(np.float32)
                 v = rng.standard_normal((t, 2, 8)).astype(np.float32)
                 kvs[layer], out = cache.step(
-                    kvs[layer], q, jax.device_put(k), jax.device_put(v), put, shape, sm_scale=0.5
+                    kvs[layer], q, jax.device_put(k), jax.device_put(v), put, shape, HALF
                 )
                 model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
             assert np.isfinite(np.asarray(out)).all()
@@ -63,7 +65,7 @@ def test_layer_step_runs_every_layer_in_one_program() -> None:
         kvs = list(kvs)
         for layer in range(3):
             kvs[layer], out = cache.layer_step(
-                kvs[layer], qs[layer], ks[layer], ks[layer] * 2, put, shape, sm_scale=0.5
+                kvs[layer], qs[layer], ks[layer], ks[layer] * 2, put, shape, HALF
             )
             outs.append(out)
         return tuple(kvs), jnp.stack(outs)
@@ -73,7 +75,7 @@ def test_layer_step_runs_every_layer_in_one_program() -> None:
     for layer in range(3):
         kv, out = cache.step(
             jnp.array(base[layer]), qs[layer], ks[layer], ks[layer] * 2, packer.put(buf), shape,
-            sm_scale=0.5,
+            HALF,
         )  # fmt: skip
         want_kvs.append(np.asarray(kv))
         want.append(np.asarray(out))

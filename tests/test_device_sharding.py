@@ -19,6 +19,7 @@ from test_device_attention import query_kv, random_case, reference_attention, re
 
 from jaxkv.device import (
     DATA_AXIS,
+    AttentionOptions,
     KVLayout,
     PagedKVCache,
     StepInputs,
@@ -88,7 +89,7 @@ def run_layout(
     for d, c in enumerate(cases):
         kv, out = single.step(
             c.kv, jnp.asarray(qs[d]), jnp.asarray(ks[d]), jnp.asarray(vs[d]),
-            packer.put(buf[d : d + 1]), shape, sm_scale=0.3,
+            packer.put(buf[d : d + 1]), shape, AttentionOptions(sm_scale=0.3),
         )  # fmt: skip
         kv = single.copy_blocks(kv, src[3 * d : 3 * d + 3], dst[3 * d : 3 * d + 3])
         kv = single.zero_blocks(kv, zero[2 * d : 2 * d + 2])
@@ -103,7 +104,7 @@ def run_layout(
         sharded.put(np.concatenate(vs)),
         packer.put(buf, NamedSharding(sharded.mesh, P(DATA_AXIS))),
         shape,
-        sm_scale=0.3,
+        AttentionOptions(sm_scale=0.3),
     )
     kv = sharded.copy_blocks(kv, src, dst)
     kv = sharded.zero_blocks(kv, zero)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from test_device_attention import (
 
 from jaxkv.block_table import BlockTable
 from jaxkv.device import (
+    AttentionOptions,
     CompilationError,
     PagedKVCache,
     StepField,
@@ -238,7 +241,7 @@ def test_fused_step_writes_and_attends(dtype: str) -> None:
     before = np.asarray(case.kv)
     kv, out = cache.step(
         case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
-        sm_scale=0.4,
+        AttentionOptions(sm_scale=0.4),
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(kv), before)  # same values rewritten, pads dropped
     out = np.asarray(out).astype(np.float64)
@@ -265,17 +268,19 @@ def _packed(case, max_num_tokens: int):
     return packer.put(buf), shape, num_q, q
 
 
-def _run_step(case, rng, **kw) -> np.ndarray:
-    """`case`'s batch through `PagedKVCache.step` (same K/V rewritten); output rows."""
+def _run_step(case, rng, span_ends=None, **options) -> np.ndarray:
+    """`case`'s batch through `PagedKVCache.step` (same K/V rewritten) with
+    `AttentionOptions(sm_scale=0.4, **options)`; output rows."""
     cache = case.cache
     buf, shape, num_q, q = _packed(case, 32)
     pad = shape.num_tokens - num_q
     k, v = (np.concatenate([x, np.zeros((pad, *x.shape[1:]), cache.dtype)]) for x in query_kv(case))
-    if kw.get("span_ends") is not None:
-        kw["span_ends"] = jnp.asarray(np.pad(kw["span_ends"][:num_q], (0, pad)), jnp.int32)
+    if span_ends is not None:
+        span_ends = jnp.asarray(np.pad(span_ends[:num_q], (0, pad)), jnp.int32)
     case.kv, out = cache.step(
-        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape, sm_scale=0.4, **kw
-    )
+        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
+        AttentionOptions(sm_scale=0.4, **options), span_ends=span_ends,
+    )  # fmt: skip
     return np.asarray(out)[:num_q]
 
 
@@ -410,14 +415,14 @@ def test_stacked_layer_step_is_the_layer_step_on_one_layer_of_the_stack(window) 
     def stacked_step(stack, layer, window):
         return cache.stacked_layer_step(
             stack, layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
-            sm_scale=0.4, sliding_window=window,
+            AttentionOptions(sm_scale=0.4), window=window,
         )  # fmt: skip
 
     traced_window = None if window is None else jnp.int32(window)
     stack, out = stacked_step(stack, jnp.int32(1), traced_window)
     kv, want = cache.step(
         case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
-        sm_scale=0.4, sliding_window=window,
+        AttentionOptions(sm_scale=0.4, sliding_window=window),
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(out)[:num_q], np.asarray(want)[:num_q], rtol=1e-6)
     got = np.asarray(stack)
@@ -433,3 +438,31 @@ def test_stacked_layer_step_is_the_layer_step_on_one_layer_of_the_stack(window) 
     np.testing.assert_array_equal(np.asarray(stack), want_stack)
     with pytest.raises(ValueError, match=r"expects \[num_layers, \*shape\]"):
         cache.zero_blocks_stacked(jnp.zeros(cache.shape, cache.storage_dtype), [2])
+
+
+def test_attention_options_are_validated_once_and_hash_as_a_key() -> None:
+    assert AttentionOptions(sm_scale=np.float32(0.5), sliding_window=np.int64(4)) == (
+        AttentionOptions(sm_scale=0.5, sliding_window=4)
+    )
+    assert hash(AttentionOptions(soft_cap=30)) == hash(AttentionOptions(soft_cap=30.0))
+    for field, value, error, message in [
+        ("sliding_window", 0, ValueError, "sliding_window must be >= 1, got 0"),
+        ("attention_chunk", 2.5, TypeError, "attention_chunk must be an integer, got 2.5"),
+        ("sliding_window", True, TypeError, "sliding_window must be an integer, got True"),
+        ("soft_cap", -1.0, ValueError, "soft_cap must be positive, got -1.0"),
+        ("sm_scale", float("nan"), ValueError, "sm_scale must be positive, got nan"),
+        ("sm_scale", "0.5", TypeError, "sm_scale must be a number, got '0.5'"),
+        ("impl", "fast", ValueError, "impl must be one of"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            AttentionOptions(**{field: value})
+    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
+    stack = cache.allocate_stacked(2)
+    packer = _packer(max_num_reqs=1, min_num_tokens=1)
+    shape = StepShape(4, 1, 4)
+    buf = packer.put(packer.empty(shape))
+    q, k = jnp.zeros((4, 4, 8)), jnp.zeros((4, 2, 8))
+    with pytest.raises(ValueError, match="options.sliding_window must be None, got 3"):
+        cache.stacked_layer_step(stack, 0, q, k, k, buf, shape, AttentionOptions(sliding_window=3))
+    with pytest.raises(TypeError, match="options must be an AttentionOptions, got dict"):
+        cache.step(stack[0], q, k, k, buf, shape, {"sm_scale": 0.5})

@@ -1,4 +1,6 @@
-"""Device encoder store: exact round trips, page reuse, donation, merge, sharding, sizing."""
+"""Encoder store: the device store's functional API (store array in, store array out,
+donated) driven by the host page allocator, as the engine's runner drives it: exact round
+trips, page reuse, donation, merge, sharding, sizing, clear errors."""
 
 from __future__ import annotations
 
@@ -22,15 +24,36 @@ from hypothesis.stateful import (
 )
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
+from jaxkv.device.encoder_store import EncoderCacheStore
 from jaxkv.encoder_cache_manager import EncoderCacheManager
+from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
 from jaxkv.request import MultiModalFeatureSpec, Request
 
 HIDDEN = 8
 
 
-def store(num_pages: int = 16, page_size: int = 4, **kwargs) -> EncoderCacheStore:
-    return EncoderCacheStore(num_pages, page_size, HIDDEN, dtype=jnp.float32, **kwargs)
+class Held:
+    """A device store, its array and its host pages, held as the engine's runner holds
+    them (`ModelRunner.encoder_store`, `encoder_cache`, `encoder_pages`)."""
+
+    def __init__(self, num_pages: int, page_size: int, dtype=jnp.float32, **kwargs) -> None:
+        self.device = EncoderCacheStore(num_pages, page_size, HIDDEN, dtype=dtype, **kwargs)
+        self.pages = EncoderPageAllocator(num_pages, page_size)
+        self.array = self.device.allocate()
+
+    def put(self, mm_hash: str, x) -> np.ndarray:
+        """Allocate pages for `mm_hash` on the host, write `x` there; return the pages."""
+        pages = self.pages.allocate(mm_hash, x.shape[0])
+        self.array = self.device.write(self.array, x, pages)
+        return pages
+
+    def get(self, mm_hash: str) -> jax.Array:
+        pages = self.pages
+        return self.device.gather(self.array, pages.pages_of(mm_hash), pages.num_embeds_of(mm_hash))
+
+
+def store(num_pages: int = 16, page_size: int = 4, **kwargs) -> Held:
+    return Held(num_pages, page_size, **kwargs)
 
 
 def embeds(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -45,12 +68,12 @@ def test_write_then_gather_returns_exact_embeddings():
     pages_b = s.put("b", jnp.asarray(b))  # device input too
     s.put("c", c)
     assert len(pages_a) == 3 and len(pages_b) == 1
-    assert len(set(pages_a) | set(pages_b) | set(s.pages_of("c"))) == 5
+    assert len(set(pages_a) | set(pages_b) | set(s.pages.pages_of("c"))) == 5
     np.testing.assert_array_equal(np.asarray(s.get("a")), a)
     np.testing.assert_array_equal(np.asarray(s.get("b")), b)
     np.testing.assert_array_equal(np.asarray(s.get("c")), c)
-    np.testing.assert_array_equal(np.asarray(s.gather(pages_a, 6)), a[:6])
-    assert s.num_free_pages == 11 and s.num_embeds_of("a") == 10 and "a" in s
+    np.testing.assert_array_equal(np.asarray(s.device.gather(s.array, pages_a, 6)), a[:6])
+    assert s.pages.num_free_pages == 11 and s.pages.num_embeds_of("a") == 10 and "a" in s.pages
 
 
 def test_freed_pages_are_reused_and_other_entries_untouched():
@@ -59,9 +82,9 @@ def test_freed_pages_are_reused_and_other_entries_untouched():
     a, b = embeds(rng, 8), embeds(rng, 4)
     pages_a = s.put("a", a)
     s.put("b", b)
-    assert s.num_free_pages == 3
-    s.free(["a"])
-    assert s.num_free_pages == 5 and "a" not in s
+    assert s.pages.num_free_pages == 3
+    s.pages.free(["a"])
+    assert s.pages.num_free_pages == 5 and "a" not in s.pages
     c = embeds(rng, 8)
     pages_c = s.put("c", c)
     assert sorted(pages_c.tolist()) == sorted(pages_a.tolist())
@@ -79,23 +102,23 @@ def test_padding_pages_never_touch_the_last_page():
         s.put(f"fill{i}", embeds(rng, 2))
     last = embeds(rng, 2)
     assert s.put("last", last).tolist() == [7]
-    s.free([f"fill{i}" for i in range(3)])
+    s.pages.free([f"fill{i}" for i in range(3)])
     s.put("three-pages", embeds(rng, 5))
     np.testing.assert_array_equal(np.asarray(s.get("last")), last)
-    np.testing.assert_array_equal(np.asarray(s.cache[7]), last)
+    np.testing.assert_array_equal(np.asarray(s.array[7]), last)
 
 
 def test_write_donates_the_store_and_needs_no_store_sized_temporaries():
     s = store(num_pages=256, page_size=16)
-    old = s.cache
+    old = s.array
     s.put("a", np.ones((20, HIDDEN), np.float32))
     assert old.is_deleted()
-    assert not s.cache.is_deleted()
-    pages = np.full(2, 256, np.int32)
-    values = jnp.zeros((2, 16, HIDDEN), jnp.float32)
-    stats = s._write.lower(s.cache, pages, values).compile().memory_analysis()
-    assert stats.alias_size_in_bytes == s.nbytes  # output aliases the donated input
-    assert stats.temp_size_in_bytes < s.nbytes // 16
+    assert not s.array.is_deleted()
+    lowered, donated = s.device.lower_write(2)
+    assert donated.shape == s.array.shape and donated.dtype == s.array.dtype
+    stats = lowered.compile().memory_analysis()
+    assert stats.alias_size_in_bytes == s.device.nbytes  # output aliases the donated input
+    assert stats.temp_size_in_bytes < s.device.nbytes // 16
 
 
 def test_merge_writes_embed_positions_of_the_step_only():
@@ -127,7 +150,8 @@ def test_merge_writes_embed_positions_of_the_step_only():
             rel = pos - p.feature.offset
             if 0 <= rel < p.feature.length and mask[rel]:
                 expected[p.batch_offset + pos - p.num_computed_tokens] = data[mask[:rel].sum()]
-    merged = s.merge(jnp.asarray(tokens), placements)
+    src, dst = s.pages.merge_indices(placements, len(tokens))
+    merged = s.device.merge(s.array, jnp.asarray(tokens), src, dst)
     np.testing.assert_array_equal(np.asarray(merged), expected)
     changed = np.flatnonzero((expected != tokens).any(axis=1)).tolist()
     # Image embed positions 9, 10, 11, 13 of the step [8, 14) -> rows 4, 5, 6, 8 (position 12
@@ -141,46 +165,61 @@ def test_merge_rejects_rows_outside_the_step():
     feature = MultiModalFeatureSpec("img", offset=0, length=4)
     placement = EmbedPlacement("img", feature, 0, 4, batch_offset=3)
     with pytest.raises(ValueError, match=r"rows \[3, 6\], outside the step's 5 rows"):
-        s.merge(jnp.zeros((5, HIDDEN)), [placement])
+        s.pages.merge_indices([placement], 5)
+    src, dst = s.pages.merge_indices([placement], 7)
     with pytest.raises(ValueError, match=r"\[tokens, 8\]"):
-        s.merge(jnp.zeros((5, 3)), [placement])
+        s.device.merge(s.array, jnp.zeros((7, 3)), src, dst)
+    with pytest.raises(ValueError, match=r"dst value 8 is out of range \[0, 8\)"):
+        s.device.merge(s.array, jnp.zeros((7, HIDDEN)), src, dst + 2)
+    with pytest.raises(ValueError, match="src has 4 rows but dst has 2"):
+        s.device.merge(s.array, jnp.zeros((7, HIDDEN)), src, dst[:2])
+    with pytest.raises(KeyError, match="'gone' is not in the encoder store"):
+        s.pages.merge_indices([EmbedPlacement("gone", feature, 0, 4, batch_offset=0)], 7)
 
 
 def test_allocation_errors_change_nothing():
     s = store(num_pages=4, page_size=4)
     s.put("a", np.ones((9, HIDDEN), np.float32))
     with pytest.raises(ValueError, match="needs 2 pages of 4 embeddings but only 1 of 4 are free"):
-        s.allocate("b", 5)
+        s.pages.allocate("b", 5)
     with pytest.raises(ValueError, match="'a' is already in the encoder store"):
-        s.allocate("a", 1)
+        s.pages.allocate("a", 1)
     with pytest.raises(ValueError, match="num_embeds must be >= 0, got -1"):
-        s.allocate("c", -1)
+        s.pages.allocate("c", -1)
+    with pytest.raises(TypeError, match="mm_hash must be a str, got int"):
+        s.pages.allocate(3, 1)
     with pytest.raises(KeyError, match="unknown \\['zz'\\]"):
-        s.free(["a", "zz"])
+        s.pages.free(["a", "zz"])
     with pytest.raises(KeyError, match="listed twice"):
-        s.free(["a", "a"])
-    assert s.num_free_pages == 1 and "a" in s
+        s.pages.free(["a", "a"])
+    assert s.pages.num_free_pages == 1 and "a" in s.pages
 
 
 def test_write_and_gather_validate_shapes():
     s = store(num_pages=4, page_size=4)
-    pages = s.allocate("a", 6)
+    pages = s.pages.allocate("a", 6)
+    device, array = s.device, s.array
     with pytest.raises(ValueError, match=r"embeds \[n, 8\] and ceil\(n / 4\) pages"):
-        s.write(np.ones((9, HIDDEN), np.float32), pages)
+        device.write(array, np.ones((9, HIDDEN), np.float32), pages)
     with pytest.raises(ValueError, match="embeds"):
-        s.write(np.ones((6, 3), np.float32), pages)
+        device.write(array, np.ones((6, 3), np.float32), pages)
     with pytest.raises(ValueError, match=r"pages value 4 is out of range \[0, 4\)"):
-        s.write(np.ones((6, HIDDEN), np.float32), [0, 4])
+        device.write(array, np.ones((6, HIDDEN), np.float32), [0, 4])
     with pytest.raises(ValueError, match=r"num_embeds must lie in \[0, 8\]"):
-        s.gather(pages, 9)
+        device.gather(array, pages, 9)
+    with pytest.raises(ValueError, match=r"store array has shape \(3, 4, 8\)"):
+        device.gather(array[:3], pages, 6)
+    assert not array.is_deleted(), "a rejected write must not donate"
     for bad in ({"num_pages": 0}, {"page_size": -1}):
         with pytest.raises(ValueError, match="must be a positive int"):
-            store(**bad)
+            EncoderCacheStore(**{"num_pages": 4, "page_size": 4, **bad}, hidden_size=HIDDEN)
+        with pytest.raises(ValueError, match="must be >= 1"):
+            EncoderPageAllocator(**{"num_pages": 4, "page_size": 4, **bad})
 
 
 def test_sizes_in_bytes():
     s = EncoderCacheStore(10, 16, 64, dtype=jnp.bfloat16)
-    assert s.nbytes == 10 * 16 * 64 * 2 == s.cache.nbytes
+    assert s.nbytes == 10 * 16 * 64 * 2 == s.allocate().nbytes
     assert EncoderCacheStore.bytes_per_page(16, 64, jnp.float32) == 4096
     assert EncoderCacheStore.pages_for_bytes(10_000, 16, 64, jnp.float32) == 2
     with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
@@ -197,17 +236,17 @@ def test_pages_needed_covers_any_set_of_items_that_fits_the_cache(page_size, min
     sizes = [min_item + e for e in extra]
     cache_size = sum(sizes)
     needed = sum(-(-n // page_size) for n in sizes)
-    bound = EncoderCacheStore.pages_needed(cache_size, page_size, min_item)
+    bound = EncoderPageAllocator.pages_needed(cache_size, page_size, min_item)
     assert needed <= bound <= cache_size
 
 
 def test_single_device_mesh_shards_hidden_axis():
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     s = store(mesh=mesh, hidden_axis="model")
-    assert s.cache.sharding.spec == PartitionSpec(None, None, "model")
+    assert s.array.sharding.spec == PartitionSpec(None, None, "model")
     data = np.random.default_rng(4).standard_normal((7, HIDDEN)).astype(np.float32)
     s.put("a", data)
-    assert s.cache.sharding == s.sharding
+    assert s.array.sharding == s.device.sharding
     np.testing.assert_array_equal(np.asarray(s.get("a")), data)
     with pytest.raises(ValueError, match="'data' is not a mesh axis"):
         store(mesh=mesh, hidden_axis="data")
@@ -223,12 +262,13 @@ def test_two_device_mesh_splits_hidden_and_round_trips():
         from jaxkv.device.encoder_store import EncoderCacheStore
         mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
         s = EncoderCacheStore(8, 4, 8, dtype=jnp.float32, mesh=mesh, hidden_axis="model")
-        assert s.cache.sharding.spec == PartitionSpec(None, None, "model")
-        assert {sh.data.shape for sh in s.cache.addressable_shards} == {(8, 4, 4)}
+        array = s.allocate()
+        assert array.sharding.spec == PartitionSpec(None, None, "model")
+        assert {sh.data.shape for sh in array.addressable_shards} == {(8, 4, 4)}
         data = np.random.default_rng(5).standard_normal((9, 8)).astype(np.float32)
-        s.put("a", data)
-        assert s.cache.sharding == s.sharding
-        np.testing.assert_array_equal(np.asarray(s.get("a")), data)
+        array = s.write(array, data, [3, 5, 0])
+        assert array.sharding == s.sharding
+        np.testing.assert_array_equal(np.asarray(s.gather(array, [3, 5, 0], 9)), data)
         try:
             EncoderCacheStore(8, 4, 7, dtype=jnp.float32, mesh=mesh, hidden_axis="model")
         except ValueError as error:
@@ -251,7 +291,7 @@ def test_store_driven_by_manager_holds_exactly_the_cached_entries():
     rng = np.random.default_rng(6)
     page_size, sizes = 4, {f"img{i}": int(rng.integers(3, 12)) for i in range(12)}
     manager = EncoderCacheManager(cache_size=30)
-    s = store(num_pages=EncoderCacheStore.pages_needed(30, page_size, 3), page_size=page_size)
+    s = store(num_pages=EncoderPageAllocator.pages_needed(30, page_size, 3), page_size=page_size)
     truth = {h: embeds(rng, n) for h, n in sizes.items()}
     evictions = 0
     for step in range(60):
@@ -271,89 +311,84 @@ def test_store_driven_by_manager_holds_exactly_the_cached_entries():
                 to_encode.append(feature.identifier)
         freed = manager.get_freed_mm_hashes()
         evictions += len(freed)
-        s.free(freed)
+        s.pages.free(freed)
         for mm_hash in to_encode:
-            if mm_hash not in s:  # evicted and re-allocated in one pass: data kept
+            if mm_hash not in s.pages:  # evicted and re-allocated in one pass: data kept
                 s.put(mm_hash, truth[mm_hash])
-        assert len(s) == len(manager.cached) and all(h in s for h in manager.cached)
+        assert len(s.pages) == len(manager.cached) and all(h in s.pages for h in manager.cached)
         for mm_hash in manager.cached:
             np.testing.assert_array_equal(np.asarray(s.get(mm_hash)), truth[mm_hash])
         manager.free(request)
     assert evictions > 10
 
 
-def test_pages_of_other_items_out_of_range_pages_and_bare_strings_are_rejected():
+def test_out_of_range_pages_bare_strings_and_bad_sizes_are_rejected_changing_nothing():
     s = store(num_pages=6, page_size=4)
     a = s.put("a", np.ones((6, HIDDEN), np.float32))
     b = s.put("b", np.full((3, HIDDEN), 2.0, np.float32))
-    before = np.asarray(s.cache).copy()
-    with pytest.raises(ValueError, match=r"include pages of stored item\(s\) \['b'\]"):
-        free = next(p for p in range(6) if p not in a and p not in b)
-        s.write(np.zeros((8, HIDDEN), np.float32), [free, int(b[0])])
-    with pytest.raises(ValueError, match=r"\['a', 'b'\]"):
-        s.write(np.zeros((8, HIDDEN), np.float32), [int(a[1]), int(b[0])])
-    s.write(np.full((6, HIDDEN), 5.0, np.float32), a)  # an item's own pages: a rewrite
+    s.array = s.device.write(s.array, np.full((6, HIDDEN), 5.0, np.float32), a)  # a rewrite
     with pytest.raises(ValueError, match=r"pages value 6 is out of range \[0, 6\)"):
-        s.gather([0, 6], 4)
+        s.device.gather(s.array, [0, 6], 4)
     with pytest.raises(ValueError, match=r"pages value -1"):
-        s.gather([-1], 1)
+        s.device.gather(s.array, [-1], 1)
+    with pytest.raises(TypeError, match="pages must hold integers, got dtype float64"):
+        s.device.write(s.array, np.zeros((4, HIDDEN), np.float32), [1.0])
     with pytest.raises(TypeError, match="bare string 'a'"):
-        s.free("a")
+        s.pages.free("a")
     with pytest.raises(TypeError, match="num_embeds must be an integer, got 2.5"):
-        s.allocate("c", 2.5)
+        s.pages.allocate("c", 2.5)
     with pytest.raises(TypeError, match="num_pages must be an integer, got True"):
         store(num_pages=True)
-    assert "a" in s and "b" in s and s.num_free_pages == 3
-    np.testing.assert_array_equal(
-        np.asarray(s.get("b")), before.reshape(-1, HIDDEN)[4 * b[0] :][:3]
-    )
+    with pytest.raises(TypeError, match="page_size must be an integer, got True"):
+        EncoderPageAllocator(4, True)
+    assert "a" in s.pages and "b" in s.pages and s.pages.num_free_pages == 3
+    np.testing.assert_array_equal(np.asarray(s.get("b")), np.full((3, HIDDEN), 2.0))
     np.testing.assert_array_equal(np.asarray(s.get("a")), np.full((6, HIDDEN), 5.0))
+    assert b.tolist() == [2]
 
 
 def test_bf16_stored_as_uint16_round_trips_in_place_with_bounded_programs():
     from jaxkv.device import compilation_count
 
-    s = EncoderCacheStore(64, 4, HIDDEN, dtype=jnp.bfloat16, storage_dtype="auto")
-    assert s.storage_dtype == np.uint16 and s.cache.dtype == np.uint16
+    s = store(num_pages=64, page_size=4, dtype=jnp.bfloat16, storage_dtype="auto")
+    assert s.device.storage_dtype == np.uint16 and s.array.dtype == np.uint16
     rng = np.random.default_rng()
     want = {}
     s.put("warm", rng.standard_normal((3, HIDDEN)).astype(np.float32))
-    s.free(["warm"])
+    s.pages.free(["warm"])
     before = compilation_count()
     for i in range(40):  # random sizes, NumPy input: programs per page bucket only
         n = int(rng.integers(1, 17))
         x = rng.standard_normal((n, HIDDEN)).astype(jnp.bfloat16)
         s.put(f"h{i}", x)
         want[f"h{i}"] = x
-        s.gather_padded(s.pages_of(f"h{i}"))
-        if len(s) > 6:
+        s.device.gather_padded(s.array, s.pages.pages_of(f"h{i}"))
+        if len(s.pages) > 6:
             gone = sorted(want)[0]
-            s.free([gone])
+            s.pages.free([gone])
             del want[gone]
     assert compilation_count() - before <= 6, "one write and one gather program per bucket"
     for h, x in want.items():
         got = np.asarray(s.get(h))
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
-    pages = np.arange(4, dtype=np.int32)
-    lowered = s._write.lower(s.cache, pages, np.zeros((4, 4, HIDDEN), np.float32))
-    stats = lowered.compile().memory_analysis()
-    assert stats.temp_size_in_bytes < 0.1 * s.nbytes, "the uint16 store is written in place"
+    stats = s.device.lower_write(4)[0].compile().memory_analysis()
+    assert stats.temp_size_in_bytes < 0.1 * s.device.nbytes, "the uint16 store is written in place"
 
 
-def test_scatter_returns_a_new_store_array_and_composes_in_a_users_jit():
+def test_write_returns_a_new_store_array_and_composes_in_a_users_jit():
     s = store(num_pages=8, page_size=4)
-    pages = s.allocate("a", 6)
+    pages = s.pages.allocate("a", 6)
     x = np.arange(6 * HIDDEN, dtype=np.float32).reshape(6, HIDDEN)
 
     @jax.jit
-    def user_step(cache, embeds):
-        return s.scatter(cache, embeds, pages)
+    def user_step(array, embeds):
+        return s.device.write(array, embeds, pages)
 
-    cache = user_step(s.cache, x)
-    np.testing.assert_array_equal(np.asarray(cache).reshape(-1, HIDDEN)[4 * pages[0] :][:4], x[:4])
+    array = user_step(s.array, x)
+    np.testing.assert_array_equal(np.asarray(array).reshape(-1, HIDDEN)[4 * pages[0] :][:4], x[:4])
     with pytest.raises(ValueError, match=r"store array has shape \(3, 4, 8\)"):
-        s.scatter(cache[:3], x, pages)
+        s.device.write(array[:3], x, pages)
 
 
 def test_random_item_sizes_from_numpy_and_jax_compile_a_few_programs_in_place():
@@ -363,9 +398,9 @@ def test_random_item_sizes_from_numpy_and_jax_compile_a_few_programs_in_place():
     from jaxkv.device import compilation_count
 
     page_size, max_pages = 4, 16
-    s = EncoderCacheStore(64, page_size, HIDDEN, dtype=jnp.bfloat16)
-    assert s.storage_dtype == np.uint16 and s.cache.dtype == np.uint16  # the CPU default
-    pointer = s.cache.unsafe_buffer_pointer()
+    s = store(num_pages=64, page_size=page_size, dtype=jnp.bfloat16)
+    assert s.device.storage_dtype == np.uint16 and s.array.dtype == np.uint16  # CPU default
+    pointer = s.array.unsafe_buffer_pointer()
     rng = np.random.default_rng()
     want: dict[str, np.ndarray] = {}
     before = compilation_count()
@@ -375,17 +410,17 @@ def test_random_item_sizes_from_numpy_and_jax_compile_a_few_programs_in_place():
         mm_hash = f"item{i}"
         pages = s.put(mm_hash, jax.device_put(x) if i % 2 else x)  # jnp.asarray compiles
         want[mm_hash] = x
-        got = s.get(mm_hash) if i % 3 else s.gather(pages, n)
+        got = s.get(mm_hash) if i % 3 else s.device.gather(s.array, pages, n)
         assert got.shape == (n, HIDDEN) and got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), x.view(np.uint16))
-        while s.num_free_pages < max_pages:
+        while s.pages.num_free_pages < max_pages:
             gone = next(iter(want))
-            s.free([gone])
+            s.pages.free([gone])
             del want[gone]
     buckets = max_pages.bit_length()  # 1, 2, 4, 8, 16 pages
     compiled = compilation_count() - before
     assert compiled <= 2 * buckets, f"{compiled} programs for {buckets} page buckets"
-    assert s.cache.unsafe_buffer_pointer() == pointer, "writes must update the buffer in place"
+    assert s.array.unsafe_buffer_pointer() == pointer, "writes must update the buffer in place"
     for mm_hash, x in want.items():  # earlier items untouched by later writes
         np.testing.assert_array_equal(np.asarray(s.get(mm_hash)).view(np.uint16), x.view(np.uint16))
 
@@ -395,8 +430,8 @@ class EncoderStoreMachine(RuleBasedStateMachine):
 
     After every step: the free pages and the items' pages partition the store, every
     item reads back bit for bit, and the store's buffer is the one it started with.
-    One store serves all examples (emptied at the start of each), so the compile count
-    over the whole run is bounded by the page buckets.
+    One device store and array serve all examples (each starts with fresh host pages),
+    so the compile count over the whole run is bounded by the page buckets.
     """
 
     PAGE_SIZE, NUM_PAGES = 4, 24
@@ -406,10 +441,10 @@ class EncoderStoreMachine(RuleBasedStateMachine):
         super().__init__()
         cls = type(self)
         if cls.shared is None:
-            cls.shared = EncoderCacheStore(cls.NUM_PAGES, cls.PAGE_SIZE, HIDDEN, dtype=jnp.bfloat16)
+            cls.shared = Held(cls.NUM_PAGES, cls.PAGE_SIZE, dtype=jnp.bfloat16)
         self.store = cls.shared
-        self.store.free([h for h in list(self.store._entries)])
-        self.pointer = self.store.cache.unsafe_buffer_pointer()
+        self.store.pages = EncoderPageAllocator(cls.NUM_PAGES, cls.PAGE_SIZE)
+        self.pointer = self.store.array.unsafe_buffer_pointer()
         self.truth: dict[str, np.ndarray] = {}
         self.count = 0
 
@@ -422,7 +457,7 @@ class EncoderStoreMachine(RuleBasedStateMachine):
         x = self._data(seed, n)
         mm_hash = f"h{self.count}"
         self.count += 1
-        if -(-n // self.PAGE_SIZE) > self.store.num_free_pages:
+        if -(-n // self.PAGE_SIZE) > self.store.pages.num_free_pages:
             with pytest.raises(ValueError, match="are free"):
                 self.store.put(mm_hash, x)
             return
@@ -432,28 +467,31 @@ class EncoderStoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.truth)
     @rule(data=st.data(), seed=st.integers(0, 2**16), as_jax=st.booleans())
     def rewrite(self, data, seed, as_jax):
+        store = self.store
         mm_hash = data.draw(st.sampled_from(sorted(self.truth)))
-        x = self._data(seed, self.store.num_embeds_of(mm_hash))
-        self.store.write(jax.device_put(x) if as_jax else x, self.store.pages_of(mm_hash))
+        x = self._data(seed, store.pages.num_embeds_of(mm_hash))
+        x_in = jax.device_put(x) if as_jax else x
+        store.array = store.device.write(store.array, x_in, store.pages.pages_of(mm_hash))
         self.truth[mm_hash] = x
 
     @precondition(lambda self: self.truth)
     @rule(data=st.data())
     def free(self, data):
         gone = data.draw(st.lists(st.sampled_from(sorted(self.truth)), unique=True, min_size=1))
-        self.store.free(gone)
+        self.store.pages.free(gone)
         for mm_hash in gone:
             del self.truth[mm_hash]
 
     @invariant()
     def pages_partition_and_items_read_back(self):
-        owned = [p for h in self.truth for p in self.store.pages_of(h).tolist()]
-        free = self.store._free_pages
-        assert sorted(owned + free) == list(range(self.NUM_PAGES))
+        pages = self.store.pages
+        owned = [p for h in self.truth for p in pages.pages_of(h).tolist()]
+        assert sorted(owned + pages._free_pages) == list(range(self.NUM_PAGES))
+        assert len(pages) == len(self.truth)
         for mm_hash, x in self.truth.items():
             got = np.asarray(self.store.get(mm_hash))
             np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
-        assert self.store.cache.unsafe_buffer_pointer() == self.pointer
+        assert self.store.array.unsafe_buffer_pointer() == self.pointer
 
 
 def test_encoder_store_state_machine():

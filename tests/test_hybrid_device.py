@@ -25,7 +25,7 @@ from jaxkv import (
     get_hash_fn_by_name,
     get_request_block_hasher,
 )
-from jaxkv.device import PagedKVCache, StepInputs, StepMetadataPacker
+from jaxkv.device import AttentionOptions, PagedKVCache, StepInputs, StepMetadataPacker
 
 pytestmark = pytest.mark.usefixtures("fixed_none_hash")
 
@@ -131,7 +131,7 @@ class HybridModel:
             self.kv[layer], out = cache.step(
                 self.kv[layer], padded(q, Q_HEADS), padded(np.stack(k_new), HEADS),
                 padded(np.stack(v_new), HEADS), self.packer.put(buf), shape,
-                sm_scale=SCALE, sliding_window=window,
+                AttentionOptions(sm_scale=SCALE, sliding_window=window),
             )  # fmt: skip
             out = np.asarray(out, np.float64)
             offset = 0

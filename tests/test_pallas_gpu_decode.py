@@ -17,9 +17,16 @@ import numpy as np
 import pytest
 from test_device_attention import Case, random_case, reference_attention, rel_error
 
-from jaxkv.device import attention, paged_decode_attention, ragged_paged_attention
+from jaxkv.device import (
+    AttentionOptions,
+    attention,
+    paged_decode_attention,
+    ragged_paged_attention,
+)
 from jaxkv.device.pallas_gpu import paged_decode_attention_pallas
 
+UNIT = AttentionOptions(sm_scale=1.0)
+PALLAS = AttentionOptions(sm_scale=1.0, impl="pallas")
 HEAD_SIZE = 16
 WIDTH = 5  # block-table width; one request per case fills it
 
@@ -113,14 +120,15 @@ def test_dispatch_matches_reference_and_zeroes_rows_past_num_seqs() -> None:
     )  # fmt: skip
 
     def run(**kw) -> np.ndarray:
-        fn = functools.partial(paged_decode_attention, sm_scale=0.5, soft_cap=4.0, **kw)
+        options = AttentionOptions(sm_scale=0.5, soft_cap=4.0, impl=kw.pop("impl", "auto"))
+        fn = functools.partial(paged_decode_attention, options=options, **kw)
         return np.asarray(jax.jit(fn)(*args))
 
     auto = run(platform="cpu")
     kernel = run(impl="pallas", interpret=True, platform="cpu")
     ragged = ragged_paged_attention(
         args[0], case.kv, args[2], args[3], jnp.arange(len(case.q) + 1, dtype=jnp.int32),
-        args[4], sm_scale=0.5, soft_cap=4.0, impl="reference",
+        args[4], AttentionOptions(sm_scale=0.5, soft_cap=4.0, impl="reference"),
     )  # fmt: skip
     np.testing.assert_allclose(auto, np.asarray(ragged), rtol=1e-6, atol=1e-6)
     want = reference_attention(case, sm_scale=0.5, soft_cap=4.0)
@@ -157,11 +165,18 @@ def test_kernel_rejects_bad_inputs(shape, kw, match) -> None:
 def test_dispatch_rejects_bad_options() -> None:
     q, kv, tables, lens = _args()
     with pytest.raises(ValueError, match="impl='pallas' needs a GPU .* or a TPU"):
-        paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="pallas", platform="cpu")
+        paged_decode_attention(q, kv, tables, lens, 2, PALLAS, platform="cpu")
     with pytest.raises(ValueError, match="interpret=True needs impl='pallas'"):
-        paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, interpret=True)
+        paged_decode_attention(q, kv, tables, lens, 2, UNIT, interpret=True)
     with pytest.raises(ValueError, match="impl must be"):
-        paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="triton")
+        paged_decode_attention(q, kv, tables, lens, 2, AttentionOptions(impl="triton"))
+    with pytest.raises(TypeError, match="options must be an AttentionOptions, got dict"):
+        paged_decode_attention(q, kv, tables, lens, 2, {"sm_scale": 1.0})
+    with pytest.raises(ValueError, match="window .* and options.sliding_window=3 both given"):
+        ragged_paged_attention(
+            q, kv, tables, lens, jnp.arange(3, dtype=jnp.int32), 2,
+            AttentionOptions(sliding_window=3), window=jnp.int32(3),
+        )  # fmt: skip
 
 
 def test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit(monkeypatch) -> None:
@@ -175,16 +190,15 @@ def test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit(monkeypatch) ->
     q, kv, tables, lens = _args()  # head_size 16, block_size 4: the kernel applies
     q8, kv8, _, _ = _args(head_size=8)  # below the kernel's minimum
     with pytest.raises(ValueError, match="head_size=8 must be >= 16"):  # forced: no fallback
-        paged_decode_attention(
-            q8, kv8, tables, lens, 2, sm_scale=1.0, impl="pallas", platform="gpu"
-        )
+        paged_decode_attention(q8, kv8, tables, lens, 2, PALLAS, platform="gpu")
     monkeypatch.setattr(attention, "paged_attention_rows_pallas", spy)
-    paged_decode_attention(q, kv, tables, lens, 1, sm_scale=1.0, platform="gpu")
+    paged_decode_attention(q, kv, tables, lens, 1, UNIT, platform="gpu")
     [(hi, kw)] = calls
     np.testing.assert_array_equal(hi, [1, 0])  # rows past num_seqs see no key
     assert kw["interpret"] is False
-    paged_decode_attention(q, kv, tables, lens, 2, sm_scale=1.0, impl="reference", platform="gpu")
-    paged_decode_attention(q8, kv8, tables, lens, 2, sm_scale=1.0, platform="gpu")  # reference
+    reference = AttentionOptions(sm_scale=1.0, impl="reference")
+    paged_decode_attention(q, kv, tables, lens, 2, reference, platform="gpu")
+    paged_decode_attention(q8, kv8, tables, lens, 2, UNIT, platform="gpu")  # reference
     assert len(calls) == 1
 
 

@@ -30,11 +30,13 @@ from test_device_attention import (
     reference_attention,
     rel_error,
     run_attention,
+    split_options,
 )
 from test_device_quant import ATTENTION_BOUND
 from test_device_step_metadata import _run_step
 
 from jaxkv.device import (
+    AttentionOptions,
     PagedKVCache,
     StepInputs,
     StepMetadataPacker,
@@ -193,7 +195,7 @@ def test_replicated_kv_head_slice() -> None:
 
 
 def test_step_dispatches_the_kernel_when_forced() -> None:
-    """`PagedKVCache.step(impl=TPU_IMPL)`: write, then the TPU kernel."""
+    """`PagedKVCache.step` with `impl=TPU_IMPL`: write, then the TPU kernel."""
     rng = np.random.default_rng()
     case = random_case(rng, [19, 7, 13], [9, 1, 4], pad_tokens=0)
     num_q = int(case.q_lens.sum())
@@ -226,11 +228,11 @@ def test_auto_dispatch_by_platform(monkeypatch) -> None:
     assert len(calls) == 3
     with pytest.raises(ValueError, match="a quantised cache is not supported"):
         run_attention(quant, sm_scale=0.5, platform="gpu", impl="pallas", kv_quant="int8")
-    f32_bits_as_bf16 = {"platform": "tpu", "impl": "pallas", "kv_dtype": "bfloat16"}
     with pytest.raises(ValueError, match="needs a cache whose storage dtype"):
-        ragged_paged_attention(
+        ragged_paged_attention(  # f32 bits read as bf16
             jnp.asarray(case.q), case.kv, case.block_tables, case.seq_lens,
-            case.query_start_loc, case.num_seqs, sm_scale=0.5, **f32_bits_as_bf16,
+            case.query_start_loc, case.num_seqs, AttentionOptions(sm_scale=0.5, impl="pallas"),
+            platform="tpu", kv_dtype="bfloat16",
         )  # fmt: skip
 
 
@@ -295,9 +297,11 @@ def test_auto_lowers_to_a_mosaic_kernel_for_tpu(dtype, storage, masks) -> None:
     tokens, num_reqs = 20, 5
     stored_head = 128 + (4 if "kv_quant" in masks else 0)
 
+    options, masks = split_options({"sm_scale": 0.1, **masks})
+
     def attend(q, kv, tables, seq_lens, qsl, num_seqs, *span_ends):
         return ragged_paged_attention(
-            q, kv, tables, seq_lens, qsl, num_seqs, sm_scale=0.1, platform="tpu",
+            q, kv, tables, seq_lens, qsl, num_seqs, options, platform="tpu",
             kv_dtype=dtype, span_ends=span_ends[0] if spans else None, **masks,
         )  # fmt: skip
 
@@ -344,8 +348,8 @@ def _sharded_step(num_kv_heads: int, group: int, policy: str, seed: int) -> dict
     q, k, v = (np.pad(x[:n], ((0, t - n), (0, 0), (0, 0))) for x in (case.q, *query_kv(case)))
     kv = cache.put(np.asarray(case.kv), cache.layout.cache_spec)
     _, out = cache.step(
-        kv, cache.put(q), cache.put(k), cache.put(v), packer.put(buf), shape, sm_scale=0.3,
-        impl=TPU_IMPL,
+        kv, cache.put(q), cache.put(k), cache.put(v), packer.put(buf), shape,
+        AttentionOptions(sm_scale=0.3, impl=TPU_IMPL),
     )  # fmt: skip
     out = np.asarray(out)
     return {

@@ -4,7 +4,11 @@ Never imports the host scheduler (`jaxkv.kv_cache_manager`, `jaxkv.block_pool`, 
 the host hands over plain int32 numpy data, the device makes no allocation decisions.
 """
 
-from jaxkv.device.attention import paged_decode_attention, ragged_paged_attention
+from jaxkv.device.attention import (
+    AttentionOptions,
+    paged_decode_attention,
+    ragged_paged_attention,
+)
 from jaxkv.device.compile_guard import (
     CompilationCounter,
     CompilationError,
@@ -12,7 +16,7 @@ from jaxkv.device.compile_guard import (
     compilation_count,
     no_compilation,
 )
-from jaxkv.device.encoder_store import EmbedPlacement, EncoderCacheStore
+from jaxkv.device.encoder_store import EncoderCacheStore
 from jaxkv.device.kv_cache import PagedKVCache
 from jaxkv.device.mesh import DATA_AXIS, MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
@@ -30,9 +34,9 @@ from jaxkv.device.step_metadata import (
 __all__ = [
     "DATA_AXIS",
     "MODEL_AXIS",
+    "AttentionOptions",
     "CompilationCounter",
     "CompilationError",
-    "EmbedPlacement",
     "EncoderCacheStore",
     "KVLayout",
     "PagedKVCache",

@@ -54,12 +54,15 @@ probability times a NaN value is still NaN); rows with no visible key return 0.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._checks import check_int
 from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
     PAGES_PER_COMPUTE_BLOCK,
@@ -79,6 +82,55 @@ from jaxkv.device.storage import (
 _MASKED = -1e30
 AttentionImpl = Literal["auto", "reference", "pallas", "pallas_tpu_interpret"]
 _IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret")
+
+
+def _positive_number(name: str, value: object) -> float:
+    """`value` as a Python float; TypeError unless a real number, ValueError unless > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer attends: the one spelling every attention entry point takes
+    (`ragged_paged_attention`, `paged_decode_attention`, and `PagedKVCache.step`,
+    `layer_step`, `stacked_layer_step`, `warmup`).
+
+    * `sm_scale`: the logit scale (None: `head_size ** -0.5`),
+    * `sliding_window`, `attention_chunk`: None or a positive int (module docstring,
+      "Masks"); a cache built from a `SlidingWindowSpec` / `ChunkedLocalAttentionSpec`
+      applies its own and accepts only None or that value,
+    * `soft_cap`: None or a positive number (`cap * tanh(s / cap)`),
+    * `impl`: the dispatch table's column.
+
+    Invariants: validated at construction (TypeError / ValueError naming the field);
+    numbers are Python ints and floats, so equal options compare and hash equal, and an
+    `AttentionOptions` is a static jit argument and part of a compiled program's key.
+    What is data is passed beside it: per-token bidirectional spans (`span_ends`) and a
+    stacked cache's per-layer window (traced under a scan over the layers).
+    """
+
+    sm_scale: float | None = None
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    attention_chunk: int | None = None
+    impl: AttentionImpl = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("sliding_window", "attention_chunk"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(name, getattr(self, name), min_value=1))
+        for name in ("sm_scale", "soft_cap"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_number(name, getattr(self, name)))
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+
+
+_DEFAULT_OPTIONS = AttentionOptions()
 
 
 class TokenIntervals(NamedTuple):
@@ -136,17 +188,14 @@ def ragged_paged_attention(
     seq_lens: jax.Array,
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
+    options: AttentionOptions = _DEFAULT_OPTIONS,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    window: jax.Array | None = None,
+    span_ends: jax.Array | None = None,
     kv_dtype: DTypeLike | None = None,
-    impl: AttentionImpl = "auto",
     platform: str | None = None,
     query_chunk: int = 64,
     kv_head: jax.Array | None = None,
-    attention_chunk: int | None = None,
-    span_ends: jax.Array | None = None,
     token_chunk: int = 8,
     keys_per_chunk: int = 128,
     interpret: bool = False,
@@ -155,27 +204,40 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Attention of `q [T, Hq, D]` over the paged cache; returns `[T, Hq, D]` in q's dtype.
 
+    `options` says how (`AttentionOptions`: scale, masks, soft cap, `impl`); `span_ends
+    [T]` (bidirectional spans) is the module docstring's per-token mask. `window` is a
+    sliding window given as data, an int32 scalar that may be traced (one layer body for
+    layers with different windows; a window at least the table's key count is none):
+    `options.sliding_window` must then be None.
+
     `layer` (an int32 scalar, may be traced) reads layer `layer` of a stacked cache
     `[L, blocks, bs, 2H, D]` (`PagedKVCache.allocate_stacked`): the blockwise path
     gathers its pages straight from the stack; the kernels are handed that layer's
-    slice. `sliding_window` may be a traced int32 scalar too (one layer body for
-    layers with different windows; a window at least the table's key count is none).
+    slice.
 
     `block_tables [R, W]`, `seq_lens [R]`, `query_start_loc [R+1]` and the scalar
     `num_seqs` describe the requests (rows at or beyond `num_seqs` are padding).
     `kv_dtype` is the compute dtype when the cache stores its bits in another
     dtype. `kv_head`, when given, makes every query head attend to that single
     KV head (a query-head slice of a replicated cache); otherwise query heads
-    are grouped over the cache's KV heads (GQA). `attention_chunk` (chunked-local
-    attention) and `span_ends [T]` (bidirectional spans) are the module
-    docstring's masks. `query_chunk`, `token_chunk` and `keys_per_chunk` size the
-    blockwise path's tiles (they never change the result beyond float rounding; the
-    tiles do not depend on the table width, so neither does the result); the TPU
-    kernel takes `token_chunk` tokens per tile and `keys_per_chunk // block_size`
-    pages per DMA chunk. `kv_quant`
-    ("int8"/"fp8") reads a quantised cache (`jaxkv.device.storage`), dequantised
-    inside the blockwise path or the TPU kernel; `kv_dtype` is then the dtype it dequantises to.
+    are grouped over the cache's KV heads (GQA). `query_chunk`, `token_chunk` and
+    `keys_per_chunk` size the blockwise path's tiles (they never change the result
+    beyond float rounding; the tiles do not depend on the table width, so neither does
+    the result); the TPU kernel takes `token_chunk` tokens per tile and
+    `keys_per_chunk // block_size` pages per DMA chunk. `kv_quant` ("int8"/"fp8") reads
+    a quantised cache (`jaxkv.device.storage`), dequantised inside the blockwise path or
+    the TPU kernel; `kv_dtype` is then the dtype it dequantises to.
     """
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if window is not None and options.sliding_window is not None:
+        raise ValueError(
+            f"window (data) and options.sliding_window={options.sliding_window} both given; "
+            "pass one"
+        )
+    sliding_window = options.sliding_window if window is None else window
+    impl, soft_cap, attention_chunk = options.impl, options.soft_cap, options.attention_chunk
+    sm_scale = q.shape[-1] ** -0.5 if options.sm_scale is None else options.sm_scale
     num_tokens = q.shape[0]
     check_kv_quant(kv_quant)
     if (kv_cache.ndim == 5) != (layer is not None):
@@ -185,7 +247,7 @@ def ragged_paged_attention(
         )
     value_shape = kv_cache.shape[:-1] + (kv_cache.shape[-1] - (SCALE_BYTES if kv_quant else 0),)
     check_attention_args(q.shape, value_shape, sliding_window, soft_cap, kv_head is None)
-    _check_tiling(impl, attention_chunk, query_chunk, token_chunk, keys_per_chunk)
+    _check_tiling(query_chunk, token_chunk, keys_per_chunk)
     if interpret and impl != "pallas":
         raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
     if span_ends is not None and span_ends.shape != (num_tokens,):
@@ -231,13 +293,7 @@ def ragged_paged_attention(
     )  # fmt: skip
 
 
-def _check_tiling(impl, attention_chunk, *sizes: int) -> None:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if attention_chunk is not None and (
-        not isinstance(attention_chunk, int | np.integer) or attention_chunk <= 0
-    ):
-        raise ValueError(f"attention_chunk must be a positive int, got {attention_chunk!r}")
+def _check_tiling(*sizes: int) -> None:
     for name, size in zip(("query_chunk", "token_chunk", "keys_per_chunk"), sizes, strict=True):
         if not isinstance(size, int | np.integer) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -292,12 +348,9 @@ def paged_decode_attention(
     block_tables: jax.Array,
     seq_lens: jax.Array,
     num_seqs: jax.Array,
+    options: AttentionOptions = _DEFAULT_OPTIONS,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     kv_dtype: DTypeLike | None = None,
-    impl: AttentionImpl = "auto",
     platform: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -312,8 +365,7 @@ def paged_decode_attention(
     num_reqs = q.shape[0]
     return ragged_paged_attention(
         q, kv_cache, block_tables, seq_lens, jnp.arange(num_reqs + 1, dtype=jnp.int32),
-        num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        kv_dtype=kv_dtype, impl=impl, platform=platform, interpret=interpret,
+        num_seqs, options, kv_dtype=kv_dtype, platform=platform, interpret=interpret,
     )  # fmt: skip
 
 

@@ -1,18 +1,17 @@
 """Device store for encoder outputs (SPEC §8, last item).
 
-A preallocated `[num_pages, page_size, hidden]` array holds the embeddings of
-every multimodal item the host `EncoderCacheManager` keeps cached. A host page
-allocator, keyed by mm_hash, hands each item `ceil(num_embeds / page_size)`
-pages. The host manager drives it: an item it allocates is `allocate`d here
-and written once the encoder has run; the hashes from
-`EncoderCacheManager.get_freed_mm_hashes()` are passed to `free`, which
-returns their pages.
+A `[num_pages, page_size, hidden]` array holds the embeddings of every multimodal
+item the host `EncoderCacheManager` keeps cached. `EncoderCacheStore` holds its
+layout and compiled programs; the array itself is the caller's (`allocate()`), and
+goes into every update and comes out, donated, as `PagedKVCache` caches do. Which
+pages hold which item is decided on the host (`jaxkv.encoder_pages.EncoderPageAllocator`):
+the store makes no allocation decisions.
 
-All device updates are jitted and donate the buffer they update, so their cost
-grows with the rows written, never with the store. Index arrays are padded to
-power-of-two lengths; padding indices are positive and out of range, so the
-scatter (`mode="drop"`) ignores them. A negative index would wrap around in JAX
-even with `mode="drop"`.
+All updates are jitted and donate the array they update, so their cost grows with
+the rows written, never with the store. Index arrays are padded to power-of-two
+lengths; padding indices are positive and out of range, so the scatter
+(`mode="drop"`) ignores them. A negative index would wrap around in JAX even with
+`mode="drop"`.
 
 Item sizes are bucketed: a write and a gather each compile one program per page
 bucket (a power of two) and input dtype, whatever the item sizes, for NumPy and
@@ -23,15 +22,14 @@ a caller's `jit` (traced inputs) padding is part of the caller's program.
 
 bf16 is stored as its uint16 bits on CPU by default (`storage_dtype="auto"`, as
 the KV cache does, `jaxkv.device.storage`): XLA's CPU scatter into a donated bf16
-buffer copies the whole buffer, a uint16 one is updated in place. `get`,
-`gather` and `merge` return the compute dtype.
+buffer copies the whole buffer, a uint16 one is updated in place. `gather` and
+`merge` return the compute dtype.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -43,7 +41,7 @@ from jaxkv._checks import check_int
 from jaxkv.device.host_inputs import check_ids, pad_to_bucket, place
 from jaxkv.device.storage import from_storage, resolve_storage_dtype, to_storage
 
-__all__ = ["EmbedPlacement", "EncoderCacheStore"]
+__all__ = ["EncoderCacheStore", "merge_rows"]
 
 
 def _bucket(n: int) -> int:
@@ -64,42 +62,25 @@ def _gather_pages(cache: jax.Array, pages: jax.Array, compute: np.dtype) -> jax.
     return from_storage(rows.reshape(-1, cache.shape[-1]), compute)
 
 
-def _merge_rows(
-    inputs_embeds: jax.Array, cache: jax.Array, src: jax.Array, dst: jax.Array, compute: np.dtype
+def merge_rows(
+    inputs_embeds: jax.Array, store: jax.Array, src: jax.Array, dst: jax.Array, compute: np.dtype
 ) -> jax.Array:
-    flat = cache.reshape(-1, cache.shape[-1])
+    """`inputs_embeds [tokens, hidden]` with row `dst[i]` replaced by row `src[i]` of the
+    flattened store (read as `compute`); traceable, for a caller's jit. Destinations
+    past the last token row are dropped (`EncoderPageAllocator.merge_indices` pads so)."""
+    flat = store.reshape(-1, store.shape[-1])
     rows = from_storage(flat.at[src].get(mode="fill", fill_value=0), compute)
     return inputs_embeds.at[dst].set(rows.astype(inputs_embeds.dtype), mode="drop")
 
 
-@dataclass(frozen=True)
-class EmbedPlacement:
-    """Where one multimodal item's embeddings go in one step's flattened token batch.
-
-    The step computes the request's prompt positions `[num_computed_tokens,
-    num_computed_tokens + num_scheduled_tokens)`, which sit at rows
-    `[batch_offset, batch_offset + num_scheduled_tokens)` of the step's input
-    embeddings. `feature` needs `offset`, `length` and `is_embed` (None: every
-    placeholder position takes an embedding), as `MultiModalFeatureSpec` has.
-    """
-
-    mm_hash: str
-    feature: Any
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    batch_offset: int
-
-
 class EncoderCacheStore:
-    """Paged device storage of encoder embeddings, keyed by mm_hash.
+    """Layout and compiled programs of a paged device store of encoder embeddings.
 
-    Invariants: each stored mm_hash owns `ceil(num_embeds / page_size)`
-    distinct pages; the free pages and the pages of all stored hashes
-    partition `range(num_pages)`; `cache` always has shape `[num_pages,
-    page_size, hidden_size]`, dtype `dtype` and sharding `sharding`, and is
-    replaced (its old buffer donated) by every write. `cache` holds
-    `storage_dtype` (bf16 bits as uint16 on CPU by default; `dtype` itself with
-    `storage_dtype=dtype`).
+    Invariants: every store array it allocates or returns has shape `shape =
+    (num_pages, page_size, hidden_size)`, dtype `storage_dtype` (bf16 bits as uint16
+    on CPU by default; `dtype` itself with `storage_dtype=dtype`) and sharding
+    `sharding`; `write` donates the array it is given (the update is in place) and
+    every call checks the array and its host arguments before anything runs.
 
     With a `mesh`, the hidden dimension is split over `hidden_axis` (None:
     replicated on every device of the mesh).
@@ -151,16 +132,13 @@ class EncoderCacheStore:
             self.sharding = NamedSharding(mesh, PartitionSpec(None, None, hidden_axis))
             placed = {"out_shardings": self.sharding}
         self.shape = shape
-        self.cache: jax.Array = jax.jit(lambda: jnp.zeros(shape, self.storage_dtype), **placed)()
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, self.storage_dtype), **placed)
         compute = {"compute": self.dtype}
         self._write = jax.jit(
             functools.partial(_write_pages, **compute), donate_argnums=0, **placed
         )
         self._gather = jax.jit(functools.partial(_gather_pages, **compute))
-        self._merge = jax.jit(functools.partial(_merge_rows, **compute), donate_argnums=0)
-        # Popped from the end: pages are handed out lowest first, freed pages reused first.
-        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
-        self._entries: dict[str, tuple[np.ndarray, int]] = {}
+        self._merge = jax.jit(functools.partial(merge_rows, **compute), donate_argnums=0)
 
     # ---- sizing --------------------------------------------------------------------------
 
@@ -176,134 +154,51 @@ class EncoderCacheStore:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         return budget_bytes // EncoderCacheStore.bytes_per_page(page_size, hidden_size, dtype)
 
-    @staticmethod
-    def pages_needed(cache_size: int, page_size: int, min_item_embeds: int = 1) -> int:
-        """Pages that hold any set of items the host manager can keep in `cache_size` embeddings.
-
-        Items of at least `min_item_embeds` embeddings each: at most
-        `k = cache_size // min_item_embeds` of them fit, each wastes at most
-        `page_size - 1` slots to rounding, and none takes more pages than it has
-        embeddings.
-        """
-        if cache_size < 0 or page_size <= 0 or min_item_embeds <= 0:
-            raise ValueError(
-                "need cache_size >= 0, page_size > 0 and min_item_embeds > 0, got "
-                f"{cache_size}, {page_size}, {min_item_embeds}"
-            )
-        max_items = cache_size // min_item_embeds
-        return min(cache_size, (cache_size + max_items * (page_size - 1)) // page_size)
-
     @property
     def nbytes(self) -> int:
-        """Device bytes the store takes (over all shards)."""
+        """Device bytes a store array takes (over all shards)."""
         return self.num_pages * self.bytes_per_page(self.page_size, self.hidden_size, self.dtype)
 
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free_pages)
+    # ---- the store array -----------------------------------------------------------------
 
-    # ---- host page allocator -------------------------------------------------------------
+    def allocate(self) -> jax.Array:
+        """A zeroed store array, created on device by one jitted call."""
+        return self._zeros()
 
-    def __contains__(self, mm_hash: object) -> bool:
-        return mm_hash in self._entries
+    def struct(self) -> jax.ShapeDtypeStruct:
+        """A store array as an abstract value (shape, storage dtype, sharding)."""
+        return jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding)
 
-    def __len__(self) -> int:
-        """Number of stored items."""
-        return len(self._entries)
-
-    def pages_of(self, mm_hash: str) -> np.ndarray:
-        """The pages (int32, in embedding order) holding `mm_hash`."""
-        return self._entry(mm_hash)[0]
-
-    def num_embeds_of(self, mm_hash: str) -> int:
-        return self._entry(mm_hash)[1]
-
-    def _entry(self, mm_hash: str) -> tuple[np.ndarray, int]:
-        try:
-            return self._entries[mm_hash]
-        except KeyError:
-            raise KeyError(f"mm_hash {mm_hash!r} is not in the encoder store") from None
-
-    def allocate(self, mm_hash: str, num_embeds: int) -> np.ndarray:
-        """Give `mm_hash` pages for `num_embeds` embeddings; return them (int32).
-
-        ValueError, changing nothing, if the hash is already stored or too few
-        pages are free.
-        """
-        if check_int("num_embeds", num_embeds) < 0:
-            raise ValueError(f"num_embeds must be >= 0, got {num_embeds}")
-        if not isinstance(mm_hash, str):
-            raise TypeError(f"mm_hash must be a str, got {type(mm_hash).__name__}")
-        if mm_hash in self._entries:
-            raise ValueError(f"mm_hash {mm_hash!r} is already in the encoder store")
-        count = -(-num_embeds // self.page_size)
-        if count > len(self._free_pages):
+    def _check_store(self, store: jax.Array) -> None:
+        if store.shape != self.shape or store.dtype != self.storage_dtype:
             raise ValueError(
-                f"mm_hash {mm_hash!r} needs {count} pages of {self.page_size} embeddings but only "
-                f"{len(self._free_pages)} of {self.num_pages} are free; size the store with "
-                "pages_needed() and free the hashes from get_freed_mm_hashes() first"
+                f"store array has shape {store.shape} dtype {store.dtype}; expected "
+                f"{self.shape} {self.storage_dtype}"
             )
-        pages = np.array(self._free_pages[len(self._free_pages) - count :][::-1], dtype=np.int32)
-        del self._free_pages[len(self._free_pages) - count :]
-        self._entries[mm_hash] = (pages, num_embeds)
-        return pages
 
-    def free(self, mm_hashes: Iterable[str]) -> None:
-        """Return the pages of `mm_hashes` (KeyError, changing nothing, for an unknown hash).
-
-        `mm_hashes` is a collection of hashes; a bare string is a TypeError (iterating
-        it would free one "hash" per character).
-        """
-        if isinstance(mm_hashes, str | bytes):
-            raise TypeError(
-                f"mm_hashes must be a collection of hashes, got the bare string {mm_hashes!r}; "
-                f"pass [{mm_hashes!r}]"
-            )
-        mm_hashes = list(mm_hashes)
-        unknown = [h for h in mm_hashes if h not in self._entries]
-        if unknown or len(set(mm_hashes)) != len(mm_hashes):
-            raise KeyError(
-                f"cannot free mm hashes {mm_hashes!r}: unknown {unknown!r} or listed twice"
-            )
-        for mm_hash in mm_hashes:
-            pages, _ = self._entries.pop(mm_hash)
-            self._free_pages.extend(reversed(pages.tolist()))
+    def _check_pages(self, pages: np.ndarray | Sequence[int]) -> np.ndarray:
+        return check_ids("pages", pages, 0, self.num_pages)
 
     # ---- device updates ------------------------------------------------------------------
 
-    def write(self, embeds: jax.Array | np.ndarray, pages: np.ndarray | Sequence[int]) -> None:
-        """Write `embeds` `[n, hidden]` into `pages` (`len(pages) == ceil(n / page_size)`).
-
-        `pages` must be free or one stored item's own pages (as `allocate` returned
-        them); pages of another item are a ValueError. Jitted, donating the store's
-        buffer: the update is in place.
-        """
-        self.cache = self.scatter(self.cache, embeds, pages)
-
-    def scatter(
-        self, cache: jax.Array, embeds: jax.Array | np.ndarray, pages: np.ndarray | Sequence[int]
+    def write(
+        self, store: jax.Array, embeds: jax.Array | np.ndarray, pages: np.ndarray | Sequence[int]
     ) -> jax.Array:
-        """`write` as a function: returns the updated store array (donates `cache`).
+        """`store` with `embeds [n, hidden]` written into `pages` (`len(pages) ==
+        ceil(n / page_size)`, in embedding order, as `EncoderPageAllocator.allocate`
+        hands them out); donates `store`: the update is in place.
 
-        For callers that hold the store array themselves, as `PagedKVCache` callers
-        hold their caches; `self.cache` is not touched. Programs are keyed by the page
-        bucket (a power of two) and the input dtype: rows are padded to the bucket on
-        the host (a JAX array that does not fill its bucket is fetched first), so any
-        item size reuses its bucket's program. Traced `embeds` (inside a caller's
-        `jit`) are padded in the caller's program.
+        Programs are keyed by the page bucket (a power of two) and the input dtype:
+        rows are padded to the bucket on the host (a JAX array that does not fill its
+        bucket is fetched first), so any item size reuses its bucket's program. Traced
+        `embeds` (inside a caller's `jit`) are padded in the caller's program.
         """
-        if cache.shape != self.shape or cache.dtype != self.storage_dtype:
-            raise ValueError(
-                f"store array has shape {cache.shape} dtype {cache.dtype}; expected "
-                f"{self.shape} {self.storage_dtype}"
-            )
-        pages = check_ids("pages", pages, 0, self.num_pages)
-        self._check_owner(pages)
+        self._check_store(store)
+        pages = self._check_pages(pages)
         num_rows = embeds.shape[0] if embeds.ndim == 2 else -1
         if (
             embeds.ndim != 2
             or embeds.shape[1] != self.hidden_size
-            or pages.ndim != 1
             or len(pages) != -(-num_rows // self.page_size)
         ):
             raise ValueError(
@@ -312,13 +207,13 @@ class EncoderCacheStore:
             )
         bucket = _bucket(len(pages))
         padded_pages = pad_to_bucket(pages, bucket, self.num_pages)
-        return self._write(cache, padded_pages, self._pad_rows(embeds, bucket * self.page_size))
+        return self._write(store, padded_pages, self._pad_rows(embeds, bucket * self.page_size))
 
     def lower_write(self, num_pages: int = 1) -> tuple[jax.stages.Lowered, jax.ShapeDtypeStruct]:
         """The lowered `write` program for an item of `num_pages` pages, and the store
-        buffer it donates (as an abstract value)."""
+        array it donates (as an abstract value)."""
         bucket = _bucket(check_int("num_pages", num_pages))
-        store = jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding)
+        store = self.struct()
         pages = jax.ShapeDtypeStruct((bucket,), np.int32)
         rows = jax.ShapeDtypeStruct((bucket * self.page_size, self.hidden_size), self.dtype)
         return self._write.lower(store, pages, rows), store
@@ -336,118 +231,57 @@ class EncoderCacheStore:
         # A JAX array: on CPU a view of its buffer, else one item-sized copy to the host.
         return np.pad(np.asarray(embeds), pad)
 
-    def _check_owner(self, pages: np.ndarray) -> None:
-        """`pages` are all free, or exactly one stored item's pages (a rewrite of it)."""
-        if not len(pages):
-            return
-        owners = sorted(h for h, (own, _) in self._entries.items() if np.isin(own, pages).any())
-        if not owners:
-            return
-        if len(owners) == 1 and set(self._entries[owners[0]][0].tolist()) == set(pages.tolist()):
-            return
-        raise ValueError(
-            f"pages {pages.tolist()} include pages of stored item(s) {owners!r}; write only "
-            f"free pages or exactly one item's own pages"
-        )
-
-    def put(self, mm_hash: str, embeds: jax.Array | np.ndarray) -> np.ndarray:
-        """`allocate` pages for `mm_hash` and `write` its embeddings there; return the pages."""
-        if embeds.ndim != 2 or embeds.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"embeds must have shape [n, {self.hidden_size}], got {tuple(embeds.shape)}"
-            )
-        pages = self.allocate(mm_hash, embeds.shape[0])
-        self.write(embeds, pages)
-        return pages
-
-    def gather(self, pages: np.ndarray | Sequence[int], num_embeds: int) -> jax.Array:
-        """The first `num_embeds` embeddings in `pages`, contiguous: `[num_embeds, hidden]`.
+    def gather(
+        self, store: jax.Array, pages: np.ndarray | Sequence[int], num_embeds: int
+    ) -> jax.Array:
+        """The first `num_embeds` embeddings in `pages` of `store`, contiguous:
+        `[num_embeds, hidden]` in the compute dtype.
 
         The bucket's rows are gathered on device (one program per bucket) and cut to
         `num_embeds` on the host, then placed back (one item-sized copy each way
         off CPU): an exact-size result costs no program per size.
         """
-        pages = check_ids("pages", pages, 0, self.num_pages)
+        pages = self._check_pages(pages)
         if check_int("num_embeds", num_embeds) < 0 or num_embeds > len(pages) * self.page_size:
             raise ValueError(
                 f"num_embeds must lie in [0, {len(pages) * self.page_size}] for {len(pages)} "
                 f"pages, got {num_embeds}"
             )
-        padded = self.gather_padded(pages)
+        padded = self.gather_padded(store, pages)
         if padded.shape[0] == num_embeds:
             return padded
         if not padded.is_fully_addressable:  # other processes hold parts: cut on device
             return padded[:num_embeds]
         return place(np.asarray(padded)[:num_embeds], padded.sharding)
 
-    def gather_padded(self, pages: np.ndarray | Sequence[int]) -> jax.Array:
-        """The rows of `pages`, padded with zero rows to the page bucket: one program per
-        bucket, the result left on device as it is."""
-        pages = check_ids("pages", pages, 0, self.num_pages)
+    def gather_padded(self, store: jax.Array, pages: np.ndarray | Sequence[int]) -> jax.Array:
+        """The rows of `pages` of `store`, padded with zero rows to the page bucket: one
+        program per bucket, the result left on device as it is."""
+        self._check_store(store)
+        pages = self._check_pages(pages)
         padded = pad_to_bucket(pages, _bucket(len(pages)), self.num_pages)
-        return self._gather(self.cache, padded)
+        return self._gather(store, padded)
 
-    def get(self, mm_hash: str) -> jax.Array:
-        """The stored embeddings of `mm_hash`, `[num_embeds, hidden]`."""
-        pages, num_embeds = self._entry(mm_hash)
-        return self.gather(pages, num_embeds)
-
-    def merge_indices(
-        self, placements: Sequence[EmbedPlacement], num_tokens: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Host part of `merge`: (source row in the flattened store, destination token row).
-
-        Both int32, padded to a power of two; padding sources read row 0 and
-        padding destinations are `num_tokens` (out of range, dropped).
+    def merge(
+        self,
+        store: jax.Array,
+        inputs_embeds: jax.Array,
+        src: np.ndarray | Sequence[int],
+        dst: np.ndarray | Sequence[int],
+    ) -> jax.Array:
+        """`inputs_embeds [tokens, hidden]` with row `dst[i]` replaced by the store's
+        flattened row `src[i]` (`EncoderPageAllocator.merge_indices`; a destination
+        `tokens` pads). `inputs_embeds` is donated; use the returned array.
         """
-        sources: list[np.ndarray] = []
-        targets: list[np.ndarray] = []
-        for p in placements:
-            pages, _ = self._entry(p.mm_hash)
-            feature = p.feature
-            start = max(p.num_computed_tokens, feature.offset)
-            end = min(
-                p.num_computed_tokens + p.num_scheduled_tokens, feature.offset + feature.length
-            )
-            if start >= end:
-                continue
-            rel = np.arange(start - feature.offset, end - feature.offset)
-            if feature.is_embed is None:
-                embed_index = rel
-            else:
-                is_embed = np.asarray(feature.is_embed, dtype=bool)
-                rank = np.cumsum(is_embed) - 1
-                rel = rel[is_embed[rel]]
-                embed_index = rank[rel]
-            dst = p.batch_offset + feature.offset + rel - p.num_computed_tokens
-            if len(dst) and (dst.min() < 0 or dst.max() >= num_tokens):
-                raise ValueError(
-                    f"placement of {p.mm_hash!r} writes token rows [{dst.min()}, {dst.max()}], "
-                    f"outside the step's {num_tokens} rows"
-                )
-            page = pages[embed_index // self.page_size].astype(np.int64)
-            sources.append(page * self.page_size + embed_index % self.page_size)
-            targets.append(dst)
-        count = sum(len(s) for s in sources)
-        bucket = _bucket(count)
-        src = np.zeros(bucket, dtype=np.int32)
-        dst = np.full(bucket, num_tokens, dtype=np.int32)
-        if count:
-            src[:count] = np.concatenate(sources)
-            dst[:count] = np.concatenate(targets)
-        return src, dst
-
-    def merge(self, inputs_embeds: jax.Array, placements: Sequence[EmbedPlacement]) -> jax.Array:
-        """Write the stored embeddings of `placements` into `inputs_embeds` `[tokens, hidden]`.
-
-        Only the placeholder positions the step computes and that take an
-        embedding (`is_embed`) are overwritten; text and break tokens keep their
-        token embeddings. `inputs_embeds` is donated; use the returned array.
-        """
+        self._check_store(store)
         if inputs_embeds.ndim != 2 or inputs_embeds.shape[1] != self.hidden_size:
             raise ValueError(
                 f"inputs_embeds must have shape [tokens, {self.hidden_size}], got "
                 f"{tuple(inputs_embeds.shape)}"
             )
-        src, dst = self.merge_indices(placements, inputs_embeds.shape[0])
-        return self._merge(inputs_embeds, self.cache, src, dst)
+        tokens = inputs_embeds.shape[0]
+        src = check_ids("src", src, 0, self.num_pages * self.page_size)
+        dst = check_ids("dst", dst, 0, tokens + 1)
+        if src.shape != dst.shape:
+            raise ValueError(f"src has {src.size} rows but dst has {dst.size}")
+        return self._merge(inputs_embeds, store, src, dst)

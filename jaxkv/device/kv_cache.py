@@ -21,7 +21,8 @@ bf16's bytes; `bytes_per_block` counts the scales.
 
 Serving: `warmup` compiles every program a serving loop runs, `layer_step` puts
 all layers' updates and attention in the caller's one jitted forward, and
-`zero_blocks_all` zeroes freed blocks in every layer with one call.
+`zero_blocks_all` zeroes freed blocks in every layer with one call. Every step entry
+point takes how the layer attends as one `AttentionOptions` (`jaxkv.device.attention`).
 
 Stacked caches: `allocate_stacked(L)` holds every layer in one `[L, ...]` array, so a
 model can run one layer body under `jax.lax.scan` (compile time independent of
@@ -38,8 +39,10 @@ slots are local to that rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._checks import check_int
-from jaxkv.device.attention import AttentionImpl, ragged_paged_attention
+from jaxkv.device.attention import _DEFAULT_OPTIONS, AttentionOptions, ragged_paged_attention
 from jaxkv.device.host_inputs import check_ids, pad_to_bucket, place
 from jaxkv.device.mesh import MODEL_AXIS, KVLayout, make_mesh
 from jaxkv.device.step_metadata import (
@@ -110,6 +113,18 @@ def _write_local(
     k_lanes = 2 * jnp.arange(combined // 2, dtype=slots.dtype)[None, :]
     kv = kv.at[(*stack, blocks, offsets, k_lanes)].set(stored(k), mode="drop")
     return kv.at[(*stack, blocks, offsets, k_lanes + 1)].set(stored(v), mode="drop")
+
+
+class _StepKey(NamedTuple):
+    """A step program's cache key: the options resolved against the cache's spec
+    (`sm_scale` set, the spec's masks applied; a stacked step's window is data)."""
+
+    shape: StepShape
+    num_q_heads: int
+    q_dtype: np.dtype
+    options: AttentionOptions
+    spans: bool
+    stacked: bool
 
 
 # A traced sliding window this large is none: `pos - window + 1` stays below 0.
@@ -298,8 +313,8 @@ class PagedKVCache:
                 (self._token_spec, self._token_spec),
             )
         )
-        self._step_fns: dict[tuple, object] = {}
-        self._layer_fns: dict[tuple, object] = {}
+        self._step_fns: dict[_StepKey, object] = {}
+        self._layer_fns: dict[_StepKey, object] = {}
         self._alloc_fns: dict[int | tuple[int, ...], object] = {}  # layers or stack shape
         self._all_layer_fns: dict[tuple, object] = {}
         self._stacked_fns: dict[object, object] = {}
@@ -724,7 +739,7 @@ class PagedKVCache:
         *,
         num_q_heads: int,
         q_dtype: DTypeLike | None = None,
-        **options,
+        options: AttentionOptions = _DEFAULT_OPTIONS,
     ) -> list[jax.Array]:
         """Compile, before serving, every program a serving loop over `kvs` can run.
 
@@ -744,7 +759,7 @@ class PagedKVCache:
             buf = packer.put(
                 packer.empty(shape, self.dp_size), NamedSharding(self.mesh, self._rank_spec)
             )
-            kvs[0], _ = self.step(kvs[0], q, k, k, buf, shape, **options)
+            kvs[0], _ = self.step(kvs[0], q, k, k, buf, shape, options)
         for size in self.id_buckets:
             ids = np.full(self.dp_size * size, self.num_blocks, np.int32)
             kvs = self._all_layers(_zero_local, kvs, (ids,))
@@ -791,12 +806,8 @@ class PagedKVCache:
         new_v: jax.Array,
         metadata: jax.Array,
         shape: StepShape,
+        options: AttentionOptions = _DEFAULT_OPTIONS,
         *,
-        sm_scale: float | None = None,
-        sliding_window: int | None = None,
-        soft_cap: float | None = None,
-        impl: AttentionImpl = "auto",
-        attention_chunk: int | None = None,
         span_ends: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """One layer's step (one jitted call): write this step's K/V, then ragged paged attention.
@@ -807,18 +818,14 @@ class PagedKVCache:
         `kv`; returns the updated cache and the attention output `[dp*T, Hq, D]`.
 
         Masks: a cache built from a `SlidingWindowSpec` / `ChunkedLocalAttentionSpec`
-        applies its window / chunk by itself (passing a different value is a
+        applies its window / chunk by itself (`options` naming a different value is a
         `ValueError`); `span_ends [dp*T]` int32 (rank-major, positions local to
         each request) makes bidirectional spans (`jaxkv.device.attention`).
         """
-        options = {
-            "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap,
-            "impl": impl, "attention_chunk": attention_chunk, "span_ends": span_ends,
-        }  # fmt: skip
-        key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, **options)
+        key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, options, span_ends)
         fn = self._step_fns.get(key)
         if fn is None:
-            q_sharding = NamedSharding(self.mesh, self._q_spec(key[1]))
+            q_sharding = NamedSharding(self.mesh, self._q_spec(key.num_q_heads))
             fn = self._step_fns[key] = jax.jit(
                 self._layer_fn(key), donate_argnums=0, out_shardings=(self.sharding, q_sharding)
             )
@@ -849,7 +856,9 @@ class PagedKVCache:
         new_v: jax.Array,
         metadata: jax.Array,
         shape: StepShape,
-        **options,
+        options: AttentionOptions = _DEFAULT_OPTIONS,
+        *,
+        span_ends: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """`step` without its own jit: call it inside your jitted forward, once per layer.
 
@@ -858,11 +867,8 @@ class PagedKVCache:
         (`donate_argnums`) so the updates stay in place. Same arguments, checks
         and result as `step`.
         """
-        key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, **options)
-        fn = self._layer_fns.get(key)
-        if fn is None:
-            fn = self._layer_fns[key] = self._layer_fn(key)
-        return fn(kv, q, new_k, new_v, metadata, *extra)
+        key, extra = self._step_key(kv, q, new_k, new_v, metadata, shape, options, span_ends)
+        return self._cached_layer_fn(key)(kv, q, new_k, new_v, metadata, *extra)
 
     def stacked_layer_step(
         self,
@@ -873,30 +879,32 @@ class PagedKVCache:
         new_v: jax.Array,
         metadata: jax.Array,
         shape: StepShape,
+        options: AttentionOptions = _DEFAULT_OPTIONS,
         *,
-        sm_scale: float | None = None,
-        sliding_window: jax.Array | int | None = None,
-        soft_cap: float | None = None,
-        impl: AttentionImpl = "auto",
+        window: jax.Array | int | None = None,
+        span_ends: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """`layer_step` on layer `layer` of a stacked cache (`allocate_stacked`), inside
         the caller's jit; returns the updated stack and the attention output.
 
-        `layer` and `sliding_window` are int32 scalars and may be traced (the index of a
-        `jax.lax.scan` over the layers and that layer's window), so one layer body serves
-        layers of every window. None is no window. The spec's own window is not applied
-        here: the caller passes each layer's.
+        `layer` and `window` (the layer's sliding window) are int32 scalars and may be
+        traced (the index of a `jax.lax.scan` over the layers and that layer's window),
+        so one layer body serves layers of every window; None is no window. The window
+        is data here, so `options.sliding_window` must be None, and the spec's own
+        window is not applied: the caller passes each layer's.
         """
-        key, _ = self._step_key(
-            kv, q, new_k, new_v, metadata, shape,
-            sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, stacked=True,
-        )  # fmt: skip
-        fn = self._layer_fns.get(key)
-        if fn is None:
-            fn = self._layer_fns[key] = self._layer_fn(key)
-        window = _NO_WINDOW if sliding_window is None else sliding_window
+        if options.sliding_window is not None:
+            raise ValueError(
+                f"a stacked step takes each layer's window as `window` (data, may be traced); "
+                f"options.sliding_window must be None, got {options.sliding_window}"
+            )
+        key, extra = self._step_key(
+            kv, q, new_k, new_v, metadata, shape, options, span_ends, stacked=True
+        )
+        fn = self._cached_layer_fn(key)
+        window = _NO_WINDOW if window is None else window
         layer, window = (jnp.asarray(x, jnp.int32) for x in (layer, window))
-        return fn(kv, q, new_k, new_v, metadata, layer, window)
+        return fn(kv, q, new_k, new_v, metadata, layer, window, *extra)
 
     def _step_key(
         self,
@@ -906,17 +914,15 @@ class PagedKVCache:
         new_v: jax.Array,
         metadata: jax.Array,
         shape: StepShape,
+        options: AttentionOptions,
+        span_ends: jax.Array | None,
         *,
-        sm_scale: float | None = None,
-        sliding_window: int | None = None,
-        soft_cap: float | None = None,
-        impl: AttentionImpl = "auto",
-        attention_chunk: int | None = None,
-        span_ends: jax.Array | None = None,
         stacked: bool = False,
-    ) -> tuple[tuple, tuple]:
-        """Validate a step's inputs; the program's cache key and its extra arguments
-        (`stacked`: the window is the program's argument, not part of its key)."""
+    ) -> tuple[_StepKey, tuple]:
+        """Validate a step's inputs; the program's cache key (the options resolved against
+        this cache's spec) and its extra arguments (`(span_ends,)` with spans, else ())."""
+        if not isinstance(options, AttentionOptions):
+            raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
         self._check_cache(kv, stacked=stacked)
         tokens = self.dp_size * shape.num_tokens
         self._check_tokens("new_k", new_k, tokens)
@@ -930,44 +936,52 @@ class PagedKVCache:
                 f"metadata has shape {metadata.shape} dtype {metadata.dtype}; expected "
                 f"({self.dp_size}, {shape.length}) int32"
             )
-        spec_window = self._spec_mask("sliding_window", self.sliding_window, sliding_window)
-        window = None if stacked else spec_window
-        chunk = self._spec_mask("attention_chunk", self.attention_chunk, attention_chunk)
         if span_ends is not None and (span_ends.shape != (tokens,) or span_ends.dtype != jnp.int32):
             raise ValueError(
                 f"span_ends has shape {span_ends.shape} dtype {span_ends.dtype}; expected "
                 f"({tokens},) int32"
             )
-        scale = float(self.head_size**-0.5 if sm_scale is None else sm_scale)
+        window = self._spec_mask("sliding_window", self.sliding_window, options.sliding_window)
+        resolved = dataclasses.replace(
+            options,
+            sm_scale=self.head_size**-0.5 if options.sm_scale is None else options.sm_scale,
+            sliding_window=None if stacked else window,
+            attention_chunk=self._spec_mask(
+                "attention_chunk", self.attention_chunk, options.attention_chunk
+            ),
+        )
         spans = span_ends is not None
-        key = (shape, q.shape[1], q.dtype, scale, window, soft_cap, impl, chunk, spans, stacked)
+        key = _StepKey(shape, q.shape[1], q.dtype, resolved, spans, stacked)
         return key, ((span_ends,) if spans else ())
 
     def _spec_mask(self, name: str, from_spec: int | None, given: int | None) -> int | None:
+        """The mask the step applies: the spec's, or `given` on a cache without one."""
         if given is None or given == from_spec:
             return from_spec
-        if from_spec is not None or isinstance(given, bool) or not isinstance(given, int):
+        if from_spec is not None:
             raise ValueError(
                 f"{name}={given!r} conflicts with this cache's spec {type(self.spec).__name__} "
                 f"({name}={from_spec}); allowed: None or {from_spec}"
-                if from_spec is not None
-                else f"{name} must be a positive int or None, got {given!r}"
             )
-        if given <= 0:
-            raise ValueError(f"{name} must be a positive int or None, got {given!r}")
         return given
 
-    def _layer_fn(self, key: tuple):
+    def _cached_layer_fn(self, key: _StepKey):
+        fn = self._layer_fns.get(key)
+        if fn is None:
+            fn = self._layer_fns[key] = self._layer_fn(key)
+        return fn
+
+    def _layer_fn(self, key: _StepKey):
         """The shard-mapped (not jitted) write-then-attend function for a `_step_key`."""
-        shape, num_q_heads, _q_dtype, scale, window, soft_cap, impl, chunk, spans, stacked = key
+        shape, num_q_heads, options, stacked = key.shape, key.num_q_heads, key.options, key.stacked
         q_axis = self.layout.q_head_axis(num_q_heads)
         replicated_kv_split_q = q_axis is not None and not self.layout.heads_sharded
         group = num_q_heads // self.num_kv_heads
         per_rank = num_q_heads // self.layout.model_size
 
         def local(kv, q, k, v, buf, *extra):
-            # extra: (layer, window) of a stacked cache, else (span_ends,) when spans.
-            layer, layer_window = extra if stacked else (None, window)
+            # extra: (layer, window) of a stacked cache, then (span_ends,) with spans.
+            layer, window = extra[:2] if stacked else (None, None)
             md = unpack_step(buf[0], shape)
             kv = _write_local(
                 kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant, layer
@@ -976,17 +990,15 @@ class PagedKVCache:
             if replicated_kv_split_q:
                 kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group
             out = ragged_paged_attention(
-                q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
-                sm_scale=scale, sliding_window=layer_window, soft_cap=soft_cap,
-                kv_dtype=self.dtype, impl=impl, platform=self.platform, kv_head=kv_head,
-                kv_quant=self.kv_quant, layer=layer,
-                attention_chunk=chunk, span_ends=extra[0] if spans else None,
+                q, kv, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs, options,
+                window=window, span_ends=extra[-1] if key.spans else None, kv_dtype=self.dtype,
+                platform=self.platform, kv_head=kv_head, kv_quant=self.kv_quant, layer=layer,
             )  # fmt: skip
             return kv, out
 
         cache_spec = self._stacked_spec if stacked else self.layout.cache_spec
         q_spec = self._q_spec(num_q_heads)
-        extra_specs = (P(), P()) if stacked else ((self._rank_spec,) if spans else ())
+        extra_specs = ((P(), P()) if stacked else ()) + ((self._rank_spec,) if key.spans else ())
         fn = jax.shard_map(
             local,
             mesh=self.mesh,

@@ -3,9 +3,10 @@
 The runner owns the device state: one `PagedKVCache` per KV-cache group (layers with
 equal specs share a group and the pool's block ids), one donated array holding every
 layer's cache (`[num_layers, ...]`, which the model's scanned layer body indexes),
-and for image models an `EncoderCacheStore`; and, per data rank, the requests' persistent
-rows (`RequestRows`: block tables per group, sampling parameters), which the scheduler's
-block-id changes update. Each step it
+and for image models the encoder store's array (`encoder_cache`; its layout and programs
+are the `EncoderCacheStore`, its pages the host `EncoderPageAllocator`); and, per data
+rank, the requests' persistent rows (`RequestRows`: block tables per group, sampling
+parameters), which the scheduler's block-id changes update. Each step it
 
 1. releases the rows of preempted and finished requests, frees the store pages of
    evicted encoder entries and zeroes freed KV pages (optional),
@@ -46,7 +47,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv.block_table import BlockTable
 from jaxkv.device import (
-    EmbedPlacement,
     EncoderCacheStore,
     PagedKVCache,
     StepField,
@@ -55,7 +55,9 @@ from jaxkv.device import (
     StepMetadataPacker,
     StepShape,
 )
-from jaxkv.device.storage import check_kv_quant, from_storage
+from jaxkv.device.encoder_store import merge_rows
+from jaxkv.device.storage import check_kv_quant
+from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
 from jaxkv.engine.sampling import sample_tokens
 from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
@@ -325,10 +327,7 @@ def _paged_step(
     embeds = None
     if store is not None:
         embeds = model.embed_tokens(token_ids)
-        stored = store.reshape(-1, store.shape[-1]).at[rows("merge_src")]
-        stored = stored.get(mode="fill", fill_value=0)
-        stored = from_storage(stored, store_dtype)  # the store may hold bf16 as uint16 bits
-        embeds = embeds.at[rows("merge_dst")].set(stored.astype(embeds.dtype), mode="drop")
+        embeds = merge_rows(embeds, store, rows("merge_src"), rows("merge_dst"), store_dtype)
     logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
     sampled = sample_tokens(
         logits, rows("temperature"), rows("top_k"), rows("top_p"), rows("seeds"), rows("counters")
@@ -434,15 +433,24 @@ class ModelRunner:
         ]
         self.hidden_size = int(model.config.hidden_size)
         self.encoder_store: EncoderCacheStore | None = None
+        self.encoder_pages: EncoderPageAllocator | None = None
+        self.encoder_cache: jax.Array | None = None  # the store's array, donated per write
         self.images = image_inputs(model)
         if encoder_cache_size and self.images is not None:
-            pages = EncoderCacheStore.pages_needed(
-                encoder_cache_size, encoder_page_size, self.images.num_image_tokens
+            pages = max(
+                EncoderPageAllocator.pages_needed(
+                    encoder_cache_size, encoder_page_size, self.images.num_image_tokens
+                ),
+                1,
             )
             self.encoder_store = EncoderCacheStore(
-                max(pages, 1), encoder_page_size, self.hidden_size, dtype=jnp.float32,
+                pages, encoder_page_size, self.hidden_size, dtype=jnp.float32,
                 mesh=None if mesh is None else self.mesh,
             )  # fmt: skip
+            self.encoder_pages = EncoderPageAllocator(pages, encoder_page_size)
+            self.encoder_cache = (
+                self.encoder_store.allocate() if allocate else self.encoder_store.struct()
+            )
         self._graphdef, self._state = nnx.split(model)
         # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
         # the step places its output (so the first step compiles the same program as the
@@ -470,11 +478,9 @@ class ModelRunner:
         return fn
 
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
-        store = self.encoder_store
         return self._step_fn(shapes)(
-            self._state, self.kv_cache, None if store is None else store.cache,
-            self.paged[0].put(buffer), self.sampled,
-        )  # fmt: skip
+            self._state, self.kv_cache, self.encoder_cache, self.paged[0].put(buffer), self.sampled
+        )
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
         return _encode_images(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
@@ -487,7 +493,7 @@ class ModelRunner:
         """One rank's host rows and checked row updates; changes nothing. Whatever fails
         while preparing request `i`'s part is raised as its `RequestStepError`."""
         rows = self.rows[rank]
-        index, tables, store = rows.index, rows.tables, self.encoder_store
+        index, tables, encoder_pages = rows.index, rows.tables, self.encoder_pages
         sampled_row = self._sampled_row
         step = _RankStep()
         n = len(scheduled)
@@ -526,7 +532,7 @@ class ModelRunner:
                     raise RuntimeError("has no row: its first step did not send its blocks")
                 elif s.new_block_ids or s.num_null_blocks:
                     step.updates.append(_RowUpdate.append(tables, s, row))
-                if store is not None:
+                if encoder_pages is not None:
                     step.placements += self._placements(s, offset)
                 step.request_ids.append(request_id)
                 query_lens[i], seq_lens[i] = s.num_new_tokens, end
@@ -545,7 +551,7 @@ class ModelRunner:
         placements = []
         for f in s.request.mm_features:
             if f.offset < end and f.offset + f.length > s.num_computed_tokens:
-                self.encoder_store.pages_of(f.identifier)  # stored, or this fails
+                self.encoder_pages.pages_of(f.identifier)  # stored, or this fails
                 placements.append(
                     EmbedPlacement(
                         f.identifier, f, s.num_computed_tokens, s.num_new_tokens, offset
@@ -603,7 +609,7 @@ class ModelRunner:
         merge_dst = np.full((dp, t), dp * t, np.int32)
         for k, step in enumerate(steps):
             if step.placements:
-                src, dst = self.encoder_store.merge_indices(step.placements, t)
+                src, dst = self.encoder_pages.merge_indices(step.placements, t)
                 count = min(len(src), t)
                 merge_src[k, :count] = src[:count]
                 merge_dst[k, :count] = np.where(dst[:count] < t, k * t + dst[:count], dp * t)
@@ -613,18 +619,23 @@ class ModelRunner:
         self, outs: Sequence[SchedulerOutput], images: Mapping[str, np.ndarray]
     ) -> None:
         """Free evicted entries (all ranks share the encoder cache), then encode new items."""
-        store = self.encoder_store
-        stale = [h for out in outs for h in out.freed_mm_hashes if h in store]
+        pages = self.encoder_pages
+        stale = [h for out in outs for h in out.freed_mm_hashes if h in pages]
         if stale:
-            store.free(stale)
+            pages.free(stale)
         for out in outs:
             for s in out.scheduled:
                 for input_id in s.encoder_input_ids:
                     mm_hash = s.request.mm_features[input_id].identifier
-                    if mm_hash in store:
+                    if mm_hash in pages:
                         continue  # same content already encoded (e.g. twice in one step)
-                    store.put(mm_hash, self._encode(images[mm_hash][None])[0])
+                    self._store_encoded(mm_hash, self._encode(images[mm_hash][None])[0])
                     self.num_encoded += 1
+
+    def _store_encoded(self, mm_hash: str, embeds: jax.Array) -> None:
+        """Give `mm_hash` store pages and write its encoder output there (in place)."""
+        pages = self.encoder_pages.allocate(mm_hash, embeds.shape[0])
+        self.encoder_cache = self.encoder_store.write(self.encoder_cache, embeds, pages)
 
     def _zero_freed(self, outs: Sequence[SchedulerOutput]) -> None:
         """Zero each rank's freed blocks (ranks with fewer pad with the null block 0)."""
@@ -742,10 +753,9 @@ class ModelRunner:
         buffer = jax.ShapeDtypeStruct(
             (self.dp_size, self._layout(shapes).length), jnp.int32, sharding=rank_sharding
         )
-        store = self.encoder_store
         return self._step_fn(shapes).lower(
-            self._state, paged.stacked_struct(len(self.layer_to_group)),
-            None if store is None else store.cache, buffer, self.sampled,
+            self._state, paged.stacked_struct(len(self.layer_to_group)), self.encoder_cache,
+            buffer, self.sampled,
         )  # fmt: skip
 
     def lowered_programs(self) -> dict[str, tuple[jax.stages.Lowered, list]]:
@@ -781,8 +791,8 @@ class ModelRunner:
             self.kv_cache, self.sampled = self._step(self._empty_buffer(shapes), shapes)
         if self.encoder_store is not None:
             pixels = np.zeros((1, *self.images.pixel_shape), np.float32)
-            self.encoder_store.put("warm-up", self._encode(pixels)[0])
-            self.encoder_store.free(["warm-up"])
+            self._store_encoded("warm-up", self._encode(pixels)[0])
+            self.encoder_pages.free(["warm-up"])
         if self.zero_freed_blocks:
             for size in self.paged[0].id_buckets:
                 ids = np.ones(size * dp, np.int32)

@@ -32,10 +32,11 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
   `N = dp * shape.num_tokens`: each data rank's token rows
   in the order `StepMetadataPacker.pack` lays them out, rank-major (padding rows carry
   any id). One layer body, scanned, calls `ctx.caches[0].stacked_layer_step(...)` with
-  the layer's number, its group's metadata, `sm_scale`, its sliding window and the
-  attention soft-cap. Token positions come from group 0's packed metadata
-  (or `ctx.positions` when given). `ctx.logits_indices [R]` picks the row (into the N
-  rows) whose logits each request needs; padding entries may point anywhere.
+  the layer's number, its group's metadata, the model's `AttentionOptions` (`sm_scale`,
+  attention soft-cap; built once) and the layer's sliding window (data). Token positions
+  come from group 0's packed metadata (or `ctx.positions` when given).
+  `ctx.logits_indices [R]` picks the row (into the N rows) whose logits each request
+  needs; padding entries may point anywhere.
 - `forward_dense(token_ids [S], inputs_embeds=None) -> logits [S, vocab]` float32: the
   reference, positions `0..S-1`, plain JAX, whole sequence, no cache; `dense_fn()` jits
   it. Trailing padding changes no earlier row (causal).
@@ -68,7 +69,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.device import PagedKVCache, StepShape, unpack_step
+from jaxkv.device import AttentionOptions, PagedKVCache, StepShape, unpack_step
 from jaxkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from jaxkv.models.config import DecoderConfig
 from jaxkv.models.decoder import Decoder
@@ -195,12 +196,12 @@ class CausalLM(nnx.Module):
         metadata = jnp.stack(ctx.metadata)
         group_of = jnp.asarray(ctx.layer_to_group, jnp.int32)
         windows = self.decoder.layer_windows()
+        options = AttentionOptions(sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcapping)
 
         def attend(kv, layer, q, k, v):
             return ctx.caches[0].stacked_layer_step(
-                kv, layer, q, k, v, metadata[group_of[layer]], ctx.shapes[0],
-                sm_scale=cfg.sm_scale, sliding_window=windows[layer],
-                soft_cap=cfg.attn_logit_softcapping,
+                kv, layer, q, k, v, metadata[group_of[layer]], ctx.shapes[0], options,
+                window=windows[layer],
             )  # fmt: skip
 
         h, kv_cache = self.decoder.hidden_states(x, positions, attend, kv_cache)
