@@ -304,8 +304,8 @@ class LLMEngine:
         """Hand each rank's pending KV events (the host tier's with rank 0's) to its
         publisher (a queue append each); without publishers (processes other than 0)
         they are dropped."""
-        if self.config.kv_events_endpoint is None:
-            return
+        if self.config.kv_events_endpoint is None and not self.kv_event_publishers:
+            return  # events off: nothing records them
         host_events = self.offload.tier.take_events() if self.offload is not None else []
         for rank, manager in enumerate(self.kv_cache_managers):
             events = manager.take_events() + (host_events if not rank else [])
