@@ -54,6 +54,56 @@ SLOW_TESTS = {
     "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[gemma]",
     "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[gemma2]",
     "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[gemma3]",
+    "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[llama]",
+    # the quick part keeps test_paged_with_images_matches_dense[64] and the clip processor
+    "test_models_llava.py::test_paged_with_images_matches_dense[3]",
+    "test_models_image.py::test_matches_transformers_image_processor[siglip-config1]",
+    # scanned vs per-layer: the quick part keeps test_engine_models' engine-level check
+    "test_cli_generate.py::test_scan_layers_on_and_off_give_the_same_tokens",
+    "test_cli_generate.py::test_huge_seed_from_the_command_line",  # test_engine_faults: quick
+    # the quick part keeps the prompts-file batch through the command
+    "test_cli_generate.py::test_chat_template_and_cache_salt",
+    "test_cli_generate.py::test_prompt_encoder_matches_transformers",
+    "test_engine_in_place.py::test_every_engine_program_updates_its_caches_in_place[gemma3+scan-bfloat16-auto]",
+    "test_device_quant.py::test_attention_over_a_quantised_cache[None-None-fp8]",
+    "test_device_quant.py::test_attention_over_a_quantised_cache[5-3.0-fp8]",
+    # attention variants: the quick part keeps one case per mask family and phase
+    "test_device_attention.py::test_tiling_never_changes_the_result",
+    "test_device_attention.py::test_span_and_chunk_masks_change_the_result",
+    "test_device_attention.py::test_window_and_cap_change_the_result",
+    "test_device_attention.py::test_query_chunking_does_not_change_result",
+    "test_device_attention.py::test_table_width_does_not_change_the_result",
+    "test_device_attention.py::test_matches_dense_float64_reference[1-None-None-mixed]",
+    "test_device_attention.py::test_matches_dense_float64_reference[2-3-None-decode]",
+    "test_device_attention.py::test_matches_dense_float64_reference[2-3-None-prefill]",
+    "test_device_attention.py::test_matches_dense_float64_reference[3-6-2.0-decode]",
+    "test_device_attention.py::test_matches_dense_float64_reference[3-6-2.0-prefill]",
+    "test_device_attention.py::test_matches_dense_float64_reference[4-None-5.0-decode]",
+    "test_device_attention.py::test_matches_dense_float64_reference[4-None-5.0-prefill]",
+    "test_device_attention.py::test_blockwise_masks_match_float64_reference[1-None-None-None-True]",
+    "test_device_attention.py::test_blockwise_masks_match_float64_reference[3-None-None-None-False]",
+    "test_device_attention.py::test_blockwise_masks_match_float64_reference[8-5-12-2.0-True]",
+    # the TPU and GPU kernels in interpret mode (no such device here): the quick part keeps
+    # one mixed batch with every mask, one quantised cache, one decode case per kernel
+    "test_pallas_tpu.py::test_auto_dispatch_by_platform",
+    "test_pallas_tpu.py::test_bf16_cache",
+    "test_pallas_tpu.py::test_mixed_batch_every_mask_matches_float64_reference[1-None-None-None-False]",
+    "test_pallas_tpu.py::test_mixed_batch_every_mask_matches_float64_reference[4-None-8-None-True]",
+    "test_pallas_tpu.py::test_mixed_batch_every_mask_matches_float64_reference[8-5-12-2.0-True]",
+    "test_pallas_tpu.py::test_prefill_only_and_decode_only[decode]",
+    "test_pallas_tpu.py::test_prefill_only_and_decode_only[prefill]",
+    "test_pallas_tpu.py::test_quantised_cache[fp8-5-3.0]",
+    "test_pallas_tpu.py::test_rows_without_keys_inside_a_request",
+    "test_pallas_tpu.py::test_stale_table_tails_and_freed_window_pages",
+    "test_pallas_tpu.py::test_step_dispatches_the_kernel_when_forced",
+    "test_pallas_gpu_decode.py::test_bf16_stored_as_uint16",
+    "test_pallas_gpu_decode.py::test_dispatch_matches_reference_and_zeroes_rows_past_num_seqs",
+    "test_pallas_gpu_decode.py::test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit",
+    "test_pallas_gpu_decode.py::test_matches_dense_float64_reference[2-8-2-5-None]",
+    "test_pallas_gpu_decode.py::test_matches_dense_float64_reference[4-4-4-6-2.0]",
+    "test_pallas_gpu_decode.py::test_matches_dense_float64_reference[8-16-1-6-2.0]",
+    "test_pallas_gpu_decode.py::test_rows_kernel_serves_mixed_steps[2-None-None-None-True]",
+    "test_pallas_gpu_decode.py::test_rows_kernel_serves_mixed_steps[4-None-6-None-True]",
 }
 
 
