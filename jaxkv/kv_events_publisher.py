@@ -12,14 +12,12 @@ Publishing never blocks the caller: `publish` puts the batch on a bounded queue 
 background thread drains (converting, encoding and sending there); on a full queue the
 oldest batch is dropped and counted in `num_dropped` (it never gets a sequence number,
 so subscribers see no gap for it: the drop is the publisher's, reported by its count
-and a warning). The thread sleeps until there is work: a byte on a wake-up pipe (one
-per `publish`) or a replay request, polled together, so an idle publisher costs no CPU.
+and a warning).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -141,9 +139,7 @@ class ZmqEventPublisher(EventPublisher):
     Invariants: sequence numbers are consecutive from 0 over the messages sent; the
     replay buffer holds the last `buffer_steps` of them in order; `num_dropped` counts
     batches dropped from a full queue (never sent, never numbered); the step loop only
-    appends to the queue (a deque under a lock) and writes a wake-up byte, the thread
-    does the rest; a queued batch always has a wake-up byte unread after it, so the
-    thread never sleeps on a non-empty queue.
+    appends to the queue (a deque under a lock), the thread does the rest.
     """
 
     SHUTDOWN_TIMEOUT = 1.0
@@ -169,9 +165,7 @@ class ZmqEventPublisher(EventPublisher):
         self._topic = topic.encode()
         self._queue: deque[tuple[float, Sequence[KVCacheEvent]]] = deque()
         self._sending = False  # the thread holds a batch taken from the queue
-        self._ready = threading.Condition()  # guards the queue; notified after each send
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_write, False)
+        self._ready = threading.Condition()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
@@ -188,7 +182,7 @@ class ZmqEventPublisher(EventPublisher):
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as error:
-            self._close()
+            self._close_sockets()
             raise ValueError(
                 f"KV events: cannot open {self.endpoint!r} / {self.replay_endpoint!r}: {error}"
             ) from None
@@ -211,13 +205,7 @@ class ZmqEventPublisher(EventPublisher):
                         self.num_dropped,
                     )
             self._queue.append((time.time() if ts is None else ts, events))
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:  # the pipe is full of unread wake-ups: the thread will run
-            pass
+            self._ready.notify_all()
 
     def cpu_time(self) -> float:
         """CPU seconds the publishing thread has used (0.0 once it has ended)."""
@@ -236,33 +224,28 @@ class ZmqEventPublisher(EventPublisher):
                 self._ready.wait(min(remaining, 0.01))
         return True
 
-    def _next(self, poller: zmq.Poller) -> tuple[float, Sequence[KVCacheEvent]] | None:
-        """The oldest queued batch (None: shut down), sleeping until one is published;
-        answers replay requests meanwhile."""
+    def _next(self) -> tuple[float, Sequence[KVCacheEvent]] | None:
+        """The oldest queued batch (None: shut down), waiting a moment for one; answers
+        replay requests meanwhile."""
         while True:
             with self._ready:
+                if not self._queue:
+                    if not self._running:
+                        return None
+                    self._ready.wait(0.05 if self._replay is not None else 0.5)
                 if self._queue:
                     self._sending = True
                     return self._queue.popleft()
-                if not self._running:
-                    return None
-            ready = dict(poller.poll())
-            if self._wake_read in ready:
-                os.read(self._wake_read, 65536)
-            if self._replay is not None and self._replay in ready:
+            if self._replay is not None:
                 self._serve_replay()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_read, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
         seq = 0
         while True:
-            item = self._next(poller)
+            item = self._next()
             if item is None:
                 return
-            if self._replay is not None and self._replay.poll(0):
+            if self._replay is not None:
                 self._serve_replay()
             ts, events = item
             try:
@@ -307,21 +290,19 @@ class ZmqEventPublisher(EventPublisher):
             return
         with self._ready:
             self._running = False
-        self._wake()
+            self._ready.notify_all()
         self._thread.join(self.SHUTDOWN_TIMEOUT)
         if self._thread.is_alive():
             logger.warning(
                 "KV events: the publisher thread did not finish within %.1f s",
                 self.SHUTDOWN_TIMEOUT,
             )
-        self._close()
+        self._close_sockets()
 
-    def _close(self) -> None:
+    def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
 
 
 class EventPublisherFactory:
