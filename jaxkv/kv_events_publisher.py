@@ -12,7 +12,8 @@ Publishing never blocks the caller: `publish` puts the batch on a bounded queue 
 background thread drains (converting, encoding and sending there); on a full queue the
 oldest batch is dropped and counted in `num_dropped` (it never gets a sequence number,
 so subscribers see no gap for it: the drop is the publisher's, reported by its count
-and a warning).
+and a warning). The thread drains the queue every `DRAIN_INTERVAL` (0.1 s), so an
+event reaches subscribers at most that much later.
 """
 
 from __future__ import annotations
@@ -139,10 +140,15 @@ class ZmqEventPublisher(EventPublisher):
     Invariants: sequence numbers are consecutive from 0 over the messages sent; the
     replay buffer holds the last `buffer_steps` of them in order; `num_dropped` counts
     batches dropped from a full queue (never sent, never numbered); the step loop only
-    appends to the queue (a deque under a lock), the thread does the rest.
+    appends to the queue (a deque under a lock), the thread does the rest, at most
+    `DRAIN_INTERVAL` seconds later (replay requests are answered at the same pace).
     """
 
     SHUTDOWN_TIMEOUT = 1.0
+    # The thread drains the queue this often (and on `flush`/`shutdown`), not on every
+    # `publish`: waking it would hand it the GIL while the step loop runs Python, which
+    # costs the loop more than converting the events does.
+    DRAIN_INTERVAL = 0.1
 
     def __init__(
         self,
@@ -205,7 +211,6 @@ class ZmqEventPublisher(EventPublisher):
                         self.num_dropped,
                     )
             self._queue.append((time.time() if ts is None else ts, events))
-            self._ready.notify_all()
 
     def cpu_time(self) -> float:
         """CPU seconds the publishing thread has used (0.0 once it has ended)."""
@@ -217,6 +222,7 @@ class ZmqEventPublisher(EventPublisher):
     def flush(self, timeout: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout
         with self._ready:
+            self._ready.notify_all()  # drain now, not at the next interval
             while self._queue or self._sending:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -224,45 +230,41 @@ class ZmqEventPublisher(EventPublisher):
                 self._ready.wait(min(remaining, 0.01))
         return True
 
-    def _next(self) -> tuple[float, Sequence[KVCacheEvent]] | None:
-        """The oldest queued batch (None: shut down), waiting a moment for one; answers
-        replay requests meanwhile."""
-        while True:
-            with self._ready:
-                if not self._queue:
-                    if not self._running:
-                        return None
-                    self._ready.wait(0.05 if self._replay is not None else 0.5)
-                if self._queue:
-                    self._sending = True
-                    return self._queue.popleft()
-            if self._replay is not None:
-                self._serve_replay()
-
     def _run(self) -> None:
         seq = 0
         while True:
-            item = self._next()
-            if item is None:
-                return
+            with self._ready:
+                if not self._queue and self._running:
+                    self._ready.wait(self.DRAIN_INTERVAL)
+                batches = list(self._queue)
+                self._queue.clear()
+                self._sending = bool(batches)
+                running = self._running
             if self._replay is not None:
                 self._serve_replay()
-            ts, events = item
-            try:
-                batch = KVEventBatch(
-                    ts, to_wire_events(events, self.int_block_hashes), self.data_parallel_rank
-                )
-                payload = encode_event_batch(batch)
-                seq_bytes = seq.to_bytes(8, "big")
-                self._pub.send_multipart((self._topic, seq_bytes, payload))
-            except Exception:  # a bad event must not stop the thread; the step loop goes on
-                logger.exception("KV events: could not publish a batch; it is skipped")
-            else:
-                self._buffer.append((seq, payload))
-                self.num_sent = seq = seq + 1
+            for ts, events in batches:
+                seq = self._send(seq, ts, events)
             with self._ready:
                 self._sending = False
                 self._ready.notify_all()
+            if not running and not batches:
+                return
+
+    def _send(self, seq: int, ts: float, events: Sequence[KVCacheEvent]) -> int:
+        """Send one batch as message `seq`; the next sequence number (unchanged when the
+        batch could not be sent)."""
+        try:
+            batch = KVEventBatch(
+                ts, to_wire_events(events, self.int_block_hashes), self.data_parallel_rank
+            )
+            payload = encode_event_batch(batch)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except Exception:  # a bad event must not stop the thread; the step loop goes on
+            logger.exception("KV events: could not publish a batch; it is skipped")
+            return seq
+        self._buffer.append((seq, payload))
+        self.num_sent = seq + 1
+        return seq + 1
 
     def _serve_replay(self) -> None:
         """Answer every waiting replay request."""

@@ -222,7 +222,7 @@ def test_a_full_queue_drops_the_oldest_without_blocking(endpoints, monkeypatch):
     try:
         time.sleep(0.5)  # the subscription reaches the publisher
         pub.publish([stored(0)])
-        time.sleep(0.1)  # the thread took batch 0 and waits in the encoder
+        time.sleep(2 * ZmqEventPublisher.DRAIN_INTERVAL)  # the thread took batch 0 and waits
         start = time.perf_counter()
         for i in range(1, 6):
             pub.publish([stored(i)])
