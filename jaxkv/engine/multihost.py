@@ -207,12 +207,33 @@ def check_same_everywhere(settings: Mapping[str, str], what: str = "settings") -
         other = dict(json.loads(theirs))
         for name in [*base, *(k for k in other if k not in base)]:
             if base.get(name) != other.get(name):
+                _leave_coordinator_last(client, n)
                 raise DistributedError(
                     f"the processes were started with different {what}: {name} is "
                     f"{base.get(name)!r} on process {jax.process_index()} but "
                     f"{other.get(name)!r} on process {pid}; start every process with the same "
                     "flags, checkpoint and jaxkv version"
                 )
+
+
+# How long the coordinator's process outlives the word of the others that they are leaving:
+# their exit follows it at once; the margin is for a loaded machine.
+_LEAVING_MARGIN_S = 1.0
+
+
+def _leave_coordinator_last(client, exchange: int) -> None:
+    """Before every process refuses to go on: the coordination service lives in process
+    0, and a process that loses it before it exits aborts (status -6, not its error). So
+    the others say they are leaving and process 0 waits for their word (a few seconds at
+    most) and a margin."""
+    pid = jax.process_index()
+    if pid:
+        client.key_value_set(f"jaxkv/leaving/{exchange}/{pid}", "")
+        return
+    for other in range(1, jax.process_count()):
+        with contextlib.suppress(Exception):
+            client.blocking_key_value_get(f"jaxkv/leaving/{exchange}/{other}", 5000)
+    time.sleep(_LEAVING_MARGIN_S)
 
 
 def _missing(num_processes: int) -> list[int] | None:
