@@ -167,8 +167,9 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-processes", type=int, help="processes (default: $JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, help="this process, 0.. (default: $JAX_PROCESS_ID)")
     p.add_argument(
-        "--distributed-timeout", type=float, default=20.0, metavar="SECONDS",
-        help="a process that does not join, or dies, ends the others with an error after this",
+        "--distributed-timeout", type=float, metavar="SECONDS",
+        help="a process that does not join, or dies, ends the others with an error after this "
+        "(default: 20)",
     )  # fmt: skip
 
 
@@ -247,8 +248,9 @@ def _join(args: argparse.Namespace):
     from jaxkv.engine import multihost
     from jaxkv.models.checkpoint import checkpoint_index
 
+    timeout = {} if args.distributed_timeout is None else {"timeout_s": args.distributed_timeout}
     distributed = multihost.DistributedConfig.resolve(
-        args.coordinator_address, args.num_processes, args.process_id, args.distributed_timeout
+        args.coordinator_address, args.num_processes, args.process_id, **timeout
     )
     if distributed is None:
         return None

@@ -35,3 +35,17 @@ def test_flags_win_over_the_environment_and_fill_from_it() -> None:
 def test_bad_settings_name_the_flag(args, message) -> None:
     with pytest.raises(ValueError, match=message):
         DistributedConfig.resolve(*args, environ={})
+
+
+def test_command_line_default_timeout_is_the_engines() -> None:
+    from jaxkv.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--coordinator-address", "h:1", "--num-processes", "2",
+                              "--process-id", "1", "--prompt", "hi", "--model", "m"])  # fmt: skip
+    assert args.distributed_timeout is None  # resolved by DistributedConfig, not the parser
+    help_text = next(
+        a.help for a in parser._subparsers._group_actions[0].choices["generate"]._actions
+        if a.dest == "distributed_timeout"
+    )
+    assert f"(default: {DEFAULT_TIMEOUT_S:g})" in help_text
