@@ -45,7 +45,8 @@ def test_command_line_default_timeout_is_the_engines() -> None:
                               "--process-id", "1", "--prompt", "hi", "--model", "m"])  # fmt: skip
     assert args.distributed_timeout is None  # resolved by DistributedConfig, not the parser
     help_text = next(
-        a.help for a in parser._subparsers._group_actions[0].choices["generate"]._actions
+        a.help
+        for a in parser._subparsers._group_actions[0].choices["generate"]._actions
         if a.dest == "distributed_timeout"
     )
     assert f"(default: {DEFAULT_TIMEOUT_S:g})" in help_text
