@@ -242,25 +242,34 @@ class ZmqEventPublisher(EventPublisher):
                 running = self._running
             if self._replay is not None:
                 self._serve_replay()
-            for ts, events in batches:
-                seq = self._send(seq, ts, events)
+            # Encoded first, then sent: each send lets go of the GIL, and the thread waits
+            # for the step loop to hand it back before its next Python line.
+            payloads = [self._encode(ts, events) for ts, events in batches]
+            for payload in payloads:
+                if payload is not None:
+                    seq = self._send(seq, payload)
             with self._ready:
                 self._sending = False
                 self._ready.notify_all()
             if not running and not batches:
                 return
 
-    def _send(self, seq: int, ts: float, events: Sequence[KVCacheEvent]) -> int:
-        """Send one batch as message `seq`; the next sequence number (unchanged when the
-        batch could not be sent)."""
+    def _encode(self, ts: float, events: Sequence[KVCacheEvent]) -> bytes | None:
+        """One batch's payload (None: it cannot be encoded, and is skipped)."""
         try:
-            batch = KVEventBatch(
-                ts, to_wire_events(events, self.int_block_hashes), self.data_parallel_rank
-            )
-            payload = encode_event_batch(batch)
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            wire = to_wire_events(events, self.int_block_hashes)
+            return encode_event_batch(KVEventBatch(ts, wire, self.data_parallel_rank))
         except Exception:  # a bad event must not stop the thread; the step loop goes on
-            logger.exception("KV events: could not publish a batch; it is skipped")
+            logger.exception("KV events: could not encode a batch; it is skipped")
+            return None
+
+    def _send(self, seq: int, payload: bytes) -> int:
+        """Send `payload` as message `seq`; the next sequence number (unchanged when it
+        could not be sent)."""
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except zmq.ZMQError:
+            logger.exception("KV events: could not send a batch; it is skipped")
             return seq
         self._buffer.append((seq, payload))
         self.num_sent = seq + 1

@@ -41,9 +41,15 @@ ExternalBlockHash = int | bytes
 def block_hash_to_wire(block_hash: bytes, int_block_hashes: bool = True) -> ExternalBlockHash:
     """`block_hash` as vLLM publishes it: the low 64 bits of the digest read
     big-endian (`int.from_bytes(digest, "big") & (2**64 - 1)`), or the bytes unchanged."""
-    if not int_block_hashes:
-        return block_hash
+    return _low_64_bits(block_hash) if int_block_hashes else block_hash
+
+
+def _low_64_bits(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
+
+
+def _unchanged(block_hash: bytes) -> bytes:
+    return block_hash
 
 
 class _WireEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -110,16 +116,15 @@ class _EventType(msgspec.Struct, gc=False):
     type: str
 
 
-def _wire_hashes(hashes: Sequence[bytes], int_block_hashes: bool) -> list[ExternalBlockHash]:
-    return [block_hash_to_wire(h, int_block_hashes) for h in hashes]
-
-
 def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True) -> list:
     """jaxkv's events (`take_events()`) as the wire structs; hashes by `block_hash_to_wire`.
 
     TypeError naming the event for anything but `BlockStored`, `BlockRemoved` and
     `AllBlocksCleared`.
     """
+    # The publishing thread runs this holding the GIL: the fields go positionally (in the
+    # structs' declaration order) and the hash form is chosen once.
+    to_wire = _low_64_bits if int_block_hashes else _unchanged
     wire: list = []
     for event in events:
         kind = type(event)
@@ -127,27 +132,23 @@ def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True
             parent = event.parent_block_hash
             wire.append(
                 WireBlockStored(
-                    block_hashes=_wire_hashes(event.block_hashes, int_block_hashes),
-                    parent_block_hash=None
-                    if parent is None
-                    else block_hash_to_wire(parent, int_block_hashes),
-                    token_ids=list(event.token_ids),
-                    block_size=event.block_size,
-                    lora_id=event.lora_id,
-                    medium=event.medium,
-                    lora_name=event.lora_name,
-                    extra_keys=event.extra_keys,
-                    group_idx=event.group_idx,
-                    kv_cache_spec_kind=event.kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+                    [to_wire(h) for h in event.block_hashes],
+                    None if parent is None else to_wire(parent),
+                    list(event.token_ids),
+                    event.block_size,
+                    event.lora_id,
+                    event.medium,
+                    event.lora_name,
+                    event.extra_keys,
+                    event.group_idx,
+                    event.kv_cache_spec_kind,
+                    event.kv_cache_spec_sliding_window,
                 )
             )
         elif kind is BlockRemoved:
             wire.append(
                 WireBlockRemoved(
-                    block_hashes=_wire_hashes(event.block_hashes, int_block_hashes),
-                    medium=event.medium,
-                    group_idx=event.group_idx,
+                    [to_wire(h) for h in event.block_hashes], event.medium, event.group_idx
                 )
             )
         elif kind is AllBlocksCleared:

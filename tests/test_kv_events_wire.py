@@ -126,6 +126,27 @@ def test_sequence_numbers_and_topic_filtering(endpoints):
         other.close()
 
 
+def test_a_batch_that_cannot_be_encoded_is_skipped_and_publishing_goes_on(endpoints, caplog):
+    pub = ZmqEventPublisher(0, endpoints[0])
+    sub = sub_socket(endpoints[0], b"")
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        pub.publish([stored(0)], ts=0.0)
+        pub.publish([stored(1), "not an event"], ts=1.0)  # the whole batch is skipped
+        pub.publish([stored(2)], ts=2.0)
+        assert pub.flush(WAIT_MS / 1000) and pub.num_sent == 2
+        got = []
+        for _ in range(2):
+            assert sub.poll(WAIT_MS)
+            _, seq, payload = sub.recv_multipart()
+            got.append((int.from_bytes(seq, "big"), decode_event_batch(payload).ts))
+        assert got == [(0, 0.0), (1, 2.0)]  # no gap in the numbering for the skipped batch
+        assert "could not encode a batch" in caplog.text
+    finally:
+        pub.shutdown()
+        sub.close()
+
+
 def published_index(events_per_batch) -> PrefixIndex:
     index = PrefixIndex(4)
     for events in events_per_batch:
