@@ -9,13 +9,13 @@ transformers (float32, eager, CPU).
 2. Real shapes (random weights, written by this benchmark): a SmolLM2-135M-shaped Llama
    and a Gemma-3-270M-shaped Gemma 3 (real layer counts, widths and vocabularies). Each
    round runs jaxkv with one scanned layer body (`scan_layers=True`, the default on
-   TPU/GPU), jaxkv with one stack per layer (`scan_layers=False`, the default on CPU)
-   and transformers in their own processes, one after the
-   other: load (safetensors), time to the first token of the first request (jaxkv:
-   compiling the programs it needs; the first round with an empty XLA compilation
-   cache, later rounds with the cache the first filled), start-up to that token (from
-   before the imports), the full warm-up (every step program), an 850-token prefill,
-   decode ms per token, peak RSS.
+   TPU/GPU), jaxkv with one stack per layer (`scan_layers=False`, the default on CPU,
+   which the engine runs layer by layer: one layer program for every layer) and
+   transformers in their own processes, one after the other: load (safetensors), time
+   to the first token of the first request (jaxkv: compiling the programs it needs;
+   the first round with an empty XLA compilation cache, later rounds with the cache the
+   first filled), start-up to that token (from before the imports), the full warm-up
+   (every step program), an 850-token prefill, decode ms per token, peak RSS.
    transformers runs in the peer environment (`.venv-vllm`, tools/vllm-peer-venv.sh);
    without it that column is skipped.
 3. The bandwidth limit: weight bytes read per decoded token over this machine's

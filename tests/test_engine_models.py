@@ -77,12 +77,26 @@ def test_checkpoint_model_rejects_bad_requests_and_serves_others(tmp_path_factor
     assert len(out.output_token_ids) == GREEDY.max_tokens
 
 
+def step_program_chars(engine: LLMEngine) -> int:
+    """The size of the engine's first step program (the layer program of a model run
+    layer by layer), as lowered text."""
+    programs = engine.runner.lowered_programs()
+    name = next(n for n in programs if n.startswith("step"))
+    return len(programs[name][0].as_text())
+
+
 def test_scanned_and_per_layer_stacks_serve_the_same_tokens(tmp_path_factory) -> None:
-    """One scanned layer body (the default) computes what one stack per layer computes,
-    in a step program that does not grow with depth."""
-    path = tmp_path_factory.mktemp("gemma3-scan")
-    models.save_random_checkpoint(path, models.tiny_configs()["gemma3-tiny"], seed=3)
-    scanned, per_layer = (models.load_model(path, scan_layers=s) for s in (True, False))
+    """One scanned layer body (the default off CPU) computes what one stack per layer (the
+    CPU default, run layer by layer) computes, and neither's step programs grow with depth."""
+    tiny = models.tiny_configs()["gemma3-tiny"]
+    deep = {**tiny, "num_hidden_layers": 8, "layer_types": tiny["layer_types"] * 2}
+    loaded = {}
+    for name, config in (("tiny", tiny), ("deep", deep)):
+        path = tmp_path_factory.mktemp(f"gemma3-{name}")
+        models.save_random_checkpoint(path, config, seed=3)
+        for scan in (True, False):
+            loaded[name, scan] = models.load_model(path, scan_layers=scan)
+    scanned, per_layer = loaded["tiny", True], loaded["tiny", False]
     num_layers = scanned.config.num_hidden_layers
     assert len(scanned.decoder.layers) == 1 and len(per_layer.decoder.layers) == num_layers
     ids = np.arange(3, 40, dtype=np.int32)
@@ -92,11 +106,9 @@ def test_scanned_and_per_layer_stacks_serve_the_same_tokens(tmp_path_factory) ->
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 17, 30)]
     config = dataclasses.replace(CONFIG, num_blocks=96)
-    engines = [LLMEngine(model, config) for model in (scanned, per_layer)]
-    outputs = [engine.generate(prompts, GREEDY) for engine in engines]
+    engines = {key: LLMEngine(model, config) for key, model in loaded.items()}
+    outputs = [engines["tiny", scan].generate(prompts, GREEDY) for scan in (True, False)]
     assert [o.output_token_ids for o in outputs[0]] == [o.output_token_ids for o in outputs[1]]
-    sizes = []
-    for engine in engines:
-        (name,) = [n for n in engine.runner.lowered_programs() if n.startswith("step")][:1]
-        sizes.append(len(engine.runner.lowered_programs()[name][0].as_text()))
-    assert sizes[0] < sizes[1] / 2, f"scanned step {sizes[0]} chars, per-layer {sizes[1]}"
+    for scan in (True, False):
+        shallow, deeper = (step_program_chars(engines[name, scan]) for name in ("tiny", "deep"))
+        assert deeper < 1.05 * shallow, f"scan_layers={scan}: {shallow} -> {deeper} chars"

@@ -19,7 +19,12 @@ parameters), which the scheduler's block-id changes update. Each step it
    sampling parameters and encoder-merge rows, each a named `StepField`) and sends it in
    one transfer; the jitted step unpacks it with the same layout,
 5. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
-   device array without waiting for them.
+   device array without waiting for them. A model whose layers are not scanned as one
+   body (one stack per layer: the CPU default, `jaxkv.models.default_scan_layers`) runs
+   as 2 + L programs instead, all dispatched at once: the inputs (embeddings), one
+   program for every layer (the layer number is data; it alone updates the donated
+   cache), and the head with sampling. So compile time does not grow with depth and no
+   step copies a layer's weights out of a stack.
 
 On a mesh (`jaxkv.device.make_mesh(data, model)`), KV heads are split over the model axis
 and each data rank serves its own requests from its own block pool (block ids local to
@@ -62,7 +67,8 @@ from jaxkv.engine.sampling import sample_tokens
 from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
 from jaxkv.kv_cache_planning import get_kv_cache_groups
-from jaxkv.models.base import PagedContext
+from jaxkv.models.base import CausalLM, PagedContext, paged_attend
+from jaxkv.models.decoder import apply_layers
 
 __all__ = [
     "ImageInputs",
@@ -145,6 +151,11 @@ def _metadata_field(group: int) -> str:
     return f"metadata{group}"
 
 
+# The sampling rows of a step, in `sample_tokens`' argument order; two are float32.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "counters")
+_FLOAT_ROWS = ("temperature", "top_p")
+
+
 @functools.cache
 def step_layout(shapes: tuple[StepShape, ...], merges_embeds: bool) -> StepLayout:
     """One data rank's row of the step buffer for the groups' bucket `shapes` (`T` tokens,
@@ -166,11 +177,10 @@ def step_layout(shapes: tuple[StepShape, ...], merges_embeds: bool) -> StepLayou
         StepField("token_ids", t),
         StepField("token_src", t),
         StepField("logits_indices", r),
-        StepField("temperature", r, f32),
-        StepField("top_k", r),
-        StepField("top_p", r, f32),
-        StepField("seeds", r),
-        StepField("counters", r),
+    ]
+    fields += [
+        StepField(name, r, f32) if name in _FLOAT_ROWS else StepField(name, r)
+        for name in SAMPLING_FIELDS
     ]
     if merges_embeds:
         fields += [StepField("merge_src", t), StepField("merge_dst", t)]
@@ -303,36 +313,129 @@ def _step_program(**static):
     return jax.jit(functools.partial(_paged_step, **static), donate_argnames="kv_cache")
 
 
+def _context(fields: dict, *, paged, shapes, layer_to_group) -> PagedContext:
+    """The model's view of an unpacked step buffer: every rank's rows, rank-major."""
+    return PagedContext(
+        caches=paged, shapes=shapes, layer_to_group=layer_to_group,
+        metadata=tuple(fields[_metadata_field(g)] for g in range(len(shapes))),
+        logits_indices=fields["logits_indices"].reshape(-1),
+    )  # fmt: skip
+
+
+def _step_tokens(model, store, fields: dict, prev_sampled, store_dtype):
+    """The step's token ids (pending rows take the last step's sampled token) and, with
+    an encoder store, their embeddings with the stored image rows merged (else None)."""
+    src, host_ids = fields["token_src"].reshape(-1), fields["token_ids"].reshape(-1)
+    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], host_ids)
+    if store is None:
+        return token_ids, None
+    embeds = model.embed_tokens(token_ids)
+    merge_src, merge_dst = fields["merge_src"].reshape(-1), fields["merge_dst"].reshape(-1)
+    return token_ids, merge_rows(embeds, store, merge_src, merge_dst, store_dtype)
+
+
+def _sampled_rows(logits, fields: dict, max_num_seqs: int):
+    """The tokens sampled from `logits` by the step's sampling rows, padded to
+    `max_num_seqs` per rank (`[dp * max_num_seqs]`, rank-major)."""
+    dp, r = fields["temperature"].shape
+    sampled = sample_tokens(
+        logits, *(fields[name].reshape(-1) for name in SAMPLING_FIELDS)
+    ).reshape(dp, r)
+    return jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
+
+
 def _paged_step(
     state, kv_cache, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group, store_dtype,
     max_num_seqs, shapes, layout,
 ):  # fmt: skip
     """Forward + sampling of one packed step, unpacked by `layout` (`step_layout`)."""
     model = nnx.merge(graphdef, state)
-    r = shapes[0].num_reqs
-    dp = buffer.shape[0]
     fields = layout.unpack(buffer)
-
-    def rows(name: str) -> jax.Array:
-        """Field `name` of every rank's row, rank-major."""
-        return fields[name].reshape(-1)
-
-    src = rows("token_src")
-    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], rows("token_ids"))
-    ctx = PagedContext(
-        caches=paged, shapes=shapes, layer_to_group=layer_to_group,
-        metadata=tuple(fields[_metadata_field(g)] for g in range(len(shapes))),
-        logits_indices=rows("logits_indices"),
-    )  # fmt: skip
-    embeds = None
-    if store is not None:
-        embeds = model.embed_tokens(token_ids)
-        embeds = merge_rows(embeds, store, rows("merge_src"), rows("merge_dst"), store_dtype)
+    ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
+    token_ids, embeds = _step_tokens(model, store, fields, prev_sampled, store_dtype)
     logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
-    sampled = sample_tokens(
-        logits, rows("temperature"), rows("top_k"), rows("top_p"), rows("seeds"), rows("counters")
-    ).reshape(dp, r)
-    return kv_cache, jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
+    return kv_cache, _sampled_rows(logits, fields, max_num_seqs)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """A layer-by-layer model's parameters as its step programs take them: the whole
+    model's (`model`: embeddings, final norm, head) and each run of layers' own
+    (`runs[i]`, first layer `first_layers[i]`, a device int32 scalar)."""
+
+    model: nnx.State
+    runs: tuple[nnx.State, ...]
+    first_layers: tuple[jax.Array, ...]
+
+
+def _inputs_step(state, store, buffer, prev_sampled, *, graphdef, layout, store_dtype):
+    model = nnx.merge(graphdef, state)
+    token_ids, embeds = _step_tokens(model, store, layout.unpack(buffer), prev_sampled, store_dtype)
+    return model.input_embeddings(token_ids, embeds)
+
+
+def _layers_step(
+    run_state, x, kv_cache, buffer, first_layer, *, run_graphdef, config, paged, layer_to_group,
+    shapes, layout,
+):  # fmt: skip
+    ctx = _context(layout.unpack(buffer), paged=paged, shapes=shapes, layer_to_group=layer_to_group)
+    run = nnx.merge(run_graphdef, run_state)
+    return apply_layers(
+        run, x, ctx.token_positions(), first_layer, paged_attend(config, ctx), kv_cache
+    )
+
+
+def _sample_step(
+    state, x, buffer, *, graphdef, paged, layer_to_group, max_num_seqs, shapes, layout
+):  # fmt: skip
+    model = nnx.merge(graphdef, state)
+    fields = layout.unpack(buffer)
+    ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
+    return _sampled_rows(model.paged_logits(x, ctx), fields, max_num_seqs)
+
+
+@dataclass(frozen=True)
+class _LayerByLayerStep:
+    """One step as programs dispatched from the host, in order: the inputs, each run of
+    layers (one program for every run: the layer number is data), the sampling. Called
+    and lowered as the fused `_step_program` is, with `LayerParams` for the parameters;
+    only the layer program updates the (donated) KV cache."""
+
+    inputs: object
+    layers: object
+    sample: object
+
+    def __call__(self, params: LayerParams, kv_cache, store, buffer, prev_sampled):
+        x = self.inputs(params.model, store, buffer, prev_sampled)
+        for run, first_layer in zip(params.runs, params.first_layers, strict=True):
+            x, kv_cache = self.layers(run, x, kv_cache, buffer, first_layer)
+        return kv_cache, self.sample(params.model, x, buffer)
+
+    def lower(self, params: LayerParams, kv_cache, store, buffer, prev_sampled):
+        """The layer program (the one that writes the cache), lowered."""
+        x = jax.eval_shape(self.inputs, params.model, store, buffer, prev_sampled)
+        return self.layers.lower(params.runs[0], x, kv_cache, buffer, params.first_layers[0])
+
+
+@functools.lru_cache(maxsize=512)
+def _layer_by_layer_program(
+    *, graphdef, run_graphdef, config, paged, layer_to_group, store_dtype, max_num_seqs, shapes,
+    layout,
+):  # fmt: skip
+    """`_step_program`'s counterpart for a model run layer by layer (`_LayerByLayerStep`)."""
+    common = dict(paged=paged, layer_to_group=layer_to_group, shapes=shapes, layout=layout)
+    return _LayerByLayerStep(
+        jax.jit(functools.partial(
+            _inputs_step, graphdef=graphdef, layout=layout, store_dtype=store_dtype
+        )),
+        jax.jit(
+            functools.partial(_layers_step, run_graphdef=run_graphdef, config=config, **common),
+            donate_argnames="kv_cache",
+        ),
+        jax.jit(functools.partial(
+            _sample_step, graphdef=graphdef, max_num_seqs=max_num_seqs, **common
+        )),
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -452,6 +555,19 @@ class ModelRunner:
                 self.encoder_store.allocate() if allocate else self.encoder_store.struct()
             )
         self._graphdef, self._state = nnx.split(model)
+        # A model whose layers are not scanned as one body (one stack per layer, the CPU
+        # default) runs layer by layer; `_params` is what the step programs take.
+        self._run_graphdef = None
+        self._params = self._state
+        runs = model.decoder.layers if isinstance(model, CausalLM) else ()
+        if len(runs) > 1:
+            self._run_graphdef = nnx.graphdef(runs[0])
+            first_layers = np.cumsum([0] + [run.num_layers for run in runs[:-1]])
+            self._params = LayerParams(
+                self._state,
+                tuple(nnx.state(run) for run in runs),
+                tuple(self._replicated(np.int32(i)) for i in first_layers),
+            )
         # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
         # the step places its output (so the first step compiles the same program as the
         # others).
@@ -470,16 +586,23 @@ class ModelRunner:
         fn = self._step_fns.get(shapes)
         if fn is None:
             store = self.encoder_store
-            fn = self._step_fns[shapes] = _step_program(
+            static = dict(
                 graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
                 max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
                 store_dtype=None if store is None else store.dtype,
             )  # fmt: skip
+            if self._run_graphdef is None:
+                fn = _step_program(**static)
+            else:
+                fn = _layer_by_layer_program(
+                    run_graphdef=self._run_graphdef, config=self.model.config, **static
+                )
+            self._step_fns[shapes] = fn
         return fn
 
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
         return self._step_fn(shapes)(
-            self._state, self.kv_cache, self.encoder_cache, self.paged[0].put(buffer), self.sampled
+            self._params, self.kv_cache, self.encoder_cache, self.paged[0].put(buffer), self.sampled
         )
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
@@ -754,7 +877,7 @@ class ModelRunner:
             (self.dp_size, self._layout(shapes).length), jnp.int32, sharding=rank_sharding
         )
         return self._step_fn(shapes).lower(
-            self._state, paged.stacked_struct(len(self.layer_to_group)), self.encoder_cache,
+            self._params, paged.stacked_struct(len(self.layer_to_group)), self.encoder_cache,
             buffer, self.sampled,
         )  # fmt: skip
 

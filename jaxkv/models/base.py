@@ -36,7 +36,10 @@ Final form of the models/engine contract (/work/notes/model_contract.md, refined
   attention soft-cap; built once) and the layer's sliding window (data). Token positions
   come from group 0's packed metadata (or `ctx.positions` when given).
   `ctx.logits_indices [R]` picks the row (into the N rows) whose logits each request
-  needs; padding entries may point anywhere.
+  needs; padding entries may point anywhere. Its parts, for a caller that runs the
+  layers itself (the engine, for a model with one stack per layer): `input_embeddings`,
+  `paged_attend(config, ctx)` (the attention each layer calls) with
+  `jaxkv.models.decoder.apply_layers` over `decoder.layers`, and `paged_logits`.
 - `forward_dense(token_ids [S], inputs_embeds=None) -> logits [S, vocab]` float32: the
   reference, positions `0..S-1`, plain JAX, whole sequence, no cache; `dense_fn()` jits
   it. Trailing padding changes no earlier row (causal).
@@ -72,7 +75,7 @@ from flax import nnx
 from jaxkv.device import AttentionOptions, PagedKVCache, StepShape, unpack_step
 from jaxkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from jaxkv.models.config import DecoderConfig
-from jaxkv.models.decoder import Decoder
+from jaxkv.models.decoder import Attend, Decoder, layer_windows
 
 
 @functools.partial(
@@ -106,6 +109,24 @@ class PagedContext:
         return jax.vmap(lambda buf: unpack_step(buf, shape).positions)(self.metadata[0]).reshape(-1)
 
 
+def paged_attend(cfg: DecoderConfig, ctx: PagedContext) -> Attend:
+    """The paged step's attention for the decoder layers of `cfg`: one body for every
+    layer, its group's metadata and its window rows of tables indexed by the layer number;
+    the carry is every layer's KV cache, stacked."""
+    metadata = jnp.stack(ctx.metadata)
+    group_of = jnp.asarray(ctx.layer_to_group, jnp.int32)
+    windows = layer_windows(cfg)
+    options = AttentionOptions(sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcapping)
+
+    def attend(kv, layer, q, k, v):
+        return ctx.caches[0].stacked_layer_step(
+            kv, layer, q, k, v, metadata[group_of[layer]], ctx.shapes[0], options,
+            window=windows[layer],
+        )  # fmt: skip
+
+    return attend
+
+
 class CausalLM(nnx.Module):
     """A text decoder served paged or run dense (see the module docstring)."""
 
@@ -137,7 +158,11 @@ class CausalLM(nnx.Module):
     def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
         return self.decoder.embed(token_ids)
 
-    def _input_embeddings(self, token_ids: jax.Array, inputs_embeds: jax.Array | None):
+    def input_embeddings(
+        self, token_ids: jax.Array, inputs_embeds: jax.Array | None = None
+    ) -> jax.Array:
+        """The first layer's input `[T, hidden]`: `inputs_embeds` (in the model's dtype)
+        when given, else the token embeddings."""
         chex.assert_rank(token_ids, 1)
         chex.assert_type(token_ids, jnp.int32)
         if inputs_embeds is None:
@@ -151,7 +176,7 @@ class CausalLM(nnx.Module):
         from jaxkv.models.layers import dense_attention
 
         cfg = self.config
-        x = self._input_embeddings(token_ids, inputs_embeds)
+        x = self.input_embeddings(token_ids, inputs_embeds)
 
         windows = self.decoder.layer_windows()
 
@@ -163,7 +188,7 @@ class CausalLM(nnx.Module):
 
         positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
         h, _ = self.decoder.hidden_states(x, positions, attend)
-        logits = self.decoder.logits(h)
+        logits = self.decoder.logits(self.decoder.norm(h))
         chex.assert_shape(logits, (token_ids.shape[0], cfg.vocab_size))
         return logits
 
@@ -188,26 +213,18 @@ class CausalLM(nnx.Module):
             )
         if len(set(ctx.shapes)) != 1:
             raise ValueError(f"every KV-cache group must pack one step shape, got {ctx.shapes}")
-        x = self._input_embeddings(token_ids, inputs_embeds)
+        x = self.input_embeddings(token_ids, inputs_embeds)
         positions = ctx.token_positions()
         chex.assert_shape(positions, token_ids.shape)
-        # One layer body for every layer: its group's metadata and its window are rows of
-        # tables the body indexes by the layer number.
-        metadata = jnp.stack(ctx.metadata)
-        group_of = jnp.asarray(ctx.layer_to_group, jnp.int32)
-        windows = self.decoder.layer_windows()
-        options = AttentionOptions(sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcapping)
+        h, kv_cache = self.decoder.hidden_states(x, positions, paged_attend(cfg, ctx), kv_cache)
+        return self.paged_logits(h, ctx), kv_cache
 
-        def attend(kv, layer, q, k, v):
-            return ctx.caches[0].stacked_layer_step(
-                kv, layer, q, k, v, metadata[group_of[layer]], ctx.shapes[0], options,
-                window=windows[layer],
-            )  # fmt: skip
-
-        h, kv_cache = self.decoder.hidden_states(x, positions, attend, kv_cache)
-        logits = self.decoder.logits(h[ctx.logits_indices])
-        chex.assert_shape(logits, (ctx.logits_indices.shape[0], cfg.vocab_size))
-        return logits, kv_cache
+    def paged_logits(self, h: jax.Array, ctx: PagedContext) -> jax.Array:
+        """Float32 logits `[R, vocab]` of the rows `ctx.logits_indices` of the last layer's
+        hidden states `h [N, hidden]`."""
+        logits = self.decoder.logits(self.decoder.norm(h[ctx.logits_indices]))
+        chex.assert_shape(logits, (ctx.logits_indices.shape[0], self.config.vocab_size))
+        return logits
 
     # --- jitted entry points ---------------------------------------------------------
     def paged_step_fn(self):

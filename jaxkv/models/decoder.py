@@ -23,11 +23,13 @@ compile time and size do not grow with depth. What differs between layers is dat
 the body indexes by the layer number: each layer's RoPE frequencies, and in the
 attention its sliding window and KV-cache group.
 
-`scan_layers=False` keeps one stack per layer instead (each scanned once, which XLA
-unrolls): compile time then grows with depth, but no step slices a layer's weights
-out of a stack. On XLA's CPU backend that slice is a copy of the layer's weights per
-step (about 1.8x decode time on the real-shaped benchmarks); TPU and GPU compilers
-read the slice in place. `load_model` picks by platform (`default_scan_layers`).
+`scan_layers=False` keeps one stack per layer instead, so no step slices a layer's
+weights out of a stack: on XLA's CPU backend that slice is a copy of the layer's
+weights per step (about 1.8x decode time on the real-shaped benchmarks); TPU and GPU
+compilers read the slice in place. `load_model` picks by platform (`default_scan_layers`).
+Inside one program the per-layer runs unroll (compile time grows with depth), so the
+engine runs such a model layer by layer: one program for every layer (`apply_layers`
+on one run, the layer number as data), dispatched once per layer from the host.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class DecoderLayer(nnx.Module):
         off = cfg.norm_unit_offset
         attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
         self.cfg = cfg
+        self.num_layers = len(reader.layers)
         self.inv_freq = RopeFrequencies(
             jnp.asarray(
                 np.stack([cfg.rope_for(i).inverse_frequencies(hd) for i in reader.layers]),
@@ -179,29 +182,20 @@ class Decoder(nnx.Module):
     def hidden_states(
         self, x: jax.Array, positions: jax.Array, attend: Attend, carry=None
     ) -> tuple[jax.Array, object]:
-        """The final-normed hidden states `[T, hidden]` of embeddings `x [T, hidden]`, and
-        the attention's `carry` after the last layer (one layer body, scanned)."""
+        """The hidden states `[T, hidden]` after the last layer (not final-normed: `norm`)
+        of embeddings `x [T, hidden]`, and the attention's `carry` after the last layer."""
         chex.assert_rank(x, 2)
         chex.assert_axis_dimension(x, 1, self.cfg.hidden_size)
         chex.assert_equal_shape_prefix((x, positions), 1)
         layer = jnp.int32(0)
         for run in self.layers:
-            graphdef, stacked = nnx.split(run)
-
-            def body(state, layer_params, graphdef=graphdef):
-                x, carry, layer = state
-                x, carry = nnx.merge(graphdef, layer_params)(x, positions, layer, attend, carry)
-                return (x, carry, layer + 1), None
-
-            (x, carry, layer), _ = jax.lax.scan(body, (x, carry, layer), stacked)
-        return self.norm(x), carry
+            x, carry = apply_layers(run, x, positions, layer, attend, carry)
+            layer = layer + run.num_layers
+        return x, carry
 
     def layer_windows(self) -> jax.Array:
-        """Each layer's sliding window `[L]` int32; a full-attention layer's is larger than
-        any sequence (`FULL_ATTENTION_WINDOW`)."""
-        cfg = self.cfg
-        windows = [cfg.window_of(i) for i in range(cfg.num_hidden_layers)]
-        return jnp.asarray([FULL_ATTENTION_WINDOW if w is None else w for w in windows], jnp.int32)
+        """Each layer's sliding window `[L]` int32 (`layer_windows`)."""
+        return layer_windows(self.cfg)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Float32 logits `[R, vocab]` of hidden states `h [R, hidden]`, soft-capped (Gemma 2/3)."""
@@ -211,3 +205,27 @@ class Decoder(nnx.Module):
         if cap is not None:
             logits = cap * jnp.tanh(logits / cap)
         return logits
+
+
+def apply_layers(
+    run: DecoderLayer, x: jax.Array, positions: jax.Array, first_layer, attend: Attend, carry
+) -> tuple[jax.Array, object]:
+    """Decoder layers `first_layer, first_layer + 1, ...` (the run's stacked parameters,
+    one layer body scanned over them) on hidden states `x [T, hidden]`; returns the
+    hidden states and the attention's `carry` after the run's last layer."""
+    graphdef, stacked = nnx.split(run)
+
+    def body(state, layer_params):
+        x, carry, layer = state
+        x, carry = nnx.merge(graphdef, layer_params)(x, positions, layer, attend, carry)
+        return (x, carry, layer + 1), None
+
+    (x, carry, _), _ = jax.lax.scan(body, (x, carry, jnp.asarray(first_layer, jnp.int32)), stacked)
+    return x, carry
+
+
+def layer_windows(cfg: DecoderConfig) -> jax.Array:
+    """Each layer's sliding window `[L]` int32; a full-attention layer's is larger than
+    any sequence (`FULL_ATTENTION_WINDOW`)."""
+    windows = [cfg.window_of(i) for i in range(cfg.num_hidden_layers)]
+    return jnp.asarray([FULL_ATTENTION_WINDOW if w is None else w for w in windows], jnp.int32)
