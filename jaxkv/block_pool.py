@@ -526,7 +526,7 @@ class BlockPool:
                 for block in group_blocks:
                     salt = tenant_of.get(block.block_id) if block.ref_cnt == 0 else None
                     if salt is not None:
-                        tenant_free[salt].pop(block.block_id, None)
+                        tenant_free.get(salt, {}).pop(block.block_id, None)
         remove = self.free_block_queue.remove
         for group_blocks in blocks:
             for block in group_blocks:

@@ -412,6 +412,31 @@ KVCacheMachine.TestCase.settings = settings(
 TestKVCacheManagerStateful = KVCacheMachine.TestCase
 
 
+def check_tenant_caps(manager: KVCacheManager, caps: dict[str, int], running) -> None:
+    """The pool's per-salt counts match its cached blocks, no salt holds more than its
+    cap, a running salted request's cached blocks are its salt's, and each salt's free
+    set is the free queue's cached blocks of that salt, in queue order."""
+    pool = manager.block_pool
+    counted = Counter()
+    for block_id, salt in pool._tenant_of.items():
+        assert pool.blocks[block_id].block_hash is not None
+        counted[salt] += 1
+    assert pool.tenant_cached_blocks() == dict(counted)
+    for salt, cap in caps.items():
+        assert counted[salt] <= cap, f"{salt} holds {counted[salt]} > {cap} blocks"
+    for req in running:
+        if req.cache_salt is None:
+            continue
+        for stm in manager.coordinator.single_type_managers:
+            for block in stm.req_to_blocks.get(req.request_id, ()):
+                if block.block_hash is not None and not block.is_null:
+                    assert pool._tenant_of[block.block_id] == req.cache_salt
+    queue = pool.free_block_queue.get_all_free_blocks()
+    for salt in set(counted) | set(pool._tenant_free):
+        expected = [b.block_id for b in queue if pool._tenant_of.get(b.block_id) == salt]
+        assert list(pool._tenant_free.get(salt, {})) == expected
+
+
 class TenantCapMachine(KVCacheMachine):
     """The same machine with per-salt caps on the prefix cache (`tenant_block_quotas`):
     after every step no salt holds more cached blocks than its cap, the pool's per-salt
@@ -467,27 +492,7 @@ class TenantCapMachine(KVCacheMachine):
     def tenants_within_caps(self) -> None:
         if self.manager is None:
             return
-        pool = self.manager.block_pool
-        counted = Counter()
-        for block_id, salt in pool._tenant_of.items():
-            assert pool.blocks[block_id].block_hash is not None
-            counted[salt] += 1
-        assert pool.tenant_cached_blocks() == dict(counted)
-        for salt, cap in self.caps.items():
-            assert counted[salt] <= cap, f"{salt} holds {counted[salt]} > {cap} blocks"
-        # A running salted request's cached blocks are its salt's.
-        stm = self.manager.coordinator.single_type_managers[0]
-        for rid, req in self.running.items():
-            if req.cache_salt is None:
-                continue
-            for block in stm.req_to_blocks[rid]:
-                if block.block_hash is not None:
-                    assert pool._tenant_of[block.block_id] == req.cache_salt
-        # Each salt's free set is the free queue's blocks of that salt, in queue order.
-        queue = pool.free_block_queue.get_all_free_blocks()
-        for salt in set(counted) | set(pool._tenant_free):
-            expected = [b.block_id for b in queue if pool._tenant_of.get(b.block_id) == salt]
-            assert list(pool._tenant_free.get(salt, {})) == expected
+        check_tenant_caps(self.manager, self.caps, self.running.values())
 
     def teardown(self) -> None:
         super().teardown()
