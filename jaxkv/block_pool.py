@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int, check_num_blocks
+from jaxkv._checks import check_bool, check_int, check_num_blocks, check_str
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.hashing import (
     BlockHash,
@@ -268,6 +268,24 @@ class BlockHashToBlockMap:
         self._listed.clear()
 
 
+def check_tenant_block_quotas(
+    quotas: Mapping[str, int] | None, name: str = "tenant_block_quotas"
+) -> dict[str, int] | None:
+    """`quotas` (cache_salt -> most cached blocks, each an int >= 0) as a dict, or None;
+    TypeError/ValueError naming `name` and the entry otherwise."""
+    if quotas is None:
+        return None
+    if not isinstance(quotas, Mapping):
+        raise TypeError(
+            f"{name} must map cache_salt (str) to a block count, or be None; got {quotas!r}"
+        )
+    checked = {}
+    for salt, cap in quotas.items():
+        check_str(f"{name} key", salt)
+        checked[salt] = check_int(f"{name}[{salt!r}]", cap, min_value=0)
+    return checked
+
+
 class BlockPool:
     """All KV-cache pages of one pool.
 
@@ -276,6 +294,14 @@ class BlockPool:
     (`ref_cnt > 0`), never both; a block is in the hash map iff it has a hash
     key, and a cached block stays findable while free until it is popped for
     reuse.
+
+    `tenant_block_quotas` (None: off) caps the blocks each listed `cache_salt` may hold
+    in the prefix cache (cached blocks, held or free). Caching a block of a salt at its
+    cap first evicts that salt's least recently freed cached free block (a normal
+    eviction: hash dropped, `BlockRemoved`); when all of its cached blocks are held, the
+    block (and the rest of that caching call) stays uncached. A salt never holds more
+    than its cap and never evicts another salt's blocks for it. With quotas given (even
+    `{}`), every salted block is counted: `tenant_cached_blocks()`.
     """
 
     def __init__(
@@ -289,10 +315,11 @@ class BlockPool:
         medium: str = "GPU",
         *,
         track_freed_block_ids: bool = False,
+        tenant_block_quotas: Mapping[str, int] | None = None,
     ) -> None:
         """vLLM's positional order; `metrics_collector` and `medium` are accepted and
         unused, `num_hash_lookahead_tokens` must be 0. Integer arguments may be numpy
-        integers (stored as ints)."""
+        integers (stored as ints). `tenant_block_quotas`: see the class docstring."""
         num_gpu_blocks = check_num_blocks("num_gpu_blocks", num_gpu_blocks)
         check_bool("enable_caching", enable_caching)
         if hash_block_size is not None:
@@ -327,6 +354,89 @@ class BlockPool:
         # block): block id -> [(block hash, group id)], partial entries registered on a
         # block that already had a longer key. Dropped with the block's own key.
         self._secondary_keys: dict[int, list[tuple[BlockHash, int]]] = {}
+        # Per-tenant caps (`tenant_block_quotas`; None: off, nothing below is touched).
+        self._tenant_caps: dict[str, int] | None = None
+        self._tenant_of: dict[int, str] = {}  # block id -> salt, for cached salted blocks
+        self._tenant_cached: dict[str, int] = {}  # salt -> its cached blocks
+        # salt -> its cached free blocks, in free-queue order (least recently freed first)
+        self._tenant_free: dict[str, dict[int, KVCacheBlock]] = {}
+        if tenant_block_quotas is not None:
+            self.set_tenant_block_quotas(tenant_block_quotas)
+
+    # -- per-tenant caps -----------------------------------------------------
+
+    def set_tenant_block_quotas(
+        self, quotas: Mapping[str, int] | None, name: str = "tenant_block_quotas"
+    ) -> None:
+        """Cap each salt's cached blocks (see the class docstring); None: off. Only while
+        nothing is cached. Bad input: TypeError/ValueError naming `name`, nothing changed."""
+        quotas = check_tenant_block_quotas(quotas, name)
+        if any(block._block_hash is not None for block in self.blocks):
+            raise ValueError(f"{name} can be set only while no block is cached")
+        self._tenant_caps = quotas
+        self._tenant_of.clear()
+        self._tenant_cached.clear()
+        self._tenant_free.clear()
+
+    @property
+    def tenant_block_quotas(self) -> dict[str, int] | None:
+        return None if self._tenant_caps is None else dict(self._tenant_caps)
+
+    def tenant_cached_blocks(self) -> dict[str, int]:
+        """Salt -> blocks it holds in the prefix cache (held or free); empty when
+        `tenant_block_quotas` is None (nothing is counted then)."""
+        return {salt: n for salt, n in self._tenant_cached.items() if n}
+
+    def _admit_tenant_blocks(self, salt: str, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Count `blocks`, just stamped for `salt`, against its cap: its least recently
+        freed cached free blocks are evicted to make room; the blocks past what fits are
+        unstamped. Returns the blocks kept (a prefix of `blocks`)."""
+        cap = self._tenant_caps.get(salt)  # type: ignore[union-attr]
+        count = self._tenant_cached.get(salt, 0)
+        if cap is not None and count + len(blocks) > cap:
+            free = self._tenant_free.get(salt)
+            if free:
+                victims = list(islice(free.values(), count + len(blocks) - cap))
+                self._evict_cached_blocks(victims)
+                for victim in victims:  # nothing left to lose: reused first
+                    self.free_block_queue.remove(victim)
+                self.free_block_queue.prepend_n(victims)
+                count = self._tenant_cached[salt]
+            room = max(cap - count, 0)
+            if room < len(blocks):
+                KVCacheBlock.reset_hashes(blocks[room:])
+                blocks = blocks[:room]
+        self._tenant_cached[salt] = count + len(blocks)
+        tenant_of = self._tenant_of
+        for block in blocks:
+            tenant_of[block.block_id] = salt
+            if block.ref_cnt == 0:  # cached while free (not the managers' way)
+                self._tenant_free.setdefault(salt, {})[block.block_id] = block
+        return blocks
+
+    def _forget_tenant_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Blocks losing their hash leave their salt's counts."""
+        tenant_of, tenant_free = self._tenant_of, self._tenant_free
+        for block in blocks:
+            salt = tenant_of.pop(block.block_id, None)
+            if salt is None:
+                continue
+            self._tenant_cached[salt] -= 1
+            free = tenant_free.get(salt)
+            if free:
+                free.pop(block.block_id, None)
+
+    def _tenant_blocks_freed(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Blocks that reached `ref_cnt` 0, in the order they joined the queue's tail."""
+        tenant_of, tenant_free = self._tenant_of, self._tenant_free
+        for block in blocks:
+            if block.ref_cnt:
+                continue
+            salt = tenant_of.get(block.block_id)
+            if salt is not None:
+                free = tenant_free.setdefault(salt, {})
+                free.pop(block.block_id, None)  # a block freed twice over: its last place
+                free[block.block_id] = block
 
     # -- lookups -------------------------------------------------------------
 
@@ -409,6 +519,14 @@ class BlockPool:
 
     def touch_checked(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:
         """`touch` for blocks the caller has checked are this pool's (the manager's hits)."""
+        if self._tenant_of:
+            blocks = [list(group_blocks) for group_blocks in blocks]
+            tenant_of, tenant_free = self._tenant_of, self._tenant_free
+            for group_blocks in blocks:
+                for block in group_blocks:
+                    salt = tenant_of.get(block.block_id) if block.ref_cnt == 0 else None
+                    if salt is not None:
+                        tenant_free.get(salt, {}).pop(block.block_id, None)
         remove = self.free_block_queue.remove
         for group_blocks in blocks:
             for block in group_blocks:
@@ -451,7 +569,12 @@ class BlockPool:
     def free_held_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """`free_blocks` for blocks the caller holds a reference on (a manager freeing its
         own table, null blocks skipped), without the checks that guard outside callers."""
-        unhashed = self.free_block_queue.release_held(ordered_blocks)
+        if self._tenant_of:
+            ordered_blocks = list(ordered_blocks)
+            unhashed = self.free_block_queue.release_held(ordered_blocks)
+            self._tenant_blocks_freed(ordered_blocks)
+        else:
+            unhashed = self.free_block_queue.release_held(ordered_blocks)
         if unhashed and self.track_freed_block_ids:
             self._freed_block_ids.update(b.block_id for b in unhashed)
 
@@ -463,6 +586,8 @@ class BlockPool:
                 self._freed_block_ids.update(b.block_id for b in unhashed)
         if hashed:
             self.free_block_queue.append_n(hashed)
+            if self._tenant_of:
+                self._tenant_blocks_freed(hashed)
 
     # -- caching -------------------------------------------------------------
 
@@ -524,12 +649,21 @@ class BlockPool:
         stamped = KVCacheBlock.try_set_hashes(new_blocks, new_hashes, kv_cache_group_id)
         if not stamped:
             return
+        capped = False
+        if self._tenant_caps is not None and request.cache_salt is not None:
+            num_stamped = len(stamped)
+            stamped = self._admit_tenant_blocks(request.cache_salt, stamped)
+            if not stamped:
+                return
+            capped = len(stamped) < num_stamped
         self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)
         if self.enable_kv_cache_events:
             stamped_ids = set(map(id, stamped))
             indices = [
                 i for i in range(num_cached_blocks, num_full_blocks) if id(blocks[i]) in stamped_ids
             ]
+            if capped:  # the event's tokens end with the last block cached
+                num_full_blocks = indices[-1] + 1
             self.kv_event_queue.append(
                 self._block_stored_event(
                     request,
@@ -614,6 +748,12 @@ class BlockPool:
                 self._partial_block_stored(request, block_hash, num_tokens, kv_cache_group_id)
                 return key
         block.set_hash(block_hash, kv_cache_group_id)
+        if (
+            self._tenant_caps is not None
+            and request.cache_salt is not None
+            and not self._admit_tenant_blocks(request.cache_salt, [block])
+        ):
+            return None  # the salt is at its cap, all its cached blocks held
         self.cached_block_hash_to_block.insert_stamped((block,), kv_cache_group_id)
         self._partial_entries[block.block_id] = (block_hash, num_tokens)
         self._partial_block_stored(request, block_hash, num_tokens, kv_cache_group_id)
@@ -668,6 +808,11 @@ class BlockPool:
             self._secondary_keys[dst_block.block_id] = secondary
         if partial is not None and partial[0] is block_hash:
             self._partial_entries[dst_block.block_id] = partial
+        salt = self._tenant_of.pop(src_block.block_id, None) if self._tenant_of else None
+        if salt is not None:  # the salt's count is unchanged: the entry only moved
+            self._tenant_free.get(salt, {}).pop(src_block.block_id, None)
+            self._tenant_of[dst_block.block_id] = salt
+            self._tenant_blocks_freed((dst_block,))
 
     def emit_cached_block_events(
         self, request: Request, num_cached_blocks: int, block_size: int, kv_cache_group_id: int
@@ -740,6 +885,8 @@ class BlockPool:
         The `BlockRemoved` events follow vLLM's order: block by block, each block's
         own key, then its further keys (`_secondary_keys`) in the order they were added."""
         self.cached_block_hash_to_block.pop_stamped(blocks)
+        if self._tenant_of:
+            self._forget_tenant_blocks(blocks)
         # A page some request still holds (evict_blocks on a live block) is not garbage:
         # it is reported once it is freed, unhashed.
         if self.track_freed_block_ids:
@@ -802,6 +949,9 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         self._secondary_keys.clear()
         self._partial_entries.clear()
+        self._tenant_of.clear()
+        self._tenant_cached.clear()
+        self._tenant_free.clear()
         KVCacheBlock.reset_hashes(self.blocks)
         self.num_hash_removals += 1
         if self.enable_kv_cache_events:

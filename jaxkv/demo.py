@@ -45,6 +45,7 @@ class Job:
     images: list[np.ndarray] | None = None
     turns_left: int = 0
     sampling: SamplingParams = SamplingParams(max_tokens=12, ignore_eos=True)
+    salt: str | None = None  # its tenant (cache_salt)
 
 
 def chat_jobs(num_chats: int, rng: np.random.Generator, vocab: int) -> list[Job]:
@@ -87,7 +88,7 @@ def serve(engine: LLMEngine, jobs: list[Job], bar: tqdm, rng: np.random.Generato
     live: dict[str, Job] = {}
     finished: dict = {}
     for job in jobs:
-        live[engine.add_request(job.prompt, job.images, job.sampling)] = job
+        live[engine.add_request(job.prompt, job.images, job.sampling, cache_salt=job.salt)] = job
     while engine.has_unfinished_requests():
         for out in engine.step():
             if not out.finished:
@@ -99,9 +100,12 @@ def serve(engine: LLMEngine, jobs: list[Job], bar: tqdm, rng: np.random.Generato
                 follow = Job(
                     out.prompt_token_ids + out.output_token_ids
                     + rng.integers(3, vocab, int(rng.integers(4, 16))).tolist(),
-                    turns_left=job.turns_left - 1, sampling=job.sampling,
+                    turns_left=job.turns_left - 1, sampling=job.sampling, salt=job.salt,
                 )  # fmt: skip
-                live[engine.add_request(follow.prompt, None, follow.sampling)] = follow
+                request_id = engine.add_request(
+                    follow.prompt, None, follow.sampling, cache_salt=follow.salt
+                )
+                live[request_id] = follow
                 bar.total += 1
                 bar.refresh()
         bar.set_postfix(
@@ -157,6 +161,8 @@ def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wa
         "host_hit_tokens": int(engine.stats.total("host_hit_tokens")),
         "host_loaded_bytes": int(engine.stats.total("host_loaded_bytes")),
         "host_stored_bytes": int(engine.stats.total("host_stored_bytes")),
+        "host_bytes_used": engine.offload.tier.bytes_used if engine.offload is not None else 0,
+        "tenants": tenant_summaries(engine),
         "num_free_blocks": engine.kv_cache_manager.num_free_blocks,
         "num_blocks": engine.config.num_blocks,
         "dense_mismatched": mismatched,
@@ -174,6 +180,50 @@ def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wa
     }
 
 
+def tenant_summaries(engine: LLMEngine) -> dict[str, dict]:
+    """Per tenant ("-": no salt) its figures in both tiers; empty without salted requests."""
+    tenants = engine.stats.tenants()
+    if all(salt is None for salt in tenants):
+        return {}
+    out = {}
+    for salt, t in tenants.items():
+        out["-" if salt is None else salt] = {
+            "prefix_hit_rate": t.prefix.prefix_hit_rate,
+            "host_cached_tokens": t.prefix.host_cached_tokens,
+            "device_cached_blocks": t.device_cached_blocks,
+            "device_block_quota": t.device_block_quota,
+            "host_bytes_used": t.host.bytes_used if t.host is not None else None,
+            "host_blocks_evicted": t.host.blocks_evicted if t.host is not None else None,
+        }
+    return out
+
+
+def tenant_rows(summaries: list[dict]) -> list[tuple[str, object]]:
+    """Two table rows per tenant of any summary: prefix hit rate (host-served tokens),
+    and device cached blocks (/ cap) / host-tier MiB held."""
+
+    def hits(name: str, s: dict) -> str:
+        t = s["tenants"].get(name)
+        return "" if t is None else f"{t['prefix_hit_rate']:.1%} ({t['host_cached_tokens']})"
+
+    def held(name: str, s: dict) -> str:
+        t = s["tenants"].get(name)
+        if t is None:
+            return ""
+        device = "-" if t["device_cached_blocks"] is None else str(t["device_cached_blocks"])
+        if t["device_block_quota"] is not None:
+            device += f"/{t['device_block_quota']}"
+        host = "off" if t["host_bytes_used"] is None else f"{t['host_bytes_used'] / 2**20:.2f}"
+        return f"{device} / {host}"
+
+    names = dict.fromkeys(name for s in summaries for name in s["tenants"])
+    rows: list[tuple[str, object]] = []
+    for name in names:
+        rows.append((f"tenant {name}: hit rate (host tokens)", lambda s, n=name: hits(n, s)))
+        rows.append((f"tenant {name}: device blocks / host MiB", lambda s, n=name: held(n, s)))
+    return rows
+
+
 ROWS = [
     ("requests finished", lambda s: s["requests"]),
     ("prompt / generated tokens", lambda s: f"{s['prompt_tokens']} / {s['generated_tokens']}"),
@@ -185,6 +235,8 @@ ROWS = [
                                               if s["host_tier"] else "off"),
     ("host-tier MiB loaded / stored", lambda s: f"{s['host_loaded_bytes'] / 2**20:.2f} / "
                                                 f"{s['host_stored_bytes'] / 2**20:.2f}"
+                                                if s["host_tier"] else "off"),
+    ("host-tier MiB held at the end", lambda s: f"{s['host_bytes_used'] / 2**20:.2f}"
                                                 if s["host_tier"] else "off"),
     ("preemptions", lambda s: s["preemptions"]),
     ("steps (compiling)", lambda s: f"{s['steps']} ({s['steps_compiling']})"),
@@ -199,20 +251,21 @@ ROWS = [
 
 
 def print_table(summaries: list[dict]) -> None:
+    rows = ROWS + tenant_rows(summaries)
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        width = max(len(name) for name, _ in ROWS)
+        width = max(len(name) for name, _ in rows)
         print(" " * width + "".join(f"  {s['model']:>18}" for s in summaries))
-        for name, cell in ROWS:
+        for name, cell in rows:
             print(f"{name:<{width}}" + "".join(f"  {cell(s)!s:>18}" for s in summaries))
         return
     table = Table(title="jaxkv demo")
     table.add_column("")
     for s in summaries:
         table.add_column(s["model"], justify="right")
-    for name, cell in ROWS:
+    for name, cell in rows:
         table.add_row(name, *(str(cell(s)) for s in summaries))
     Console().print(table)
 
@@ -249,10 +302,23 @@ def run_demo(
     progress: bool = True,
     num_chats: int | None = None,
     kv_offloading_size: int | None = None,
+    tenants: int = 0,
+    tenant_device_blocks: int | None = None,
 ) -> list[dict]:
     """Serve the workload on both tiny models; one summary per model.
-    `kv_offloading_size`: bytes of a host-memory KV tier behind the device pool."""
-    base = dataclasses.replace(QUICK if quick else ENGINE, kv_offloading_size=kv_offloading_size)
+    `kv_offloading_size`: bytes of a host-memory KV tier behind the device pool.
+    `tenants`: spread the jobs over that many cache salts ("t0", "t1", ...; 0: none),
+    each capped to `tenant_device_blocks` blocks of the device prefix cache (None: no
+    cap; their blocks are counted either way)."""
+    salts = [f"t{i}" for i in range(tenants)]
+    quotas = None
+    if salts:
+        quotas = {} if tenant_device_blocks is None else dict.fromkeys(salts, tenant_device_blocks)
+    base = dataclasses.replace(
+        QUICK if quick else ENGINE,
+        kv_offloading_size=kv_offloading_size,
+        device_tenant_block_quotas=quotas,
+    )
     num_chats = num_chats if num_chats is not None else (6 if quick else 12)
     rng = np.random.default_rng(seed)
     summaries = []
@@ -266,6 +332,8 @@ def run_demo(
         model = TinyCausalLM(configs[name], seed=seed)
         engine = LLMEngine(model, dataclasses.replace(base, seed=seed))
         jobs = make_jobs(model)
+        for i, job in enumerate(jobs):
+            job.salt = salts[i % len(salts)] if salts else None
         with tqdm(total=len(jobs), unit="req", desc=name, disable=not progress) as bar:
             finished = serve(engine, jobs, bar, rng)
         mismatched = dense_check(model, finished, base.max_model_len)
@@ -290,6 +358,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-offloading-size", metavar="SIZE",
         help="host memory for a KV tier behind the device pool, e.g. 64MiB (default: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tenants", type=int, default=0, metavar="N",
+        help="spread the requests over N cache salts; the table gets per-tenant rows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tenant-device-blocks", type=int, metavar="BLOCKS",
+        help="cap each tenant's blocks in the device prefix cache (with --tenants)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -298,7 +374,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     offloading = None
     if args.kv_offloading_size is not None:
         offloading = parse_memory(args.kv_offloading_size, "--kv-offloading-size")
-    summaries = run_demo(args.quick, args.seed, not args.no_progress, args.chats, offloading)
+    if args.tenants < 0:
+        raise SystemExit(f"--tenants must be >= 0, got {args.tenants}")
+    if args.tenant_device_blocks is not None and (
+        args.tenant_device_blocks < 0 or not args.tenants
+    ):
+        raise SystemExit("--tenant-device-blocks needs --tenants and must be >= 0")
+    summaries = run_demo(
+        args.quick, args.seed, not args.no_progress, args.chats, offloading, args.tenants,
+        args.tenant_device_blocks,
+    )  # fmt: skip
     print_table(summaries)
     if args.plot:
         plot(summaries, args.plot)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,6 +216,7 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         track_freed_block_ids: bool = False,
+        tenant_block_quotas: Mapping[str, int] | None = None,
     ) -> None:
         """vLLM's arguments, in its order (docs/vllm-differences.md lists what differs).
 
@@ -230,6 +231,8 @@ class KVCacheManager:
         `shared_prefix_boundary`. Features jaxkv does not have (hash lookahead, context
         parallelism, a watermark) must be left at their defaults. Integer arguments may
         be numpy integers (they are converted before anything is built).
+        `tenant_block_quotas` (jaxkv's; None: off): the most blocks each listed
+        `cache_salt` may hold in the prefix cache (`BlockPool`'s docstring).
         """
         (
             max_model_len,
@@ -279,6 +282,8 @@ class KVCacheManager:
             num_prefill_lookahead=num_prefill_lookahead,
             max_in_flight_tokens=max_in_flight_tokens,
         )
+        if tenant_block_quotas is not None:
+            self.coordinator.block_pool.set_tenant_block_quotas(tenant_block_quotas)
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
             != self.coordinator.scheduler_block_size

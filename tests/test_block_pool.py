@@ -718,3 +718,99 @@ def test_hash_map_keys_of_unstamped_blocks_and_stamped_batches():
     assert cache_map.get_one_block(_h(1), 0) is blocks[0]
     cache_map.pop_stamped([blocks[3], blocks[0], blocks[1], blocks[2]])
     assert cache_map.num_blocks() == 0 and len(cache_map) == 0
+
+
+# ---------------------------------------------------------------------------
+# Per-tenant caps (`tenant_block_quotas`)
+
+
+def test_tenant_cap_evicts_the_salts_own_lru_free_block_and_spares_the_others():
+    pool = BlockPool(10, enable_kv_cache_events=True, tenant_block_quotas={"a": 2})
+    other = _request(range(100, 108), "o", cache_salt="b")
+    other_blocks = pool.get_new_blocks(2)
+    _cache(pool, other, other_blocks)
+    first = _request(range(8), "r1", cache_salt="a")
+    blocks1 = pool.get_new_blocks(2)
+    _cache(pool, first, blocks1)
+    assert pool.tenant_cached_blocks() == {"a": 2, "b": 2}  # "b" counted, not capped
+    pool.free_blocks(reversed(blocks1))  # a's free order: its block 2, then block 1
+    pool.free_blocks(reversed(other_blocks))
+    pool.take_events()
+    second = _request(range(20, 24), "r2", cache_salt="a")
+    (block,) = pool.get_new_blocks(1)
+    _cache(pool, second, [block])
+    # a's least recently freed cached block (its chain tail, freed first) made room.
+    assert pool.take_events()[0] == BlockRemoved(
+        block_hashes=[first.block_hashes[1]], medium="GPU", group_idx=0
+    )
+    assert blocks1[1].block_hash is None and blocks1[0].block_hash is not None
+    assert all(b.block_hash is not None for b in other_blocks)  # b untouched
+    assert pool.tenant_cached_blocks() == {"a": 2, "b": 2}
+    assert _free_ids(pool)[0] == blocks1[1].block_id  # nothing left to lose: reused first
+
+
+def test_tenant_cap_leaves_the_block_uncached_when_all_of_the_salts_blocks_are_held():
+    pool = BlockPool(10, enable_kv_cache_events=True, tenant_block_quotas={"a": 1, "z": 0})
+    req = _request(range(12), cache_salt="a")
+    blocks = pool.get_new_blocks(3)
+    _cache(pool, req, blocks)
+    assert [b.block_hash is not None for b in blocks] == [True, False, False]
+    (stored,) = pool.take_events()
+    assert stored.block_hashes == req.block_hashes[:1]
+    assert pool.get_cached_block(req.block_hashes[1], [0]) is None
+    zero = _request(range(4), "z", cache_salt="z")
+    (block,) = pool.get_new_blocks(1)
+    _cache(pool, zero, [block])
+    assert block.block_hash is None and pool.take_events() == []
+    # Unsalted requests are never capped.
+    plain = _request(range(8), "p")
+    plain_blocks = pool.get_new_blocks(2)
+    _cache(pool, plain, plain_blocks)
+    assert all(b.block_hash is not None for b in plain_blocks)
+    assert pool.tenant_cached_blocks() == {"a": 1}
+    pool.free_blocks([*reversed(blocks), block, *plain_blocks])
+    assert pool.reset_prefix_cache() and pool.tenant_cached_blocks() == {}
+
+
+def test_tenant_hits_take_blocks_out_of_the_salts_free_set():
+    pool = BlockPool(10, tenant_block_quotas={"a": 2})
+    first = _request(range(8), "r1", cache_salt="a")
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, first, blocks)
+    pool.free_blocks(reversed(blocks))
+    pool.touch(blocks)  # a hit: both held again
+    new = _request(range(8, 12), "r2", cache_salt="a")
+    (block,) = pool.get_new_blocks(1)
+    _cache(pool, new, [block])
+    assert block.block_hash is None  # no free block of "a" to give up
+    assert all(b.block_hash is not None for b in blocks)
+
+
+def test_tenant_caps_off_by_default_count_nothing():
+    pool = BlockPool(6)
+    req = _request(range(8), cache_salt="a")
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    pool.free_blocks(blocks)
+    assert pool.tenant_block_quotas is None and pool.tenant_cached_blocks() == {}
+    assert not pool._tenant_of and not pool._tenant_free
+
+
+@pytest.mark.parametrize(
+    ("quotas", "error", "match"),
+    [
+        ({"a": -1}, ValueError, r"tenant_block_quotas\['a'\] must be >= 0"),
+        ({"a": 1.5}, TypeError, r"tenant_block_quotas\['a'\] must be an integer"),
+        ({"a": True}, TypeError, r"tenant_block_quotas\['a'\] must be an integer"),
+        ({1: 2}, TypeError, "tenant_block_quotas key"),
+        ([("a", 1)], TypeError, "tenant_block_quotas must map cache_salt"),
+    ],
+)
+def test_tenant_caps_bad_input_is_refused_naming_the_setting(quotas, error, match):
+    with pytest.raises(error, match=match):
+        BlockPool(6, tenant_block_quotas=quotas)
+    pool = BlockPool(6)
+    req = _request(range(4))
+    _cache(pool, req, pool.get_new_blocks(1))
+    with pytest.raises(ValueError, match="only while no block is cached"):
+        pool.set_tenant_block_quotas({"a": 1})

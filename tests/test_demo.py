@@ -46,10 +46,21 @@ def test_dense_reference_depends_on_the_context() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_quick_demo_with_a_host_tier_shows_its_hits(capsys) -> None:
-    summaries = demo.main(["--quick", "--no-progress", "--kv-offloading-size", "16MiB"])
+def test_quick_demo_with_a_host_tier_and_tenants_shows_their_figures(capsys) -> None:
+    summaries = demo.main(
+        ["--quick", "--no-progress", "--kv-offloading-size", "16MiB", "--tenants", "2",
+         "--tenant-device-blocks", "6"]
+    )  # fmt: skip
     for s in summaries:
         assert s["dense_check"] == "OK", s["dense_mismatched"]
         assert s["host_tier"] and s["num_free_blocks"] == s["num_blocks"] - 1
-    assert summaries[0]["host_hit_rate"] > 0 and summaries[0]["host_loaded_bytes"] > 0
-    assert "host-tier hit rate" in capsys.readouterr().out
+        assert set(s["tenants"]) == {"t0", "t1"}
+        for t in s["tenants"].values():
+            assert 0 < t["device_cached_blocks"] <= t["device_block_quota"] == 6
+        assert sum(t["host_bytes_used"] for t in s["tenants"].values()) == s["host_bytes_used"]
+    chats = summaries[0]
+    assert chats["host_hit_rate"] > 0 and chats["host_loaded_bytes"] > 0
+    assert sum(t["host_cached_tokens"] for t in chats["tenants"].values()) > 0
+    out = capsys.readouterr().out
+    assert "host-tier hit rate" in out and "host-tier MiB held" in out
+    assert "tenant t1: device blocks / host MiB" in out

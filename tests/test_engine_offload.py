@@ -20,7 +20,7 @@ from jaxkv.device import PagedKVCache
 from jaxkv.engine import LLMEngine, SamplingParams
 from jaxkv.engine.offload import block_digest
 from jaxkv.kv_cache_interface import FullAttentionSpec
-from jaxkv.kv_events import AllBlocksCleared, BlockStored
+from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from jaxkv.testing.reference import DenseReference
 
 # BASE: 23 usable blocks of 8 tokens. One conversation's history is up to 12 of them,
@@ -243,3 +243,98 @@ def test_tenant_quota_caps_a_salts_host_bytes_and_spares_the_others(text_model, 
     assert tier.tenant_bytes_used(None) == 2 * (40 // 8) * block_bytes  # untouched
     assert tier.stats().tenants["a"].blocks_evicted > 0
     assert_dense(text_reference, [plain, salted])
+
+
+def test_tier_events_without_an_endpoint(text_model, text_reference):
+    """`enable_kv_cache_events` keeps both tiers' events for `take_kv_events` with no
+    endpoint; without it nothing is kept (the host tier's events do not pile up)."""
+    engine = LLMEngine(text_model, dataclasses.replace(TIER, enable_kv_cache_events=True))
+    assert engine.kv_event_publishers == []
+    chat(engine, turns=1)
+    engine.step()  # lands the stores
+    events = engine.take_kv_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert {e.medium for e in stored} == {"GPU", "CPU"}
+    assert engine.take_kv_events() == []  # taken
+    assert engine.reset_prefix_cache()
+    cleared = engine.take_kv_events()
+    assert cleared == [AllBlocksCleared(), AllBlocksCleared()]  # the pool's, the tier's
+    # A host-tier eviction shows up as a CPU BlockRemoved: a tier of three blocks.
+    small = dataclasses.replace(
+        TIER, enable_kv_cache_events=True, kv_offloading_size=3 * engine.offload.block_bytes
+    )
+    engine = LLMEngine(text_model, small)
+    chat(engine, turns=1)
+    engine.step()
+    removed = [e for e in engine.take_kv_events() if isinstance(e, BlockRemoved)]
+    assert any(e.medium == "CPU" for e in removed)
+    with pytest.raises(ValueError, match="data_rank"):
+        engine.take_kv_events(1)
+    off = LLMEngine(text_model, TIER)
+    chat(off, turns=1)
+    off.step()
+    assert off.offload.tier._events == []  # drained each step, not kept
+    with pytest.raises(ValueError, match="enable_kv_cache_events=True"):
+        off.take_kv_events()
+
+
+def test_device_tenant_cap_and_per_tenant_stats_of_both_tiers(text_model, text_reference):
+    block_bytes = 2 * 8 * 4 * 32 * 4
+    config = dataclasses.replace(
+        TIER,
+        device_tenant_block_quotas={"a": 3},
+        kv_offloading_tenant_quotas={"a": 6 * block_bytes},
+        enable_kv_cache_events=True,
+    )
+    engine = LLMEngine(text_model, config)
+    pool = engine.kv_cache_manager.block_pool
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 512, 40).tolist() for _ in range(4)]
+    plain = engine.generate(prompts[:1], GREEDY)
+    salted = []
+    for prompt in prompts[1:3]:
+        salted += engine.generate([prompt], GREEDY, cache_salt="a")
+        assert pool.tenant_cached_blocks()["a"] <= 3
+    salted += engine.generate(prompts[3:], GREEDY, cache_salt="b")
+    engine.step()  # lands the stores
+    again = engine.generate(prompts[:1], GREEDY)  # "a"'s cap evicted nothing of it
+    assert again[0].num_cached_tokens == 32  # all a hit can take: the last token is computed
+    assert_dense(text_reference, [plain, salted, again])
+    tenants = engine.stats.tenants()
+    a, b, none = tenants["a"], tenants["b"], tenants[None]
+    assert a.device_cached_blocks == 3 and a.device_block_quota == 3
+    assert b.device_cached_blocks == 40 // 8 and b.device_block_quota is None
+    assert none.device_cached_blocks is None  # unsalted blocks are not counted
+    tier = engine.offload.tier
+    # The host tier holds what the device cached of each of "a"'s prompts: 3 blocks each.
+    assert a.host.bytes_used == tier.tenant_bytes_used("a") == 6 * block_bytes
+    assert a.host.quota_bytes == 6 * block_bytes and a.host.blocks_stored == 6
+    assert b.host.bytes_used == 40 // 8 * block_bytes and b.host.quota_bytes is None
+    assert a.prefix.requests == 2 and none.prefix.requests == 2
+    assert none.prefix.cached_tokens == 32 and none.prefix.host_cached_tokens == 0
+    # "a"'s first prompt comes back from the host tier (its device blocks were evicted
+    # for its second prompt): host-served tokens are counted for the salt.
+    back = engine.generate(prompts[1:2], GREEDY, cache_salt="a")
+    assert back[0].num_cached_tokens == back[0].num_host_cached_tokens == 24
+    assert engine.stats.tenants()["a"].prefix.host_cached_tokens == 24
+    assert_dense(text_reference, [back])
+    assert_nothing_held(engine)
+    # Off: nothing counted, the host figures stay.
+    off = LLMEngine(text_model, TIER)
+    off.generate(prompts[:1], GREEDY, cache_salt="a")
+    assert off.stats.tenants()["a"].device_cached_blocks is None
+    assert off.stats.tenants()["a"].host is not None
+
+
+@pytest.mark.parametrize(
+    ("quotas", "error", "match"),
+    [
+        ({"a": -1}, ValueError, r"device_tenant_block_quotas\['a'\] must be >= 0"),
+        ({"a": "3"}, TypeError, r"device_tenant_block_quotas\['a'\] must be an integer"),
+        ({None: 3}, TypeError, "device_tenant_block_quotas key"),
+        (3, TypeError, "device_tenant_block_quotas must map cache_salt"),
+    ],
+)
+def test_bad_device_tenant_block_quotas_are_refused_clearly(text_model, quotas, error, match):
+    with pytest.raises(error, match=match):
+        LLMEngine(text_model, dataclasses.replace(BASE, device_tenant_block_quotas=quotas))

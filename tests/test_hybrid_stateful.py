@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_hybrid_managers import block_keys, check_invariants
+from test_kv_cache_manager_stateful import check_tenant_caps
 
 from jaxkv import (
     ChunkedLocalAttentionSpec,
@@ -92,6 +93,8 @@ def hybrid_specs(draw):
 
 
 class HybridMachine(RuleBasedStateMachine):
+    caps: dict[str, int] | None = None  # the pool's tenant_block_quotas
+
     def __init__(self) -> None:
         super().__init__()
         self.waiting: list[Request] = []
@@ -108,7 +111,7 @@ class HybridMachine(RuleBasedStateMachine):
         config = KVCacheConfig.from_groups(
             [(s, (f"l{i}",)) for i, s in enumerate(specs)], num_blocks
         )
-        self.manager = KVCacheManager(config, MAX_MODEL_LEN)
+        self.manager = KVCacheManager(config, MAX_MODEL_LEN, tenant_block_quotas=self.caps)
         self.hasher = get_request_block_hasher(
             self.manager.hash_block_size, get_hash_fn_by_name("sha256_cbor")
         )
@@ -149,12 +152,14 @@ class HybridMachine(RuleBasedStateMachine):
         shared=st.integers(0, 30),
         extra=st.lists(st.integers(0, 3), max_size=8),
     )
-    def add_request(self, prefix, shared, extra):
+    def add_request(self, prefix, shared, extra, salt=None):
         tokens = prefix[:shared] + extra
         if not tokens or len(tokens) > MAX_MODEL_LEN - 4:
             return
         self.counter += 1
-        self.waiting.append(Request(f"r{self.counter}", tokens, block_hasher=self.hasher))
+        self.waiting.append(
+            Request(f"r{self.counter}", tokens, block_hasher=self.hasher, cache_salt=salt)
+        )
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -295,6 +300,53 @@ class HybridMachine(RuleBasedStateMachine):
 TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(
     max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class HybridTenantCapMachine(HybridMachine):
+    """The hybrid machine with per-salt caps on the prefix cache (`tenant_block_quotas`,
+    counted over every group's blocks): after every step no salt holds more than its
+    cap and the pool's per-salt bookkeeping matches its blocks; nothing is left at the
+    end."""
+
+    @initialize(
+        specs=hybrid_specs(),
+        num_blocks=st.integers(8, 24),
+        cap_a=st.integers(0, 4),
+        cap_b=st.integers(1, 10),
+    )
+    def setup(self, specs, num_blocks, cap_a, cap_b):
+        self.caps = {"a": cap_a, "b": cap_b}  # "c" is counted, not capped
+        super().setup(specs, num_blocks)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        shared=st.integers(0, 30),
+        extra=st.lists(st.integers(0, 3), max_size=8),
+        salt=st.sampled_from(["a", "a", "b", "c"]),
+    )
+    def add_salted_request(self, prefix, shared, extra, salt):
+        self.add_request(prefix, shared, extra, salt)
+
+    @invariant()
+    def tenants_within_caps(self):
+        if hasattr(self, "manager"):
+            check_tenant_caps(self.manager, self.caps, self.running)
+
+    def teardown(self):
+        super().teardown()
+        if hasattr(self, "manager"):
+            check_tenant_caps(self.manager, self.caps, ())
+            assert self.manager.reset_prefix_cache()
+            assert self.manager.block_pool.tenant_cached_blocks() == {}
+
+
+TestHybridTenantCapMachine = HybridTenantCapMachine.TestCase
+TestHybridTenantCapMachine.settings = settings(
+    max_examples=150,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

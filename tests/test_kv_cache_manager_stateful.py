@@ -57,6 +57,8 @@ def _snapshot(manager: KVCacheManager):
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    caps: dict[str, int] | None = None  # the pool's tenant_block_quotas
+
     def __init__(self) -> None:
         super().__init__()
         self.manager: KVCacheManager | None = None
@@ -105,6 +107,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             enable_kv_cache_events=True,
             track_freed_block_ids=True,
             enable_caching=enable_caching,
+            tenant_block_quotas=self.caps,
         )
         self.enable_caching = enable_caching
         self.clean_pages = set(range(1, num_blocks))
@@ -320,9 +323,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert len(blocks) <= math.ceil(MAX_MODEL_LEN / bs)
             num_cached = req.num_computed_tokens // bs if self.enable_caching else 0
             assert stm.num_cached_block.get(rid, 0) == num_cached
+            capped = self.caps is not None and req.cache_salt in self.caps
             for i, block in enumerate(blocks):
                 if i < num_cached and block.block_id in self.unhashed_held:
                     assert block.block_hash is None
+                elif i < num_cached and capped and block.block_hash is None:
+                    continue  # its salt was at its cap, every cached block held
                 elif i < num_cached:
                     expected = make_block_hash_with_group_id(req.block_hashes[i], 0)
                     assert block.block_hash == expected
@@ -404,3 +410,102 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVCacheManagerStateful = KVCacheMachine.TestCase
+
+
+def check_tenant_caps(manager: KVCacheManager, caps: dict[str, int], running) -> None:
+    """The pool's per-salt counts match its cached blocks, no salt holds more than its
+    cap, a running salted request's cached blocks are its salt's, and each salt's free
+    set is the free queue's cached blocks of that salt, in queue order."""
+    pool = manager.block_pool
+    counted = Counter()
+    for block_id, salt in pool._tenant_of.items():
+        assert pool.blocks[block_id].block_hash is not None
+        counted[salt] += 1
+    assert pool.tenant_cached_blocks() == dict(counted)
+    for salt, cap in caps.items():
+        assert counted[salt] <= cap, f"{salt} holds {counted[salt]} > {cap} blocks"
+    for req in running:
+        if req.cache_salt is None:
+            continue
+        for stm in manager.coordinator.single_type_managers:
+            for block in stm.req_to_blocks.get(req.request_id, ()):
+                if block.block_hash is not None and not block.is_null:
+                    assert pool._tenant_of[block.block_id] == req.cache_salt
+    queue = pool.free_block_queue.get_all_free_blocks()
+    for salt in set(counted) | set(pool._tenant_free):
+        expected = [b.block_id for b in queue if pool._tenant_of.get(b.block_id) == salt]
+        assert list(pool._tenant_free.get(salt, {})) == expected
+
+
+class TenantCapMachine(KVCacheMachine):
+    """The same machine with per-salt caps on the prefix cache (`tenant_block_quotas`):
+    after every step no salt holds more cached blocks than its cap, the pool's per-salt
+    counts and free sets match the blocks, and nothing is left when all requests end."""
+
+    @initialize(
+        block_size=st.integers(2, 4),
+        num_blocks=st.integers(8, 24),
+        cap_a=st.integers(0, 4),
+        cap_b=st.integers(1, 8),
+        max_num_seqs=st.integers(1, 4),
+        token_budget=st.integers(2, 24),
+        lookahead=st.integers(0, 2),
+    )
+    def setup(
+        self, block_size: int, num_blocks: int, cap_a: int, cap_b: int, max_num_seqs: int,
+        token_budget: int, lookahead: int,
+    ) -> None:  # fmt: skip
+        self.caps = {"a": cap_a, "b": cap_b}  # "c" is counted, not capped
+        super().setup(
+            block_size, num_blocks, "sha256", True, max_num_seqs, token_budget, 0, lookahead
+        )
+        pool = self.manager.block_pool
+        admit = pool._admit_tenant_blocks
+
+        def admit_observed(salt, blocks):
+            owners = dict(pool._tenant_of)
+            new = {b.block_id for b in blocks}  # just stamped: uncached again if refused
+            cached = {b.block_id for b in pool.blocks if b.block_hash is not None} - new
+            kept = admit(salt, blocks)
+            dropped = cached - {b.block_id for b in pool.blocks if b.block_hash is not None}
+            assert all(owners.get(i) == salt and pool.blocks[i].ref_cnt == 0 for i in dropped)
+            if dropped:
+                event("cap: evicted the salt's own free block")
+            if len(kept) < len(blocks):
+                event("cap: left blocks uncached")
+            return kept
+
+        pool._admit_tenant_blocks = admit_observed
+
+    @precondition(lambda self: self.manager is not None and len(self.unfinished) < 8)
+    @rule(
+        base=st.integers(0, len(BASE_PREFIXES) - 1),
+        prefix_len=st.integers(0, 14),
+        suffix=st.lists(st.integers(0, 3), max_size=6),
+        salt=st.sampled_from(["a", "a", "b", "c"]),
+        max_tokens=st.integers(1, 8),
+    )
+    def add_salted_request(self, base, prefix_len, suffix, salt, max_tokens) -> None:
+        self.add_request(base, prefix_len, suffix, salt, max_tokens)
+
+    @invariant()
+    def tenants_within_caps(self) -> None:
+        if self.manager is None:
+            return
+        check_tenant_caps(self.manager, self.caps, self.running.values())
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.manager is not None:
+            pool = self.manager.block_pool
+            assert pool.tenant_cached_blocks() == {} and not pool._tenant_of
+            assert not any(pool._tenant_free.values())
+
+
+TenantCapMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestTenantCapStateful = TenantCapMachine.TestCase

@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxkv._checks import check_int
+from jaxkv.block_pool import check_tenant_block_quotas
 from jaxkv.device import compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
@@ -55,6 +57,7 @@ from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_events import KVCacheEvent
 from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
@@ -95,7 +98,16 @@ class EngineConfig:
     tier behind the device pool (`jaxkv.engine.offload`), evicting by
     `kv_offloading_policy` ("lru" or "arc"), with optional per-`cache_salt` byte caps
     `kv_offloading_tenant_quotas` (each at least one block, at most the budget); one
-    data rank, one full-attention KV-cache group."""
+    data rank, one full-attention KV-cache group.
+    `device_tenant_block_quotas` (None: off) caps the blocks each listed `cache_salt`
+    may hold in the device prefix cache, per data rank (each an int >= 0): a salt at
+    its cap gives up its own least recently freed cached block, or leaves the new block
+    uncached when all of its cached blocks are in use; it never evicts another salt's
+    blocks (`jaxkv.block_pool.BlockPool`). Given (even `{}`), every salt's cached blocks
+    are counted for `stats.tenants()`.
+    `enable_kv_cache_events` (vLLM's `KVEventsConfig` name) keeps each step's KV events,
+    the device pool's and the host tier's (`medium="CPU"`), for `take_kv_events()`,
+    with or without an endpoint."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -122,6 +134,8 @@ class EngineConfig:
     kv_offloading_size: int | None = None  # bytes of host memory, e.g. 8 * 2**30
     kv_offloading_policy: str = "lru"
     kv_offloading_tenant_quotas: Mapping[str, int] | None = None
+    device_tenant_block_quotas: Mapping[str, int] | None = None
+    enable_kv_cache_events: bool = False
 
 
 @dataclass
@@ -176,6 +190,14 @@ class LLMEngine:
             raise ValueError(
                 f"EngineConfig.memory_utilization must be in (0, 1], got {c.memory_utilization!r}"
             )
+        if not isinstance(c.enable_kv_cache_events, bool):
+            raise TypeError(
+                f"EngineConfig.enable_kv_cache_events must be a bool, got "
+                f"{c.enable_kv_cache_events!r}"
+            )
+        device_quotas = check_tenant_block_quotas(
+            c.device_tenant_block_quotas, "EngineConfig.device_tenant_block_quotas"
+        )
         if c.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(
                 f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {c.kv_cache_dtype!r}"
@@ -221,6 +243,9 @@ class LLMEngine:
             long_prefill_token_threshold=c.long_prefill_token_threshold,
         )
         encoder_cache = EncoderCacheManager(encoder_budget.cache_size) if encoder_budget else None
+        self._events_on = c.kv_events_endpoint is not None or c.enable_kv_cache_events
+        # Each rank's events kept for `take_kv_events` (None: not kept).
+        self._kept_events: list[list[KVCacheEvent]] | None = None
         self.kv_cache_managers = [
             KVCacheManager(
                 kv_cache_config=self.runner.kv_cache_config,
@@ -228,7 +253,8 @@ class LLMEngine:
                 enable_caching=c.enable_prefix_caching,
                 log_stats=True,
                 track_freed_block_ids=True,
-                enable_kv_cache_events=c.kv_events_endpoint is not None,
+                enable_kv_cache_events=self._events_on,
+                tenant_block_quotas=device_quotas,
             )
             for _ in range(self.runner.dp_size)
         ]
@@ -264,7 +290,9 @@ class LLMEngine:
         self._num_cached: dict[str, tuple[int, int]] = {}
         self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step
         self._ids = itertools.count()
-        self.stats = EngineStats()
+        self.stats = EngineStats(tier_snapshot=self._tier_snapshot)
+        if c.enable_kv_cache_events:
+            self._kept_events = [[] for _ in self.kv_cache_managers]
         self.num_steps = 0
 
     def _settings(self) -> dict[str, str]:
@@ -302,15 +330,50 @@ class LLMEngine:
 
     def _publish_events(self) -> None:
         """Hand each rank's pending KV events (the host tier's with rank 0's) to its
-        publisher (a queue append each); without publishers (processes other than 0)
-        they are dropped."""
-        if self.config.kv_events_endpoint is None and not self.kv_event_publishers:
-            return  # events off: nothing records them
+        publisher (a queue append each) and, with `enable_kv_cache_events`, keep them for
+        `take_kv_events`; otherwise (events off, or processes other than 0 without
+        publishers) they are dropped."""
         host_events = self.offload.tier.take_events() if self.offload is not None else []
+        if not self._events_on and not self.kv_event_publishers:
+            return  # events off: nothing records them (the host tier's are dropped)
         for rank, manager in enumerate(self.kv_cache_managers):
             events = manager.take_events() + (host_events if not rank else [])
-            if events and self.kv_event_publishers:
+            if not events:
+                continue
+            if self.kv_event_publishers:
                 self.kv_event_publishers[rank].publish(events)
+            if self._kept_events is not None:
+                self._kept_events[rank] += events
+
+    def take_kv_events(self, data_rank: int = 0) -> list[KVCacheEvent]:
+        """Data rank `data_rank`'s KV events since the last call, in order: the device
+        pool's (`medium="GPU"`) and, on rank 0, the host tier's (`medium="CPU"`), with
+        `AllBlocksCleared` from `reset_prefix_cache`; the same events an endpoint
+        publishes. Needs `EngineConfig(enable_kv_cache_events=True)`."""
+        if self._kept_events is None:
+            raise ValueError(
+                "take_kv_events needs EngineConfig(enable_kv_cache_events=True) (the events "
+                "are not kept otherwise)"
+            )
+        data_rank = check_int(
+            "data_rank", data_rank, min_value=0, max_value=len(self._kept_events) - 1
+        )
+        events, self._kept_events[data_rank] = self._kept_events[data_rank], []
+        return events
+
+    def _tier_snapshot(self):
+        """Device cached blocks per salt (all ranks; None: not counted), the device caps
+        (None: off) and the host tier's stats (None: off), for `stats.tenants()`."""
+        pools = [manager.block_pool for manager in self.kv_cache_managers]
+        caps = pools[0].tenant_block_quotas
+        device: dict[str, int] | None = None
+        if caps is not None:
+            device = {}
+            for pool in pools:
+                for salt, n in pool.tenant_cached_blocks().items():
+                    device[salt] = device.get(salt, 0) + n
+        host = self.offload.tier.stats() if self.offload is not None else None
+        return device, caps, host
 
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's prefix cache (vLLM's `reset_prefix_cache`); False, changing
@@ -686,6 +749,7 @@ class LLMEngine:
                 self._salt_of.get(request.request_id),
                 request.num_prompt_tokens,
                 update.num_cached_tokens,
+                update.num_host_cached_tokens,
             )
         if (
             update.finish_reason is None

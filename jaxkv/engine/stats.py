@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+
+from jaxkv.host_tier import HostTierStats
+from jaxkv.host_tier import TenantStats as HostTenantStats
 
 
 @dataclass
@@ -50,11 +54,13 @@ class StepStats:
 
 @dataclass
 class TenantStats:
-    """Prefix-cache use of the requests of one cache salt, counted at first admission."""
+    """Prefix-cache use of the requests of one cache salt, counted at first admission:
+    `cached_tokens` from either tier, `host_cached_tokens` those the host tier served."""
 
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -62,21 +68,70 @@ class TenantStats:
 
 
 @dataclass
+class TenantTiers:
+    """One cache salt in both tiers, now (`EngineStats.tenants()`).
+
+    `prefix`: its requests' prefix-cache use. `device_cached_blocks`: blocks it holds in
+    the device prefix cache, all data ranks (None: not counted, with
+    `EngineConfig.device_tenant_block_quotas` None, and for unsalted requests);
+    `device_block_quota`: its cap per
+    data rank (None: none). `host`: its use of the host tier (bytes used and quota,
+    blocks stored and evicted, verification mismatches; None: no host tier)."""
+
+    prefix: TenantStats
+    device_cached_blocks: int | None
+    device_block_quota: int | None
+    host: HostTenantStats | None
+
+
+# What the engine reports of its tiers for `EngineStats.tenants`: device cached blocks
+# per salt (None: not counted), device caps (None: off), the host tier's stats (None: off).
+TierSnapshot = Callable[
+    [], tuple[dict[str, int] | None, dict[str, int] | None, HostTierStats | None]
+]
+
+
+@dataclass
 class EngineStats:
     """Totals over every step since the engine started, and per cache
-    salt (`by_salt[None]`: requests without a salt) the prefix-cache use of its requests."""
+    salt (`by_salt[None]`: requests without a salt) the prefix-cache use of its requests;
+    `tenants()` adds each salt's figures in the device pool and the host tier."""
 
     steps: list[StepStats] = field(default_factory=list)
     by_salt: dict[str | None, TenantStats] = field(default_factory=dict)
+    tier_snapshot: TierSnapshot | None = field(default=None, repr=False, compare=False)
 
     def record(self, step: StepStats) -> None:
         self.steps.append(step)
 
-    def record_admission(self, salt: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+    def record_admission(
+        self, salt: str | None, prompt_tokens: int, cached_tokens: int, host_cached_tokens: int = 0
+    ) -> None:
         tenant = self.by_salt.setdefault(salt, TenantStats())
         tenant.requests += 1
         tenant.prompt_tokens += prompt_tokens
         tenant.cached_tokens += cached_tokens
+        tenant.host_cached_tokens += host_cached_tokens
+
+    def tenants(self) -> dict[str | None, TenantTiers]:
+        """Per cache salt (None: no salt), every salt seen by either tier or admitted."""
+        device, caps, host = self.tier_snapshot() if self.tier_snapshot else (None, None, None)
+        salts = dict.fromkeys(self.by_salt)
+        salts.update(dict.fromkeys(device or ()))
+        salts.update(dict.fromkeys(host.tenants if host is not None else ()))
+        out = {}
+        for salt in salts:
+            host_tenant = None
+            if host is not None:
+                host_tenant = host.tenants.get(salt) or HostTenantStats(quota_bytes=None)
+            counted = device is not None and salt is not None  # unsalted blocks are not
+            out[salt] = TenantTiers(
+                prefix=self.by_salt.get(salt) or TenantStats(),
+                device_cached_blocks=device.get(salt, 0) if counted else None,  # type: ignore[union-attr, arg-type]
+                device_block_quota=None if caps is None or salt is None else caps.get(salt),
+                host=host_tenant,
+            )
+        return out
 
     def total(self, name: str) -> float:
         return sum(getattr(s, name) for s in self.steps)
