@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
-from jaxkv.engine.offload import PendingStore, host_offload
+from jaxkv.engine.offload import PendingStore, host_offloads
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
@@ -94,8 +95,9 @@ class EngineConfig:
     `kv_offloading_size` (vLLM's name; bytes, None: off) keeps blocks in a host-memory
     tier behind the device pool (`jaxkv.engine.offload`), evicting by
     `kv_offloading_policy` ("lru" or "arc"), with optional per-`cache_salt` byte caps
-    `kv_offloading_tenant_quotas` (each at least one block, at most the budget); one
-    data rank, one full-attention KV-cache group."""
+    `kv_offloading_tenant_quotas` (each at least one block, at most the budget); full
+    attention and sliding-window KV-cache groups; each data rank has its own tier of
+    that budget, as each has its own device pool."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -232,7 +234,9 @@ class LLMEngine:
             )
             for _ in range(self.runner.dp_size)
         ]
-        self.offload = host_offload(c, self.runner)
+        # One host tier per data rank (none: off); `offload` is rank 0's.
+        self.offloads = host_offloads(c, self.runner)
+        self.offload = self.offloads[0] if self.offloads else None
         self.kv_event_publishers: list[EventPublisher] = self._event_publishers(c)
         self.schedulers = [
             Scheduler(
@@ -240,9 +244,9 @@ class LLMEngine:
                 scheduler_config,
                 encoder_cache_manager=encoder_cache,
                 encoder_budget=encoder_budget,
-                offload=self.offload,
+                offload=self.offloads[rank] if self.offloads else None,
             )  # fmt: skip
-            for manager in self.kv_cache_managers
+            for rank, manager in enumerate(self.kv_cache_managers)
         ]
         self.kv_cache_manager, self.scheduler = self.kv_cache_managers[0], self.schedulers[0]
         self._stream: multihost.RequestStream | None = None  # several processes: replay
@@ -301,14 +305,15 @@ class LLMEngine:
         return publishers
 
     def _publish_events(self) -> None:
-        """Hand each rank's pending KV events (the host tier's with rank 0's) to its
-        publisher (a queue append each); without publishers (processes other than 0)
+        """Hand each rank's pending KV events (its device pool's, then its host tier's) to
+        its publisher (a queue append each); without publishers (processes other than 0)
         they are dropped."""
         if self.config.kv_events_endpoint is None and not self.kv_event_publishers:
             return  # events off: nothing records them
-        host_events = self.offload.tier.take_events() if self.offload is not None else []
         for rank, manager in enumerate(self.kv_cache_managers):
-            events = manager.take_events() + (host_events if not rank else [])
+            events = manager.take_events()
+            if self.offloads:
+                events += self.offloads[rank].tier.take_events()
             if events and self.kv_event_publishers:
                 self.kv_event_publishers[rank].publish(events)
 
@@ -321,8 +326,8 @@ class LLMEngine:
             self._stream.check_source("reset_prefix_cache")
             self._stream.record(("reset_prefix_cache",))
         reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
-        if reset and self.offload is not None:
-            reset = self.offload.reset()
+        if reset and self.offloads:
+            reset = all([offload.reset() for offload in self.offloads])
         self._publish_events()
         return reset
 
@@ -354,7 +359,7 @@ class LLMEngine:
     def warm_up(self) -> int:
         """Compile every step shape now, so serving compiles nothing; returns the count."""
         count = self.runner.warm_up()
-        if self.offload is not None:
+        if self.offloads:
             self.runner.warm_up_transfers()
         return count
 
@@ -591,9 +596,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         compiled = compilation_count()
         t0 = time.perf_counter()
-        if self.offload is not None:
+        for offload in self.offloads:
             # Gathers of two steps ago were dispatched before the step just waited for.
-            self.offload.complete_stores(before_step=self.num_steps - 1)
+            offload.complete_stores(before_step=self.num_steps - 1)
         outs = [scheduler.schedule() for scheduler in self.schedulers]
         self._store_freed_blocks()  # before this step can write into a freed block
         empty = all(out.is_empty for out in outs)
@@ -627,27 +632,22 @@ class LLMEngine:
         return outputs
 
     def _store_freed_blocks(self) -> None:
-        """Start copying the blocks freed requests left to the host tier (their gather is
-        dispatched now, so it reads them before any later step reuses them), one batch
-        per tenant; a tenant the tier has no room for stores nothing."""
-        if self.offload is None:
+        """Start copying the blocks freed requests left to each rank's host tier (one
+        gather for all ranks, dispatched now, so it reads them before any later step
+        reuses them); see `HostOffload.take_stores`."""
+        if not self.offloads:
             return
-        block_ids, keys, digests, tenants = self.offload.take_stores()
-        for tenant in dict.fromkeys(tenants):
-            mine = [i for i, t in enumerate(tenants) if t == tenant]
-            taken = self.offload.prepare_store([keys[i] for i in mine], tenant)
-            if taken is None or not taken[0]:
-                continue
-            chosen = [mine[j] for j in taken[0]]
-            self.offload.pending_stores.append(
-                PendingStore(
-                    [keys[i] for i in chosen],
-                    taken[1],
-                    [digests[i] for i in chosen],
-                    self.runner.gather_blocks([block_ids[i] for i in chosen]),
-                    self.num_steps,
-                )  # fmt: skip
-            )
+        stores = [offload.take_stores() for offload in self.offloads]
+        if not any(block_ids for block_ids, *_ in stores):
+            return
+        gathered = self.runner.gather_blocks([block_ids for block_ids, *_ in stores])
+        for offload, (block_ids, keys, slots, digests), blocks in zip(
+            self.offloads, stores, gathered, strict=True
+        ):
+            if block_ids:
+                offload.pending_stores.append(
+                    PendingStore(keys, slots, digests, blocks, self.num_steps)
+                )
 
     def _fail_unschedulable(self) -> None:
         """With nothing running or in flight, a waiting request that still cannot be
@@ -741,7 +741,9 @@ class LLMEngine:
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
         """One step's stats, summed over the data ranks (KV usage: their mean)."""
         prefix = [m.make_prefix_cache_stats() for m in self.kv_cache_managers]
-        host = self.offload.take_stats() if self.offload is not None else {}
+        host = Counter()
+        for offload in self.offloads:
+            host.update(offload.take_stats())
         self.stats.record(
             StepStats(
                 step=self.num_steps,
