@@ -336,6 +336,13 @@ def dp_child(workdir: str) -> dict:
 
         offload.take_stats = take_stats
     with_tier = chat(engine, vocab=HYBRID_VOCAB)
+    # Each conversation again, alone, after the device pools forgot everything: routing
+    # sends it to the rank whose host tier holds it.
+    for manager in engine.kv_cache_managers:
+        assert manager.reset_prefix_cache()
+    again = [
+        engine.generate([o.prompt_token_ids + o.output_token_ids], GREEDY)[0] for o in with_tier[-1]
+    ]
     reference = DenseReference(model, HYBRID.max_model_len)
     assert_nothing_held(engine)
     return {
@@ -347,6 +354,11 @@ def dp_child(workdir: str) -> dict:
             for outputs in with_tier
         ],
         "hits_per_rank": hits,
+        "again": [o.num_host_cached_tokens for o in again],
+        "again_dense": [
+            o.output_token_ids == reference.expected(o.prompt_token_ids, o.output_token_ids)
+            for o in again
+        ],
         "stored_per_rank": [o.tier.stats().blocks_stored for o in engine.offloads],
     }
 
@@ -357,6 +369,7 @@ def test_sliding_window_hybrid_over_two_data_ranks(tmp_path):
     assert result["with"] == result["without"] == result["dense"]
     # Each rank stores to and loads from its own tier.
     assert all(n > 0 for n in result["hits_per_rank"] + result["stored_per_rank"]), result
+    assert all(n > 0 for n in result["again"]) and all(result["again_dense"]), result
 
 
 def _runner_with(*specs) -> SimpleNamespace:

@@ -468,7 +468,7 @@ class LLMEngine:
         if len(self.schedulers) > 1:
             rank = choose_data_rank(
                 [s.num_unfinished_requests for s in self.schedulers],
-                lambda k: self.kv_cache_managers[k].get_num_cached_prefix_tokens(request),
+                lambda k: self._num_cached_tokens(k, request),
                 max(1, self.config.max_num_seqs // 4) if self.config.enable_prefix_caching else 0,
             )
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
@@ -507,6 +507,14 @@ class LLMEngine:
             self._stream.record(("abort", request_id))
         request = self.schedulers[rank].abort_request(request_id)
         self._finish_now(request, FinishReason.ABORT)
+
+    def _num_cached_tokens(self, rank: int, request: Request) -> int:
+        """Tokens of `request`'s prefix data rank `rank` holds, in its device pool or its
+        host tier (the more of the two): what routing a new request weighs."""
+        device = self.kv_cache_managers[rank].get_num_cached_prefix_tokens(request)
+        if not self.offloads:
+            return device
+        return max(device, self.offloads[rank].num_cached_tokens(request))
 
     def _fail(self, request_id: str, error: str) -> None:
         """Finish one request with `finish_reason="error"`; the others go on."""

@@ -43,7 +43,8 @@ there).
 Data ranks: each rank has its own scheduler, device pool and block ids, so it has its
 own `HostOffload` (its own tier of `kv_offloading_size` bytes, its own tenant quotas,
 its KV events published with the rank's); the engine batches the ranks' gathers and
-scatters into one device program each.
+scatters into one device program each, and routes a new request by the prefix a rank
+holds in its device pool or its tier (`num_cached_tokens`).
 
 Invariants: no key of the tier is pinned between scheduler calls; every queued store
 names a block whose bytes are final (full and computed by steps already dispatched);
@@ -204,6 +205,12 @@ class HostOffload:
         if staged is None or staged.first != first:
             staged = self._stage(request, first, last)
         return 0 if staged is None else (staged.end - first) * bs
+
+    def num_cached_tokens(self, request: Request) -> int:
+        """Tokens of `request`'s prefix the tier could serve from its first token, as a
+        lookup after no device hit would (nothing pinned, read or verified)."""
+        last = (request.num_tokens - 1) // self.block_size
+        return self._find_hit(request, 0, last)[0] * self.block_size if last > 0 else 0
 
     def _stage(self, request: Request, first: int, last: int) -> _Staged | None:
         """Read and verify the longest hit after block `first`; a block failing the
@@ -413,8 +420,8 @@ def host_offloads(config, runner) -> list[HostOffload]:
     """The host tiers an `EngineConfig`'s `kv_offloading_size` asks for, one per data rank
     of the `ModelRunner` (none: off), each of that many bytes, its blocks laid out as
     `HostOffload` says. ValueError/TypeError naming the setting and what is allowed
-    when the budget, policy or quotas are bad, or the model has a KV-cache group of a
-    kind the tier does not serve."""
+    when the budget, policy or quotas are bad, the model has a KV-cache group of a kind
+    the tier does not serve, or the KV cache is on other processes' devices too."""
     size = config.kv_offloading_size
     if size is None:
         return []
@@ -429,11 +436,16 @@ def host_offloads(config, runner) -> list[HostOffload]:
             f"EngineConfig.kv_offloading_size: the host tier serves KV-cache groups of kinds "
             f"{[k.value for k in SERVED_KINDS]}; this model has {[k.value for k in kinds]}"
         )
+    kv = runner.kv_cache
+    if not getattr(kv, "is_fully_addressable", True):
+        raise ValueError(
+            "EngineConfig.kv_offloading_size: the host tier copies blocks through this "
+            "process's memory; the KV cache spans devices of other processes"
+        )
     group_layers = [
         [layer for layer, g in enumerate(runner.layer_to_group) if g == group_id]
         for group_id in range(len(groups))
     ]
-    kv = runner.kv_cache
     block_size = groups[0].kv_cache_spec.block_size
     num_layers = max(len(layers) for layers in group_layers)
     block_bytes = num_layers * int(np.prod(kv.shape[2:])) * np.dtype(kv.dtype).itemsize
