@@ -429,30 +429,39 @@ def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
     tier = HostKVTier(16, 64 * 16, group_specs=[window, FullAttentionSpec(4, 1, 1, "float32")])
     offload = HostOffload(tier, [[0], [1]], (4, 1), np.dtype(np.float32), 4)
 
-    def request(rid: str, num_tokens: int, num_computed: int) -> Request:
+    def request(rid: str, num_tokens: int) -> Request:
         r = Request(rid, list(range(3, 3 + num_tokens)), SamplingParams())
         r.block_hashes = [bytes([i]) * 32 for i in range(num_tokens // 4)]
-        r.num_computed_tokens = num_computed
         return r
 
-    # One request freed after 32 tokens (the window's blocks 6-7 cached), one after 40
-    # whose window blocks 8-9 were not cached: the tier holds group 1's blocks 0-9 and
-    # group 0's 6-7 only.
-    for r in (request("a", 44, 32), request("b", 44, 40)):
-        cached = range(8) if r.request_id == "b" else range(11)
-        lists = [_blocks(0, r, 11, cached, 100, nulls=4), _blocks(1, r, 11, range(11), 200)]
-        offload.request_freed(r, lists)
-    ids, keys, slots, digests = offload.take_stores()
-    assert sorted(ids) == [106, 107, *range(200, 210)]
-    device = np.full((len(ids), 2, 4, 1), -1.0, np.float32)  # every layer, as gathered
-    for n, (block_id, key) in enumerate(zip(ids, keys, strict=True)):
-        device[n, get_group_id(key)] = block_id  # the group's layer; garbage elsewhere
-    gathered = SimpleNamespace(ready=lambda: True, read=lambda: device)
-    offload.pending_stores.append(PendingStore(keys, slots, digests, gathered, 0))
-    offload.complete_stores()
+    def store(lists_of, device_cached=None) -> list[int]:
+        """Free requests with these block lists, land their stores (each block's bytes
+        its device id, in its group's layer; garbage in the other); the ids stored."""
+        for r, lists in lists_of:
+            offload.request_freed(r, lists, device_cached)
+        ids, keys, slots, digests = offload.take_stores()
+        device = np.full((len(ids), 2, 4, 1), -1.0, np.float32)  # every layer, as gathered
+        for n, (block_id, key) in enumerate(zip(ids, keys, strict=True)):
+            device[n, get_group_id(key)] = block_id
+        gathered = SimpleNamespace(ready=lambda: True, read=lambda: device)
+        offload.pending_stores.append(PendingStore(keys, slots, digests, gathered, 0))
+        offload.complete_stores()
+        return sorted(ids)
+
+    # Two requests of the same 11 blocks: one with 8 blocks cached in both groups (the
+    # window's 6-7 stored), one with 10 in group 1 but 8 in group 0: the tier holds
+    # group 1's blocks 0-9 and group 0's 6-7.
+    a, b = request("a", 44), request("b", 44)
+    stored = store(
+        [
+            (a, [_blocks(0, a, 11, range(8), 100, nulls=4), _blocks(1, a, 11, range(8), 200)]),
+            (b, [_blocks(0, b, 11, range(8), 100, nulls=4), _blocks(1, b, 11, range(10), 200)]),
+        ]
+    )
+    assert stored == [106, 107, *range(200, 210)]
 
     # A returning request: group 1 could serve 10 blocks, group 0 a hit ending at 8.
-    c = request("c", 60, 0)
+    c = request("c", 60)
     assert offload.lookup(c, 0) == 32
     lists = [_blocks(0, c, 15, range(0), 300, nulls=6), _blocks(1, c, 15, range(0), 400)]
     offload.admitted(c, lists)
@@ -466,5 +475,15 @@ def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
     # shorter one has group 0's window, so nothing is served.
     key = make_block_hash_with_group_id(c.block_hashes[7], 0)
     offload.buffer[tier._entries[key].slot] += 1.0
-    assert offload.lookup(request("d", 60, 0), 0) == 0
+    assert offload.lookup(request("d", 60), 0) == 0
     assert offload.take_stats()["failed_loads"] == 1 and tier.block_state(key) is None
+
+    # A request that cached 10 blocks but released group 0's block 8 (outside its
+    # window): that block is taken from the device prefix cache, where it still is.
+    e = request("e", 44)
+    released = KVCacheBlock(150)
+    released.set_hash(e.block_hashes[8], 0)
+    in_device_cache = {released.block_hash: released}.get
+    lists = [_blocks(0, e, 11, range(10), 100, nulls=9), _blocks(1, e, 11, range(10), 200)]
+    assert store([(e, lists)], in_device_cache) == [109, 150]
+    assert offload.lookup(request("f", 60), 0) == 40

@@ -16,13 +16,16 @@ other layers at that id are bytes no request reads (not stored; a load writes ze
 there).
 
 * **Store** (`request_freed`, `take_stores`, `complete_stores`): when a request finishes
-  or is preempted, each group's cached blocks a later hit ending at its last full block
-  needs (`HostKVTier.storable_block_range`: every full block for full attention, the
-  blocks of the window before that end for a sliding window) that the tier does not
-  hold yet are queued with a digest of what they claim to hold (their token ids and
-  block-hash extra keys). The engine gathers them off the device before any later
-  step can reuse the blocks, and once the copy lands the tier keeps each block with
-  the checksum of digest and bytes.
+  or is preempted, each group's blocks that a later hit ending where its cached blocks
+  end needs (`HostKVTier.storable_block_range`: every cached block for full attention,
+  the blocks of the window before that end for a sliding window) that the tier does
+  not hold yet are queued with a digest of what they claim to hold (their token ids
+  and block-hash extra keys). A window block the request already released (it went
+  on computing past that end) is taken from the device prefix cache while it is
+  still there; one already evicted is not stored, and then no host hit reaches that
+  end. The engine gathers them off the device before any later step can reuse the
+  blocks, and once the copy lands the tier keeps each block with the checksum of
+  digest and bytes.
 * **Load** (`lookup`, `admitted`, `cancel`, `take_loads`): on admission, after the
   device prefix hit of `h` tokens, the tier serves a hit ending at `e` (blocks) when
   every group has what the device pool allocates for the prefix `e`: full attention,
@@ -47,15 +50,17 @@ scatters into one device program each, and routes a new request by the prefix a 
 holds in its device pool or its tier (`num_cached_tokens`).
 
 Invariants: no key of the tier is pinned between scheduler calls; every queued store
-names a block whose bytes are final (full and computed by steps already dispatched);
-`pending_stores` is empty after `complete_stores()`.
+names a block whose bytes are final (full and computed by steps already dispatched)
+and that no program writes before its gather is dispatched (the engine dispatches the
+gathers before the next step, its zeroing, copies and loads); `pending_stores` is
+empty after `complete_stores()`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -303,22 +308,32 @@ class HostOffload:
     # -- stores (scheduler, then engine) ---------------------------------------------
 
     def request_freed(
-        self, request: Request, block_lists: Sequence[Sequence[KVCacheBlock]]
+        self,
+        request: Request,
+        block_lists: Sequence[Sequence[KVCacheBlock]],
+        device_cached: Callable[[BlockHashWithGroupId], KVCacheBlock | None] | None = None,
     ) -> None:
         """Queue the blocks of `request` (its block lists per group, read before the pool
-        frees them) that a hit ending at its last full block needs
-        (`HostKVTier.storable_block_range`), cached and not held by the tier yet; drop
-        what was staged for it."""
+        frees them) that a hit ending where the group's cached blocks end needs
+        (`HostKVTier.storable_block_range`) and the tier does not hold yet; drop what
+        was staged for it. A block the request already released (a sliding window's,
+        now the null block in its list) is taken from the device prefix cache,
+        `device_cached(key)` (the block pool's `get_one_block`), when still there."""
         self._staged.pop(request.request_id, None)
         bs, q = self.block_size, self._queued
-        end = request.num_computed_tokens // bs * bs
         for g, blocks in enumerate(block_lists):
-            for i in self.tier.storable_block_range(g, end):
-                if i >= len(blocks):
-                    break
-                block, key = blocks[i], blocks[i].block_hash
-                if key is None or block.is_null:
-                    continue
+            num_cached = next(
+                (i + 1 for i in reversed(range(len(blocks))) if blocks[i].block_hash is not None),
+                0,
+            )
+            for i in self.tier.storable_block_range(g, num_cached * bs):
+                block = blocks[i]
+                if block.block_hash is None:  # released (null) or not cached
+                    key = make_block_hash_with_group_id(request.block_hashes[i], g)
+                    block = device_cached(key) if device_cached is not None else None
+                    if block is None:
+                        continue
+                key = block.block_hash
                 if key in self._queued_keys or self.tier.block_state(key) is not None:
                     continue
                 self._queued_keys.add(key)

@@ -618,7 +618,11 @@ class Scheduler:
     def _free_blocks(self, request: Request) -> None:
         """Free the request's blocks, offering its cached ones to the host tier first."""
         if self.offload is not None:
-            self.offload.request_freed(request, self._lists_of(self._tracked[request.request_id]))
+            self.offload.request_freed(
+                request,
+                self._lists_of(self._tracked[request.request_id]),
+                self.kv_cache_manager.block_pool.get_one_block,
+            )
         self.kv_cache_manager.free(request)
 
     def _preempt(self, request: Request) -> None:
