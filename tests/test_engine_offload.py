@@ -382,6 +382,9 @@ def _runner_with(*specs) -> SimpleNamespace:
     )
 
 
+FULL = FullAttentionSpec(4, 2, 16, "float32")
+
+
 @pytest.mark.parametrize(
     ("other", "kind"),
     [
@@ -390,21 +393,20 @@ def _runner_with(*specs) -> SimpleNamespace:
     ],
 )
 def test_group_kinds_the_tier_does_not_serve_are_refused_naming_them(other, kind):
-    full = FullAttentionSpec(4, 2, 16, "float32")
     config = EngineConfig(kv_offloading_size=1 << 20)
-    assert (
-        len(
-            host_offloads(
-                config, _runner_with(full, SlidingWindowSpec(4, 2, 16, "float32", sliding_window=8))
-            )
-        )
-        == 1
-    )
-    with pytest.raises(
-        ValueError,
-        match=rf"serves KV-cache groups of kinds .*full_attention.*sliding_window.*{kind}",
-    ):
-        host_offloads(config, _runner_with(full, other))
+    window = SlidingWindowSpec(4, 2, 16, "float32", sliding_window=8)
+    (offload,) = host_offloads(config, _runner_with(FULL, window))
+    assert offload.buffer.shape[1:] == (1, 4, 4, 16)  # a block: its group's one layer
+    match = rf"serves KV-cache groups of kinds .*full_attention.*sliding_window.*{kind}"
+    with pytest.raises(ValueError, match=match):
+        host_offloads(config, _runner_with(FULL, other))
+
+
+def test_a_kv_cache_on_other_processes_devices_is_refused():
+    runner = _runner_with(FULL)
+    runner.kv_cache = SimpleNamespace(is_fully_addressable=False)
+    with pytest.raises(ValueError, match="spans devices of other processes"):
+        host_offloads(EngineConfig(kv_offloading_size=1 << 20), runner)
 
 
 def _blocks(group: int, request, num_blocks: int, cached: range, first_id: int, nulls: int = 0):
