@@ -13,7 +13,9 @@ such as Gemma 3 has both); other kinds (chunked local, Mamba, ...) are refused b
 (`HostOffload.group_layers[g]`) at its device block id: the runner stacks every layer
 in one array over one pool of block ids, each id owned by one group at a time, so the
 other layers at that id are bytes no request reads (not stored; a load writes zeros
-there).
+there). The device transfers still move every layer at a block id (the runner's
+gather and scatter select block ids, not layers): with `k` groups of equal size, `k`
+times the bytes the tier keeps cross the host link.
 
 * **Store** (`request_freed`, `take_stores`, `complete_stores`): when a request finishes
   or is preempted, each group's blocks that a later hit ending where its cached blocks
