@@ -10,27 +10,31 @@ The API follows vLLM's offloading manager (`vllm/v1/kv_offload`):
 `complete_store`, `take_events`, plus `reset` and `stats`. Keys are the
 device pool's keys, `make_block_hash_with_group_id(block_hash, group_id)`.
 
-How the scheduler will use it (the next steps, not built here):
+How the engine uses it (`jaxkv.engine.offload.HostOffload`, one tier per data
+rank, called by the scheduler and the engine's step):
 
-1. On admission, for each group, `lookup` the request's block keys that the
-   device prefix cache missed; the hit blocks are pinned with `prepare_load`,
-   their tokens reported as `allocate_slots(num_external_computed_tokens=...)`
-   so the device pool allocates pages for them, and the device copies the
-   returned host slots into those pages before the request's first step.
-2. The device checksums what it copied and calls `complete_load(keys,
-   checksums)`; a rejected key (a verified-hit mismatch) is recomputed, never
-   used.
-3. When device blocks become full (or before the device pool evicts them),
-   the scheduler offers their keys to `prepare_store` (for a sliding-window
-   group only the blocks `storable_block_range` names), copies the device
-   pages to the returned slots, and calls `complete_store(keys, success,
-   checksums)` once the copy lands.
-4. `take_events` is drained with the device pool's events, so routers see
+1. On admission, after the device prefix hit, each group's block keys that follow
+   it are looked up (`lookup`, `block_state`); the longest hit every group can
+   serve (full attention: every block after the device hit; sliding window: the
+   blocks of the window before the hit's end, `storable_block_range`) is pinned
+   with `prepare_load`, its slots read out of the host buffer, and
+   `complete_load(keys, checksums)` verifies what was read: a rejected key (a
+   verified-hit mismatch) is dropped and the hit looked for again without it,
+   never used. The hit's tokens go to `allocate_slots(num_external_computed_tokens=
+   ...)`, and the copy is scattered into the new device blocks before the
+   request's next step.
+2. When a request finishes or is preempted, each group's cached blocks that a hit
+   ending at its last full block needs (`storable_block_range`) and the tier does
+   not hold are offered to `prepare_store` (one batch per tenant, at most its
+   quota); the device blocks are gathered at once, and `complete_store(keys,
+   success, checksums)` is called when the copy has landed.
+3. `take_events` is drained with the rank's device pool's events, so routers see
    `medium="CPU"` entries next to the `"GPU"` ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +103,29 @@ class HostTierStats:
     store_refusals: int = 0
     verify_mismatches: int = 0
     tenants: dict[str | None, TenantStats] = field(default_factory=dict)
+
+
+def combined_stats(stats: Sequence[HostTierStats]) -> HostTierStats:
+    """Several tiers' stats (one per data rank) as one: every count and byte figure
+    summed, per tenant too (a tenant's quota: the sum of its per-tier quotas)."""
+    total = HostTierStats(capacity_bytes=0)
+    counted = ("capacity_bytes", "bytes_used", "blocks_stored", "blocks_evicted",
+               "store_refusals", "verify_mismatches")  # fmt: skip
+    for one in stats:
+        for name in counted:
+            setattr(total, name, getattr(total, name) + getattr(one, name))
+        for tenant, t in one.tenants.items():
+            mine = total.tenants.get(tenant)
+            if mine is None:
+                total.tenants[tenant] = dataclasses.replace(t)
+                continue
+            if t.quota_bytes is not None:
+                mine.quota_bytes = (mine.quota_bytes or 0) + t.quota_bytes
+            mine.bytes_used += t.bytes_used
+            mine.blocks_stored += t.blocks_stored
+            mine.blocks_evicted += t.blocks_evicted
+            mine.verify_mismatches += t.verify_mismatches
+    return total
 
 
 @dataclass
@@ -262,7 +289,9 @@ class HostKVTier:
     def storable_block_range(self, group_id: int, num_tokens: int) -> range:
         """Indices of the blocks worth storing for a request with `num_tokens` computed
         tokens: every full block for full attention; for a sliding window, the full
-        blocks the next token can still attend to (those the device manager keeps)."""
+        blocks the next token can still attend to (those the device manager keeps).
+        For `num_tokens` a whole number of blocks: the blocks a prefix hit of
+        `num_tokens` tokens needs from this group."""
         group_id = self._check_group_id("group_id", group_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=0)
         spec = self._group_specs[group_id]

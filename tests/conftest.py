@@ -29,6 +29,7 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "test_demo.py::test_quick_demo_serves_everything_correctly",  # the README demo, end to end
     "test_demo.py::test_quick_demo_with_a_host_tier_shows_its_hits",
+    "test_engine_offload.py::test_sliding_window_hybrid_over_two_data_ranks",  # 8 devices
     "test_compilation_cache.py::test_second_run_compiles_nothing_the_first_compiled",
     "test_engine_faults.py::test_engine_state_machine",
     "test_engine_models.py::test_gemma3_sliding_window_chunked_and_preempted",

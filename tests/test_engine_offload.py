@@ -2,24 +2,40 @@
 
 A multi-turn chat whose working set is several times the device pool: the tokens with
 the tier equal the tokens without it and the dense reference's, and the host tier
-serves hits; a corrupt host entry or a simulated hash collision is caught by the
+serves hits -- on a one-group model, on a Gemma-3-style model with sliding-window and
+full-attention groups, and (8 simulated devices, in a subprocess) on that model over
+two data ranks; a corrupt host entry or a simulated hash collision is caught by the
 verification and recomputed; aborting a request right after its load leaks nothing;
-`reset_prefix_cache` clears both tiers; bad settings are refused clearly. Plus the
-device side: the block gather and the in-place scatter.
+`reset_prefix_cache` clears both tiers; bad settings and group kinds the tier does not
+serve are refused clearly. Plus the device side: the block gather and the in-place
+scatter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from eight_devices import call_on_8_devices
 from test_engine_correctness import BASE, text_model, text_reference
 
+from jaxkv import models
+from jaxkv.blocks import KVCacheBlock
 from jaxkv.device import PagedKVCache
-from jaxkv.engine import LLMEngine, SamplingParams
-from jaxkv.engine.offload import block_digest
-from jaxkv.kv_cache_interface import FullAttentionSpec
+from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine.offload import HostOffload, PendingStore, block_digest, host_offloads
+from jaxkv.hashing import get_group_id, make_block_hash_with_group_id
+from jaxkv.host_tier import HostKVTier
+from jaxkv.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from jaxkv.testing.reference import DenseReference
 
@@ -30,12 +46,12 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 __all__ = ["text_model", "text_reference"]  # the fixtures, shared with the correctness tests
 
 
-def chat(engine: LLMEngine, turns: int = 3, num_convs: int = 6, between=None):
+def chat(engine: LLMEngine, turns: int = 3, num_convs: int = 6, between=None, vocab=512):
     """`num_convs` conversations of `turns` turns (each turn: the history, the model's
-    reply, a new user message); returns every turn's outputs. `between(turn)` runs
-    before each turn after the first."""
+    reply, a new user message; token ids below `vocab`); returns every turn's outputs.
+    `between(turn)` runs before each turn after the first."""
     rng = np.random.default_rng(0)
-    history = [rng.integers(3, 512, 30).tolist() for _ in range(num_convs)]
+    history = [rng.integers(3, vocab, 30).tolist() for _ in range(num_convs)]
     turns_out = []
     for turn in range(turns):
         if turn and between is not None:
@@ -43,7 +59,7 @@ def chat(engine: LLMEngine, turns: int = 3, num_convs: int = 6, between=None):
         outputs = engine.generate(history, GREEDY)
         turns_out.append(outputs)
         for h, o in zip(history, outputs, strict=True):
-            h += o.output_token_ids + rng.integers(3, 512, 5).tolist()
+            h += o.output_token_ids + rng.integers(3, vocab, 5).tolist()
     return turns_out
 
 
@@ -59,9 +75,10 @@ def assert_dense(reference: DenseReference, turns_out) -> None:
 
 
 def assert_nothing_held(engine: LLMEngine) -> None:
-    assert engine.kv_cache_manager.num_free_blocks == engine.config.num_blocks - 1
-    tier = engine.offload.tier
-    assert all(tier.ref_count(k) == 0 for k in tier._entries)  # no pin left behind
+    for manager, offload in zip(engine.kv_cache_managers, engine.offloads, strict=True):
+        assert manager.num_free_blocks == engine.config.num_blocks - 1
+        tier = offload.tier
+        assert all(tier.ref_count(k) == 0 for k in tier._entries)  # no pin left behind
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -205,7 +222,7 @@ def test_device_gather_and_in_place_scatter_round_trip():
     np.testing.assert_array_equal(out[:, :3], blocks[:, [1, 2, 0]])
     assert not out[:, 3:].any()  # block 7 was never written; bucket padding reads zeros
     assert np.asarray(kv)[:, [0, 1, 3, 4, 6, 8]].sum() == 0  # nothing else written
-    for bad, match in (([0], "block id"), ([5, 5], "more than once"), ([256], "block id")):
+    for bad, match in (([0], "block id"), ([5, 5], "more than once"), ([257], "block id")):
         with pytest.raises(ValueError, match=match):
             paged.scatter_blocks_stacked(kv, bad, blocks[:, : len(bad)])
     with pytest.raises(ValueError, match="expected shape"):
@@ -338,3 +355,232 @@ def test_device_tenant_cap_and_per_tenant_stats_of_both_tiers(text_model, text_r
 def test_bad_device_tenant_block_quotas_are_refused_clearly(text_model, quotas, error, match):
     with pytest.raises(error, match=match):
         LLMEngine(text_model, dataclasses.replace(BASE, device_tenant_block_quotas=quotas))
+
+
+# Gemma-3-style: 3 sliding-window layers (window 8) and 1 full-attention layer, one
+# KV-cache group each, blocks of 4 tokens. One conversation's history is up to 16 full
+# blocks plus the windows' 3 x 2, six conversations' about 130: the pool's 45 usable
+# blocks hold about a third of the working set.
+HYBRID = EngineConfig(
+    block_size=4, num_blocks=46, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=72
+)
+HYBRID_VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    models.save_random_checkpoint(path, models.tiny_configs()["gemma3-tiny"], seed=0)
+    return models.load_model(path)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_sliding_window_hybrid_multi_turn_tokens_equal_without_tier_and_dense(
+    hybrid_model, async_scheduling
+):
+    config = dataclasses.replace(HYBRID, async_scheduling=async_scheduling)
+    without = chat(LLMEngine(hybrid_model, config), vocab=HYBRID_VOCAB)
+    engine = LLMEngine(hybrid_model, dataclasses.replace(config, kv_offloading_size=1 << 20))
+    groups = engine.runner.kv_cache_config.kv_cache_groups
+    windowed = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
+    assert windowed == [True, True, True, False], "sliding-window and full-attention groups"
+    with_tier = chat(engine, vocab=HYBRID_VOCAB)
+    assert tokens(with_tier) == tokens(without)
+    assert_dense(DenseReference(hybrid_model, HYBRID.max_model_len), with_tier)
+    assert engine.num_preemptions > 0  # the small pool preempts
+    # Every returning conversation loads its history's blocks from host memory.
+    later = [o for outputs in with_tier[1:] for o in outputs]
+    assert all(o.num_host_cached_tokens > 0 for o in later)
+    assert engine.stats.total("host_hit_tokens") >= sum(o.num_host_cached_tokens for o in later)
+    assert sum(o.num_cached_tokens for outputs in without[1:] for o in outputs) < sum(
+        o.num_cached_tokens for o in later
+    )
+    # The tier holds every full block of the full-attention group, of a sliding-window
+    # group only the 2 blocks of the window at each request's end (18 requests, plus
+    # the preempted ones each time); a block is its group's one layer.
+    held = Counter(get_group_id(k) for k in _stored(engine))
+    bound = 2 * (18 + engine.num_preemptions)
+    assert all(0 < held[g] <= bound < held[3] for g in range(3)), held
+    assert engine.offload.block_bytes == 4 * 2 * 2 * 16 * 4  # tokens x (K, V) heads x size x f32
+    assert_nothing_held(engine)
+
+
+def dp_child(workdir: str) -> dict:
+    """Runs under 8 devices: the hybrid multi-turn chat over 2 data ranks, tier off and
+    on, with the dense reference's tokens and each rank's tier use."""
+    from pathlib import Path
+
+    import jax
+
+    from jaxkv.device import make_mesh
+
+    path = Path(workdir) / "gemma3"
+    models.save_random_checkpoint(path, models.tiny_configs()["gemma3-tiny"], seed=0)
+    mesh = make_mesh(2, 1, jax.devices()[:2])
+    model = models.load_model(path, mesh=mesh)
+    without = chat(LLMEngine(model, HYBRID, mesh=mesh), vocab=HYBRID_VOCAB)
+    config = dataclasses.replace(HYBRID, kv_offloading_size=1 << 20)
+    engine = LLMEngine(model, config, mesh=mesh)
+    hits = [0] * len(engine.offloads)  # each rank's host hit tokens
+    for rank, offload in enumerate(engine.offloads):
+
+        def take_stats(take=offload.take_stats, rank=rank):
+            stats = take()
+            hits[rank] += stats["hit_tokens"]
+            return stats
+
+        offload.take_stats = take_stats
+    with_tier = chat(engine, vocab=HYBRID_VOCAB)
+    # Each conversation again, alone, after the device pools forgot everything: routing
+    # sends it to the rank whose host tier holds it.
+    for manager in engine.kv_cache_managers:
+        assert manager.reset_prefix_cache()
+    again = [
+        engine.generate([o.prompt_token_ids + o.output_token_ids], GREEDY)[0] for o in with_tier[-1]
+    ]
+    reference = DenseReference(model, HYBRID.max_model_len)
+    assert_nothing_held(engine)
+    return {
+        "ranks": len(engine.offloads),
+        "without": tokens(without),
+        "with": tokens(with_tier),
+        "dense": [
+            [reference.expected(o.prompt_token_ids, o.output_token_ids) for o in outputs]
+            for outputs in with_tier
+        ],
+        "hits_per_rank": hits,
+        "again": [o.num_host_cached_tokens for o in again],
+        "again_dense": [
+            o.output_token_ids == reference.expected(o.prompt_token_ids, o.output_token_ids)
+            for o in again
+        ],
+        "stored_per_rank": [o.tier.stats().blocks_stored for o in engine.offloads],
+    }
+
+
+def test_sliding_window_hybrid_over_two_data_ranks(tmp_path):
+    result = call_on_8_devices("test_engine_offload", "dp_child", tmp_path)
+    assert result["ranks"] == 2
+    assert result["with"] == result["without"] == result["dense"]
+    # Each rank stores to and loads from its own tier.
+    assert all(n > 0 for n in result["hits_per_rank"] + result["stored_per_rank"]), result
+    assert all(n > 0 for n in result["again"]) and all(result["again_dense"]), result
+
+
+def _runner_with(*specs) -> SimpleNamespace:
+    groups = [KVCacheGroupSpec((f"layer{i}",), spec) for i, spec in enumerate(specs)]
+    return SimpleNamespace(
+        kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+        layer_to_group=tuple(range(len(specs))),
+        kv_cache=np.zeros((len(specs), 8, 4, 4, 16), np.float32),
+        dp_size=1,
+    )
+
+
+FULL = FullAttentionSpec(4, 2, 16, "float32")
+
+
+@pytest.mark.parametrize(
+    ("other", "kind"),
+    [
+        (ChunkedLocalAttentionSpec(4, 2, 16, "float32", attention_chunk_size=8), "chunked_local"),
+        (MambaSpec(4, shapes=((4, 8),), dtypes=("float32",)), "mamba"),
+    ],
+)
+def test_group_kinds_the_tier_does_not_serve_are_refused_naming_them(other, kind):
+    config = EngineConfig(kv_offloading_size=1 << 20)
+    window = SlidingWindowSpec(4, 2, 16, "float32", sliding_window=8)
+    (offload,) = host_offloads(config, _runner_with(FULL, window))
+    assert offload.buffer.shape[1:] == (1, 4, 4, 16)  # a block: its group's one layer
+    match = rf"serves KV-cache groups of kinds .*full_attention.*sliding_window.*{kind}"
+    with pytest.raises(ValueError, match=match):
+        host_offloads(config, _runner_with(FULL, other))
+
+
+def test_a_kv_cache_on_other_processes_devices_is_refused():
+    runner = _runner_with(FULL)
+    runner.kv_cache = SimpleNamespace(is_fully_addressable=False)
+    with pytest.raises(ValueError, match="spans devices of other processes"):
+        host_offloads(EngineConfig(kv_offloading_size=1 << 20), runner)
+
+
+def _blocks(group: int, request, num_blocks: int, cached: range, first_id: int, nulls: int = 0):
+    """A group's block list for `request`: `nulls` null blocks, then blocks with ids from
+    `first_id`, those in `cached` keyed as the device pool keys them."""
+    blocks = []
+    for i in range(num_blocks):
+        block = KVCacheBlock(0 if i < nulls else first_id + i)
+        block.is_null = i < nulls
+        if i in cached and not block.is_null:
+            block.set_hash(request.block_hashes[i], group)
+        blocks.append(block)
+    return blocks
+
+
+def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
+    from jaxkv.request import Request
+
+    # Group 0: sliding window 8 (a hit ending at block e needs its blocks e-2 and e-1),
+    # layer 0 of the stacked cache; group 1: full attention, layer 1. Blocks of 4 tokens.
+    window = SlidingWindowSpec(4, 1, 1, "float32", sliding_window=8)
+    tier = HostKVTier(16, 64 * 16, group_specs=[window, FullAttentionSpec(4, 1, 1, "float32")])
+    offload = HostOffload(tier, [[0], [1]], (4, 1), np.dtype(np.float32), 4)
+
+    def request(rid: str, num_tokens: int) -> Request:
+        r = Request(rid, list(range(3, 3 + num_tokens)), SamplingParams())
+        r.block_hashes = [bytes([i]) * 32 for i in range(num_tokens // 4)]
+        return r
+
+    def store(lists_of, device_cached=None) -> list[int]:
+        """Free requests with these block lists, land their stores (each block's bytes
+        its device id, in its group's layer; garbage in the other); the ids stored."""
+        for r, lists in lists_of:
+            offload.request_freed(r, lists, device_cached)
+        ids, keys, slots, digests = offload.take_stores()
+        device = np.full((len(ids), 2, 4, 1), -1.0, np.float32)  # every layer, as gathered
+        for n, (block_id, key) in enumerate(zip(ids, keys, strict=True)):
+            device[n, get_group_id(key)] = block_id
+        gathered = SimpleNamespace(ready=lambda: True, read=lambda: device)
+        offload.pending_stores.append(PendingStore(keys, slots, digests, gathered, 0))
+        offload.complete_stores()
+        return sorted(ids)
+
+    # Two requests of the same 11 blocks: one with 8 blocks cached in both groups (the
+    # window's 6-7 stored), one with 10 in group 1 but 8 in group 0: the tier holds
+    # group 1's blocks 0-9 and group 0's 6-7.
+    a, b = request("a", 44), request("b", 44)
+    stored = store(
+        [
+            (a, [_blocks(0, a, 11, range(8), 100, nulls=4), _blocks(1, a, 11, range(8), 200)]),
+            (b, [_blocks(0, b, 11, range(8), 100, nulls=4), _blocks(1, b, 11, range(10), 200)]),
+        ]
+    )
+    assert stored == [106, 107, *range(200, 210)]
+
+    # A returning request: group 1 could serve 10 blocks, group 0 a hit ending at 8.
+    c = request("c", 60)
+    assert offload.lookup(c, 0) == 32
+    lists = [_blocks(0, c, 15, range(0), 300, nulls=6), _blocks(1, c, 15, range(0), 400)]
+    offload.admitted(c, lists)
+    ids, blocks = offload.take_loads()
+    assert sorted(ids) == [306, 307, *range(400, 408)]
+    for block_id, block in zip(ids, blocks, strict=True):
+        group = 0 if block_id < 400 else 1  # its source block's id was 200 lower
+        assert (block[group] == block_id - 200).all() and not block[1 - group].any()
+
+    # A corrupt window block is caught, dropped and the hit looked for again: no
+    # shorter one has group 0's window, so nothing is served.
+    key = make_block_hash_with_group_id(c.block_hashes[7], 0)
+    offload.buffer[tier._entries[key].slot] += 1.0
+    assert offload.lookup(request("d", 60), 0) == 0
+    assert offload.take_stats()["failed_loads"] == 1 and tier.block_state(key) is None
+
+    # A request that cached 10 blocks but released group 0's block 8 (outside its
+    # window): that block is taken from the device prefix cache, where it still is.
+    e = request("e", 44)
+    released = KVCacheBlock(150)
+    released.set_hash(e.block_hashes[8], 0)
+    in_device_cache = {released.block_hash: released}.get
+    lists = [_blocks(0, e, 11, range(10), 100, nulls=9), _blocks(1, e, 11, range(10), 200)]
+    assert store([(e, lists)], in_device_cache) == [109, 150]
+    assert offload.lookup(request("f", 60), 0) == 40

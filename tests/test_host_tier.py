@@ -334,3 +334,18 @@ class HostTierMachine(RuleBasedStateMachine):
 
 TestHostTier = HostTierMachine.TestCase
 TestHostTier.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_combined_stats_sum_every_tier_and_tenant() -> None:
+    from jaxkv.host_tier import HostTierStats, TenantStats, combined_stats
+
+    a = HostTierStats(100, bytes_used=10, blocks_stored=2, tenants={
+        "x": TenantStats(40, bytes_used=10, blocks_stored=2), None: TenantStats(None)})  # fmt: skip
+    b = HostTierStats(100, bytes_used=5, blocks_evicted=1, verify_mismatches=1, tenants={
+        "x": TenantStats(40, bytes_used=5, blocks_evicted=1)})  # fmt: skip
+    total = combined_stats([a, b])
+    assert (total.capacity_bytes, total.bytes_used, total.blocks_stored) == (200, 15, 2)
+    assert (total.blocks_evicted, total.verify_mismatches) == (1, 1)
+    assert total.tenants["x"] == TenantStats(80, bytes_used=15, blocks_stored=2, blocks_evicted=1)
+    assert total.tenants[None] == TenantStats(None)
+    assert a.tenants["x"].bytes_used == 10  # the inputs are unchanged

@@ -571,15 +571,15 @@ class PagedKVCache:
         return self._stacked_fn(_copy_local, 2)(kv, src_ids, dst_ids)
 
     def gather_blocks_stacked(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
-        """Blocks `ids` (rank-major, local ids, `[1, num_blocks)`) of every layer of a stacked
-        cache, read by one jitted program per id bucket: `[L, dp * size, *shape[1:]]` as
-        stored, rank `d`'s blocks at `[d * size, d * size + n)` (`size`: the bucket; the
-        rest pads with zeros). Not donated, not waited for: the caller copies the result
-        to host memory (`copy_to_host_async`, then `np.asarray`) while the device goes on,
-        and the blocks read are those of the cache at this call, whatever later programs
-        write."""
+        """Blocks `ids` (rank-major, local ids, `[1, num_blocks)`, or `num_blocks`: padding,
+        read as zeros) of every layer of a stacked cache, read by one jitted program per
+        id bucket: `[L, dp * size, *shape[1:]]` as stored, rank `d`'s blocks at
+        `[d * size, d * size + n)` (`size`: the bucket; the rest pads with zeros). Not
+        donated, not waited for: the caller copies the result to host memory
+        (`copy_to_host_async`, then `np.asarray`) while the device goes on, and the
+        blocks read are those of the cache at this call, whatever later programs write."""
         self._check_cache(kv, stacked=True)
-        arr = self._check_ids("block id", ids, 1, self.num_blocks)
+        arr = self._check_ids("block id", ids, 1, self.num_blocks, pad=self.num_blocks)
         padded = self.put(self._pad_transfer_ids(arr), self._rank_spec)
         return self._transfer_fn("gather")(kv, padded)
 
@@ -588,11 +588,12 @@ class PagedKVCache:
     ) -> jax.Array:
         """Write host `blocks [L, dp * n, *shape[1:]]` (as stored, rank-major like
         `gather_blocks_stacked`'s result without its padding) onto blocks `ids` (distinct per
-        rank, `[1, num_blocks)`) of every layer of a stacked cache: one donated, in-place
-        program per id bucket (donates `kv`). Bad ids or a block array of the wrong shape
-        or dtype raise `ValueError` before anything is sent."""
+        rank, `[1, num_blocks)`, or `num_blocks`: padding, its block dropped) of every layer
+        of a stacked cache: one donated, in-place program per id bucket (donates `kv`).
+        Bad ids or a block array of the wrong shape or dtype raise `ValueError` before
+        anything is sent."""
         self._check_cache(kv, stacked=True)
-        arr = self._check_ids("block id", ids, 1, self.num_blocks)
+        arr = self._check_ids("block id", ids, 1, self.num_blocks, pad=self.num_blocks)
         padded_ids = self._pad_transfer_ids(arr)
         want = (kv.shape[0], arr.size, *self.shape[1:])
         if tuple(np.shape(blocks)) != want or np.asarray(blocks).dtype != self.storage_dtype:
@@ -625,7 +626,7 @@ class PagedKVCache:
     def _pad_transfer_ids(self, arr: np.ndarray) -> np.ndarray:
         """Checked transfer ids (distinct per rank, at most `transfer_buckets[-1]` per
         rank) padded to their bucket with `num_blocks` (a negative pad would wrap)."""
-        self._check_unique("block id", arr)
+        self._check_unique("block id", arr, skip=self.num_blocks)
         per_rank = arr.size // self.dp_size
         if per_rank > self.transfer_buckets[-1]:
             raise ValueError(

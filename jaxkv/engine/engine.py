@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
-from jaxkv.engine.offload import PendingStore, host_offload
+from jaxkv.engine.offload import PendingStore, host_offloads
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
@@ -56,6 +57,7 @@ from jaxkv.engine.scheduler import (
 from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
+from jaxkv.host_tier import combined_stats
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_events import KVCacheEvent
 from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
@@ -97,8 +99,9 @@ class EngineConfig:
     `kv_offloading_size` (vLLM's name; bytes, None: off) keeps blocks in a host-memory
     tier behind the device pool (`jaxkv.engine.offload`), evicting by
     `kv_offloading_policy` ("lru" or "arc"), with optional per-`cache_salt` byte caps
-    `kv_offloading_tenant_quotas` (each at least one block, at most the budget); one
-    data rank, one full-attention KV-cache group.
+    `kv_offloading_tenant_quotas` (each at least one block, at most the budget); full
+    attention and sliding-window KV-cache groups; each data rank has its own tier of
+    that budget, as each has its own device pool.
     `device_tenant_block_quotas` (None: off) caps the blocks each listed `cache_salt`
     may hold in the device prefix cache, per data rank (each an int >= 0): a salt at
     its cap gives up its own least recently freed cached block, or leaves the new block
@@ -258,7 +261,9 @@ class LLMEngine:
             )
             for _ in range(self.runner.dp_size)
         ]
-        self.offload = host_offload(c, self.runner)
+        # One host tier per data rank (none: off); `offload` is rank 0's.
+        self.offloads = host_offloads(c, self.runner)
+        self.offload = self.offloads[0] if self.offloads else None
         self.kv_event_publishers: list[EventPublisher] = self._event_publishers(c)
         self.schedulers = [
             Scheduler(
@@ -266,9 +271,9 @@ class LLMEngine:
                 scheduler_config,
                 encoder_cache_manager=encoder_cache,
                 encoder_budget=encoder_budget,
-                offload=self.offload,
+                offload=self.offloads[rank] if self.offloads else None,
             )  # fmt: skip
-            for manager in self.kv_cache_managers
+            for rank, manager in enumerate(self.kv_cache_managers)
         ]
         self.kv_cache_manager, self.scheduler = self.kv_cache_managers[0], self.schedulers[0]
         self._stream: multihost.RequestStream | None = None  # several processes: replay
@@ -329,15 +334,15 @@ class LLMEngine:
         return publishers
 
     def _publish_events(self) -> None:
-        """Hand each rank's pending KV events (the host tier's with rank 0's) to its
-        publisher (a queue append each) and, with `enable_kv_cache_events`, keep them for
-        `take_kv_events`; otherwise (events off, or processes other than 0 without
+        """Hand each rank's pending KV events (its device pool's, then its host tier's) to
+        its publisher (a queue append each) and, with `enable_kv_cache_events`, keep them
+        for `take_kv_events`; otherwise (events off, or processes other than 0 without
         publishers) they are dropped."""
-        host_events = self.offload.tier.take_events() if self.offload is not None else []
+        host_events = [offload.tier.take_events() for offload in self.offloads]
         if not self._events_on and not self.kv_event_publishers:
-            return  # events off: nothing records them (the host tier's are dropped)
+            return  # events off: nothing records them (the host tiers' are dropped)
         for rank, manager in enumerate(self.kv_cache_managers):
-            events = manager.take_events() + (host_events if not rank else [])
+            events = manager.take_events() + (host_events[rank] if host_events else [])
             if not events:
                 continue
             if self.kv_event_publishers:
@@ -347,7 +352,7 @@ class LLMEngine:
 
     def take_kv_events(self, data_rank: int = 0) -> list[KVCacheEvent]:
         """Data rank `data_rank`'s KV events since the last call, in order: the device
-        pool's (`medium="GPU"`) and, on rank 0, the host tier's (`medium="CPU"`), with
+        pool's (`medium="GPU"`), then its host tier's (`medium="CPU"`), with
         `AllBlocksCleared` from `reset_prefix_cache`; the same events an endpoint
         publishes. Needs `EngineConfig(enable_kv_cache_events=True)`."""
         if self._kept_events is None:
@@ -363,7 +368,8 @@ class LLMEngine:
 
     def _tier_snapshot(self):
         """Device cached blocks per salt (all ranks; None: not counted), the device caps
-        (None: off) and the host tier's stats (None: off), for `stats.tenants()`."""
+        (None: off) and the host tiers' stats summed over the ranks (None: off), for
+        `stats.tenants()`."""
         pools = [manager.block_pool for manager in self.kv_cache_managers]
         caps = pools[0].tenant_block_quotas
         device: dict[str, int] | None = None
@@ -372,7 +378,7 @@ class LLMEngine:
             for pool in pools:
                 for salt, n in pool.tenant_cached_blocks().items():
                     device[salt] = device.get(salt, 0) + n
-        host = self.offload.tier.stats() if self.offload is not None else None
+        host = combined_stats([o.tier.stats() for o in self.offloads]) if self.offloads else None
         return device, caps, host
 
     def reset_prefix_cache(self) -> bool:
@@ -384,8 +390,8 @@ class LLMEngine:
             self._stream.check_source("reset_prefix_cache")
             self._stream.record(("reset_prefix_cache",))
         reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
-        if reset and self.offload is not None:
-            reset = self.offload.reset()
+        if reset and self.offloads:
+            reset = all([offload.reset() for offload in self.offloads])
         self._publish_events()
         return reset
 
@@ -417,7 +423,7 @@ class LLMEngine:
     def warm_up(self) -> int:
         """Compile every step shape now, so serving compiles nothing; returns the count."""
         count = self.runner.warm_up()
-        if self.offload is not None:
+        if self.offloads:
             self.runner.warm_up_transfers()
         return count
 
@@ -526,7 +532,7 @@ class LLMEngine:
         if len(self.schedulers) > 1:
             rank = choose_data_rank(
                 [s.num_unfinished_requests for s in self.schedulers],
-                lambda k: self.kv_cache_managers[k].get_num_cached_prefix_tokens(request),
+                lambda k: self._num_cached_tokens(k, request),
                 max(1, self.config.max_num_seqs // 4) if self.config.enable_prefix_caching else 0,
             )
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
@@ -565,6 +571,14 @@ class LLMEngine:
             self._stream.record(("abort", request_id))
         request = self.schedulers[rank].abort_request(request_id)
         self._finish_now(request, FinishReason.ABORT)
+
+    def _num_cached_tokens(self, rank: int, request: Request) -> int:
+        """Tokens of `request`'s prefix data rank `rank` holds, in its device pool or its
+        host tier (the more of the two): what routing a new request weighs."""
+        device = self.kv_cache_managers[rank].get_num_cached_prefix_tokens(request)
+        if not self.offloads:
+            return device
+        return max(device, self.offloads[rank].num_cached_tokens(request))
 
     def _fail(self, request_id: str, error: str) -> None:
         """Finish one request with `finish_reason="error"`; the others go on."""
@@ -654,9 +668,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         compiled = compilation_count()
         t0 = time.perf_counter()
-        if self.offload is not None:
+        for offload in self.offloads:
             # Gathers of two steps ago were dispatched before the step just waited for.
-            self.offload.complete_stores(before_step=self.num_steps - 1)
+            offload.complete_stores(before_step=self.num_steps - 1)
         outs = [scheduler.schedule() for scheduler in self.schedulers]
         self._store_freed_blocks()  # before this step can write into a freed block
         empty = all(out.is_empty for out in outs)
@@ -690,27 +704,22 @@ class LLMEngine:
         return outputs
 
     def _store_freed_blocks(self) -> None:
-        """Start copying the blocks freed requests left to the host tier (their gather is
-        dispatched now, so it reads them before any later step reuses them), one batch
-        per tenant; a tenant the tier has no room for stores nothing."""
-        if self.offload is None:
+        """Start copying the blocks freed requests left to each rank's host tier (one
+        gather for all ranks, dispatched now, so it reads them before any later step
+        reuses them); see `HostOffload.take_stores`."""
+        if not self.offloads:
             return
-        block_ids, keys, digests, tenants = self.offload.take_stores()
-        for tenant in dict.fromkeys(tenants):
-            mine = [i for i, t in enumerate(tenants) if t == tenant]
-            taken = self.offload.prepare_store([keys[i] for i in mine], tenant)
-            if taken is None or not taken[0]:
-                continue
-            chosen = [mine[j] for j in taken[0]]
-            self.offload.pending_stores.append(
-                PendingStore(
-                    [keys[i] for i in chosen],
-                    taken[1],
-                    [digests[i] for i in chosen],
-                    self.runner.gather_blocks([block_ids[i] for i in chosen]),
-                    self.num_steps,
-                )  # fmt: skip
-            )
+        stores = [offload.take_stores() for offload in self.offloads]
+        if not any(block_ids for block_ids, *_ in stores):
+            return
+        gathered = self.runner.gather_blocks([block_ids for block_ids, *_ in stores])
+        for offload, (block_ids, keys, slots, digests), blocks in zip(
+            self.offloads, stores, gathered, strict=True
+        ):
+            if block_ids:
+                offload.pending_stores.append(
+                    PendingStore(keys, slots, digests, blocks, self.num_steps)
+                )
 
     def _fail_unschedulable(self) -> None:
         """With nothing running or in flight, a waiting request that still cannot be
@@ -805,7 +814,9 @@ class LLMEngine:
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
         """One step's stats, summed over the data ranks (KV usage: their mean)."""
         prefix = [m.make_prefix_cache_stats() for m in self.kv_cache_managers]
-        host = self.offload.take_stats() if self.offload is not None else {}
+        host = Counter()
+        for offload in self.offloads:
+            host.update(offload.take_stats())
         self.stats.record(
             StepStats(
                 step=self.num_steps,

@@ -445,16 +445,19 @@ def _encode_images(state, pixel_values, *, graphdef):
 
 @dataclass(frozen=True)
 class GatheredBlocks:
-    """Blocks on their way to host memory: `(gathered array, blocks used)` per transfer."""
+    """One data rank's blocks on their way to host memory: per transfer, `(gathered
+    array, first index of the rank's blocks on its block axis, blocks used)`."""
 
-    parts: list[tuple[jax.Array, int]]
+    parts: list[tuple[jax.Array, int, int]]
 
     def ready(self) -> bool:
-        return all(g.is_ready() for g, _ in self.parts)
+        return all(g.is_ready() for g, _, _ in self.parts)
 
     def read(self) -> np.ndarray:
         """The blocks `[n, num_layers, *page_shape]` as stored (waits for the copies)."""
-        return np.concatenate([np.moveaxis(np.asarray(g)[:, :n], 1, 0) for g, n in self.parts])
+        return np.concatenate(
+            [np.moveaxis(np.asarray(g)[:, i : i + n], 1, 0) for g, i, n in self.parts]
+        )
 
 
 class ModelRunner:
@@ -789,32 +792,54 @@ class ModelRunner:
             self.kv_cache, src.ravel(), dst.ravel(), allow_padding=True
         )
 
-    def gather_blocks(self, block_ids: Sequence[int]) -> GatheredBlocks:
-        """Read device blocks `block_ids` (data rank 0) of every layer out of the KV cache:
-        one gather program per transfer bucket, dispatched now, each result's copy to host
-        memory started at once; neither waits. What is read is the cache as of this
-        call, whatever later steps write."""
+    def _transfer_ids(self, block_ids: Sequence[Sequence[int]], start: int, chunk: int):
+        """Ids `[dp * width]` (rank-major) of transfer chunk `[start, start + chunk)` of each
+        rank's `block_ids[k]`, a rank with fewer padded with `num_blocks` (a gather reads
+        zeros there, a scatter drops it); and each rank's count."""
+        parts = [list(ids[start : start + chunk]) for ids in block_ids]
+        width = max(len(p) for p in parts)
+        padded = np.full((self.dp_size, width), self.paged[0].num_blocks, np.int32)
+        for rank, part in enumerate(parts):
+            padded[rank, : len(part)] = part
+        return padded.reshape(-1), [len(p) for p in parts]
+
+    def gather_blocks(self, block_ids: Sequence[Sequence[int]]) -> list[GatheredBlocks]:
+        """Read device blocks `block_ids[k]` of data rank `k` of every layer out of the KV
+        cache, all ranks together: one gather program per transfer bucket, dispatched
+        now, each result's copy to host memory started at once; neither waits. What is
+        read is the cache as of this call, whatever later steps write. Returns each
+        rank's blocks."""
         paged = self.paged[0]
         chunk = paged.transfer_buckets[-1]
-        parts = []
-        for i in range(0, len(block_ids), chunk):
-            ids = block_ids[i : i + chunk]
+        parts: list[list] = [[] for _ in range(self.dp_size)]
+        for start in range(0, max(map(len, block_ids), default=0), chunk):
+            ids, counts = self._transfer_ids(block_ids, start, chunk)
             gathered = paged.gather_blocks_stacked(self.kv_cache, ids)
             gathered.copy_to_host_async()
-            parts.append((gathered, len(ids)))
-        return GatheredBlocks(parts)
+            size = gathered.shape[1] // self.dp_size  # the bucket: each rank's share
+            for rank, n in enumerate(counts):
+                if n:
+                    parts[rank].append((gathered, rank * size, n))
+        return [GatheredBlocks(p) for p in parts]
 
     def _load_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
-        """Scatter the host blocks each output loads (`kv_load_blocks`) into their device
-        blocks, in place, one donated program per transfer bucket (data rank 0 only)."""
+        """Scatter the host blocks each rank's output loads (`kv_load_blocks`) into their
+        device blocks, in place, all ranks together: one donated program per transfer
+        bucket."""
+        ids = [out.kv_load_block_ids for out in outs]
         paged = self.paged[0]
         chunk = paged.transfer_buckets[-1]
-        for out in outs:
-            ids, blocks = out.kv_load_block_ids, out.kv_load_blocks
-            for i in range(0, len(ids), chunk):
-                self.kv_cache = paged.scatter_blocks_stacked(
-                    self.kv_cache, ids[i : i + chunk], np.moveaxis(blocks[i : i + chunk], 0, 1)
-                )
+        for start in range(0, max(map(len, ids)), chunk):
+            padded, counts = self._transfer_ids(ids, start, chunk)
+            width = padded.size // self.dp_size
+            layers, page = self.kv_cache.shape[0], paged.shape[1:]
+            blocks = np.zeros((self.dp_size, width, layers, *page), paged.storage_dtype)
+            for rank, (out, n) in enumerate(zip(outs, counts, strict=True)):
+                if n:
+                    blocks[rank, :n] = out.kv_load_blocks[start : start + n]
+            self.kv_cache = paged.scatter_blocks_stacked(
+                self.kv_cache, padded, np.moveaxis(blocks.reshape(-1, layers, *page), 0, 1)
+            )
 
     def execute(
         self,

@@ -1,51 +1,92 @@
-"""The engine's host-memory KV tier: a `HostKVTier` plus the host buffer of its slots.
+"""The engine's host-memory KV tier: per data rank, a `HostKVTier` plus the host buffer
+of its slots.
 
 Host only (numpy, no JAX): the scheduler asks it for the blocks that follow a request's
 device prefix hit and reports the blocks of requests it frees; the engine moves the
 bytes with the model runner's block gather and in-place scatter. vLLM's offloading
-connector, reduced to one process, a synchronous load and a store at request end:
+connector, reduced to one process, a synchronous load and a store at request end.
+
+Every KV-cache group is served that is full attention or sliding window (a hybrid model
+such as Gemma 3 has both); other kinds (chunked local, Mamba, ...) are refused by
+`host_offloads`. A block of group `g` is keyed as the device pool keys it,
+`make_block_hash_with_group_id(block_hash, g)`, and holds the layers of group `g` only
+(`HostOffload.group_layers[g]`) at its device block id: the runner stacks every layer
+in one array over one pool of block ids, each id owned by one group at a time, so the
+other layers at that id are bytes no request reads (not stored; a load writes zeros
+there). The device transfers still move every layer at a block id (the runner's
+gather and scatter select block ids, not layers): with `k` groups of equal size, `k`
+times the bytes the tier keeps cross the host link.
 
 * **Store** (`request_freed`, `take_stores`, `complete_stores`): when a request finishes
-  or is preempted, its full, cached blocks the tier does not hold yet are queued with a
-  digest of what they claim to hold (their token ids and block-hash extra keys). The
-  engine gathers them off the device before any later step can reuse the blocks, and
-  once the copy lands the tier keeps each block with the checksum of digest and bytes.
+  or is preempted, each group's blocks that a later hit ending where its cached blocks
+  end needs (`HostKVTier.storable_block_range`: every cached block for full attention,
+  the blocks of the window before that end for a sliding window) that the tier does
+  not hold yet are queued with a digest of what they claim to hold (their token ids
+  and block-hash extra keys). A window block the request already released (it went
+  on computing past that end) is taken from the device prefix cache while it is
+  still there; one already evicted is not stored, and then no host hit reaches that
+  end. The engine gathers them off the device before any later step can reuse the
+  blocks, and once the copy lands the tier keeps each block with the checksum of
+  digest and bytes.
 * **Load** (`lookup`, `admitted`, `cancel`, `take_loads`): on admission, after the
-  device prefix hit, the following blocks found in the tier are pinned, read out of the
-  host buffer and verified (digest of the request's own tokens plus the bytes read,
-  against the stored checksum) before anything else happens; a mismatch ends the hit
-  there (the block is dropped from the tier, counted, never served), the rest is
-  recomputed. The read blocks are unpinned at once: the load owns a copy. The
-  scheduler allocates them as connector tokens
-  (`allocate_slots(num_external_computed_tokens=...)`), and the engine scatters the
-  copy into those device blocks ahead of the step, so the step that computes the rest
-  of the request reads them. A load is thus all or nothing inside one step: aborting
-  or preempting the request afterwards frees device blocks as for any request and
-  leaves no pin in the tier.
+  device prefix hit of `h` tokens, the tier serves a hit ending at `e` (blocks) when
+  every group has what the device pool allocates for the prefix `e`: full attention,
+  blocks `[h, e)`; a sliding window, blocks `[max(h, s), e)` with `s` the first block
+  the window before token `e` reaches (the device hit holds those before `h`; those
+  before `s` are the null block) -- as `allocate_slots(num_external_computed_tokens=
+  ...)` assigns them. The longest such `e` is taken; its blocks are pinned, read out
+  of the host buffer and verified (digest of the request's own tokens plus the bytes
+  read, against the stored checksum) before anything else happens; a mismatch drops
+  that block from the tier (counted, never served) and the hit is looked for again
+  without it, the rest recomputed. The read blocks are unpinned at once: the load owns
+  a copy. The scheduler allocates them as connector tokens, and the engine scatters
+  the copy into each group's new device blocks ahead of the step, so the step that
+  computes the rest of the request reads them. A load is thus all or nothing inside
+  one step: aborting or preempting the request afterwards frees device blocks as for
+  any request and leaves no pin in the tier.
+
+Data ranks: each rank has its own scheduler, device pool and block ids, so it has its
+own `HostOffload` (its own tier of `kv_offloading_size` bytes, its own tenant quotas,
+its KV events published with the rank's); the engine batches the ranks' gathers and
+scatters into one device program each, and routes a new request by the prefix a rank
+holds in its device pool or its tier (`num_cached_tokens`).
 
 Invariants: no key of the tier is pinned between scheduler calls; every queued store
-names a block whose bytes are final (full and computed by steps already dispatched);
-`pending_stores` is empty after `complete_stores()`.
+names a block whose bytes are final (full and computed by steps already dispatched)
+and that no program writes before its gather is dispatched (the engine dispatches the
+gathers before the next step, its zeroing, copies and loads); `pending_stores` is
+empty after `complete_stores()`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from jaxkv.blocks import KVCacheBlock
-from jaxkv.hashing import BlockHashWithGroupId, make_block_hash_with_group_id
+from jaxkv.hashing import BlockHashWithGroupId, get_group_id, make_block_hash_with_group_id
 from jaxkv.host_tier import HostKVTier
 from jaxkv.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 from jaxkv.request import Request
 from jaxkv.request_hashing import generate_block_hash_extra_keys
 
-__all__ = ["STAT_NAMES", "Gathered", "HostOffload", "PendingStore", "block_digest", "host_offload"]
+__all__ = [
+    "SERVED_KINDS",
+    "STAT_NAMES",
+    "Gathered",
+    "HostOffload",
+    "PendingStore",
+    "block_digest",
+    "host_offloads",
+]
+
+# The KV-cache group kinds the engine's host tier serves.
+SERVED_KINDS = (KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW)
 
 
 def block_digest(request: Request, block_index: int, block_size: int) -> bytes:
@@ -82,6 +123,17 @@ class _Store:
     tenants: list[str | None] = field(default_factory=list)
 
 
+@dataclass
+class _Staged:
+    """A request's verified host hit: blocks `[first, end)` of its prefix, as
+    `(group, block index)` pairs `blocks` (`[n, *block_shape]`) go to."""
+
+    first: int
+    end: int
+    targets: list[tuple[int, int]]
+    blocks: np.ndarray
+
+
 class Gathered(Protocol):
     """Blocks being copied off the device (`ModelRunner.gather_blocks`)."""
 
@@ -89,7 +141,8 @@ class Gathered(Protocol):
         """Whether `read` would return without waiting."""
 
     def read(self) -> np.ndarray:
-        """The blocks `[n, *block_shape]` as stored (waits for the copy)."""
+        """The blocks `[n, num_layers, *page_shape]`, every layer, as the device stores
+        them (waits for the copy)."""
 
 
 @dataclass
@@ -106,26 +159,41 @@ class PendingStore:
 
 class HostOffload:
     """Host tier of one data rank: which blocks (`tier`) and their bytes (`buffer`,
-    `[num_slots, *block_shape]`, as the device stores them). See the module docstring.
+    `[num_slots, *block_shape]`). See the module docstring.
 
-    `block_size`: tokens per block of the one full-attention KV-cache group served.
+    `group_layers[g]`: the indices, in the runner's stacked KV cache, of KV-cache group
+    `g`'s layers; a host block of group `g` holds those layers in that order, padded
+    with zeros to `block_shape[0]` (the most layers of a group). `block_size`: tokens
+    per block, every group's.
     """
 
     def __init__(
-        self, tier: HostKVTier, block_shape: tuple[int, ...], dtype: np.dtype, block_size: int
+        self,
+        tier: HostKVTier,
+        group_layers: Sequence[Sequence[int]],
+        page_shape: tuple[int, ...],
+        dtype: np.dtype,
+        block_size: int,
     ) -> None:
         self.tier = tier
         self.block_size = block_size
+        self.group_layers = [np.asarray(layers, np.intp) for layers in group_layers]
+        self.num_layers = sum(len(layers) for layers in group_layers)
+        # One group of every layer in order: host blocks are the device's as they are.
+        self._all_layers = len(group_layers) == 1 and list(group_layers[0]) == list(
+            range(self.num_layers)
+        )
+        block_shape = (max(len(layers) for layers in group_layers), *page_shape)
         self.buffer = np.empty((tier.num_slots, *block_shape), dtype)
         self.block_bytes = int(np.prod(block_shape)) * np.dtype(dtype).itemsize
         self.stats: Counter[str] = Counter()
         self._queued = _Store()
         self._queued_keys: set[BlockHashWithGroupId] = set()
-        # request id -> (first block index, its verified blocks), kept until it is admitted
-        # or freed: a request retried step after step is read and verified once
-        self._staged: dict[str, tuple[int, np.ndarray]] = {}
+        # request id -> its verified hit, kept until it is admitted or freed: a request
+        # retried step after step is read and verified once
+        self._staged: dict[str, _Staged] = {}
         self._queried: dict[str, int] = {}  # request id -> tokens its lookup asked for
-        self._loads: list[tuple[list[int], np.ndarray]] = []
+        self._loads: list[tuple[list[int], list[int], np.ndarray]] = []  # ids, groups, blocks
         self.pending_stores: list[PendingStore] = []
 
     # -- loads (scheduler) -------------------------------------------------------------
@@ -134,47 +202,95 @@ class HostOffload:
         """Tokens after the first `num_computed_tokens` (a whole number of blocks) that the
         tier serves verified, whole blocks only, leaving at least the request's last
         token to compute. The verified blocks are staged for `admitted` (a copy, reused
-        when the request is looked up again from the same block); a mismatch drops
-        that block from the tier and ends the hit before it."""
+        when the request is looked up again from the same block)."""
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
         if num_computed_tokens % bs or first >= last:
             return 0
-        keys = [
-            make_block_hash_with_group_id(request.block_hashes[i], 0) for i in range(first, last)
-        ]
-        self._queried[request.request_id] = len(keys) * bs
+        self._queried[request.request_id] = (last - first) * bs
         staged = self._staged.get(request.request_id)
-        if staged is not None and staged[0] == first:
-            return staged[1].shape[0] * bs
-        num_hits = self.tier.lookup(keys)
-        if not num_hits:
-            return 0
-        keys = keys[:num_hits]
-        blocks = self.buffer[self.tier.prepare_load(keys)]  # a copy: the pins end below
-        checksums = [
-            _checksum(block_digest(request, first + i, bs), block) for i, block in enumerate(blocks)
-        ]
-        rejected = set(self.tier.complete_load(keys, checksums))
-        if rejected:
-            self.stats["failed_loads"] += 1
-            num_hits = next(i for i, key in enumerate(keys) if key in rejected)
-        if num_hits:
-            self._staged[request.request_id] = (first, blocks[:num_hits])
-        return num_hits * bs
+        if staged is None or staged.first != first:
+            staged = self._stage(request, first, last)
+        return 0 if staged is None else (staged.end - first) * bs
 
-    def admitted(self, request: Request, block_ids: Sequence[int]) -> None:
-        """`request`, looked up last, is admitted: its staged blocks (if any) go to device
-        blocks `block_ids` (the ones `allocate_slots` gave its connector tokens) with
-        the next step. Its lookup counts in the stats from here."""
+    def num_cached_tokens(self, request: Request) -> int:
+        """Tokens of `request`'s prefix the tier could serve from its first token, as a
+        lookup after no device hit would (nothing pinned, read or verified)."""
+        last = (request.num_tokens - 1) // self.block_size
+        return self._find_hit(request, 0, last)[0] * self.block_size if last > 0 else 0
+
+    def _stage(self, request: Request, first: int, last: int) -> _Staged | None:
+        """Read and verify the longest hit after block `first`; a block failing the
+        check is dropped from the tier and the hit looked for again without it."""
+        self._staged.pop(request.request_id, None)
+        hashes, bs = request.block_hashes, self.block_size
+        while True:
+            end, targets = self._find_hit(request, first, last)
+            if not targets:
+                return None
+            keys = [make_block_hash_with_group_id(hashes[i], g) for g, i in targets]
+            blocks = self.buffer[self.tier.prepare_load(keys)]  # a copy: the pins end below
+            digests = {i: block_digest(request, i, bs) for i in {i for _, i in targets}}
+            checksums = [
+                _checksum(digests[i], block) for (_, i), block in zip(targets, blocks, strict=True)
+            ]
+            if not self.tier.complete_load(keys, checksums):
+                break
+            self.stats["failed_loads"] += 1
+        staged = self._staged[request.request_id] = _Staged(first, end, targets, blocks)
+        return staged
+
+    def _find_hit(self, request: Request, first: int, last: int) -> tuple[int, list]:
+        """The longest hit end `end` in `(first, last]` (blocks) for which every group has
+        the blocks the device pool allocates after a device hit of `first` blocks (module
+        docstring), and those `(group, block index)` pairs; `(first, [])`: none."""
+        hashes, bs = request.block_hashes, self.block_size
+
+        def key(g: int, i: int) -> BlockHashWithGroupId:
+            return make_block_hash_with_group_id(hashes[i], g)
+
+        def start(g: int, end: int) -> int:  # the group's first block to load
+            return max(first, self.tier.storable_block_range(g, end * bs).start)
+
+        groups = range(len(self.group_layers))
+        # Groups needing every block after the hit, whatever the end, bound it at once.
+        windowed = [g for g in groups if start(g, last) > first]
+        end = last
+        for g in groups:
+            if g not in windowed:
+                end = first + self.tier.lookup([key(g, i) for i in range(first, end)])
+        # runs[g][j]: ready blocks of group g in a row ending at block first + j.
+        runs = {}
+        for g in windowed:
+            count, runs[g] = 0, []
+            for i in range(first, end):
+                count = count + 1 if self.tier.block_state(key(g, i)) == "ready" else 0
+                runs[g].append(count)
+        for e in range(end, first, -1):
+            if all(runs[g][e - 1 - first] >= e - start(g, e) for g in windowed):
+                return e, [(g, i) for g in groups for i in range(start(g, e), e)]
+        return first, []
+
+    def admitted(self, request: Request, block_lists: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """`request`, looked up last, is admitted with the device blocks `block_lists` (per
+        group, as `allocate_slots` left them): its staged blocks (if any) go to the
+        blocks `allocate_slots` gave its connector tokens with the next step (one the
+        pool left null, outside a window, is not needed). Its lookup counts in the
+        stats from here."""
         self.stats["queried_tokens"] += self._queried.pop(request.request_id, 0)
         staged = self._staged.pop(request.request_id, None)
         if staged is None:
             return
-        blocks = staged[1]
-        self._loads.append((list(block_ids), blocks))
-        self.stats["hit_tokens"] += blocks.shape[0] * self.block_size
-        self.stats["loaded_bytes"] += blocks.shape[0] * self.block_bytes
+        ids, groups, rows = [], [], []
+        for row, (g, i) in enumerate(staged.targets):
+            block = block_lists[g][i]
+            if not block.is_null:
+                ids.append(block.block_id)
+                groups.append(g)
+                rows.append(row)
+        self._loads.append((ids, groups, staged.blocks[rows]))
+        self.stats["hit_tokens"] += (staged.end - staged.first) * self.block_size
+        self.stats["loaded_bytes"] += len(rows) * self.block_bytes
 
     def cancel(self, request: Request) -> None:
         """`request`, looked up last, was not admitted (its staged blocks are kept for its
@@ -182,52 +298,76 @@ class HostOffload:
         self._queried.pop(request.request_id, None)
 
     def take_loads(self) -> tuple[list[int], np.ndarray | None]:
-        """The device block ids and blocks `[n, *block_shape]` to scatter before the next
-        step (None: nothing)."""
+        """The device block ids and blocks `[n, num_layers, *page_shape]` (as the device
+        stores them) to scatter before the next step (None: nothing)."""
         loads, self._loads = self._loads, []
         if not loads:
             return [], None
-        ids = [i for block_ids, _ in loads for i in block_ids]
-        return ids, np.concatenate([blocks for _, blocks in loads])
+        ids = [i for load in loads for i in load[0]]
+        groups = [g for load in loads for g in load[1]]
+        return ids, self._to_device(np.concatenate([load[2] for load in loads]), groups)
 
     # -- stores (scheduler, then engine) ---------------------------------------------
 
-    def request_freed(self, request: Request, blocks: Sequence[KVCacheBlock]) -> None:
-        """Queue the full, cached blocks of `request` (its group-0 block list, read before
-        the pool frees them) that the tier does not hold yet; drop what was staged for it."""
+    def request_freed(
+        self,
+        request: Request,
+        block_lists: Sequence[Sequence[KVCacheBlock]],
+        device_cached: Callable[[BlockHashWithGroupId], KVCacheBlock | None] | None = None,
+    ) -> None:
+        """Queue the blocks of `request` (its block lists per group, read before the pool
+        frees them) that a hit ending where the group's cached blocks end needs
+        (`HostKVTier.storable_block_range`) and the tier does not hold yet; drop what
+        was staged for it. A block the request already released (a sliding window's,
+        now the null block in its list) is taken from the device prefix cache,
+        `device_cached(key)` (the block pool's `get_one_block`), when still there."""
         self._staged.pop(request.request_id, None)
-        q = self._queued
-        for i, block in enumerate(blocks):
-            key = block.block_hash
-            if key is None or block.is_null:
-                continue
-            if key in self._queued_keys or self.tier.block_state(key) is not None:
-                continue
-            self._queued_keys.add(key)
-            q.block_ids.append(block.block_id)
-            q.keys.append(key)
-            q.digests.append(block_digest(request, i, self.block_size))
-            q.tenants.append(request.cache_salt)
+        bs, q = self.block_size, self._queued
+        for g, blocks in enumerate(block_lists):
+            num_cached = next(
+                (i + 1 for i in reversed(range(len(blocks))) if blocks[i].block_hash is not None),
+                0,
+            )
+            for i in self.tier.storable_block_range(g, num_cached * bs):
+                block = blocks[i]
+                if block.block_hash is None:  # released (null) or not cached
+                    key = make_block_hash_with_group_id(request.block_hashes[i], g)
+                    block = device_cached(key) if device_cached is not None else None
+                    if block is None:
+                        continue
+                key = block.block_hash
+                if key in self._queued_keys or self.tier.block_state(key) is not None:
+                    continue
+                self._queued_keys.add(key)
+                q.block_ids.append(block.block_id)
+                q.keys.append(key)
+                q.digests.append(block_digest(request, i, bs))
+                q.tenants.append(request.cache_salt)
 
-    def take_stores(self) -> tuple[list[int], list[BlockHashWithGroupId], list[bytes], list]:
-        """The queued stores (device block ids, keys, digests, tenants), emptied."""
+    def take_stores(self) -> tuple[list[int], list[BlockHashWithGroupId], list[int], list[bytes]]:
+        """The queued stores the tier takes, emptied: (device block ids, keys, their host
+        slots, digests). One batch per tenant, at most its quota (the first ones: the
+        leading blocks of a prefix serve the most requests); a tenant the tier has no
+        room for stores nothing. The caller gathers the blocks now and hands the copy
+        back as a `PendingStore`."""
         q, self._queued = self._queued, _Store()
         self._queued_keys.clear()
-        return q.block_ids, q.keys, q.digests, q.tenants
-
-    def prepare_store(
-        self, keys: list[BlockHashWithGroupId], tenant: str | None
-    ) -> tuple[list[int], list[int]] | None:
-        """Slots for the `keys` (of one tenant, in order) the tier takes: (their indices in
-        `keys`, their slots); at most the tenant's quota (the first ones: the leading
-        blocks of a prefix serve the most requests); None when the tier has no room
-        (nothing stored, nothing changed)."""
-        new = [k for k in dict.fromkeys(keys) if self.tier.block_state(k) is None]
-        out = self.tier.prepare_store(new[: self.tier.max_store_blocks(tenant)], tenant)
-        if out is None:
-            return None
-        index = {key: i for i, key in enumerate(keys)}
-        return [index[key] for key in out.keys_to_store], out.slots
+        ids, keys, slots, digests = [], [], [], []
+        for tenant in dict.fromkeys(q.tenants):
+            mine = [i for i, t in enumerate(q.tenants) if t == tenant]
+            new = [i for i in mine if self.tier.block_state(q.keys[i]) is None]
+            new = new[: self.tier.max_store_blocks(tenant)]
+            out = self.tier.prepare_store([q.keys[i] for i in new], tenant)
+            if out is None:
+                continue
+            index = {q.keys[i]: i for i in new}
+            for key, slot in zip(out.keys_to_store, out.slots, strict=True):
+                i = index[key]
+                ids.append(q.block_ids[i])
+                keys.append(key)
+                slots.append(slot)
+                digests.append(q.digests[i])
+        return ids, keys, slots, digests
 
     def complete_stores(self, before_step: int | None = None) -> None:
         """Land pending gathers in the host buffer and make their blocks readable with
@@ -238,7 +378,7 @@ class HostOffload:
             if before_step is not None and store.step >= before_step and not store.blocks.ready():
                 self.pending_stores.append(store)
                 continue
-            blocks = store.blocks.read()
+            blocks = self._to_host(store.blocks.read(), [get_group_id(k) for k in store.keys])
             self.buffer[store.slots] = blocks
             self.tier.complete_store(
                 store.keys,
@@ -246,6 +386,34 @@ class HostOffload:
                 [_checksum(d, b) for d, b in zip(store.digests, blocks, strict=True)],
             )
             self.stats["stored_bytes"] += len(store.keys) * self.block_bytes
+
+    # -- layouts -----------------------------------------------------------------------
+
+    def _to_host(self, blocks: np.ndarray, groups: Sequence[int]) -> np.ndarray:
+        """Device blocks `[n, num_layers, *page_shape]` of `groups[i]` as host blocks
+        `[n, *block_shape]`: each one's group's layers, zero padded."""
+        if self._all_layers:
+            return blocks
+        out = np.zeros((len(groups), *self.buffer.shape[1:]), blocks.dtype)
+        groups = np.asarray(groups)
+        for g, layers in enumerate(self.group_layers):
+            rows = np.flatnonzero(groups == g)
+            out[rows, : len(layers)] = blocks[rows[:, None], layers]
+        return out
+
+    def _to_device(self, blocks: np.ndarray, groups: Sequence[int]) -> np.ndarray:
+        """Host blocks `[n, *block_shape]` of `groups[i]` as the device stores them,
+        `[n, num_layers, *page_shape]`: each one's group's layers, the others zero."""
+        if self._all_layers:
+            return blocks
+        out = np.zeros((len(groups), self.num_layers, *blocks.shape[2:]), blocks.dtype)
+        groups = np.asarray(groups)
+        for g, layers in enumerate(self.group_layers):
+            rows = np.flatnonzero(groups == g)
+            out[rows[:, None], layers] = blocks[rows, : len(layers)]
+        return out
+
+    # -- the rest ------------------------------------------------------------------------
 
     def take_stats(self) -> dict[str, int]:
         """The `STAT_NAMES` counters since the last call; they restart."""
@@ -259,47 +427,49 @@ class HostOffload:
         if self._loads:
             return False
         self.complete_stores()
-        self.take_stores()
+        self._queued = _Store()
+        self._queued_keys.clear()
         self._staged.clear()
         return self.tier.reset()
 
 
-def host_offload(config, runner) -> HostOffload | None:
-    """The host tier an `EngineConfig`'s `kv_offloading_size` asks for (None: off), its
-    blocks shaped as the `ModelRunner`'s stacked KV cache stores them (every layer of
-    one block). ValueError/TypeError naming the
-    setting and what is allowed when the budget, policy or quotas are bad, or the model
-    or mesh is one the tier does not serve."""
+def host_offloads(config, runner) -> list[HostOffload]:
+    """The host tiers an `EngineConfig`'s `kv_offloading_size` asks for, one per data rank
+    of the `ModelRunner` (none: off), each of that many bytes, its blocks laid out as
+    `HostOffload` says. ValueError/TypeError naming the setting and what is allowed
+    when the budget, policy or quotas are bad, the model has a KV-cache group of a kind
+    the tier does not serve, or the KV cache is on other processes' devices too."""
     size = config.kv_offloading_size
     if size is None:
-        return None
+        return []
     if isinstance(size, bool) or not isinstance(size, int | np.integer):
         raise TypeError(
             f"EngineConfig.kv_offloading_size must be an int (bytes) or None, got {size!r}"
         )
     groups = runner.kv_cache_config.kv_cache_groups
-    if (
-        len(groups) != 1
-        or get_kv_cache_spec_kind(groups[0].kv_cache_spec) != KVCacheSpecKind.FULL_ATTENTION
-    ):
-        kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
+    kinds = [get_kv_cache_spec_kind(g.kv_cache_spec) for g in groups]
+    if any(kind not in SERVED_KINDS for kind in kinds):
         raise ValueError(
-            f"EngineConfig.kv_offloading_size: the host tier serves models with one "
-            f"full-attention KV-cache group; this model has {kinds}"
-        )
-    if runner.dp_size != 1:
-        raise ValueError(
-            f"EngineConfig.kv_offloading_size: the host tier serves one data rank; the mesh "
-            f"has {runner.dp_size}"
+            f"EngineConfig.kv_offloading_size: the host tier serves KV-cache groups of kinds "
+            f"{[k.value for k in SERVED_KINDS]}; this model has {[k.value for k in kinds]}"
         )
     kv = runner.kv_cache
-    block_shape = (kv.shape[0], *kv.shape[2:])
-    block_bytes = int(np.prod(block_shape)) * np.dtype(kv.dtype).itemsize
+    if not getattr(kv, "is_fully_addressable", True):
+        raise ValueError(
+            "EngineConfig.kv_offloading_size: the host tier copies blocks through this "
+            "process's memory; the KV cache spans devices of other processes"
+        )
+    group_layers = [
+        [layer for layer, g in enumerate(runner.layer_to_group) if g == group_id]
+        for group_id in range(len(groups))
+    ]
+    block_size = groups[0].kv_cache_spec.block_size
+    num_layers = max(len(layers) for layers in group_layers)
+    block_bytes = num_layers * int(np.prod(kv.shape[2:])) * np.dtype(kv.dtype).itemsize
     if size < block_bytes:
         raise ValueError(
             f"EngineConfig.kv_offloading_size must hold at least one block ({block_bytes} "
-            f"bytes: {kv.shape[0]} layers of {groups[0].kv_cache_spec.block_size} tokens), "
-            f"got {size}"
+            f"bytes: {num_layers} layers of {block_size} tokens), got {size}"
         )
     quotas = config.kv_offloading_tenant_quotas
     if quotas is not None and not isinstance(quotas, Mapping):
@@ -307,11 +477,16 @@ def host_offload(config, runner) -> HostOffload | None:
             "EngineConfig.kv_offloading_tenant_quotas must map cache_salt to bytes, or be "
             f"None; got {quotas!r}"
         )
-    try:
-        tier = HostKVTier(
-            block_bytes, int(size), config.kv_offloading_policy, quotas,
-            group_specs=[groups[0].kv_cache_spec],
-        )  # fmt: skip
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"EngineConfig kv_offloading_*: {error}") from None
-    return HostOffload(tier, block_shape, np.dtype(kv.dtype), groups[0].kv_cache_spec.block_size)
+    offloads = []
+    for _ in range(runner.dp_size):
+        try:
+            tier = HostKVTier(
+                block_bytes, int(size), config.kv_offloading_policy, quotas,
+                group_specs=[g.kv_cache_spec for g in groups],
+            )  # fmt: skip
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"EngineConfig kv_offloading_*: {error}") from None
+        offloads.append(
+            HostOffload(tier, group_layers, tuple(kv.shape[2:]), np.dtype(kv.dtype), block_size)
+        )
+    return offloads

@@ -246,10 +246,10 @@ class Scheduler:
     `kv_cache_manager`: a jaxkv `KVCacheManager`, or vLLM's (the methods used are vLLM's).
     `with_block_ids=False` leaves `ScheduledRequest.new_block_ids` empty (a host-only
     simulation needs no block tables). `offload`: a host-memory KV tier
-    (`jaxkv.engine.offload.HostOffload`, one full-attention group): an admitted
-    request's blocks after its device prefix hit are looked up there and allocated as
-    connector tokens, their load going with the step (`kv_load_block_ids`); a freed
-    request's cached blocks are offered to it.
+    (`jaxkv.engine.offload.HostOffload`, this rank's): an admitted request's blocks
+    after its device prefix hit are looked up there and allocated as connector tokens,
+    their load going with the step (`kv_load_block_ids`); a freed request's cached
+    blocks are offered to it.
     """
 
     def __init__(
@@ -453,12 +453,7 @@ class Scheduler:
                 self._cancel_load(request)
                 break
             if self.offload is not None:
-                bs = self.offload.block_size
-                loaded = manager.get_blocks(request.request_id).blocks[0]
-                self.offload.admitted(
-                    request,
-                    [b.block_id for b in loaded[num_hits // bs : (num_hits + num_host) // bs]],
-                )
+                self.offload.admitted(request, manager.get_blocks(request.request_id).blocks)
             self.waiting.popleft()
             self.num_admitted_tokens += request.num_tokens
             self.num_admitted_hit_tokens += num_hits + num_host
@@ -624,7 +619,9 @@ class Scheduler:
         """Free the request's blocks, offering its cached ones to the host tier first."""
         if self.offload is not None:
             self.offload.request_freed(
-                request, self._lists_of(self._tracked[request.request_id])[0]
+                request,
+                self._lists_of(self._tracked[request.request_id]),
+                self.kv_cache_manager.block_pool.get_one_block,
             )
         self.kv_cache_manager.free(request)
 
