@@ -1064,11 +1064,10 @@ class KVCacheManager:
                 if not 0 <= event.group_idx < len(metadata):  # queued by hand: left as is
                     logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
                     continue
-                # The pool's events are fresh and this manager's alone: filled in place
-                # (vLLM sets them too; `dataclasses.replace` costs µs per event per step).
-                kind, window = metadata[event.group_idx]
-                object.__setattr__(event, "kv_cache_spec_kind", kind)
-                object.__setattr__(event, "kv_cache_spec_sliding_window", window)
+                # The pool's events are fresh and this manager's alone: filled in place.
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = metadata[
+                    event.group_idx
+                ]
         return events
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
