@@ -80,7 +80,9 @@ class Engine:
 
 
 class JaxkvEngine(Engine):
-    def __init__(self, workload: Workload, hash_fn_name: str, memo: bool = True) -> None:
+    def __init__(
+        self, workload: Workload, hash_fn_name: str, memo: bool = True, events: bool = False
+    ) -> None:
         import jaxkv
 
         self.name = f"jaxkv/{hash_fn_name}" + ("" if memo else "/no-memo")
@@ -92,7 +94,7 @@ class JaxkvEngine(Engine):
         )
         spec = jaxkv.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128)
         self.manager = jaxkv.KVCacheManager.from_spec(
-            spec, workload.num_blocks, workload.max_model_len
+            spec, workload.num_blocks, workload.max_model_len, enable_kv_cache_events=events
         )
 
     def make_request(self, request_id, prompt, max_tokens):

@@ -13,7 +13,12 @@
    the per-run mean carries those bursts and the median the typical step; the stepping
    thread's CPU time per step and the publishing thread's (an upper bound on the GIL time
    it takes from the loop) are less disturbed by other load than wall time.
-3. Routing (`examples/kv_aware_routing.py`, 4 engine processes): prefix hit rate and
+3. What building the events costs the stepping thread: the host-only scheduler and
+   manager serving `bench_host`'s workload (600 requests, up to 256 running) with the
+   manager's events off vs on (`enable_kv_cache_events`), interleaved rounds; the extra
+   CPU per stored block, and that times the blocks a decode step at 256 running stores
+   (256 / 16 a step on average) over the engine's host step without publishing.
+4. Routing (`examples/kv_aware_routing.py`, 4 engine processes): prefix hit rate and
    prefill tokens computed, index-routed vs round-robin.
 """
 
@@ -104,6 +109,31 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> 
     return result
 
 
+def bench_event_building(repeats: int) -> dict:
+    """CPU seconds of a host-only serve with the manager's events off vs on (interleaved
+    rounds), and the extra microseconds per block the events announce."""
+    from benchmarks.bench_host import JaxkvEngine, make_workload, serve
+
+    workload = make_workload(600)
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    num_blocks = 0
+    for round_ in range(repeats):
+        for events in (False, True) if round_ % 2 == 0 else (True, False):
+            engine = JaxkvEngine(workload, "sha256", events=events)
+            seconds[events].append(serve(engine, workload).seconds)
+            if events:
+                num_blocks = sum(
+                    len(e.block_hashes)
+                    for e in engine.manager.take_events()
+                    if isinstance(e, BlockStored)
+                )
+    extra = statistics.median(seconds[True]) - statistics.median(seconds[False])
+    ratios = [on / off for off, on in zip(seconds[False], seconds[True], strict=True)]
+    return {"off_s": spread(seconds[False]), "on_s": spread(seconds[True]),
+            "on/off": spread(ratios), "blocks_stored": num_blocks,
+            "us_per_block": 1e6 * extra / num_blocks}  # fmt: skip
+
+
 def bench_routing(engines: int) -> dict:
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "kv_aware_routing.py"), "--json",
@@ -133,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         publisher = bench_publisher(tmp, args.batches, args.events_per_batch)
         model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
         step = bench_step_cost(model, tmp, args.repeats, args.steps, args.running)
+    building = bench_event_building(args.repeats)
     routing = bench_routing(args.engines)
 
     print_table(
@@ -153,6 +184,20 @@ def main(argv: list[str] | None = None) -> dict:
         f"publishing thread: {step['publisher_cpu_ms']['median']:.3f} ms CPU per step "
         f"({step['publisher_cpu_fraction']:.1%} of the host step without publishing)"
     )
+    # A decode step at `running` requests of 16-token blocks stores running / 16 blocks.
+    building["step_fraction"] = (
+        building["us_per_block"] * 1e-3 * args.running / 16 / step["host_ms"]["off"]["median"]
+    )
+    print_table(
+        "building the events on the stepping thread (host-only serve, 600 requests)",
+        ["events off s", "events on s", "on/off median", "on/off range", "blocks stored",
+         "us per block", "share of an engine host step"],
+        [[building["off_s"]["median"], building["on_s"]["median"],
+          building["on/off"]["median"],
+          f"{building['on/off']['min']:.3f}-{building['on/off']['max']:.3f}",
+          building["blocks_stored"], building["us_per_block"],
+          f"{building['step_fraction']:.2%}"]],
+    )  # fmt: skip
     print_table(
         f"routing {args.engines} engines (examples/kv_aware_routing.py)",
         ["policy", "hit rate", "prefill tokens", "index predicted exactly"],
@@ -160,8 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{routing[p]['predicted_exactly']:.0%}"] for p in ("round-robin", "index")],
     )  # fmt: skip
     print(f"index-routed: {routing['prefill_ratio']:.2f}x fewer prefill tokens than round-robin")
-    result = {"publisher": publisher, "step_cost": step, "routing": routing,
-              "workload": vars(args)}  # fmt: skip
+    result = {"publisher": publisher, "step_cost": step, "event_building": building,
+              "routing": routing, "workload": vars(args)}  # fmt: skip
     write_json(results_name("bench_kv_events", parser, args), result, record=args.record)
     return result
 
