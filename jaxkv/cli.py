@@ -520,8 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-salt", help="tenant key: prefix-cache blocks are shared only within it")
     p.add_argument(
         "--scan-layers", choices=("auto", "on", "off"), default="auto",
-        help="one scanned layer body (compiles in seconds; on CPU, decode copies each "
-        "layer's weights) or one program region per layer ('auto': scan off CPU)",
+        help="one scanned layer body (on CPU, decode copies each layer's weights) or one "
+        "stack per layer, run layer by layer ('auto': scan off CPU); both compile one "
+        "layer program per step shape",
     )  # fmt: skip
     p.add_argument(
         "--compilation-cache", default="auto", metavar="DIR",
