@@ -50,3 +50,16 @@ def test_command_line_default_timeout_is_the_engines() -> None:
         if a.dest == "distributed_timeout"
     )
     assert f"(default: {DEFAULT_TIMEOUT_S:g})" in help_text
+
+
+def test_after_process_0_stops_no_call_or_step_goes_on() -> None:
+    from jaxkv.engine.multihost import RequestStream
+
+    stream = RequestStream()  # one process: the source
+    stream.is_source = False  # as on process 1, once process 0 called stop()
+    stream.stopped = True
+    for call in ("add_request", "abort"):
+        with pytest.raises(RuntimeError, match=f"{call} on process 0: process 0 shut"):
+            stream.check_source(call)
+    with pytest.raises(RuntimeError, match="step on process 0: process 0 shut the engine"):
+        stream.exchange()

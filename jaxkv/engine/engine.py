@@ -653,7 +653,6 @@ class LLMEngine:
             while (ops := self._stream.exchange()) is not None:
                 self._stream.replay(ops, self._apply)
                 self._step()
-        self._stream = None
 
     def _apply(self, op: multihost.Op) -> None:
         """Replay one of process 0's calls (`RequestStream.record`)."""

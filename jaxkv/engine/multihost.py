@@ -354,6 +354,7 @@ class RequestStream:
         self._pending: list[Op] = []
         self.replaying = False
         self.lost = False  # a step failed part-way: the processes are out of step
+        self.stopped = False  # process 0 called `stop`: no step follows
         self.num_bytes = 0  # payload bytes exchanged so far
         self.seconds = 0.0  # time spent in `exchange` so far
 
@@ -362,16 +363,26 @@ class RequestStream:
             self._pending.append(op)
 
     def check_source(self, call: str) -> None:
-        """RuntimeError unless `call` happens on process 0 (or replays its call)."""
+        """RuntimeError unless `call` happens on process 0 (or replays its call) while
+        the engine runs."""
+        self._check_running(call)
         if not (self.is_source or self.replaying):
             raise RuntimeError(
                 f"{call} on process {jax.process_index()}: requests enter on process 0 only; "
                 "the other processes call LLMEngine.follow()"
             )
 
+    def _check_running(self, call: str) -> None:
+        if self.stopped:
+            raise RuntimeError(
+                f"{call} on process {jax.process_index()}: process 0 shut the engine down "
+                "(its follow() returned); this engine serves no more steps"
+            )
+
     def exchange(self) -> list[Op] | None:
         from jax.experimental.multihost_utils import broadcast_one_to_all
 
+        self._check_running("step")
         start = time.perf_counter()
         try:
             return self._exchange(broadcast_one_to_all)
@@ -385,6 +396,7 @@ class RequestStream:
         (length,) = broadcast_one_to_all((length,))
         n = int(length[0])
         if n == _STOP:
+            self.stopped = True
             return None
         if n == 0:
             return []
