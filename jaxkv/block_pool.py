@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice, takewhile
 from typing import TYPE_CHECKING
 
@@ -302,6 +302,11 @@ class BlockPool:
     block (and the rest of that caching call) stays uncached. A salt never holds more
     than its cap and never evicts another salt's blocks for it. With quotas given (even
     `{}`), every salted block is counted: `tenant_cached_blocks()`.
+
+    `on_evict` (an attribute, None: off) is called with the cached free blocks about to
+    be evicted for reuse, still keyed and holding their bytes (the host tier's store at
+    eviction, `jaxkv.engine.offload`); other hash drops (`evict_blocks`, a reset, a
+    partial entry replaced) are not reported.
     """
 
     def __init__(
@@ -360,6 +365,10 @@ class BlockPool:
         self._tenant_cached: dict[str, int] = {}  # salt -> its cached blocks
         # salt -> its cached free blocks, in free-queue order (least recently freed first)
         self._tenant_free: dict[str, dict[int, KVCacheBlock]] = {}
+        # Told of cached free blocks about to lose their hash to be reused (`get_new_blocks`,
+        # a tenant cap's victims), still keyed, their bytes intact: a lower tier may copy
+        # them before anything writes there (None: nobody listens, nothing is done).
+        self.on_evict: Callable[[Sequence[KVCacheBlock]], None] | None = None
         if tenant_block_quotas is not None:
             self.set_tenant_block_quotas(tenant_block_quotas)
 
@@ -397,6 +406,8 @@ class BlockPool:
             free = self._tenant_free.get(salt)
             if free:
                 victims = list(islice(free.values(), count + len(blocks) - cap))
+                if self.on_evict is not None:
+                    self.on_evict(victims)
                 self._evict_cached_blocks(victims)
                 for victim in victims:  # nothing left to lose: reused first
                     self.free_block_queue.remove(victim)
@@ -481,6 +492,8 @@ class BlockPool:
             )
         blocks, stamped = self.free_block_queue.popleft_n_for_holders(num_blocks)
         if stamped:
+            if self.on_evict is not None:
+                self.on_evict(stamped)
             self._evict_cached_blocks(stamped, were_free=True)
         return blocks
 

@@ -721,6 +721,37 @@ def test_hash_map_keys_of_unstamped_blocks_and_stamped_batches():
 
 
 # ---------------------------------------------------------------------------
+def test_on_evict_sees_cached_free_blocks_still_keyed_before_reuse():
+    """`on_evict` (the host tier's store at eviction) is told of the cached free blocks
+    popped for reuse or given up for a tenant cap, while they still hold their keys;
+    `evict_blocks` (bad KV) is not reported."""
+    pool = BlockPool(10, tenant_block_quotas={"a": 1})
+    seen = []
+    pool.on_evict = lambda blocks: seen.append([(b.block_id, b.block_hash) for b in blocks])
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(2)
+    _cache(pool, req, blocks)
+    keys = [b.block_hash for b in blocks]
+    pool.free_blocks(reversed(blocks))
+    assert pool.get_new_blocks(7) and seen == []  # the uncached free blocks went first
+    pool.get_new_blocks(1)
+    assert seen == [[(blocks[1].block_id, keys[1])]] and blocks[1].block_hash is None
+    pool.evict_blocks([blocks[0].block_id])
+    assert len(seen) == 1
+    salted = BlockPool(10, tenant_block_quotas={"a": 1})
+    salted.on_evict = pool.on_evict
+    first, second = (
+        _request(range(4), "1", cache_salt="a"),
+        _request(range(9, 13), "2", cache_salt="a"),
+    )
+    (block,) = salted.get_new_blocks(1)
+    _cache(salted, first, [block])
+    key = block.block_hash
+    salted.free_blocks([block])
+    _cache(salted, second, salted.get_new_blocks(1))  # "a"'s cap gives up its free block
+    assert seen[1:] == [[(block.block_id, key)]]
+
+
 # Per-tenant caps (`tenant_block_quotas`)
 
 

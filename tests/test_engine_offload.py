@@ -116,6 +116,79 @@ def _stored(engine: LLMEngine) -> list[bytes]:
     ]
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_store_at_eviction_multi_turn_tokens_equal_and_only_evicted_blocks_stored(
+    text_model, text_reference, async_scheduling
+):
+    """`kv_offloading_store="evicted"`: a block goes to the host tier when the device pool
+    evicts it for reuse, not when its request ends; tokens stay those without the tier
+    and the dense reference's, and returning conversations are served from host memory."""
+    base = dataclasses.replace(BASE, async_scheduling=async_scheduling)
+    without = chat(LLMEngine(text_model, base))
+    config = dataclasses.replace(TIER, async_scheduling=async_scheduling)
+    engine = LLMEngine(text_model, dataclasses.replace(config, kv_offloading_store="evicted"))
+    pool = engine.kv_cache_manager.block_pool
+    assert pool.on_evict == engine.offload.blocks_evicted
+    evicted = []  # per engine step: the keys the device pool evicted
+
+    def on_evict(blocks, listener=pool.on_evict):
+        evicted[-1].update(block.block_hash for block in blocks)
+        listener(blocks)
+
+    pool.on_evict = on_evict
+    step = engine.step
+
+    def counted_step():
+        evicted.append(set())
+        return step()
+
+    engine.step = counted_step
+    taken = []  # (engine step, the keys queued stores were taken for there)
+
+    def take_stores(take=engine.offload.take_stores):
+        out = take()
+        taken.append((len(evicted) - 1, set(out[1])))
+        return out
+
+    engine.offload.take_stores = take_stores
+    # Each turn starts with every store landed: hits do not depend on copy timing.
+    with_tier = chat(engine, between=lambda turn: engine.offload.complete_stores())
+    engine.step()  # lands the last stores
+    assert tokens(with_tier) == tokens(without)
+    assert_dense(text_reference, with_tier)
+    # Only evicted blocks reach the tier, each gathered in the step that evicted it
+    # (before that step runs), and the tier's stored bytes grow only in steps where
+    # the pool evicted.
+    stored = set(_stored(engine))
+    assert stored and stored <= set().union(*evicted)
+    assert all(keys <= evicted[n] for n, keys in taken)
+    assert set().union(*(keys for _, keys in taken)) >= stored
+    stats = engine.stats.steps[-len(evicted) :]
+    grew = [n for n, s in enumerate(stats) if s.host_stored_bytes]
+    assert grew and all(evicted[n] or evicted[n - 1] or evicted[n - 2] for n in grew)
+    later = [o for outputs in with_tier[1:] for o in outputs]
+    assert sum(o.num_host_cached_tokens for o in later) > 0
+    assert engine.stats.total("host_hit_tokens") >= sum(o.num_host_cached_tokens for o in later)
+    assert_nothing_held(engine)
+    # Why "finished" is the default (EngineConfig): "evicted" serves fewer cached tokens
+    # here (a block evicted for a request admitted earlier in a step is in neither tier
+    # when a later one of that step is looked up).
+    other = LLMEngine(text_model, config)
+    finished = chat(other, between=lambda turn: other.offload.complete_stores())
+    assert tokens(finished) == tokens(without)
+
+    def cached(turns_out) -> int:
+        return sum(o.num_cached_tokens for outputs in turns_out[1:] for o in outputs)
+
+    assert cached(with_tier) < cached(finished)
+    # A request ending stores nothing while the pool evicts nothing ("finished" does).
+    for store, num_stored in (("evicted", 0), ("finished", 5)):
+        fresh = LLMEngine(text_model, dataclasses.replace(config, kv_offloading_store=store))
+        fresh.generate([list(range(3, 43))], GREEDY)
+        fresh.offload.complete_stores()  # lands every gather
+        assert fresh.offload.tier.stats().blocks_stored == num_stored
+
+
 def test_corrupt_entry_and_hash_collision_are_recomputed_not_served(text_model, text_reference):
     engine = LLMEngine(text_model, TIER)
     tier = engine.offload.tier
@@ -202,6 +275,16 @@ def test_reset_prefix_cache_clears_both_tiers_with_cpu_events(text_model, text_r
         ({"kv_offloading_size": 2.5e6}, TypeError, "must be an int"),
         ({"kv_offloading_size": True}, TypeError, "must be an int"),
         ({"kv_offloading_policy": "fifo"}, ValueError, "policy must be one of"),
+        (
+            {"kv_offloading_store": "computed"},
+            ValueError,
+            r"kv_offloading_store must be one of \('evicted', 'finished'\).*'computed'",
+        ),
+        (  # refused with the tier off too
+            {"kv_offloading_size": None, "kv_offloading_store": "Evicted"},
+            ValueError,
+            "kv_offloading_store must be one of",
+        ),
         ({"kv_offloading_tenant_quotas": {"a": 1 << 21}}, ValueError, r"quota_bytes\['a'\]"),
         ({"kv_offloading_tenant_quotas": {"a": 10}}, ValueError, r"quota_bytes\['a'\]"),
         ({"kv_offloading_tenant_quotas": [1]}, TypeError, "must map cache_salt"),
@@ -374,13 +457,18 @@ def hybrid_model(tmp_path_factory):
     return models.load_model(path)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize(
+    ("async_scheduling", "store"), [(True, "finished"), (False, "finished"), (True, "evicted")]
+)
 def test_sliding_window_hybrid_multi_turn_tokens_equal_without_tier_and_dense(
-    hybrid_model, async_scheduling
+    hybrid_model, async_scheduling, store
 ):
     config = dataclasses.replace(HYBRID, async_scheduling=async_scheduling)
     without = chat(LLMEngine(hybrid_model, config), vocab=HYBRID_VOCAB)
-    engine = LLMEngine(hybrid_model, dataclasses.replace(config, kv_offloading_size=1 << 20))
+    engine = LLMEngine(
+        hybrid_model,
+        dataclasses.replace(config, kv_offloading_size=1 << 20, kv_offloading_store=store),
+    )
     groups = engine.runner.kv_cache_config.kv_cache_groups
     windowed = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
     assert windowed == [True, True, True, False], "sliding-window and full-attention groups"
@@ -584,3 +672,41 @@ def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
     lists = [_blocks(0, e, 11, range(10), 100, nulls=9), _blocks(1, e, 11, range(10), 200)]
     assert store([(e, lists)], in_device_cache) == [109, 150]
     assert offload.lookup(request("f", 60), 0) == 40
+
+
+def test_store_at_eviction_keeps_offered_blocks_digests_until_the_pool_evicts_them():
+    from jaxkv.request import Request
+
+    # As above: group 0 a sliding window of 8 (2 blocks), group 1 full attention.
+    window = SlidingWindowSpec(4, 1, 1, "float32", sliding_window=8)
+    tier = HostKVTier(16, 64 * 16, group_specs=[window, FullAttentionSpec(4, 1, 1, "float32")])
+    offload = HostOffload(tier, [[0], [1]], (4, 1), np.dtype(np.float32), 4, store_at="evicted")
+    r = Request("r", list(range(3, 47)), SamplingParams())
+    r.block_hashes = [bytes([i]) * 32 for i in range(11)]
+    lists = [_blocks(0, r, 11, range(8), 100, nulls=4), _blocks(1, r, 11, range(8), 200)]
+    offload.request_freed(r, lists)
+    assert offload.take_stores()[0] == []  # nothing is stored at request end
+    # Offered: the window's blocks before the cached end (6, 7), every full-attention one.
+    assert sorted(offload._candidates) == [106, 107, *range(200, 208)]
+    stale = lists[1][3]  # re-keyed since it was offered: its digest is not its contents'
+    stale.reset_hash()
+    stale.set_hash(b"x" * 32, 1)
+    # The pool evicts a window block outside the window (105), one inside (106), and
+    # full-attention blocks 0-3: the offered ones holding the key they were offered under
+    # are queued, with the digests taken when they were offered.
+    offload.blocks_evicted([lists[0][5], lists[0][6], *lists[1][:4]])
+    ids, keys, slots, digests = offload.take_stores()
+    assert ids == [106, 200, 201, 202]
+    assert digests == [block_digest(r, i, 4) for i in (6, 0, 1, 2)]
+    assert keys == [lists[0][6].block_hash, *(b.block_hash for b in lists[1][:3])]
+    assert sorted(offload._candidates) == [107, *range(204, 208)]  # evicted ones forgotten
+    blocks = SimpleNamespace(ready=lambda: True, read=lambda: np.zeros((4, 2, 4, 1), np.float32))
+    offload.pending_stores.append(PendingStore(keys, slots, digests, blocks, 0))
+    offload.complete_stores()
+    # Offered again and evicted again: the tier holds them already, nothing is queued.
+    offload.request_freed(r, lists)
+    offload.blocks_evicted(lists[1][:3])
+    assert offload.take_stores()[0] == []
+    assert offload.reset() and not offload._candidates
+    with pytest.raises(ValueError, match="store_at must be one of"):
+        HostOffload(tier, [[0], [1]], (4, 1), np.dtype(np.float32), 4, store_at="never")

@@ -4,7 +4,8 @@ of its slots.
 Host only (numpy, no JAX): the scheduler asks it for the blocks that follow a request's
 device prefix hit and reports the blocks of requests it frees; the engine moves the
 bytes with the model runner's block gather and in-place scatter. vLLM's offloading
-connector, reduced to one process, a synchronous load and a store at request end.
+connector, reduced to one process, a synchronous load and a store at request end or at
+device-pool eviction (`store_at`, `EngineConfig.kv_offloading_store`).
 
 Every KV-cache group is served that is full attention or sliding window (a hybrid model
 such as Gemma 3 has both); other kinds (chunked local, Mamba, ...) are refused by
@@ -17,17 +18,27 @@ there). The device transfers still move every layer at a block id (the runner's
 gather and scatter select block ids, not layers): with `k` groups of equal size, `k`
 times the bytes the tier keeps cross the host link.
 
-* **Store** (`request_freed`, `take_stores`, `complete_stores`): when a request finishes
-  or is preempted, each group's blocks that a later hit ending where its cached blocks
-  end needs (`HostKVTier.storable_block_range`: every cached block for full attention,
-  the blocks of the window before that end for a sliding window) that the tier does
-  not hold yet are queued with a digest of what they claim to hold (their token ids
-  and block-hash extra keys). A window block the request already released (it went
-  on computing past that end) is taken from the device prefix cache while it is
-  still there; one already evicted is not stored, and then no host hit reaches that
-  end. The engine gathers them off the device before any later step can reuse the
-  blocks, and once the copy lands the tier keeps each block with the checksum of
-  digest and bytes.
+* **Store** (`request_freed`, `blocks_evicted`, `take_stores`, `complete_stores`): when
+  a request finishes or is preempted, it offers each group's blocks that a later hit
+  ending where its cached blocks end needs (`HostKVTier.storable_block_range`: every
+  cached block for full attention, the blocks of the window before that end for a
+  sliding window), each with a digest of what it claims to hold (its token ids and
+  block-hash extra keys). A window block the request already released (it went on
+  computing past that end) is taken from the device prefix cache while it is still
+  there; one already evicted is not offered, and then no host hit reaches that end.
+  `store_at="finished"`: the offered blocks the tier does not hold yet are queued at
+  once. `store_at="evicted"`: they are remembered (device block id -> key, digest,
+  tenant; the digest is taken while the request still exists, and an entry whose
+  block holds another key by the time it is evicted is stale, ignored) and queued
+  only when the device pool evicts them for reuse (`BlockPool.on_evict`, called from
+  inside `schedule()` while the blocks still hold their keys and bytes), if the tier
+  does not hold them by then; blocks no freed request offered under the key they hold
+  (a sliding window's outside every offered window, an entry re-keyed to another
+  block since, as a partial-hit copy's) are not stored.
+  Either way the engine gathers the queued blocks off the device right after
+  `schedule()`, before that step (which may write into a block evicted for it) or
+  any later one can reuse them, and once the copy lands the tier keeps each block
+  with the checksum of digest and bytes.
 * **Load** (`lookup`, `admitted`, `cancel`, `take_loads`): on admission, after the
   device prefix hit of `h` tokens, the tier serves a hit ending at `e` (blocks) when
   every group has what the device pool allocates for the prefix `e`: full attention,
@@ -54,8 +65,11 @@ holds in its device pool or its tier (`num_cached_tokens`).
 Invariants: no key of the tier is pinned between scheduler calls; every queued store
 names a block whose bytes are final (full and computed by steps already dispatched)
 and that no program writes before its gather is dispatched (the engine dispatches the
-gathers before the next step, its zeroing, copies and loads); `pending_stores` is
-empty after `complete_stores()`.
+gathers before the next step, its zeroing, copies and loads; a block evicted for reuse
+is queued in the `schedule()` that reuses it, so its gather precedes that step); the
+queue is empty after `take_stores()` and `pending_stores` after `complete_stores()`;
+with `store_at="finished"` nothing is remembered between calls (`_candidates` empty),
+with "evicted" at most one entry per device block.
 """
 
 from __future__ import annotations
@@ -79,6 +93,7 @@ __all__ = [
     "SERVED_KINDS",
     "STAT_NAMES",
     "Gathered",
+    "STORE_MOMENTS",
     "HostOffload",
     "PendingStore",
     "block_digest",
@@ -87,6 +102,9 @@ __all__ = [
 
 # The KV-cache group kinds the engine's host tier serves.
 SERVED_KINDS = (KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW)
+# When a block is copied to the host tier (`EngineConfig.kv_offloading_store`): when the
+# device pool evicts it, or when a request holding it finishes or is preempted.
+STORE_MOMENTS = ("evicted", "finished")
 
 
 def block_digest(request: Request, block_index: int, block_size: int) -> bytes:
@@ -174,9 +192,14 @@ class HostOffload:
         page_shape: tuple[int, ...],
         dtype: np.dtype,
         block_size: int,
+        *,
+        store_at: str = "finished",
     ) -> None:
+        if store_at not in STORE_MOMENTS:
+            raise ValueError(f"store_at must be one of {STORE_MOMENTS}, got {store_at!r}")
         self.tier = tier
         self.block_size = block_size
+        self.store_at = store_at
         self.group_layers = [np.asarray(layers, np.intp) for layers in group_layers]
         self.num_layers = sum(len(layers) for layers in group_layers)
         # One group of every layer in order: host blocks are the device's as they are.
@@ -189,6 +212,9 @@ class HostOffload:
         self.stats: Counter[str] = Counter()
         self._queued = _Store()
         self._queued_keys: set[BlockHashWithGroupId] = set()
+        # store_at="evicted": device block id -> (its key, digest, tenant) when a freed
+        # request offered it; stale (ignored, replaced) once the block holds another key.
+        self._candidates: dict[int, tuple[BlockHashWithGroupId, bytes, str | None]] = {}
         # request id -> its verified hit, kept until it is admitted or freed: a request
         # retried step after step is read and verified once
         self._staged: dict[str, _Staged] = {}
@@ -315,14 +341,16 @@ class HostOffload:
         block_lists: Sequence[Sequence[KVCacheBlock]],
         device_cached: Callable[[BlockHashWithGroupId], KVCacheBlock | None] | None = None,
     ) -> None:
-        """Queue the blocks of `request` (its block lists per group, read before the pool
+        """Offer the blocks of `request` (its block lists per group, read before the pool
         frees them) that a hit ending where the group's cached blocks end needs
-        (`HostKVTier.storable_block_range`) and the tier does not hold yet; drop what
-        was staged for it. A block the request already released (a sliding window's,
-        now the null block in its list) is taken from the device prefix cache,
-        `device_cached(key)` (the block pool's `get_one_block`), when still there."""
+        (`HostKVTier.storable_block_range`); drop what was staged for it. A block the
+        request already released (a sliding window's, now the null block in its list)
+        is taken from the device prefix cache, `device_cached(key)` (the block pool's
+        `get_one_block`), when still there. `store_at="finished"`: those the tier does
+        not hold yet are queued; "evicted": each is remembered with its digest (once per
+        key a block holds) until the pool evicts it (`blocks_evicted`)."""
         self._staged.pop(request.request_id, None)
-        bs, q = self.block_size, self._queued
+        bs, candidates = self.block_size, self._candidates
         for g, blocks in enumerate(block_lists):
             num_cached = next(
                 (i + 1 for i in reversed(range(len(blocks))) if blocks[i].block_hash is not None),
@@ -336,13 +364,42 @@ class HostOffload:
                     if block is None:
                         continue
                 key = block.block_hash
+                if self.store_at == "evicted":
+                    known = candidates.get(block.block_id)
+                    if known is None or known[0] != key:
+                        digest = block_digest(request, i, bs)
+                        candidates[block.block_id] = (key, digest, request.cache_salt)
+                    continue
                 if key in self._queued_keys or self.tier.block_state(key) is not None:
                     continue
-                self._queued_keys.add(key)
-                q.block_ids.append(block.block_id)
-                q.keys.append(key)
-                q.digests.append(block_digest(request, i, bs))
-                q.tenants.append(request.cache_salt)
+                self._queue(block.block_id, key, block_digest(request, i, bs), request.cache_salt)
+
+    def blocks_evicted(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """`store_at="evicted"` (the block pool's `on_evict`): the device pool is about to
+        reuse these cached free blocks, still keyed and holding their bytes; those a
+        freed request offered under the key they hold, and the tier does not hold yet,
+        are queued (the engine gathers them before the step that reuses them)."""
+        candidates = self._candidates
+        for block in blocks:
+            known = candidates.pop(block.block_id, None)
+            if known is None:
+                continue
+            key, digest, tenant = known
+            if key != block.block_hash:  # offered under an older key: stale
+                continue
+            if key in self._queued_keys or self.tier.block_state(key) is not None:
+                continue
+            self._queue(block.block_id, key, digest, tenant)
+
+    def _queue(
+        self, block_id: int, key: BlockHashWithGroupId, digest: bytes, tenant: str | None
+    ) -> None:
+        q = self._queued
+        self._queued_keys.add(key)
+        q.block_ids.append(block_id)
+        q.keys.append(key)
+        q.digests.append(digest)
+        q.tenants.append(tenant)
 
     def take_stores(self) -> tuple[list[int], list[BlockHashWithGroupId], list[int], list[bytes]]:
         """The queued stores the tier takes, emptied: (device block ids, keys, their host
@@ -429,6 +486,7 @@ class HostOffload:
         self.complete_stores()
         self._queued = _Store()
         self._queued_keys.clear()
+        self._candidates.clear()
         self._staged.clear()
         return self.tier.reset()
 
@@ -437,8 +495,17 @@ def host_offloads(config, runner) -> list[HostOffload]:
     """The host tiers an `EngineConfig`'s `kv_offloading_size` asks for, one per data rank
     of the `ModelRunner` (none: off), each of that many bytes, its blocks laid out as
     `HostOffload` says. ValueError/TypeError naming the setting and what is allowed
-    when the budget, policy or quotas are bad, the model has a KV-cache group of a kind
-    the tier does not serve, or the KV cache is on other processes' devices too."""
+    when the budget, policy, store moment or quotas are bad, the model has a KV-cache
+    group of a kind the tier does not serve, or the KV cache is on other processes'
+    devices too. With `kv_offloading_store="evicted"` the caller sets each rank's block
+    pool's `on_evict` to its `HostOffload.blocks_evicted`."""
+    store_at = config.kv_offloading_store
+    if store_at not in STORE_MOMENTS:
+        raise ValueError(
+            f"EngineConfig.kv_offloading_store must be one of {STORE_MOMENTS} (copy a block "
+            f"to the host tier when the device pool evicts it, or when a request holding it "
+            f"finishes or is preempted); got {store_at!r}"
+        )
     size = config.kv_offloading_size
     if size is None:
         return []
@@ -487,6 +554,13 @@ def host_offloads(config, runner) -> list[HostOffload]:
         except (TypeError, ValueError) as error:
             raise type(error)(f"EngineConfig kv_offloading_*: {error}") from None
         offloads.append(
-            HostOffload(tier, group_layers, tuple(kv.shape[2:]), np.dtype(kv.dtype), block_size)
+            HostOffload(
+                tier,
+                group_layers,
+                tuple(kv.shape[2:]),
+                np.dtype(kv.dtype),
+                block_size,
+                store_at=store_at,
+            )
         )
     return offloads
