@@ -318,11 +318,7 @@ def bench(model, repeats: int, num_convs: int, turns: int, system_tokens: int) -
         )
 
     return {
-        "conversations": num_convs,
-        "turns": turns,
-        "system_tokens": system_tokens,
-        "working_set_blocks": blocks,
-        "working_set_host_mib": ws_bytes / 2**20,
+        **workload_fields(num_convs, turns, system_tokens, blocks, ws_bytes),
         "host_budget_mib": on.kv_offloading_size / 2**20,
         "device_blocks": {name: c.num_blocks for name, c in configs.items()},
         "runs": {
@@ -338,6 +334,12 @@ def bench(model, repeats: int, num_convs: int, turns: int, system_tokens: int) -
         "hidden_store_fraction": hidden("store_s"),
         "hidden_load_fraction": hidden("load_s"),
     }
+
+
+def workload_fields(num_convs: int, turns: int, system_tokens: int, blocks: int, ws_bytes: int):
+    """The workload's description in a result."""
+    return {"conversations": num_convs, "turns": turns, "system_tokens": system_tokens,
+            "working_set_blocks": blocks, "working_set_host_mib": ws_bytes / 2**20}  # fmt: skip
 
 
 def sweep(model, num_convs: int, turns: int, system_tokens: int) -> dict:
@@ -363,11 +365,7 @@ def sweep(model, num_convs: int, turns: int, system_tokens: int) -> dict:
             }
         )
     return {
-        "conversations": num_convs,
-        "turns": turns,
-        "system_tokens": system_tokens,
-        "working_set_blocks": blocks,
-        "working_set_host_mib": ws_bytes / 2**20,
+        **workload_fields(num_convs, turns, system_tokens, blocks, ws_bytes),
         "device_blocks": quarter.num_blocks,
         "unbounded_prefill_tokens": target,
         "points": points,
