@@ -671,10 +671,10 @@ class BlockPool:
             capped = len(stamped) < num_stamped
         self.cached_block_hash_to_block.insert_stamped(stamped, kv_cache_group_id)
         if self.enable_kv_cache_events:
-            stamped_ids = set(map(id, stamped))
-            indices = [
-                i for i in range(num_cached_blocks, num_full_blocks) if id(blocks[i]) in stamped_ids
-            ]
+            indices: Sequence[int] = range(num_cached_blocks, num_full_blocks)
+            if len(stamped) < len(indices):  # some were cached already: the stamped ones
+                stamped_ids = set(map(id, stamped))
+                indices = [i for i in indices if id(blocks[i]) in stamped_ids]
             if capped:  # the event's tokens end with the last block cached
                 num_full_blocks = indices[-1] + 1
             self.kv_event_queue.append(
