@@ -579,6 +579,12 @@ class ModelRunner:
         self.num_encoded = 0
         self._step_fns: dict[tuple[StepShape, ...], object] = {}
 
+    @property
+    def programs_per_step(self) -> int:
+        """Programs one step shape compiles: 1 (the fused step), or 3 for a model run
+        layer by layer (inputs, the layer program, head and sampling)."""
+        return 1 if self._run_graphdef is None else 3
+
     def _replicated(self, arr: np.ndarray) -> jax.Array:
         return self.paged[0].put(arr, P())
 
