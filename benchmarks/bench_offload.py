@@ -25,8 +25,8 @@ conversations find their prefix evicted. Engines on the same workload, interleav
 Reported: prefill tokens computed (the target: tier on within 1.15x of unbounded),
 time to first token p50/p90 and throughput (ratios of tier on to tier off), host-tier
 hit rate, bytes moved (in total and per engine step: `StepStats.host_loaded_bytes +
-host_stored_bytes`, the tier's bytes; a hybrid model's device transfers move every
-layer at a block id, "link" bytes), and how much of the copy time the overlap hides.
+host_stored_bytes`: the tier's bytes, which are also what crosses the device link, a
+block's transfer moving only its group's layers), and how much of the copy time the overlap hides.
 The step loop's time on host-tier copies is timed from here by wrapping the engine's
 runner: stores, dispatching the gathers (`ModelRunner.gather_blocks`) plus reading
 them (`GatheredBlocks.read`, which waits for a copy not done; the engine reads them a
@@ -148,11 +148,11 @@ class CopyTimer:
         runner = engine.runner
         gather, load = runner.gather_blocks, runner._load_blocks
 
-        def timed_gather(block_ids):
+        def timed_gather(block_ids, layers):
             if sync:
                 jax.block_until_ready(runner.kv_cache)
             start = time.perf_counter()
-            parts = [_TimedGathered(g, self) for g in gather(block_ids)]
+            parts = [_TimedGathered(g, self) for g in gather(block_ids, layers)]
             self.dispatch_s += time.perf_counter() - start
             self.store_s += time.perf_counter() - start
             if sync:
@@ -224,9 +224,6 @@ def serve(model, config: EngineConfig, firsts, follow, sync: bool = False) -> di
     summary = engine.stats.summary()
     moved = [s.host_loaded_bytes + s.host_stored_bytes for s in engine.stats.steps]
     busy = [m for m in moved if m]
-    offload = engine.offload
-    # A host block holds its group's layers; the device transfers move every layer.
-    link = offload.num_layers / offload.buffer.shape[1] if offload is not None else 1.0
     pool = engine.kv_cache_managers[0].block_pool
     result = {
         "prefill_tokens": int(summary["num_scheduled_tokens"]) - decode,
@@ -238,7 +235,6 @@ def serve(model, config: EngineConfig, firsts, follow, sync: bool = False) -> di
         "host_hit_rate": engine.stats.host_hit_rate,
         "host_loaded_mib": summary["host_loaded_bytes"] / 2**20,
         "host_stored_mib": summary["host_stored_bytes"] / 2**20,
-        "link_mib": (summary["host_loaded_bytes"] + summary["host_stored_bytes"]) * link / 2**20,
         "kib_per_step": sum(moved) / len(moved) / 2**10,
         "kib_per_moving_step": sum(busy) / len(busy) / 2**10 if busy else 0.0,
         "max_kib_per_step": max(moved) / 2**10,
@@ -459,14 +455,14 @@ def main(argv: list[str] | None = None) -> dict:
         [name, f"{r['kib_per_step']['median']:.1f}", f"{r['kib_per_moving_step']['median']:.1f}",
          f"{r['max_kib_per_step']['median']:.1f}",
          f"{r['moving_steps']['median']:.0f} / {r['steps']['median']:.0f}",
-         f"{r['link_mib']['median']:.2f}", _cell(r["store_s"]), _cell(r["load_s"])]
+         _cell(r["store_s"]), _cell(r["load_s"])]
         for name, r in result["runs"].items() if name in ("tier on", SYNC)
     ]  # fmt: skip
     print_table(
-        "host-tier copies: KiB moved per step (tier bytes, loaded + stored), device-link MiB, "
-        "step-loop seconds on store / load copies",
+        "host-tier copies: KiB moved per step (loaded + stored), step-loop seconds on store / "
+        "load copies",
         ["config", "KiB/step", "KiB/moving step", "max KiB/step", "moving / all steps",
-         "link MiB", "store s", "load s"],
+         "store s", "load s"],
         copies,
     )  # fmt: skip
     print_table(

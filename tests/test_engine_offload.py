@@ -312,6 +312,26 @@ def test_device_gather_and_in_place_scatter_round_trip():
         paged.scatter_blocks_stacked(kv, [5], blocks)
     with pytest.raises(ValueError, match="at most 64"):
         paged.gather_blocks_stacked(kv, list(range(1, 70)))
+    # Chosen layers: block 5's layers 2 and 0, block 9's layer 1 (then padding, 3).
+    layers = np.array([[2, 0], [1, 3]])
+    two = rng.standard_normal((2, 2, *paged.shape[1:])).astype(np.float32)
+    before = np.asarray(kv)
+    kv = paged.scatter_blocks_stacked(kv, [5, 9], two, layers)
+    after = np.asarray(kv)
+    np.testing.assert_array_equal(after[2, 5], two[0, 0])
+    np.testing.assert_array_equal(after[0, 5], two[1, 0])
+    np.testing.assert_array_equal(after[1, 9], two[0, 1])
+    untouched = np.ones(after.shape[:2], bool)
+    untouched[[2, 0, 1], [5, 5, 9]] = False
+    np.testing.assert_array_equal(after[untouched], before[untouched])  # the padding too
+    out = np.asarray(paged.gather_blocks_stacked(kv, [5, 9], layers))
+    assert out.shape == (2, 2, *paged.shape[1:])  # [m, the bucket of 2 ids, ...]
+    expected = two.copy()
+    expected[1, 1] = 0  # block 9's padding layer: dropped by the scatter, zeros when read
+    np.testing.assert_array_equal(out[:, :2], expected)
+    for bad in (np.array([[4, 0], [1, 3]]), np.array([[-1, 0], [1, 3]]), np.array([2, 0])):
+        with pytest.raises(ValueError, match="layers must be"):
+            paged.gather_blocks_stacked(kv, [5, 9], bad)
 
 
 def test_block_digest_commits_to_tokens_and_salt():
@@ -621,13 +641,15 @@ def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
 
     def store(lists_of, device_cached=None) -> list[int]:
         """Free requests with these block lists, land their stores (each block's bytes
-        its device id, in its group's layer; garbage in the other); the ids stored."""
+        its device id, gathered from its group's layer); the ids stored."""
         for r, lists in lists_of:
             offload.request_freed(r, lists, device_cached)
         ids, keys, slots, digests = offload.take_stores()
-        device = np.full((len(ids), 2, 4, 1), -1.0, np.float32)  # every layer, as gathered
-        for n, (block_id, key) in enumerate(zip(ids, keys, strict=True)):
-            device[n, get_group_id(key)] = block_id
+        layers = offload.layers_of(keys)
+        assert [list(row) for row in layers] == [[get_group_id(key)] for key in keys]
+        device = np.zeros((len(ids), 1, 4, 1), np.float32)  # the group's layer, as gathered
+        for n, block_id in enumerate(ids):
+            device[n, 0] = block_id
         gathered = SimpleNamespace(ready=lambda: True, read=lambda: device)
         offload.pending_stores.append(PendingStore(keys, slots, digests, gathered, 0))
         offload.complete_stores()
@@ -650,11 +672,11 @@ def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
     assert offload.lookup(c, 0) == 32
     lists = [_blocks(0, c, 15, range(0), 300, nulls=6), _blocks(1, c, 15, range(0), 400)]
     offload.admitted(c, lists)
-    ids, blocks = offload.take_loads()
+    ids, blocks, layers = offload.take_loads()
     assert sorted(ids) == [306, 307, *range(400, 408)]
-    for block_id, block in zip(ids, blocks, strict=True):
+    for block_id, block, row in zip(ids, blocks, layers, strict=True):
         group = 0 if block_id < 400 else 1  # its source block's id was 200 lower
-        assert (block[group] == block_id - 200).all() and not block[1 - group].any()
+        assert (block == block_id - 200).all() and list(row) == [group]  # to its layer only
 
     # A corrupt window block is caught, dropped and the hit looked for again: no
     # shorter one has group 0's window, so nothing is served.
@@ -700,7 +722,7 @@ def test_store_at_eviction_keeps_offered_blocks_digests_until_the_pool_evicts_th
     assert digests == [block_digest(r, i, 4) for i in (6, 0, 1, 2)]
     assert keys == [lists[0][6].block_hash, *(b.block_hash for b in lists[1][:3])]
     assert sorted(offload._candidates) == [107, *range(204, 208)]  # evicted ones forgotten
-    blocks = SimpleNamespace(ready=lambda: True, read=lambda: np.zeros((4, 2, 4, 1), np.float32))
+    blocks = SimpleNamespace(ready=lambda: True, read=lambda: np.zeros((4, 1, 4, 1), np.float32))
     offload.pending_stores.append(PendingStore(keys, slots, digests, blocks, 0))
     offload.complete_stores()
     # Offered again and evicted again: the tier holds them already, nothing is queued.

@@ -175,16 +175,20 @@ def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
     return _in_chunks(zero, kv, (ids,), (kv.shape[-4],))
 
 
-def _gather_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
-    """Blocks `ids` of every layer of a stacked cache, `[L, n, bs, 2H, D]`, as stored (bits,
-    quantisation scales); the padding id `num_blocks` reads zeros."""
-    return kv.at[:, ids].get(mode="fill", fill_value=0)
+def _gather_local(kv: jax.Array, ids: jax.Array, layers: jax.Array) -> jax.Array:
+    """Layers `layers[i]` of block `ids[i]` of a stacked cache, `[m, n, bs, 2H, D]` for
+    `layers [n, m]`, as stored (bits, quantisation scales); a padding id `num_blocks` or
+    layer `L` reads zeros."""
+    return kv.at[layers.T, ids[None, :]].get(mode="fill", fill_value=0)
 
 
-def _scatter_local(kv: jax.Array, ids: jax.Array, blocks: jax.Array) -> jax.Array:
-    """`blocks [L, n, bs, 2H, D]` (as stored) onto blocks `ids` of every layer of a stacked
-    cache; the padding id `num_blocks` is dropped (ids are distinct, checked on the host)."""
-    return kv.at[:, ids].set(blocks, mode="drop")
+def _scatter_local(
+    kv: jax.Array, ids: jax.Array, layers: jax.Array, blocks: jax.Array
+) -> jax.Array:
+    """`blocks [m, n, bs, 2H, D]` (as stored) onto layers `layers[i]` of block `ids[i]` of
+    a stacked cache; a padding id `num_blocks` or layer `L` is dropped (ids are distinct,
+    checked on the host, and so are a block's layers)."""
+    return kv.at[layers.T, ids[None, :]].set(blocks, mode="drop")
 
 
 def _read_local(
@@ -570,32 +574,45 @@ class PagedKVCache:
         src_ids, dst_ids = (self.put(ids, self._rank_spec) for ids in padded)
         return self._stacked_fn(_copy_local, 2)(kv, src_ids, dst_ids)
 
-    def gather_blocks_stacked(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
+    def gather_blocks_stacked(
+        self, kv: jax.Array, ids: np.ndarray | Sequence[int], layers: np.ndarray | None = None
+    ) -> jax.Array:
         """Blocks `ids` (rank-major, local ids, `[1, num_blocks)`, or `num_blocks`: padding,
-        read as zeros) of every layer of a stacked cache, read by one jitted program per
-        id bucket: `[L, dp * size, *shape[1:]]` as stored, rank `d`'s blocks at
-        `[d * size, d * size + n)` (`size`: the bucket; the rest pads with zeros). Not
-        donated, not waited for: the caller copies the result to host memory
-        (`copy_to_host_async`, then `np.asarray`) while the device goes on, and the
-        blocks read are those of the cache at this call, whatever later programs write."""
+        read as zeros) of a stacked cache, the layers `layers[i]` of block `ids[i]`
+        (`[n, m]`, each in `[0, L]`, `L`: padding, read as zeros; None: every layer), read
+        by one jitted program per id bucket and `m`: `[m, dp * size, *shape[1:]]` as
+        stored, rank `d`'s blocks at `[d * size, d * size + n)` (`size`: the bucket; the
+        rest pads with zeros). Not donated, not waited for: the caller copies the result
+        to host memory (`copy_to_host_async`, then `np.asarray`) while the device goes
+        on, and the blocks read are those of the cache at this call, whatever later
+        programs write."""
         self._check_cache(kv, stacked=True)
         arr = self._check_ids("block id", ids, 1, self.num_blocks, pad=self.num_blocks)
-        padded = self.put(self._pad_transfer_ids(arr), self._rank_spec)
-        return self._transfer_fn("gather")(kv, padded)
+        padded = self._pad_transfer_ids(arr)
+        table = self._layer_table(layers, arr.size, kv.shape[0], padded.size)
+        return self._transfer_fn("gather")(
+            kv, self.put(padded, self._rank_spec), self.put(table, self._rank_spec)
+        )
 
     def scatter_blocks_stacked(
-        self, kv: jax.Array, ids: np.ndarray | Sequence[int], blocks: np.ndarray
+        self,
+        kv: jax.Array,
+        ids: np.ndarray | Sequence[int],
+        blocks: np.ndarray,
+        layers: np.ndarray | None = None,
     ) -> jax.Array:
-        """Write host `blocks [L, dp * n, *shape[1:]]` (as stored, rank-major like
-        `gather_blocks_stacked`'s result without its padding) onto blocks `ids` (distinct per
-        rank, `[1, num_blocks)`, or `num_blocks`: padding, its block dropped) of every layer
-        of a stacked cache: one donated, in-place program per id bucket (donates `kv`).
-        Bad ids or a block array of the wrong shape or dtype raise `ValueError` before
-        anything is sent."""
+        """Write host `blocks [m, dp * n, *shape[1:]]` (as stored, rank-major like
+        `gather_blocks_stacked`'s result without its padding) onto layers `layers[i]` of
+        blocks `ids[i]` (ids distinct per rank, `[1, num_blocks)`, or `num_blocks`:
+        padding, its block dropped; `layers` as for `gather_blocks_stacked`, None: every
+        layer) of a stacked cache: one donated, in-place program per id bucket and `m`
+        (donates `kv`). Bad ids or layers, or a block array of the wrong shape or dtype
+        raise `ValueError` before anything is sent."""
         self._check_cache(kv, stacked=True)
         arr = self._check_ids("block id", ids, 1, self.num_blocks, pad=self.num_blocks)
         padded_ids = self._pad_transfer_ids(arr)
-        want = (kv.shape[0], arr.size, *self.shape[1:])
+        table = self._layer_table(layers, arr.size, kv.shape[0], padded_ids.size)
+        want = (table.shape[1], arr.size, *self.shape[1:])
         if tuple(np.shape(blocks)) != want or np.asarray(blocks).dtype != self.storage_dtype:
             raise ValueError(
                 f"blocks has shape {tuple(np.shape(blocks))} dtype {np.asarray(blocks).dtype}; "
@@ -608,20 +625,51 @@ class PagedKVCache:
         padded = np.zeros((want[0], self.dp_size, size, *want[2:]), self.storage_dtype)
         padded[:, :, : per_rank.shape[2]] = per_rank
         placed = self.put(padded.reshape(want[0], -1, *want[2:]), self._stacked_spec)
-        return self._transfer_fn("scatter")(kv, self.put(padded_ids, self._rank_spec), placed)
+        return self._transfer_fn("scatter")(
+            kv, self.put(padded_ids, self._rank_spec), self.put(table, self._rank_spec), placed
+        )
 
-    def warmup_transfers(self, kv: jax.Array) -> jax.Array:
+    def warmup_transfers(self, kv: jax.Array, layers_per_block: int | None = None) -> jax.Array:
         """Compile `gather_blocks_stacked` and `scatter_blocks_stacked` for every transfer
-        bucket, run on padding ids only (no block changes). Donates and returns `kv`."""
+        bucket, `layers_per_block` layers a block (None: every layer), run on padding ids
+        only (no block changes). Donates and returns `kv`."""
         self._check_cache(kv, stacked=True)
+        m = kv.shape[0] if layers_per_block is None else layers_per_block
         for size in self.transfer_buckets:
-            ids = self.put(np.full(self.dp_size * size, self.num_blocks, np.int32))
-            blocks = np.zeros(
-                (kv.shape[0], self.dp_size * size, *self.shape[1:]), self.storage_dtype
-            )
-            self._transfer_fn("gather")(kv, ids)
-            kv = self._transfer_fn("scatter")(kv, ids, self.put(blocks, self._stacked_spec))
+            n = self.dp_size * size
+            ids = self.put(np.full(n, self.num_blocks, np.int32), self._rank_spec)
+            table = self.put(np.full((n, m), kv.shape[0], np.int32), self._rank_spec)
+            blocks = np.zeros((m, n, *self.shape[1:]), self.storage_dtype)
+            self._transfer_fn("gather")(kv, ids, table)
+            kv = self._transfer_fn("scatter")(kv, ids, table, self.put(blocks, self._stacked_spec))
         return kv
+
+    def _layer_table(
+        self, layers: np.ndarray | None, num_ids: int, num_layers: int, padded_size: int
+    ) -> np.ndarray:
+        """The checked layers of each transferred block, `[padded_size, m]` int32 (rank-
+        major as the padded ids; the padding rows, and padding entries given, `num_layers`)."""
+        if layers is None:
+            table = np.broadcast_to(np.arange(num_layers, dtype=np.int32), (num_ids, num_layers))
+        else:
+            table = np.asarray(layers)
+            if (
+                table.ndim != 2
+                or table.shape[0] != num_ids
+                or table.dtype.kind not in "iu"
+                or (table.size and (table.min() < 0 or table.max() > num_layers))
+            ):
+                raise ValueError(
+                    f"layers must be [{num_ids}, m] ints in [0, {num_layers}] (one row of layer "
+                    f"indices per block id; {num_layers}: padding), got shape {table.shape} "
+                    f"dtype {table.dtype}"
+                )
+        per_rank = table.reshape(self.dp_size, -1, table.shape[1])
+        out = np.full(
+            (self.dp_size, padded_size // self.dp_size, table.shape[1]), num_layers, np.int32
+        )
+        out[:, : per_rank.shape[1]] = per_rank
+        return out.reshape(padded_size, -1)
 
     def _pad_transfer_ids(self, arr: np.ndarray) -> np.ndarray:
         """Checked transfer ids (distinct per rank, at most `transfer_buckets[-1]` per
@@ -643,14 +691,14 @@ class PagedKVCache:
             spec, rank = self._stacked_spec, self._rank_spec
             if op == "gather":
                 local = jax.shard_map(
-                    _gather_local, mesh=self.mesh, in_specs=(spec, rank), out_specs=spec,
+                    _gather_local, mesh=self.mesh, in_specs=(spec, rank, rank), out_specs=spec,
                     check_vma=False,
                 )  # fmt: skip
                 fn = jax.jit(local, out_shardings=self.stacked_sharding)
             else:
                 local = jax.shard_map(
-                    _scatter_local, mesh=self.mesh, in_specs=(spec, rank, spec), out_specs=spec,
-                    check_vma=False,
+                    _scatter_local, mesh=self.mesh, in_specs=(spec, rank, rank, spec),
+                    out_specs=spec, check_vma=False,
                 )  # fmt: skip
                 fn = jax.jit(local, donate_argnums=0, out_shardings=self.stacked_sharding)
             self._stacked_fns[op] = fn
@@ -670,23 +718,33 @@ class PagedKVCache:
         return fn
 
     def lower_blocks_stacked(
-        self, op: str, num_layers: int, num_ids: int | None = None
+        self,
+        op: str,
+        num_layers: int,
+        num_ids: int | None = None,
+        layers_per_block: int | None = None,
     ) -> jax.stages.Lowered:
         """The lowered `zero_blocks_stacked` (`op="zero"`), `copy_blocks_stacked`
         (`op="copy"`), `gather_blocks_stacked` (`op="gather"`) or `scatter_blocks_stacked`
         (`op="scatter"`) program, for the id bucket holding `num_ids` ids per data rank
-        (default: the largest bucket; `transfer_buckets` for the last two)."""
+        (default: the largest bucket; `transfer_buckets` for the last two), the last two
+        moving `layers_per_block` layers a block (None: every layer)."""
         buckets = self.transfer_buckets if op in ("gather", "scatter") else self.id_buckets
         size = pick_bucket(num_ids or buckets[-1], buckets)
         ids = jax.ShapeDtypeStruct(
             (self.dp_size * size,), np.int32, sharding=NamedSharding(self.mesh, self._rank_spec)
         )
         if op in ("gather", "scatter"):
+            m = num_layers if layers_per_block is None else layers_per_block
+            table = jax.ShapeDtypeStruct(
+                (self.dp_size * size, m), np.int32,
+                sharding=NamedSharding(self.mesh, self._rank_spec),
+            )  # fmt: skip
             blocks = jax.ShapeDtypeStruct(
-                (num_layers, self.dp_size * size, *self.shape[1:]), self.storage_dtype,
+                (m, self.dp_size * size, *self.shape[1:]), self.storage_dtype,
                 sharding=self.stacked_sharding,
             )  # fmt: skip
-            args = (ids,) if op == "gather" else (ids, blocks)
+            args = (ids, table) if op == "gather" else (ids, table, blocks)
             return self._transfer_fn(op).lower(self.stacked_struct(num_layers), *args)
         local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
         fn = self._stacked_fn(local_fn, num_id_args)

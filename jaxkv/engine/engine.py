@@ -437,7 +437,7 @@ class LLMEngine:
         """Compile every step shape now, so serving compiles nothing; returns the count."""
         count = self.runner.warm_up()
         if self.offloads:
-            self.runner.warm_up_transfers()
+            self.runner.warm_up_transfers(self.offloads[0].layers_per_block)
         return count
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -725,7 +725,8 @@ class LLMEngine:
         stores = [offload.take_stores() for offload in self.offloads]
         if not any(block_ids for block_ids, *_ in stores):
             return
-        gathered = self.runner.gather_blocks([block_ids for block_ids, *_ in stores])
+        layers = [o.layers_of(keys) for o, (_, keys, *_) in zip(self.offloads, stores, strict=True)]
+        gathered = self.runner.gather_blocks([block_ids for block_ids, *_ in stores], layers)
         for offload, (block_ids, keys, slots, digests), blocks in zip(
             self.offloads, stores, gathered, strict=True
         ):

@@ -454,7 +454,8 @@ class GatheredBlocks:
         return all(g.is_ready() for g, _, _ in self.parts)
 
     def read(self) -> np.ndarray:
-        """The blocks `[n, num_layers, *page_shape]` as stored (waits for the copies)."""
+        """The blocks `[n, m, *page_shape]` (the `m` layers gathered of each) as stored
+        (waits for the copies)."""
         return np.concatenate(
             [np.moveaxis(np.asarray(g)[:, i : i + n], 1, 0) for g, i, n in self.parts]
         )
@@ -798,29 +799,39 @@ class ModelRunner:
             self.kv_cache, src.ravel(), dst.ravel(), allow_padding=True
         )
 
-    def _transfer_ids(self, block_ids: Sequence[Sequence[int]], start: int, chunk: int):
-        """Ids `[dp * width]` (rank-major) of transfer chunk `[start, start + chunk)` of each
-        rank's `block_ids[k]`, a rank with fewer padded with `num_blocks` (a gather reads
-        zeros there, a scatter drops it); and each rank's count."""
-        parts = [list(ids[start : start + chunk]) for ids in block_ids]
-        width = max(len(p) for p in parts)
-        padded = np.full((self.dp_size, width), self.paged[0].num_blocks, np.int32)
-        for rank, part in enumerate(parts):
-            padded[rank, : len(part)] = part
-        return padded.reshape(-1), [len(p) for p in parts]
+    def _transfer_chunk(
+        self, block_ids: Sequence[Sequence[int]], layers: Sequence[np.ndarray], start: int,
+        chunk: int,
+    ):  # fmt: skip
+        """Transfer chunk `[start, start + chunk)` of each rank's `block_ids[k]` and their
+        layer rows `layers[k]` (`[n_k, m]`): ids `[dp * width]` and layers `[dp * width,
+        m]` (rank-major), a rank with fewer padded with id `num_blocks` and layer `L` (a
+        gather reads zeros there, a scatter drops it); and each rank's count."""
+        num_blocks, num_layers = self.paged[0].num_blocks, self.kv_cache.shape[0]
+        m = layers[0].shape[1]
+        counts = [len(ids[start : start + chunk]) for ids in block_ids]
+        width = max(counts)
+        ids = np.full((self.dp_size, width), num_blocks, np.int32)
+        table = np.full((self.dp_size, width, m), num_layers, np.int32)
+        for rank, n in enumerate(counts):
+            ids[rank, :n] = block_ids[rank][start : start + n]
+            table[rank, :n] = layers[rank][start : start + n]
+        return ids.reshape(-1), table.reshape(-1, m), counts
 
-    def gather_blocks(self, block_ids: Sequence[Sequence[int]]) -> list[GatheredBlocks]:
-        """Read device blocks `block_ids[k]` of data rank `k` of every layer out of the KV
-        cache, all ranks together: one gather program per transfer bucket, dispatched
-        now, each result's copy to host memory started at once; neither waits. What is
-        read is the cache as of this call, whatever later steps write. Returns each
-        rank's blocks."""
+    def gather_blocks(
+        self, block_ids: Sequence[Sequence[int]], layers: Sequence[np.ndarray]
+    ) -> list[GatheredBlocks]:
+        """Read the layers `layers[k][i]` (`[n_k, m]` layer indices, `L`: padding, read as
+        zeros) of device block `block_ids[k][i]` of data rank `k` out of the KV cache, all
+        ranks together: one gather program per transfer bucket, dispatched now, each
+        result's copy to host memory started at once; neither waits. What is read is the
+        cache as of this call, whatever later steps write. Returns each rank's blocks."""
         paged = self.paged[0]
         chunk = paged.transfer_buckets[-1]
         parts: list[list] = [[] for _ in range(self.dp_size)]
         for start in range(0, max(map(len, block_ids), default=0), chunk):
-            ids, counts = self._transfer_ids(block_ids, start, chunk)
-            gathered = paged.gather_blocks_stacked(self.kv_cache, ids)
+            ids, table, counts = self._transfer_chunk(block_ids, layers, start, chunk)
+            gathered = paged.gather_blocks_stacked(self.kv_cache, ids, table)
             gathered.copy_to_host_async()
             size = gathered.shape[1] // self.dp_size  # the bucket: each rank's share
             for rank, n in enumerate(counts):
@@ -829,22 +840,28 @@ class ModelRunner:
         return [GatheredBlocks(p) for p in parts]
 
     def _load_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
-        """Scatter the host blocks each rank's output loads (`kv_load_blocks`) into their
-        device blocks, in place, all ranks together: one donated program per transfer
-        bucket."""
+        """Scatter the host blocks each rank's output loads (`kv_load_blocks`, their layers
+        `kv_load_layers`) into their device blocks, in place, all ranks together: one
+        donated program per transfer bucket."""
+        if all(out.kv_load_blocks is None for out in outs):
+            return
         ids = [out.kv_load_block_ids for out in outs]
+        m, *page = next(o.kv_load_blocks for o in outs if o.kv_load_blocks is not None).shape[1:]
+        layers = [
+            np.zeros((0, m), np.int32) if out.kv_load_layers is None else out.kv_load_layers
+            for out in outs
+        ]
         paged = self.paged[0]
         chunk = paged.transfer_buckets[-1]
         for start in range(0, max(map(len, ids)), chunk):
-            padded, counts = self._transfer_ids(ids, start, chunk)
+            padded, table, counts = self._transfer_chunk(ids, layers, start, chunk)
             width = padded.size // self.dp_size
-            layers, page = self.kv_cache.shape[0], paged.shape[1:]
-            blocks = np.zeros((self.dp_size, width, layers, *page), paged.storage_dtype)
+            blocks = np.zeros((self.dp_size, width, m, *page), paged.storage_dtype)
             for rank, (out, n) in enumerate(zip(outs, counts, strict=True)):
                 if n:
                     blocks[rank, :n] = out.kv_load_blocks[start : start + n]
             self.kv_cache = paged.scatter_blocks_stacked(
-                self.kv_cache, padded, np.moveaxis(blocks.reshape(-1, layers, *page), 0, 1)
+                self.kv_cache, padded, np.moveaxis(blocks.reshape(-1, m, *page), 0, 1), table
             )
 
     def execute(
@@ -954,8 +971,8 @@ class ModelRunner:
         jax.block_until_ready(self.kv_cache)
         return len(shapes_per_group[0])
 
-    def warm_up_transfers(self) -> None:
-        """Compile the host-tier block gather and scatter for every transfer bucket (on
-        padding only: no block changes)."""
-        self.kv_cache = self.paged[0].warmup_transfers(self.kv_cache)
+    def warm_up_transfers(self, layers_per_block: int) -> None:
+        """Compile the host-tier block gather and scatter of `layers_per_block` layers a
+        block for every transfer bucket (on padding only: no block changes)."""
+        self.kv_cache = self.paged[0].warmup_transfers(self.kv_cache, layers_per_block)
         jax.block_until_ready(self.kv_cache)

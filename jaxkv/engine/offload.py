@@ -13,10 +13,9 @@ such as Gemma 3 has both); other kinds (chunked local, Mamba, ...) are refused b
 `make_block_hash_with_group_id(block_hash, g)`, and holds the layers of group `g` only
 (`HostOffload.group_layers[g]`) at its device block id: the runner stacks every layer
 in one array over one pool of block ids, each id owned by one group at a time, so the
-other layers at that id are bytes no request reads (not stored; a load writes zeros
-there). The device transfers still move every layer at a block id (the runner's
-gather and scatter select block ids, not layers): with `k` groups of equal size, `k`
-times the bytes the tier keeps cross the host link.
+other layers at that id are bytes no request reads: the device transfers move only
+the group's layers (`layer_table`, `layers_of`), so what crosses the host link is what
+the tier keeps.
 
 * **Store** (`request_freed`, `blocks_evicted`, `take_stores`, `complete_stores`): when
   a request finishes or is preempted, it offers each group's blocks that a later hit
@@ -202,11 +201,14 @@ class HostOffload:
         self.store_at = store_at
         self.group_layers = [np.asarray(layers, np.intp) for layers in group_layers]
         self.num_layers = sum(len(layers) for layers in group_layers)
-        # One group of every layer in order: host blocks are the device's as they are.
-        self._all_layers = len(group_layers) == 1 and list(group_layers[0]) == list(
-            range(self.num_layers)
-        )
-        block_shape = (max(len(layers) for layers in group_layers), *page_shape)
+        self.layers_per_block = max(len(layers) for layers in group_layers)
+        # Row g: the stacked cache's layers a block of group g moves, padded with
+        # `num_layers` (the transfers read zeros there and write nothing).
+        self.layer_table = np.full((len(group_layers), self.layers_per_block), self.num_layers)
+        for g, layers in enumerate(group_layers):
+            self.layer_table[g, : len(layers)] = layers
+        self.layer_table = self.layer_table.astype(np.int32)
+        block_shape = (self.layers_per_block, *page_shape)
         self.buffer = np.empty((tier.num_slots, *block_shape), dtype)
         self.block_bytes = int(np.prod(block_shape)) * np.dtype(dtype).itemsize
         self.stats: Counter[str] = Counter()
@@ -323,15 +325,22 @@ class HostOffload:
         next attempt)."""
         self._queried.pop(request.request_id, None)
 
-    def take_loads(self) -> tuple[list[int], np.ndarray | None]:
-        """The device block ids and blocks `[n, num_layers, *page_shape]` (as the device
-        stores them) to scatter before the next step (None: nothing)."""
+    def take_loads(self) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+        """The device block ids, host blocks `[n, *block_shape]` and the layers each goes
+        to (`[n, layers_per_block]`, `layers_of`) to scatter before the next step (None,
+        None: nothing)."""
         loads, self._loads = self._loads, []
         if not loads:
-            return [], None
+            return [], None, None
         ids = [i for load in loads for i in load[0]]
         groups = [g for load in loads for g in load[1]]
-        return ids, self._to_device(np.concatenate([load[2] for load in loads]), groups)
+        return ids, np.concatenate([load[2] for load in loads]), self.layer_table[groups]
+
+    def layers_of(self, keys: Sequence[BlockHashWithGroupId]) -> np.ndarray:
+        """The stacked cache's layers each key's block moves, `[n, layers_per_block]`
+        (its group's, padded with `num_layers`)."""
+        groups = np.fromiter((get_group_id(key) for key in keys), np.intp, len(keys))
+        return self.layer_table[groups]
 
     # -- stores (scheduler, then engine) ---------------------------------------------
 
@@ -435,7 +444,7 @@ class HostOffload:
             if before_step is not None and store.step >= before_step and not store.blocks.ready():
                 self.pending_stores.append(store)
                 continue
-            blocks = self._to_host(store.blocks.read(), [get_group_id(k) for k in store.keys])
+            blocks = store.blocks.read()
             self.buffer[store.slots] = blocks
             self.tier.complete_store(
                 store.keys,
@@ -443,32 +452,6 @@ class HostOffload:
                 [_checksum(d, b) for d, b in zip(store.digests, blocks, strict=True)],
             )
             self.stats["stored_bytes"] += len(store.keys) * self.block_bytes
-
-    # -- layouts -----------------------------------------------------------------------
-
-    def _to_host(self, blocks: np.ndarray, groups: Sequence[int]) -> np.ndarray:
-        """Device blocks `[n, num_layers, *page_shape]` of `groups[i]` as host blocks
-        `[n, *block_shape]`: each one's group's layers, zero padded."""
-        if self._all_layers:
-            return blocks
-        out = np.zeros((len(groups), *self.buffer.shape[1:]), blocks.dtype)
-        groups = np.asarray(groups)
-        for g, layers in enumerate(self.group_layers):
-            rows = np.flatnonzero(groups == g)
-            out[rows, : len(layers)] = blocks[rows[:, None], layers]
-        return out
-
-    def _to_device(self, blocks: np.ndarray, groups: Sequence[int]) -> np.ndarray:
-        """Host blocks `[n, *block_shape]` of `groups[i]` as the device stores them,
-        `[n, num_layers, *page_shape]`: each one's group's layers, the others zero."""
-        if self._all_layers:
-            return blocks
-        out = np.zeros((len(groups), self.num_layers, *blocks.shape[2:]), blocks.dtype)
-        groups = np.asarray(groups)
-        for g, layers in enumerate(self.group_layers):
-            rows = np.flatnonzero(groups == g)
-            out[rows[:, None], layers] = blocks[rows, : len(layers)]
-        return out
 
     # -- the rest ------------------------------------------------------------------------
 

@@ -150,9 +150,11 @@ class SchedulerOutput:
     # Requests finished (stopped, aborted, failed) since the previous `schedule()`.
     finished_request_ids: list[str] = field(default_factory=list)
     # Host-tier loads to run before the step (after zeroing and copies): blocks
-    # `[n, num_layers, *page_shape]` onto device blocks `kv_load_block_ids` (rank-local).
+    # `[n, m, *page_shape]` onto the layers `kv_load_layers` (`[n, m]`, `L`: padding) of
+    # device blocks `kv_load_block_ids` (rank-local).
     kv_load_block_ids: list[int] = field(default_factory=list)
     kv_load_blocks: np.ndarray | None = None
+    kv_load_layers: np.ndarray | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -407,7 +409,9 @@ class Scheduler:
         if self._finished_ids:
             out.finished_request_ids, self._finished_ids = self._finished_ids, []
         if self.offload is not None:
-            out.kv_load_block_ids, out.kv_load_blocks = self.offload.take_loads()
+            out.kv_load_block_ids, out.kv_load_blocks, out.kv_load_layers = (
+                self.offload.take_loads()
+            )
         if self.takes_block_copies:
             copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
             if copies:
