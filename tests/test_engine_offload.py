@@ -147,7 +147,7 @@ def test_store_at_eviction_multi_turn_tokens_equal_and_only_evicted_blocks_store
 
     def take_stores(take=engine.offload.take_stores):
         out = take()
-        taken.append((len(evicted) - 1, set(out[1])))
+        taken.append((len(evicted) - 1, set(out.keys)))
         return out
 
     engine.offload.take_stores = take_stores
@@ -644,8 +644,7 @@ def test_a_hit_ends_where_every_group_serves_it_and_loads_each_groups_layers():
         its device id, gathered from its group's layer); the ids stored."""
         for r, lists in lists_of:
             offload.request_freed(r, lists, device_cached)
-        ids, keys, slots, digests = offload.take_stores()
-        layers = offload.layers_of(keys)
+        ids, layers, keys, slots, digests = offload.take_stores()
         assert [list(row) for row in layers] == [[get_group_id(key)] for key in keys]
         device = np.zeros((len(ids), 1, 4, 1), np.float32)  # the group's layer, as gathered
         for n, block_id in enumerate(ids):
@@ -717,7 +716,7 @@ def test_store_at_eviction_keeps_offered_blocks_digests_until_the_pool_evicts_th
     # full-attention blocks 0-3: the offered ones holding the key they were offered under
     # are queued, with the digests taken when they were offered.
     offload.blocks_evicted([lists[0][5], lists[0][6], *lists[1][:4]])
-    ids, keys, slots, digests = offload.take_stores()
+    ids, _, keys, slots, digests = offload.take_stores()
     assert ids == [106, 200, 201, 202]
     assert digests == [block_digest(r, i, 4) for i in (6, 0, 1, 2)]
     assert keys == [lists[0][6].block_hash, *(b.block_hash for b in lists[1][:3])]

@@ -723,16 +723,15 @@ class LLMEngine:
         if not self.offloads:
             return
         stores = [offload.take_stores() for offload in self.offloads]
-        if not any(block_ids for block_ids, *_ in stores):
+        if not any(store.block_ids for store in stores):
             return
-        layers = [o.layers_of(keys) for o, (_, keys, *_) in zip(self.offloads, stores, strict=True)]
-        gathered = self.runner.gather_blocks([block_ids for block_ids, *_ in stores], layers)
-        for offload, (block_ids, keys, slots, digests), blocks in zip(
-            self.offloads, stores, gathered, strict=True
-        ):
-            if block_ids:
+        gathered = self.runner.gather_blocks(
+            [store.block_ids for store in stores], [store.layers for store in stores]
+        )
+        for offload, store, blocks in zip(self.offloads, stores, gathered, strict=True):
+            if store.block_ids:
                 offload.pending_stores.append(
-                    PendingStore(keys, slots, digests, blocks, self.num_steps)
+                    PendingStore(store.keys, store.slots, store.digests, blocks, self.num_steps)
                 )
 
     def _fail_unschedulable(self) -> None:

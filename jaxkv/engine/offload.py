@@ -77,7 +77,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -95,6 +95,7 @@ __all__ = [
     "STORE_MOMENTS",
     "HostOffload",
     "PendingStore",
+    "StoreBatch",
     "block_digest",
     "host_offloads",
 ]
@@ -158,8 +159,19 @@ class Gathered(Protocol):
         """Whether `read` would return without waiting."""
 
     def read(self) -> np.ndarray:
-        """The blocks `[n, num_layers, *page_shape]`, every layer, as the device stores
-        them (waits for the copy)."""
+        """The blocks `[n, layers_per_block, *page_shape]` (each its group's layers) as the
+        device stores them (waits for the copy)."""
+
+
+class StoreBatch(NamedTuple):
+    """The stores `take_stores` hands out: device block `block_ids[i]`'s layers
+    `layers[i]` (`layers_of`) go to host slot `slots[i]` as `keys[i]`, with `digests[i]`."""
+
+    block_ids: list[int]
+    layers: np.ndarray
+    keys: list[BlockHashWithGroupId]
+    slots: list[int]
+    digests: list[bytes]
 
 
 @dataclass
@@ -204,10 +216,11 @@ class HostOffload:
         self.layers_per_block = max(len(layers) for layers in group_layers)
         # Row g: the stacked cache's layers a block of group g moves, padded with
         # `num_layers` (the transfers read zeros there and write nothing).
-        self.layer_table = np.full((len(group_layers), self.layers_per_block), self.num_layers)
+        self.layer_table = np.full(
+            (len(group_layers), self.layers_per_block), self.num_layers, np.int32
+        )
         for g, layers in enumerate(group_layers):
             self.layer_table[g, : len(layers)] = layers
-        self.layer_table = self.layer_table.astype(np.int32)
         block_shape = (self.layers_per_block, *page_shape)
         self.buffer = np.empty((tier.num_slots, *block_shape), dtype)
         self.block_bytes = int(np.prod(block_shape)) * np.dtype(dtype).itemsize
@@ -410,12 +423,11 @@ class HostOffload:
         q.digests.append(digest)
         q.tenants.append(tenant)
 
-    def take_stores(self) -> tuple[list[int], list[BlockHashWithGroupId], list[int], list[bytes]]:
-        """The queued stores the tier takes, emptied: (device block ids, keys, their host
-        slots, digests). One batch per tenant, at most its quota (the first ones: the
-        leading blocks of a prefix serve the most requests); a tenant the tier has no
-        room for stores nothing. The caller gathers the blocks now and hands the copy
-        back as a `PendingStore`."""
+    def take_stores(self) -> StoreBatch:
+        """The queued stores the tier takes, emptied: one batch per tenant, at most its
+        quota (the first ones: the leading blocks of a prefix serve the most requests);
+        a tenant the tier has no room for stores nothing. The caller gathers the blocks
+        now and hands the copy back as a `PendingStore`."""
         q, self._queued = self._queued, _Store()
         self._queued_keys.clear()
         ids, keys, slots, digests = [], [], [], []
@@ -433,7 +445,7 @@ class HostOffload:
                 keys.append(key)
                 slots.append(slot)
                 digests.append(q.digests[i])
-        return ids, keys, slots, digests
+        return StoreBatch(ids, self.layers_of(keys), keys, slots, digests)
 
     def complete_stores(self, before_step: int | None = None) -> None:
         """Land pending gathers in the host buffer and make their blocks readable with
