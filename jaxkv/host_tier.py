@@ -23,11 +23,13 @@ rank, called by the scheduler and the engine's step):
    never used. The hit's tokens go to `allocate_slots(num_external_computed_tokens=
    ...)`, and the copy is scattered into the new device blocks before the
    request's next step.
-2. When a request finishes or is preempted, each group's cached blocks that a hit
-   ending at its last full block needs (`storable_block_range`) and the tier does
-   not hold are offered to `prepare_store` (one batch per tenant, at most its
-   quota); the device blocks are gathered at once, and `complete_store(keys,
-   success, checksums)` is called when the copy has landed.
+2. When a request finishes or is preempted (or, with the engine's
+   `kv_offloading_store="evicted"`, when the device pool evicts them), each group's
+   cached blocks that a hit ending at its last full block needs
+   (`storable_block_range`) and the tier does not hold are offered to
+   `prepare_store` (one batch per tenant, at most its quota); the device blocks
+   are gathered at once, and `complete_store(keys, success, checksums)` is called
+   when the copy has landed.
 3. `take_events` is drained with the rank's device pool's events, so routers see
    `medium="CPU"` entries next to the `"GPU"` ones.
 """
@@ -109,11 +111,8 @@ def combined_stats(stats: Sequence[HostTierStats]) -> HostTierStats:
     """Several tiers' stats (one per data rank) as one: every count and byte figure
     summed, per tenant too (a tenant's quota: the sum of its per-tier quotas)."""
     total = HostTierStats(capacity_bytes=0)
-    counted = ("capacity_bytes", "bytes_used", "blocks_stored", "blocks_evicted",
-               "store_refusals", "verify_mismatches")  # fmt: skip
     for one in stats:
-        for name in counted:
-            setattr(total, name, getattr(total, name) + getattr(one, name))
+        _add_counts(total, one)
         for tenant, t in one.tenants.items():
             mine = total.tenants.get(tenant)
             if mine is None:
@@ -121,11 +120,16 @@ def combined_stats(stats: Sequence[HostTierStats]) -> HostTierStats:
                 continue
             if t.quota_bytes is not None:
                 mine.quota_bytes = (mine.quota_bytes or 0) + t.quota_bytes
-            mine.bytes_used += t.bytes_used
-            mine.blocks_stored += t.blocks_stored
-            mine.blocks_evicted += t.blocks_evicted
-            mine.verify_mismatches += t.verify_mismatches
+            _add_counts(mine, t)
     return total
+
+
+def _add_counts(total: HostTierStats | TenantStats, one: HostTierStats | TenantStats) -> None:
+    """Add `one`'s int figures (not a tenant's quota) to `total`'s."""
+    for f in dataclasses.fields(one):
+        value = getattr(one, f.name)
+        if f.name != "quota_bytes" and isinstance(value, int):
+            setattr(total, f.name, getattr(total, f.name) + value)
 
 
 @dataclass
