@@ -115,6 +115,105 @@ class BlockTable:
         self.block_table[row, :num_null_blocks] = NULL_BLOCK_ID
         self.num_blocks_per_row[row] = start + ids.size
 
+    def check_appends(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int] | np.ndarray,
+        counts: Sequence[int] | np.ndarray,
+        num_null_blocks: Sequence[int] | np.ndarray,
+    ) -> np.ndarray:
+        """The int32 ids `append_rows` would store, checked for the whole batch at once;
+        changes nothing. Append `i` gives the distinct row `rows[i]` the next `counts[i]`
+        ids of the flat `block_ids`, then makes its first `num_null_blocks[i]` blocks
+        null. ValueError/TypeError as `append_row` would raise for the first bad
+        append, prefixed with its index."""
+        arrays = [np.asarray(a) for a in (rows, block_ids, counts, num_null_blocks)]
+        if self._appends_ok(*arrays):
+            return arrays[1].astype(np.int32)
+        self._raise_first_bad_append(*arrays)
+        raise AssertionError("unreachable: a batch that fails its checks has a bad append")
+
+    def _appends_ok(
+        self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray, nulls: np.ndarray
+    ) -> bool:
+        """Whether every append of the batch passes `append_row`'s checks (vectorized)."""
+        n = rows.shape[0] if rows.ndim == 1 else -1
+        if counts.shape != (n,) or nulls.shape != (n,) or ids.ndim != 1:
+            return False
+        if n == 0:
+            return ids.size == 0
+        if not all(np.issubdtype(a.dtype, np.integer) for a in (rows, counts, nulls)):
+            return False
+        if rows.min() < 0 or rows.max() >= self.max_num_reqs or np.unique(rows).size != n:
+            return False
+        if counts.min() < 0 or nulls.min() < 0 or int(counts.sum()) != ids.size:
+            return False
+        upper = _INT32_MAX + 1 if self.num_blocks is None else self.num_blocks
+        if ids.size and (
+            not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= upper
+        ):
+            return False
+        ends = self.num_blocks_per_row[rows] + counts
+        return bool(ends.max() <= self.max_num_blocks_per_req and (nulls <= ends).all())
+
+    def _raise_first_bad_append(
+        self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray, nulls: np.ndarray
+    ) -> None:
+        """Raise, for the first append the batched check refused, what `append_row`
+        raises (the batch's own shape problems first)."""
+        if rows.ndim != 1 or counts.shape != rows.shape or nulls.shape != rows.shape:
+            raise ValueError(
+                f"rows, counts and num_null_blocks must be 1-D of equal length, got shapes "
+                f"{rows.shape}, {counts.shape} and {nulls.shape}"
+            )
+        counts_list = [check_int("counts[i]", c, min_value=0) for c in counts.tolist()]
+        if ids.ndim != 1 or sum(counts_list) != ids.size:
+            raise ValueError(
+                f"block_ids must be 1-D with sum(counts) = {sum(counts_list)} entries, got "
+                f"shape {ids.shape}"
+            )
+        seen: set[int] = set()
+        offset = 0
+        for i, (row, count, num_nulls) in enumerate(
+            zip(rows.tolist(), counts_list, nulls.tolist(), strict=True)
+        ):
+            try:
+                self.check_row_ids(ids[offset : offset + count], row, num_nulls)
+                if row in seen:
+                    raise ValueError(f"row {row} is appended to twice in one batch")
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"append {i}: {error}") from None
+            seen.add(row)
+            offset += count
+
+    def append_rows(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int] | np.ndarray,
+        counts: Sequence[int] | np.ndarray,
+        num_null_blocks: Sequence[int] | np.ndarray,
+    ) -> None:
+        """`append_row` for a batch of distinct rows in one pass (see `check_appends`):
+        all are checked before any changes."""
+        ids = self.check_appends(rows, block_ids, counts, num_null_blocks)
+        if not ids.size and not np.any(num_null_blocks):
+            return
+        rows_arr, counts_arr = np.asarray(rows, np.intp), np.asarray(counts, np.intp)
+        nulls = np.asarray(num_null_blocks, np.intp)
+        starts = self.num_blocks_per_row[rows_arr].astype(np.intp)
+        # Append i's k-th id goes to column starts[i] + k.
+        first = np.cumsum(counts_arr) - counts_arr
+        columns = np.arange(ids.size) + np.repeat(starts - first, counts_arr)
+        self.block_table[np.repeat(rows_arr, counts_arr), columns] = ids
+        nulled = nulls > 0
+        if nulled.any():
+            null_rows = rows_arr[nulled]
+            leading = np.arange(self.max_num_blocks_per_req) < nulls[nulled, None]
+            self.block_table[null_rows] = np.where(
+                leading, NULL_BLOCK_ID, self.block_table[null_rows]
+            )
+        self.num_blocks_per_row[rows_arr] = starts + counts_arr
+
     def add_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
         """Replace row `row_idx` with exactly `block_ids`."""
         row = self._check_row(row_idx)

@@ -172,13 +172,14 @@ class AllTokenIds(Sequence[int]):
             if start >= num_prompt:
                 return self._output[start - num_prompt : stop - num_prompt]
             return self._prompt[start:] + self._output[: stop - num_prompt]
+        num_tokens = num_prompt + len(self._output)
         if index < 0:
-            index += len(self)
+            index += num_tokens
         if 0 <= index < num_prompt:
             return self._prompt[index]
-        if num_prompt <= index < len(self):
+        if num_prompt <= index < num_tokens:
             return self._output[index - num_prompt]
-        raise IndexError(f"token index {index} out of range for {len(self)} tokens")
+        raise IndexError(f"token index {index} out of range for {num_tokens} tokens")
 
     def __iter__(self) -> Iterator[int]:
         return itertools.chain(self._prompt, self._output)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -67,6 +69,53 @@ def test_condense_keeps_live_rows(data: st.DataObject) -> None:
     assert not bt.block_table[live:].any() and not bt.num_blocks_per_row[live:].any()
     assert all(src >= live > tgt for src, tgt in moves)
     _assert_invariants(bt)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_append_rows_equals_append_row_one_by_one(data: st.DataObject) -> None:
+    """A batch of appends (some bad on purpose) does what `append_row` does row by row,
+    or raises `append_row`'s error for the first bad append and changes nothing."""
+    width, num_blocks = 4, 24
+    batched = BlockTable(2, 6, width, num_blocks=num_blocks)
+    for r in range(6):
+        batched.add_row(list(range(1, 1 + data.draw(st.integers(0, width)))), r)
+    single = BlockTable(2, 6, width, num_blocks=num_blocks)
+    single.block_table[:] = batched.block_table
+    single.num_blocks_per_row[:] = batched.num_blocks_per_row
+    rows = data.draw(st.lists(st.integers(0, 5), unique=True, max_size=6))
+    block_ids = st.lists(st.integers(-1, num_blocks), max_size=3)
+    appends = [(row, data.draw(block_ids), data.draw(st.integers(0, 5))) for row in rows]
+    table, counts = batched.block_table.copy(), batched.num_blocks_per_row.copy()
+    flat = [i for _, ids, _ in appends for i in ids]
+    k = 0
+    try:
+        for row, ids, nulls in appends:
+            single.check_row_ids(ids, row, nulls)
+            k += 1
+    except ValueError as error:
+        with pytest.raises(ValueError, match=f"append {k}: .*{re.escape(str(error))}"):
+            batched.append_rows(rows, flat, [len(a[1]) for a in appends], [a[2] for a in appends])
+        np.testing.assert_array_equal(batched.block_table, table)
+        np.testing.assert_array_equal(batched.num_blocks_per_row, counts)
+        return
+    for row, ids, nulls in appends:
+        single.append_row(ids, row, nulls)
+    batched.append_rows(rows, flat, [len(a[1]) for a in appends], [a[2] for a in appends])
+    np.testing.assert_array_equal(batched.block_table, single.block_table)
+    np.testing.assert_array_equal(batched.num_blocks_per_row, single.num_blocks_per_row)
+    _assert_invariants(batched)
+
+
+def test_append_rows_refuses_a_row_twice_and_mismatched_counts() -> None:
+    bt = BlockTable(block_size=2, max_num_reqs=2, max_num_blocks_per_req=3, num_blocks=16)
+    with pytest.raises(ValueError, match="append 1: row 0 is appended to twice"):
+        bt.append_rows([0, 0], [1, 2], [1, 1], [0, 0])
+    with pytest.raises(ValueError, match=r"sum\(counts\) = 2 entries, got shape \(3,\)"):
+        bt.append_rows([0, 1], [1, 2, 3], [1, 1], [0, 0])
+    with pytest.raises(ValueError, match="must be 1-D of equal length"):
+        bt.append_rows([0, 1], [1], [1], [0, 0])
+    assert not bt.block_table.any() and not bt.num_blocks_per_row.any()
 
 
 def test_slot_mapping_matches_per_token_formula() -> None:

@@ -263,9 +263,9 @@ class _Derived(NamedTuple):
 
     block_tables: np.ndarray  # [n_reqs, W] int32
     seq_lens: np.ndarray  # [n_reqs] int32
-    query_start_loc: np.ndarray  # [n_reqs + 1] int64
+    query_start_loc: np.ndarray  # [n_reqs + 1] int32
     slot_mapping: np.ndarray  # [n_tokens] int32
-    positions: np.ndarray  # [n_tokens] int64
+    positions: np.ndarray  # [n_tokens] int32
 
 
 class StepMetadataPacker:
@@ -351,7 +351,7 @@ class StepMetadataPacker:
                 f"query_lens[{i}] = {int(ql[i])} exceeds seq_lens[{i}] = "
                 f"{int(s.seq_lens[i])} (allowed [1, seq_len]){where}"
             )
-        cu = np.zeros(n_reqs + 1, np.int64)
+        cu = np.zeros(n_reqs + 1, np.int32)
         np.cumsum(ql, out=cu[1:])
         n_tokens = int(cu[-1])
         slots = s.slot_mapping
@@ -366,10 +366,13 @@ class StepMetadataPacker:
         pick_bucket(n_tokens, self.token_buckets)
         pick_bucket(n_reqs, self.req_buckets)
         # Each token's slot is its own position in a block its request holds.
-        req = np.repeat(np.arange(n_reqs), ql)
-        pos = np.repeat(seq.astype(np.int64) - ql, ql) + (np.arange(n_tokens) - cu[req])
+        if n_tokens == n_reqs:  # one token per request (a decode step): its last position
+            req, pos = np.arange(n_reqs), seq - 1
+        else:
+            req = np.repeat(np.arange(n_reqs), ql)
+            pos = np.repeat(seq - ql, ql) + (np.arange(n_tokens, dtype=np.int32) - cu[req])
         blocks = bt[req, pos // self.block_size]
-        held = blocks * self.block_size + (pos % self.block_size).astype(np.int32)
+        held = blocks * self.block_size + pos % self.block_size
         wrong = (held != slots) if slots is not None else (blocks == 0)
         if wrong.any():
             i = int(np.argmax(wrong))
@@ -405,9 +408,9 @@ class StepMetadataPacker:
         counts = np.zeros((dp, 2), np.int32)
         block_tables = np.zeros((dp, r, w), np.int32)
         seq_lens = np.zeros((dp, r), np.int32)
-        query_start_loc = np.zeros((dp, r + 1), np.int64)
+        query_start_loc = np.zeros((dp, r + 1), np.int32)
         slot_mapping = np.full((dp, t), self.padding_slot, np.int32)
-        positions = np.zeros((dp, t), np.int64)
+        positions = np.zeros((dp, t), np.int32)
         for k, d in enumerate(derived):
             n, m = d.seq_lens.size, d.slot_mapping.size
             counts[k] = m, n

@@ -680,9 +680,11 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         compiled = compilation_count()
         t0 = time.perf_counter()
+        # Gathers of two steps ago were dispatched before the step just waited for; an
+        # idle engine has nothing to overlap the others with, so it waits for them too.
+        before_step = None if not self.has_unfinished_requests() else self.num_steps - 1
         for offload in self.offloads:
-            # Gathers of two steps ago were dispatched before the step just waited for.
-            offload.complete_stores(before_step=self.num_steps - 1)
+            offload.complete_stores(before_step=before_step)
         outs = [scheduler.schedule() for scheduler in self.schedulers]
         self._store_freed_blocks()  # before this step can write into a freed or evicted block
         empty = all(out.is_empty for out in outs)

@@ -61,6 +61,7 @@ from jaxkv.device import (
     StepShape,
 )
 from jaxkv.device.encoder_store import merge_rows
+from jaxkv.device.host_inputs import placer
 from jaxkv.device.storage import check_kv_quant
 from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
 from jaxkv.engine.sampling import sample_tokens
@@ -224,39 +225,33 @@ class RequestRows:
         row = self.index[request_id]
         return tuple(t.block_table[row, : t.num_blocks_per_row[row]].tolist() for t in self.tables)
 
-    def apply(self, updates: Sequence[_RowUpdate]) -> None:
-        """Apply checked row updates (`ModelRunner._prepare`); cannot fail."""
-        for u in updates:
+    def apply(self, resets: Sequence[_RowReset], appends: _RowAppends) -> None:
+        """Apply a prepared step's checked row changes (`ModelRunner._prepare`); cannot
+        fail."""
+        for u in resets:
             row = self.index.get(u.request_id)
             if row is None:
                 row = self.index[u.request_id] = self.free.pop()
-            if u.sampling is None:
-                for table, ids, num_nulls in zip(
-                    self.tables, u.block_ids, u.num_null_blocks, strict=True
-                ):
-                    table.append_row(ids, row, num_nulls)
-                continue
             for table, ids in zip(self.tables, u.block_ids, strict=True):
                 table.add_row(ids, row)
             (
                 self.temperature[row], self.top_k[row], self.top_p[row], self.seeds[row],
                 self.num_prompt_tokens[row],
             ) = u.sampling  # fmt: skip
+        appends.apply(self.tables)
 
 
 @dataclass(frozen=True)
-class _RowUpdate:
-    """A checked change of one request's row, per group: `block_ids` (int32) appended and
-    then the first `num_null_blocks` blocks null; or with `sampling` (a reset: its typed
-    sampling row and prompt length) `block_ids` is the whole row."""
+class _RowReset:
+    """A new or resumed request's row: its whole block lists (int32, per group) and its
+    typed sampling row and prompt length."""
 
     request_id: str
     block_ids: tuple[np.ndarray, ...]
-    num_null_blocks: tuple[int, ...] = ()
-    sampling: tuple[np.float32, np.int32, np.float32, np.int32, np.int32] | None = None
+    sampling: tuple[np.float32, np.int32, np.float32, np.int32, np.int32]
 
     @classmethod
-    def reset(cls, tables: Sequence[BlockTable], s: ScheduledRequest, p: RowSampling) -> _RowUpdate:
+    def of(cls, tables: Sequence[BlockTable], s: ScheduledRequest, p: RowSampling) -> _RowReset:
         """`s`'s row set to its whole block lists, with its sampling row `p` (a value no
         int32/float32 holds raises here)."""
         typed = (
@@ -266,18 +261,64 @@ class _RowUpdate:
         block_ids = tuple(
             table.check_row_ids(ids) for table, ids in zip(tables, s.new_block_ids, strict=True)
         )
-        return cls(s.request.request_id, block_ids, sampling=typed)
+        return cls(s.request.request_id, block_ids, typed)
 
-    @classmethod
-    def append(cls, tables: Sequence[BlockTable], s: ScheduledRequest, row: int) -> _RowUpdate:
-        """`s`'s changes to its row `row`: blocks appended, leading blocks now null."""
-        new_block_ids = s.new_block_ids or ((),) * len(tables)
-        nulls = s.num_null_blocks or (0,) * len(tables)
-        block_ids = tuple(
-            table.check_row_ids(ids, row, k)
-            for table, ids, k in zip(tables, new_block_ids, nulls, strict=True)
-        )
-        return cls(s.request.request_id, block_ids, nulls)
+
+class _RowAppends:
+    """The block-id changes of a step's requests that keep their rows, gathered per
+    group so that each group's table checks and applies them in one batch
+    (`BlockTable.append_rows`): append `i` adds `scheduled[i].new_block_ids[g]` to row
+    `rows[i]` of group `g`, then nulls its first `num_null_blocks[g]` blocks. Rows are
+    distinct (one request, one row)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.rows: list[int] = []
+        self.scheduled: list[ScheduledRequest] = []
+        self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
+        self.counts: list[list[int]] = [[] for _ in range(num_groups)]
+        self.num_null_blocks: list[list[int]] = [[] for _ in range(num_groups)]
+
+    def add(self, s: ScheduledRequest, row: int) -> None:
+        groups = range(len(self.counts))
+        new_block_ids = s.new_block_ids or [()] * len(groups)
+        nulls = s.num_null_blocks or [0] * len(groups)
+        self.rows.append(row)
+        self.scheduled.append(s)
+        for g, ids, k in zip(groups, new_block_ids, nulls, strict=True):
+            self.block_ids[g] += ids
+            self.counts[g].append(len(ids))
+            self.num_null_blocks[g].append(k)
+
+    def check(self, tables: Sequence[BlockTable]) -> None:
+        """`RequestStepError` naming the first request whose change a table refuses."""
+        if not self.rows:
+            return
+        try:
+            for g, table in enumerate(tables):
+                table.check_appends(
+                    self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
+                )
+        except (TypeError, ValueError):  # find whose change it is
+            offsets = [0] * len(tables)
+            for i, (s, row) in enumerate(zip(self.scheduled, self.rows, strict=True)):
+                for g, table in enumerate(tables):
+                    count, first = self.counts[g][i], offsets[g]
+                    try:
+                        table.check_row_ids(
+                            self.block_ids[g][first : first + count], row,
+                            self.num_null_blocks[g][i],
+                        )  # fmt: skip
+                    except (TypeError, ValueError) as error:
+                        raise RequestStepError(s.request.request_id, error) from error
+                    offsets[g] += count
+            raise
+
+    def apply(self, tables: Sequence[BlockTable]) -> None:
+        if self.rows:
+            for g, table in enumerate(tables):
+                table.append_rows(
+                    self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
+                )
 
 
 @dataclass
@@ -291,7 +332,8 @@ class _RankStep:
     token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    updates: list[_RowUpdate] = field(default_factory=list)
+    resets: list[_RowReset] = field(default_factory=list)
+    appends: _RowAppends = field(default_factory=lambda: _RowAppends(0))
     placements: list[EmbedPlacement] = field(default_factory=list)
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
 
@@ -576,9 +618,13 @@ class ModelRunner:
         # the step places its output (so the first step compiles the same program as the
         # others).
         self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
-        self._sampled_row: dict[str, int] = {}  # request id -> its row of `self.sampled`
+        # Each rank's request ids of the last step, row `k * max_num_seqs + i` of
+        # `self.sampled` holding the token sampled for `_last_step_request_ids[k][i]`.
+        self._last_step_request_ids: list[list[str]] = []
+        self._sampled_row: dict[str, int] | None = {}  # their map (None: not built yet)
         self.num_encoded = 0
         self._step_fns: dict[tuple[StepShape, ...], object] = {}
+        self._place_step = placer(NamedSharding(self.mesh, P(self.paged[0].layout.rank_axis)))
 
     @property
     def programs_per_step(self) -> int:
@@ -612,7 +658,7 @@ class ModelRunner:
 
     def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
         return self._step_fn(shapes)(
-            self._params, self.kv_cache, self.encoder_cache, self.paged[0].put(buffer), self.sampled
+            self._params, self.kv_cache, self.encoder_cache, self._place_step(buffer), self.sampled
         )
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
@@ -623,36 +669,41 @@ class ModelRunner:
     def _prepare(
         self, rank: int, scheduled: Sequence[ScheduledRequest], sampling: Mapping[str, RowSampling]
     ) -> _RankStep:
-        """One rank's host rows and checked row updates; changes nothing. Whatever fails
+        """One rank's host rows and checked row changes; changes nothing. Whatever fails
         while preparing request `i`'s part is raised as its `RequestStepError`."""
         rows = self.rows[rank]
         index, tables, encoder_pages = rows.index, rows.tables, self.encoder_pages
-        sampled_row = self._sampled_row
-        step = _RankStep()
-        n = len(scheduled)
-        query_lens, seq_lens = np.empty(n, np.int64), np.empty(n, np.int64)
+        step = _RankStep(appends=_RowAppends(len(tables)))
         token_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
         pending_rows: list[int] = []
         pending_src: list[int] = []
         num_new_rows = 0
-        i = 0
         try:
-            for i, s in enumerate(scheduled):
+            for s in scheduled:
                 request = s.request
                 request_id = request.request_id
                 start = s.num_computed_tokens
-                end = start + s.num_new_tokens
-                known_end = min(end, s.num_known_tokens)
+                num_new = s.num_new_tokens
+                end = start + num_new
                 offset = len(token_ids)
-                token_ids.extend(request.all_token_ids[start:known_end])
-                if end > known_end:  # the token sampled by the previous step, on device
-                    if end - known_end != 1 or request_id not in sampled_row:
+                if end <= s.num_known_tokens:
+                    if num_new == 1:  # a decode
+                        token_ids.append(request.all_token_ids[start])
+                    else:
+                        token_ids += request.all_token_ids[start:end]
+                else:  # the last token is the one sampled by the previous step, on device
+                    known_end = s.num_known_tokens
+                    sampled_row = self._sampled_row_of(request_id)
+                    if end - known_end != 1 or sampled_row is None:
                         raise RuntimeError(
                             f"needs {end - known_end} tokens from a previous step that did "
                             "not sample them"
                         )
+                    token_ids += request.all_token_ids[start:known_end]
                     pending_rows.append(len(token_ids))
-                    pending_src.append(sampled_row[request_id])
+                    pending_src.append(sampled_row)
                     token_ids.append(0)
                 row = index.get(request_id)
                 if s.resets_row:
@@ -660,22 +711,36 @@ class ModelRunner:
                         num_new_rows += 1
                         if num_new_rows > len(rows.free):
                             raise RuntimeError(f"no free row: all {self.max_num_seqs} are taken")
-                    step.updates.append(_RowUpdate.reset(tables, s, sampling[request_id]))
+                    step.resets.append(_RowReset.of(tables, s, sampling[request_id]))
                 elif row is None:
                     raise RuntimeError("has no row: its first step did not send its blocks")
                 elif s.new_block_ids or s.num_null_blocks:
-                    step.updates.append(_RowUpdate.append(tables, s, row))
+                    step.appends.add(s, row)
                 if encoder_pages is not None:
                     step.placements += self._placements(s, offset)
                 step.request_ids.append(request_id)
-                query_lens[i], seq_lens[i] = s.num_new_tokens, end
+                query_lens.append(num_new)
+                seq_lens.append(end)
         except Exception as error:
-            raise RequestStepError(scheduled[i].request.request_id, error) from error
-        step.query_lens, step.seq_lens = query_lens, seq_lens
+            raise RequestStepError(s.request.request_id, error) from error
+        step.appends.check(tables)
+        step.query_lens = np.array(query_lens, np.int64)
+        step.seq_lens = np.array(seq_lens, np.int64)
         step.token_ids = np.array(token_ids, np.int32)
         step.pending_rows = np.array(pending_rows, np.int64)
         step.pending_src = np.array(pending_src, np.int32)
         return step
+
+    def _sampled_row_of(self, request_id: str) -> int | None:
+        """The row of `self.sampled` holding the token the last step sampled for
+        `request_id` (None: it sampled none for it); the map is built on first use."""
+        if self._sampled_row is None:
+            self._sampled_row = {}
+            for k, request_ids in enumerate(self._last_step_request_ids):
+                first = k * self.max_num_seqs
+                rows = range(first, first + len(request_ids))
+                self._sampled_row.update(zip(request_ids, rows, strict=True))
+        return self._sampled_row.get(request_id)
 
     def _placements(self, s: ScheduledRequest, offset: int) -> list[EmbedPlacement]:
         """The encoder outputs `s`'s tokens (from token row `offset`) take (each stored,
@@ -894,15 +959,12 @@ class ModelRunner:
             return self.sampled
         steps = [self._prepare(k, out.scheduled, sampling) for k, out in enumerate(outs)]
         for rows, step in zip(self.rows, steps, strict=True):
-            rows.apply(step.updates)
+            rows.apply(step.resets, step.appends)
             step.rows = np.array([rows.index[i] for i in step.request_ids], np.intp)
         buffer, shapes = self._pack(steps)
         self.kv_cache, self.sampled = self._step(buffer, shapes)
-        self._sampled_row = {}
-        for k, step in enumerate(steps):
-            first = k * self.max_num_seqs
-            rows = range(first, first + len(step.request_ids))
-            self._sampled_row.update(zip(step.request_ids, rows, strict=True))
+        self._last_step_request_ids = [step.request_ids for step in steps]
+        self._sampled_row = None
         return self.sampled
 
     # -- warm-up ------------------------------------------------------------------------

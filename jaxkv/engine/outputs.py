@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's progress: the tokens new since its last output (`new_token_ids`) and
     all of its tokens so far (`output_token_ids`; for a `RequestOutputKind.DELTA` request
