@@ -44,7 +44,7 @@ from jaxkv.engine.model_runner import (
     image_inputs,
 )
 from jaxkv.engine.offload import PendingStore, host_offloads
-from jaxkv.engine.outputs import RequestOutput
+from jaxkv.engine.outputs import OutputStream, RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
     FinishReason,
@@ -303,9 +303,7 @@ class LLMEngine:
         self._images: dict[str, np.ndarray] = {}
         self._image_refs: dict[str, int] = {}
         self._in_flight: _InFlight | None = None
-        self._salt_of: dict[str, str | None] = {}  # unfinished request id -> its cache salt
-        # its cached tokens (prefix cache and host tier, host tier), once admitted
-        self._num_cached: dict[str, tuple[int, int]] = {}
+        self._streams: dict[str, OutputStream] = {}  # unfinished request id -> its outputs
         self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step
         self._ids = itertools.count()
         self.stats = EngineStats(tier_snapshot=self._tier_snapshot)
@@ -551,7 +549,7 @@ class LLMEngine:
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
         self._rank_of[request_id] = rank
         self._sampling[request_id] = self._row_sampling(sampling, request_id)
-        self._salt_of[request_id] = cache_salt or None
+        self._streams[request_id] = OutputStream.for_kind(sampling.output_kind, cache_salt or None)
         for feature, image in zip(features, pixels, strict=True):
             self._images.setdefault(feature.identifier, image)
             self._image_refs[feature.identifier] = self._image_refs.get(feature.identifier, 0) + 1
@@ -601,11 +599,8 @@ class LLMEngine:
 
     def _finish_now(self, request: Request, reason: FinishReason, error: str | None = None):
         """Queue the final output of a request finished outside a step's token update."""
-        self._final_outputs.append(
-            self._request_output(
-                request, None, reason, *self._num_cached.get(request.request_id, (0, 0))
-            )
-        )
+        stream = self._streams[request.request_id]
+        self._final_outputs.append(stream.output(request, None, str(reason), self.tokenizer))
         if error is not None:
             self._final_outputs[-1].error = error
         self._forget(request)
@@ -613,8 +608,7 @@ class LLMEngine:
     def _forget(self, request: Request) -> None:
         self._sampling.pop(request.request_id, None)
         self._rank_of.pop(request.request_id, None)
-        self._salt_of.pop(request.request_id, None)
-        self._num_cached.pop(request.request_id, None)
+        self._streams.pop(request.request_id, None)
         for feature in request.mm_features:
             refs = self._image_refs[feature.identifier] - 1
             if refs:
@@ -765,66 +759,25 @@ class LLMEngine:
         """The request's output for this update; None for a `FINAL_ONLY` request that is
         not finished."""
         request = update.request
+        stream = self._streams[request.request_id]
         if request.num_output_tokens == 1 and update.new_token_id is not None:
-            self._num_cached[request.request_id] = (
-                update.num_cached_tokens, update.num_host_cached_tokens,
-            )  # fmt: skip
+            stream.num_cached_tokens = update.num_cached_tokens
+            stream.num_host_cached_tokens = update.num_host_cached_tokens
             self.stats.record_admission(
-                self._salt_of.get(request.request_id),
+                stream.cache_salt,
                 request.num_prompt_tokens,
                 update.num_cached_tokens,
                 update.num_host_cached_tokens,
             )
-        if (
-            update.finish_reason is None
-            and request.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
-        ):
+        reason = update.finish_reason
+        if reason is None and stream.final_only:
             return None
-        output = self._request_output(
-            request, update.new_token_id, update.finish_reason, update.num_cached_tokens,
-            update.num_host_cached_tokens,
-        )  # fmt: skip
-        if output.finished:
+        output = stream.output(
+            request, update.new_token_id, None if reason is None else str(reason), self.tokenizer
+        )
+        if reason is not None:
             self._forget(request)
         return output
-
-    def _request_output(
-        self,
-        request: Request,
-        new_token_id: int | None,
-        reason: FinishReason | None,
-        num_cached_tokens: int,
-        num_host_cached_tokens: int = 0,
-    ) -> RequestOutput:
-        kind = request.sampling_params.output_kind
-        delta = kind is RequestOutputKind.DELTA
-        if kind is RequestOutputKind.FINAL_ONLY:  # new since the last output: everything
-            new_token_ids = list(request.output_token_ids)
-        else:
-            new_token_ids = [] if new_token_id is None else [new_token_id]
-        text, error = None, None
-        if self.tokenizer is not None:
-            try:
-                text = self.tokenizer.decode(request.output_token_ids)
-                if delta and new_token_ids:  # what the new token added to the text
-                    text = text[len(self.tokenizer.decode(request.output_token_ids[:-1])) :]
-                elif delta:
-                    text = ""
-            except Exception as failure:  # a tokenizer that cannot decode: tokens still count
-                error = f"the tokenizer could not decode the output: {failure}"
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,  # one list per request, as vLLM
-            new_token_ids=new_token_ids,
-            output_token_ids=list(new_token_ids if delta else request.output_token_ids),
-            finished=reason is not None,
-            finish_reason=None if reason is None else str(reason),
-            text=text,
-            num_preemptions=request.num_preemptions,
-            error=error,
-            num_cached_tokens=num_cached_tokens,
-            num_host_cached_tokens=num_host_cached_tokens,
-        )
 
     def _record(self, outs: list[SchedulerOutput], updates, host_s, wait_s, compiled) -> None:
         """One step's stats, summed over the data ranks (KV usage: their mean)."""

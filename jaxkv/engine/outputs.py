@@ -1,8 +1,19 @@
-"""What the engine streams back: one `RequestOutput` per request that changed in a step."""
+"""What the engine streams back: one `RequestOutput` per request that changed in a step,
+built by the request's `OutputStream`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from jaxkv.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from jaxkv.request import Request
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int]) -> str: ...
 
 
 @dataclass(slots=True)
@@ -32,3 +43,60 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = field(default=0)
     num_host_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class OutputStream:
+    """One unfinished request's side of the engine's outputs: how they are built (its
+    `RequestOutputKind`, fixed when the request is added), its cache salt, the cache hits
+    of its first admission (every later output repeats them) and, for `DELTA`, the
+    characters of text already sent (each output sends what follows them)."""
+
+    delta: bool
+    final_only: bool
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
+    num_sent_chars: int = 0
+
+    @classmethod
+    def for_kind(cls, kind: RequestOutputKind, cache_salt: str | None = None) -> OutputStream:
+        return cls(
+            kind is RequestOutputKind.DELTA, kind is RequestOutputKind.FINAL_ONLY, cache_salt
+        )
+
+    def output(
+        self,
+        request: Request,
+        new_token_id: int | None,
+        finish_reason: str | None,
+        tokenizer: Tokenizer | None = None,
+    ) -> RequestOutput:
+        """The request's next output: `new_token_id` appended (None: none), finished
+        when `finish_reason` is given; `text` decoded by `tokenizer` (if any)."""
+        outputs = request.output_token_ids
+        if self.final_only:  # new since the last output: everything
+            new_token_ids = list(outputs)
+        else:
+            new_token_ids = [] if new_token_id is None else [new_token_id]
+        text, error = None, None
+        if tokenizer is not None:
+            try:
+                text = tokenizer.decode(outputs)
+                if self.delta:
+                    text, self.num_sent_chars = text[self.num_sent_chars :], len(text)
+            except Exception as failure:  # a tokenizer that cannot decode: tokens still count
+                error = f"the tokenizer could not decode the output: {failure}"
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,  # one list per request, as vLLM
+            new_token_ids=new_token_ids,
+            output_token_ids=list(new_token_ids if self.delta else outputs),
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            text=text,
+            num_preemptions=request.num_preemptions,
+            error=error,
+            num_cached_tokens=self.num_cached_tokens,
+            num_host_cached_tokens=self.num_host_cached_tokens,
+        )

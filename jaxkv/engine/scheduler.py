@@ -617,7 +617,9 @@ class Scheduler:
         return new_block_ids, (), False
 
     def _lists_of(self, tracked: _Tracked) -> tuple[Sequence[KVCacheBlock], ...]:
-        return self.kv_cache_manager.get_blocks(tracked.request.request_id).blocks
+        """The request's block lists per group, as the coordinator holds them (read,
+        never changed)."""
+        return self.kv_cache_manager.coordinator.get_blocks(tracked.request.request_id)
 
     def _free_blocks(self, request: Request) -> None:
         """Free the request's blocks, offering its cached ones to the host tier first."""
