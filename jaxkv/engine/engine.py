@@ -760,7 +760,7 @@ class LLMEngine:
         not finished."""
         request = update.request
         stream = self._streams[request.request_id]
-        if request.num_output_tokens == 1 and update.new_token_id is not None:
+        if request.num_output_tokens == 1:
             stream.num_cached_tokens = update.num_cached_tokens
             stream.num_host_cached_tokens = update.num_host_cached_tokens
             self.stats.record_admission(
@@ -792,12 +792,12 @@ class LLMEngine:
                 num_scheduled_requests=sum(len(o.scheduled) for o in outs),
                 num_running=sum(len(s.running) for s in self.schedulers),
                 num_waiting=sum(len(s.waiting) for s in self.schedulers),
-                num_generated_tokens=sum(u.new_token_id is not None for u in updates),
+                num_generated_tokens=len(updates),
                 prefix_queries=sum(p.queries + p.preempted_queries for p in prefix),
                 prefix_hits=sum(p.hits + p.preempted_hits for p in prefix),
                 encoder_hits=sum(o.num_encoder_hits for o in outs),
                 encoder_misses=sum(o.num_encoder_misses for o in outs),
-                kv_usage=float(np.mean([m.usage for m in self.kv_cache_managers])),
+                kv_usage=sum(m.usage for m in self.kv_cache_managers) / len(self.kv_cache_managers),
                 num_preemptions=sum(len(o.preempted_request_ids) for o in outs),
                 num_freed_blocks=sum(int(o.freed_block_ids.size) for o in outs),
                 host_s=host_s,

@@ -167,13 +167,13 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """A token appended to a request (None for a request finished without one).
+    """A token appended to a request (`finish_reason`: the request stopped with it).
 
     `num_cached_tokens`: prompt tokens its first admission found in the prefix cache or
     the host tier; `num_host_cached_tokens`: the host tier's share of them."""
 
     request: Request
-    new_token_id: int | None
+    new_token_id: int
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
