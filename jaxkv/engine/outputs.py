@@ -87,16 +87,10 @@ class OutputStream:
                     text, self.num_sent_chars = text[self.num_sent_chars :], len(text)
             except Exception as failure:  # a tokenizer that cannot decode: tokens still count
                 error = f"the tokenizer could not decode the output: {failure}"
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,  # one list per request, as vLLM
-            new_token_ids=new_token_ids,
-            output_token_ids=list(new_token_ids if self.delta else outputs),
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            text=text,
-            num_preemptions=request.num_preemptions,
-            error=error,
-            num_cached_tokens=self.num_cached_tokens,
-            num_host_cached_tokens=self.num_host_cached_tokens,
-        )
+        output_token_ids = list(new_token_ids if self.delta else outputs)
+        finished = finish_reason is not None
+        return RequestOutput(  # in field order
+            request.request_id, request.prompt_token_ids, new_token_ids, output_token_ids,
+            finished, finish_reason, text, request.num_preemptions, error,
+            self.num_cached_tokens, self.num_host_cached_tokens,
+        )  # fmt: skip
