@@ -735,10 +735,11 @@ class LLMEngine:
                 )
 
     def _fail_unschedulable(self) -> None:
-        """With nothing running or in flight, a waiting request that still cannot be
-        scheduled never will be: it finishes with an error instead of stalling the engine."""
+        """With nothing running, loading or in flight, a waiting request that still cannot
+        be scheduled never will be: it finishes with an error instead of stalling the
+        engine."""
         for scheduler in self.schedulers:
-            if scheduler.waiting and not scheduler.running:
+            if scheduler.waiting and not scheduler.running and not scheduler.loading:
                 request = scheduler.waiting[0]
                 self._fail(
                     request.request_id,
@@ -837,6 +838,7 @@ class LLMEngine:
                 num_scheduled_requests=sum(len(o.scheduled) for o in outs),
                 num_running=sum(len(s.running) for s in self.schedulers),
                 num_waiting=sum(len(s.waiting) for s in self.schedulers),
+                num_loading=sum(len(s.loading) for s in self.schedulers),
                 num_generated_tokens=sum(u.new_token_id is not None for u in updates),
                 prefix_queries=sum(p.queries + p.preempted_queries for p in prefix),
                 prefix_hits=sum(p.hits + p.preempted_hits for p in prefix),
