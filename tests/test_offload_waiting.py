@@ -137,28 +137,29 @@ def test_abort_during_a_load_leaks_nothing(text_model, text_reference):
     aborts, and the pool, the tier's pins and its loads are all back."""
     engine = LLMEngine(text_model, TIER)
     rng = np.random.default_rng(1)
-    returning = served(engine, [rng.integers(3, 512, 40).tolist() for _ in range(4)])
+    returning = served(engine, [rng.integers(3, 512, 40).tolist() for _ in range(3)])
+    prompts = [*returning, rng.integers(3, 512, 20).tolist()]  # the last one runs
     with stagings_held(engine):
-        ids = [engine.add_request(p, sampling=GREEDY) for p in returning]
+        ids = [engine.add_request(p, sampling=GREEDY) for p in prompts]
         engine.step()
-        assert set(engine.scheduler.loading) == set(ids)
-        pinned = [k for k, e in engine.offload.tier._entries.items() if e.ref_cnt]
-        assert len(pinned) == 4 * 5  # each request's 5 blocks
+        assert set(engine.scheduler.loading) == set(ids[:3])
+        tier = engine.offload.tier
+        assert sum(e.ref_cnt for e in tier._entries.values()) == 3 * 5  # 5 blocks each
         engine.abort(ids[0])  # its staging is still queued: cancelled, unpinned
         assert ids[0] not in engine.offload.loading
-        assert sum(e.ref_cnt > 0 for e in engine.offload.tier._entries.values()) == 3 * 5
+        assert sum(e.ref_cnt for e in tier._entries.values()) == 2 * 5
     finish_stagings(engine)
-    outputs = engine.step()  # takes the three loads: dispatched before this step's forward
+    outputs = engine.step()  # takes the two loads: dispatched before this step's forward
     assert not engine.scheduler.loading
     assert engine.scheduler.get_request(ids[1]).status == RequestStatus.RUNNING
     assert engine.scheduler.get_request(ids[1]).num_output_tokens == 0
     engine.abort(ids[1])  # its blocks are freed after the load that writes them
     done = run(engine, ids, outputs)
     assert [done[r].finish_reason for r in ids] == ["abort", "abort", "length", "length"]
-    assert [done[r].num_host_cached_tokens for r in ids[2:]] == [40, 40]
+    assert [done[r].num_host_cached_tokens for r in ids[2:]] == [40, 0]
     assert_dense(text_reference, [[done[r] for r in ids[2:]]])
     without = LLMEngine(text_model, dataclasses.replace(TIER, kv_offloading_size=None))
-    alone = without.generate(returning[2:], GREEDY)  # the two, with no tier, no abort
+    alone = without.generate(prompts[2:], GREEDY)  # the two, with no tier, no abort
     assert [o.output_token_ids for o in alone] == [done[r].output_token_ids for r in ids[2:]]
     assert_nothing_held(engine)
 
@@ -191,4 +192,21 @@ def test_running_requests_are_preempted_around_a_loading_one_never_it(text_model
     expected = without.generate(new, LONG) + without.generate(returning, GREEDY)
     assert [done[r].output_token_ids for r in ids] == [o.output_token_ids for o in expected]
     assert_dense(text_reference, [[done[r] for r in ids]])
+    assert_nothing_held(engine)
+
+
+def test_with_only_a_load_pending_the_engine_waits_for_its_staging(text_model, text_reference):
+    """A returning request alone: the step admitting it runs nothing and waits for its
+    staging, the next takes its load (the request runs from the step after), then it
+    computes: two empty steps, however long the staging takes, not one per poll."""
+    engine = LLMEngine(text_model, TIER)
+    returning = served(engine, [np.random.default_rng(6).integers(3, 512, 40).tolist()])
+    first_step = len(engine.stats.steps)
+    (out,) = engine.generate(returning, GREEDY)
+    steps = engine.stats.steps[first_step:]
+    assert [s.num_loading for s in steps[:2]] == [1, 0]
+    # (With async scheduling the last step only collects the last token.)
+    assert [s.num_scheduled_requests for s in steps[:-1]] == [0, 0] + [1] * (len(steps) - 3)
+    assert out.num_host_cached_tokens == 40
+    assert_dense(text_reference, [[out]])
     assert_nothing_held(engine)

@@ -43,7 +43,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
-from jaxkv.engine.offload import PendingStore, host_offloads
+from jaxkv.engine.offload import PendingStore, host_offloads, wait_for_a_staging
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
@@ -694,6 +694,12 @@ class LLMEngine:
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
         wait_s = 0.0
+        if current is None and done is None and self.offloads:
+            # Nothing runs until a pending host-tier load is staged: wait for one (the
+            # next step takes it) rather than step empty meanwhile.
+            t_wait = time.perf_counter()
+            wait_for_a_staging(self.offloads)
+            wait_s = time.perf_counter() - t_wait
         updates: list[RequestUpdate] = []
         if done is not None:
             t_wait = time.perf_counter()

@@ -58,7 +58,9 @@ the tier keeps.
   runs from the next step; one with a mismatch (the block is dropped from the tier:
   counted, never served) or a staging error is reported failed, and its request is
   recomputed from its device prefix hit. `discard` (a request freed while loading)
-  cancels its staging, or waits for one already running, and releases its pins.
+  cancels its staging, or waits for one already running, and releases its pins. A
+  step with nothing to run but loads pending waits for one (`wait_for_a_staging`)
+  instead of stepping empty.
 
 Data ranks: each rank has its own scheduler, device pool and block ids, so it has its
 own `HostOffload` (its own tier of `kv_offloading_size` bytes, its own tenant quotas,
@@ -84,7 +86,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -108,6 +110,7 @@ __all__ = [
     "StoreBatch",
     "block_digest",
     "host_offloads",
+    "wait_for_a_staging",
 ]
 
 # The KV-cache group kinds the engine's host tier serves.
@@ -558,6 +561,14 @@ class HostOffload:
         self._queued_keys.clear()
         self._candidates.clear()
         return self.tier.reset()
+
+
+def wait_for_a_staging(offloads: Sequence[HostOffload]) -> None:
+    """Block until a load of any of `offloads` has finished staging (`take_loads` then
+    takes it); at once when none is pending."""
+    stagings = [load.staging for offload in offloads for load in offload.loading.values()]
+    if stagings:
+        wait(stagings, return_when=FIRST_COMPLETED)
 
 
 def host_offloads(config, runner) -> list[HostOffload]:
