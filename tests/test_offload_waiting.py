@@ -7,7 +7,9 @@ worker is held back (`stagings_held`) so that a load stays pending for as many s
 a test needs: the others run meanwhile and tokens equal those without the tier and the
 dense reference's; aborting a request during its load (staging queued, or the load
 just dispatched) leaks nothing; a running request is preempted around a loading one,
-never the loading one.
+never the loading one; with nothing but a load pending, the engine waits for its
+staging rather than stepping empty. (A corrupt load's fallback: test_engine_offload;
+random sequences with loads: test_engine_scheduler_stateful.)
 """
 
 from __future__ import annotations

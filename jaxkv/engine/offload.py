@@ -243,7 +243,9 @@ class HostOffload:
     `group_layers[g]`: the indices, in the runner's stacked KV cache, of KV-cache group
     `g`'s layers; a host block of group `g` holds those layers in that order, padded
     with zeros to `block_shape[0]` (the most layers of a group). `block_size`: tokens
-    per block, every group's.
+    per block, every group's. `loading`: the admitted requests' loads not taken yet,
+    by request id (one each), their blocks pinned in the tier; it owns the worker
+    thread that stages them (it ends with this object).
     """
 
     def __init__(
