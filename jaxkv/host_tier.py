@@ -16,13 +16,14 @@ rank, called by the scheduler and the engine's step):
 1. On admission, after the device prefix hit, each group's block keys that follow
    it are looked up (`lookup`, `block_state`); the longest hit every group can
    serve (full attention: every block after the device hit; sliding window: the
-   blocks of the window before the hit's end, `storable_block_range`) is pinned
-   with `prepare_load`, its slots read out of the host buffer, and
-   `complete_load(keys, checksums)` verifies what was read: a rejected key (a
-   verified-hit mismatch) is dropped and the hit looked for again without it,
-   never used. The hit's tokens go to `allocate_slots(num_external_computed_tokens=
-   ...)`, and the copy is scattered into the new device blocks before the
-   request's next step.
+   blocks of the window before the hit's end, `storable_block_range`); its tokens go
+   to `allocate_slots(num_external_computed_tokens=...)` and its keys are pinned
+   with `prepare_load` while a worker thread reads their slots out of the host
+   buffer (the request waits meanwhile). `complete_load(keys, checksums)` verifies
+   what was read: a rejected key (a verified-hit mismatch) is dropped, never used,
+   and that request recomputes; otherwise the copy is scattered into the request's
+   device blocks before a step. A load abandoned (its request aborted) ends with
+   `complete_load(keys)`, unverified.
 2. When a request finishes or is preempted (or, with the engine's
    `kv_offloading_store="evicted"`, when the device pool evicts them), each group's
    cached blocks that a hit ending at its last full block needs

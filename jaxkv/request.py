@@ -46,10 +46,15 @@ def _is_block_hasher(obj: object) -> bool:
 
 
 class RequestStatus(enum.IntEnum):
+    """Where a request is. `WAITING_FOR_REMOTE_KVS` (vLLM's name): admitted, its blocks
+    allocated, waiting for its KV to be loaded from the host tier before it computes.
+    (Added last: the other values keep their numbers.)"""
+
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_REMOTE_KVS = 4
 
 
 @dataclass(frozen=True)

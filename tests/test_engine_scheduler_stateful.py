@@ -2,22 +2,34 @@
 
 Random add / abort / step sequences, stepping synchronously or with one step in flight
 (the engine's overlap), with prefix caching on or off, full or sliding-window attention,
-a pool small enough to preempt and multimodal items through the encoder cache. A fake
-model samples token `f(request, output index)`, so every output is known in advance.
+a pool small enough to preempt, multimodal items through the encoder cache, and with or
+without a host-memory KV tier (`HostOffload`: freed requests' blocks stored, as the
+engine does after each schedule; loads staged on its worker thread, held back until a
+`stagings_finish` rule, so requests wait in `loading` for several steps and can be
+aborted there; a `corrupt` rule damages a block being loaded or stored, failing the
+load of it; `device_forgets` drops the free blocks from the device prefix cache, so a
+prefix the tier holds is a host hit). A fake model samples token
+`f(request, output index)`, so every output is known in advance.
 
 Invariants after every rule: each block's reference count equals the number of running
-requests holding it, and nothing else is held; waiting requests hold no block and no
-encoder entry; every request is in exactly one queue; outputs so far are exactly the
-expected tokens. After every step, rows rebuilt from the reported block-id changes (as a
-model runner keeps them: reset, appended, released on preemption and finish) are exactly
-the manager's block ids of the running requests. At the end every request not aborted
-finishes with its full output and everything is returned.
+and loading requests holding it, and nothing else is held; waiting requests hold no
+block and no encoder entry; every request is in exactly one of waiting, loading,
+running (or finished); a loading request is `WAITING_FOR_REMOTE_KVS`, has one load,
+whose blocks are the only pins of the tier, and is never scheduled; outputs so far are
+exactly the expected tokens. After every step, rows rebuilt from the reported block-id
+changes (as a model runner keeps them: reset, appended, released on preemption and
+finish) are exactly the manager's block ids of the running requests (one whose load was
+just taken gets its row when first scheduled). At the end every request not aborted
+finishes with its full output, everything is returned and the tier holds no pin.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import zlib
+from concurrent.futures import wait
+from types import SimpleNamespace
 
 import hypothesis.strategies as st
 import numpy as np
@@ -27,7 +39,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import jaxkv
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
+from jaxkv.engine.offload import HostOffload, PendingStore
 from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
+from jaxkv.host_tier import HostKVTier
 from jaxkv.request import MultiModalFeatureSpec, RequestStatus
 
 BLOCK_SIZE = 4
@@ -47,9 +61,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunk_cap=st.sampled_from([0, 3]),
         budget=st.sampled_from([6, 12]),
         window=st.sampled_from([None, 6]),
+        host_blocks=st.sampled_from([0, 8, 32]),
     )
     def setup(
-        self, caching: bool, overlap: bool, chunk_cap: int, budget: int, window: int | None
+        self,
+        caching: bool,
+        overlap: bool,
+        chunk_cap: int,
+        budget: int,
+        window: int | None,
+        host_blocks: int,
     ) -> None:
         hash_fn = jaxkv.get_hash_fn_by_name("sha256")
         jaxkv.init_none_hash(hash_fn)
@@ -65,11 +86,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             spec, NUM_BLOCKS, MAX_LEN, enable_caching=caching, track_freed_block_ids=True
         )
         self.encoder = EncoderCacheManager(12)
+        # A host tier of `host_blocks` blocks (0: none), each a block's one layer of
+        # BLOCK_SIZE float32 values; the fake model never reads what is loaded.
+        self.offload = None
+        if host_blocks:
+            tier = HostKVTier(4 * BLOCK_SIZE, 4 * BLOCK_SIZE * host_blocks, group_specs=[spec])
+            self.offload = HostOffload(tier, [[0]], (BLOCK_SIZE,), np.dtype(np.float32), BLOCK_SIZE)
+            self.release = threading.Event()  # holds the staging thread until set
+            self.offload._stager.submit(self.release.wait)
         self.scheduler = Scheduler(
             self.manager,
             SchedulerConfig(3, budget, MAX_LEN, long_prefill_token_threshold=chunk_cap),
             encoder_cache_manager=self.encoder,
             encoder_budget=EncoderBudget(compute_budget=8, cache_size=12),
+            offload=self.offload,
         )
         self.overlap = overlap
         self.in_flight = None
@@ -78,6 +108,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_added = 0
         self.systems = [list(range(100, 108)), list(range(200, 212))]
         self.rows: dict[str, list[list[int]]] = {}  # a model runner's rows, from the changes
+        # Running since their loads were taken, not scheduled yet: no row so far.
+        self.unrowed: set[str] = set()
 
     @rule(
         system=st.sampled_from([None, 0, 1]),
@@ -123,10 +155,74 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.update_from_output(output, tokens)
 
     @rule()
+    def stagings_finish(self) -> None:
+        """Let the loads admitted so far finish staging (the next step takes them)."""
+        if self.offload is None:
+            return
+        self.release.set()
+        self._staged()
+        self.release = threading.Event()
+        self.offload._stager.submit(self.release.wait)
+
+    def _staged(self) -> None:
+        """Wait until every load admitted so far has finished staging."""
+        wait([load.staging for load in self.offload.loading.values()])
+
+    @rule(data=st.data())
+    def corrupt(self, data) -> None:
+        """Damage the bytes of a block a load waits for (else of a stored one): the
+        load of it fails verification."""
+        if self.offload is None:
+            return
+        tier = self.offload.tier
+        keys = [k for load in self.offload.loading.values() for k in load.keys] or [
+            k for k in tier._entries if tier.block_state(k) == "ready"
+        ]
+        if keys:
+            key = data.draw(st.sampled_from(keys))
+            self.offload.buffer[tier._entries[key].slot] += 1.0
+
+    @rule()
+    def device_forgets(self) -> None:
+        """The device prefix cache drops its free blocks (as reuse would): a prefix
+        stored in the host tier is then a host hit."""
+        pool = self.manager.block_pool
+        pool.evict_blocks(
+            b.block_id for b in pool.blocks[1:] if not b.ref_cnt and b.block_hash is not None
+        )
+
+    @rule(data=st.data())
+    def abort_loading(self, data) -> None:
+        """Abort a request waiting for its load (its staging is held: cancelled)."""
+        if self.scheduler.loading:
+            request_id = data.draw(st.sampled_from(sorted(self.scheduler.loading)))
+            self.scheduler.abort_request(request_id)
+            self.aborted.add(request_id)
+
+    def _store(self) -> None:
+        """Copy the blocks queued for the host tier, as the engine does right after a
+        schedule (their bytes: the block id), and land them."""
+        if self.offload is None:
+            return
+        store = self.offload.take_stores()
+        if store.block_ids:
+            blocks = np.zeros((len(store.block_ids), 1, BLOCK_SIZE), np.float32)
+            blocks[:] = np.asarray(store.block_ids, np.float32)[:, None, None]
+            gathered = SimpleNamespace(ready=lambda: True, read=lambda: blocks)
+            self.offload.pending_stores.append(
+                PendingStore(store.keys, store.slots, store.digests, gathered, 0)
+            )
+            self.offload.complete_stores()
+
+    @rule()
     def step(self) -> None:
+        loading = set(self.scheduler.loading)
         output = self.scheduler.schedule()
+        self.unrowed |= loading - set(self.scheduler.loading)
+        self._store()
         assert output.num_scheduled_tokens <= self.scheduler.config.max_num_batched_tokens
         assert len(output.scheduled) <= 3
+        assert not {s.request.request_id for s in output.scheduled} & set(self.scheduler.loading)
         for item in output.scheduled:
             request = item.request
             tracked_pending = self.scheduler.num_pending_tokens(request.request_id)
@@ -161,21 +257,27 @@ class SchedulerMachine(RuleBasedStateMachine):
                 for row, num_nulls in zip(rows, item.num_null_blocks, strict=False):
                     row[:num_nulls] = [0] * num_nulls
         running = {r.request_id for r in self.scheduler.running}
-        assert set(self.rows) == running
+        self.unrowed &= running - {item.request.request_id for item in output.scheduled}
+        assert set(self.rows) == running - self.unrowed
         for request_id, row in self.rows.items():
             assert tuple(row) == self.manager.get_block_ids(request_id), request_id
 
     @invariant()
-    def blocks_held_by_exactly_the_running_requests(self) -> None:
+    def blocks_held_by_exactly_the_running_and_loading_requests(self) -> None:
         if not hasattr(self, "scheduler"):
             return
         refs: collections.Counter[int] = collections.Counter()
         running = {r.request_id for r in self.scheduler.running}
+        loading = set(self.scheduler.loading)
         for request_id, request in self.requests.items():
             (ids,) = self.manager.get_block_ids(request_id)
             if request_id in running:
                 assert request.status == RequestStatus.RUNNING
                 refs.update(i for i in ids if i)  # not the null block (left the window)
+            elif request_id in loading:
+                assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                assert ids, "a loading request holds the blocks its load writes"
+                refs.update(i for i in ids if i)
             else:
                 assert ids == [], f"{request_id} ({request.status!r}) holds blocks"
                 assert not self.encoder.get_cached_input_ids(request)
@@ -183,11 +285,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert block.ref_cnt == refs.get(block.block_id, 0)
         assert self.manager.num_free_blocks == NUM_BLOCKS - 1 - len(refs)
         waiting = [r.request_id for r in self.scheduler.waiting]
-        assert len(set(waiting)) == len(waiting) and not set(waiting) & running
+        assert len(set(waiting)) == len(waiting) and not set(waiting) & (running | loading)
+        assert not running & loading
         unfinished = {r for r, q in self.requests.items() if not q.is_finished}
-        assert unfinished == set(waiting) | running
+        assert unfinished == set(waiting) | running | loading
+        assert len(running | loading) <= 3  # max_num_seqs
         for refs_of_item in self.encoder.cached.values():
             assert refs_of_item <= running
+
+    @invariant()
+    def the_tier_is_pinned_by_the_loads_only(self) -> None:
+        offload = getattr(self, "offload", None)
+        if offload is None:
+            return
+        assert set(offload.loading) == set(self.scheduler.loading)
+        pins = collections.Counter(k for load in offload.loading.values() for k in load.keys)
+        tier = offload.tier
+        assert {k: tier.ref_count(k) for k in tier._entries if tier.ref_count(k)} == pins
 
     @invariant()
     def outputs_are_the_expected_tokens(self) -> None:
@@ -199,9 +313,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
             return
+        if self.offload is not None:
+            self.release.set()  # the loads finish staging from here on
         for _ in range(2000):
             if not (self.scheduler.has_unfinished_requests() or self.in_flight):
                 break
+            if self.offload is not None:
+                self._staged()
             self.step()
         assert not self.scheduler.has_unfinished_requests()
         for request_id, request in self.requests.items():
@@ -211,13 +329,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                     request.max_tokens, MAX_LEN - request.num_prompt_tokens
                 ), request_id
         assert self.manager.num_free_blocks == NUM_BLOCKS - 1
+        if self.offload is not None:
+            assert not self.offload.loading
+            assert all(self.offload.tier.ref_count(k) == 0 for k in self.offload.tier._entries)
         assert all(not refs for refs in self.encoder.cached.values())
         assert self.encoder.num_freeable_slots == self.encoder.cache_size
 
 
+# Enough runs that requests wait for loads, are aborted there and fail verification
+# (a few seconds).
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -43,7 +43,7 @@ from jaxkv.engine.model_runner import (
     group_kv_cache_specs,
     image_inputs,
 )
-from jaxkv.engine.offload import PendingStore, host_offloads
+from jaxkv.engine.offload import PendingStore, host_offloads, wait_for_a_staging
 from jaxkv.engine.outputs import OutputStream, RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
@@ -690,6 +690,12 @@ class LLMEngine:
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
         wait_s = 0.0
+        if current is None and done is None and self.offloads:
+            # Nothing runs until a pending host-tier load is staged: wait for one (the
+            # next step takes it) rather than step empty meanwhile.
+            t_wait = time.perf_counter()
+            wait_for_a_staging(self.offloads)
+            wait_s = time.perf_counter() - t_wait
         updates: list[RequestUpdate] = []
         if done is not None:
             t_wait = time.perf_counter()
@@ -731,10 +737,11 @@ class LLMEngine:
                 )
 
     def _fail_unschedulable(self) -> None:
-        """With nothing running or in flight, a waiting request that still cannot be
-        scheduled never will be: it finishes with an error instead of stalling the engine."""
+        """With nothing running, loading or in flight, a waiting request that still cannot
+        be scheduled never will be: it finishes with an error instead of stalling the
+        engine."""
         for scheduler in self.schedulers:
-            if scheduler.waiting and not scheduler.running:
+            if scheduler.waiting and not scheduler.running and not scheduler.loading:
                 request = scheduler.waiting[0]
                 self._fail(
                     request.request_id,
@@ -792,6 +799,7 @@ class LLMEngine:
                 num_scheduled_requests=sum(len(o.scheduled) for o in outs),
                 num_running=sum(len(s.running) for s in self.schedulers),
                 num_waiting=sum(len(s.waiting) for s in self.schedulers),
+                num_loading=sum(len(s.loading) for s in self.schedulers),
                 num_generated_tokens=len(updates),
                 prefix_queries=sum(p.queries + p.preempted_queries for p in prefix),
                 prefix_hits=sum(p.hits + p.preempted_hits for p in prefix),

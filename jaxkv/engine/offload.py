@@ -4,8 +4,9 @@ of its slots.
 Host only (numpy, no JAX): the scheduler asks it for the blocks that follow a request's
 device prefix hit and reports the blocks of requests it frees; the engine moves the
 bytes with the model runner's block gather and in-place scatter. vLLM's offloading
-connector, reduced to one process, a synchronous load and a store at request end or at
-device-pool eviction (`store_at`, `EngineConfig.kv_offloading_store`).
+connector, reduced to one process: a load staged off the scheduling path (a worker
+thread) while the request waits, and a store at request end or at device-pool eviction
+(`store_at`, `EngineConfig.kv_offloading_store`).
 
 Every KV-cache group is served that is full attention or sliding window (a hybrid model
 such as Gemma 3 has both); other kinds (chunked local, Mamba, ...) are refused by
@@ -38,22 +39,28 @@ the tier keeps.
   `schedule()`, before that step (which may write into a block evicted for it) or
   any later one can reuse them, and once the copy lands the tier keeps each block
   with the checksum of digest and bytes.
-* **Load** (`lookup`, `admitted`, `cancel`, `take_loads`): on admission, after the
-  device prefix hit of `h` tokens, the tier serves a hit ending at `e` (blocks) when
-  every group has what the device pool allocates for the prefix `e`: full attention,
-  blocks `[h, e)`; a sliding window, blocks `[max(h, s), e)` with `s` the first block
-  the window before token `e` reaches (the device hit holds those before `h`; those
-  before `s` are the null block) -- as `allocate_slots(num_external_computed_tokens=
-  ...)` assigns them. The longest such `e` is taken; its blocks are pinned, read out
-  of the host buffer and verified (digest of the request's own tokens plus the bytes
-  read, against the stored checksum) before anything else happens; a mismatch drops
-  that block from the tier (counted, never served) and the hit is looked for again
-  without it, the rest recomputed. The read blocks are unpinned at once: the load owns
-  a copy. The scheduler allocates them as connector tokens, and the engine scatters
-  the copy into each group's new device blocks ahead of the step, so the step that
-  computes the rest of the request reads them. A load is thus all or nothing inside
-  one step: aborting or preempting the request afterwards frees device blocks as for
-  any request and leaves no pin in the tier.
+* **Load** (`lookup`, `admitted`, `cancel`, `take_loads`, `discard`), as vLLM's
+  offloading connector loads asynchronously: on admission, after the device prefix hit
+  of `h` tokens, the tier serves a hit ending at `e` (blocks) when every group has what
+  the device pool allocates for the prefix `e`: full attention, blocks `[h, e)`; a
+  sliding window, blocks `[max(h, s), e)` with `s` the first block the window before
+  token `e` reaches (the device hit holds those before `h`; those before `s` are the
+  null block) -- as `allocate_slots(num_external_computed_tokens=...)` assigns them.
+  `lookup` finds the longest such `e` (reading nothing); the scheduler allocates the
+  blocks as connector tokens and, in `admitted`, the hit's blocks are pinned and their
+  staging handed to a worker thread: a copy out of the host buffer and its checksums
+  (digest of the request's own tokens plus the bytes read). The request waits
+  (`RequestStatus.WAITING_FOR_REMOTE_KVS`) while other requests run. A later
+  `take_loads` (the scheduler's next `schedule()` at the earliest) takes the finished
+  stagings only: each is verified against the stored checksums and unpinned; a
+  verified one goes with that step (the engine scatters it into the request's device
+  blocks before the step's forward, so every later program reads them) and its request
+  runs from the next step; one with a mismatch (the block is dropped from the tier:
+  counted, never served) or a staging error is reported failed, and its request is
+  recomputed from its device prefix hit. `discard` (a request freed while loading)
+  cancels its staging, or waits for one already running, and releases its pins. A
+  step with nothing to run but loads pending waits for one (`wait_for_a_staging`)
+  instead of stepping empty.
 
 Data ranks: each rank has its own scheduler, device pool and block ids, so it has its
 own `HostOffload` (its own tier of `kv_offloading_size` bytes, its own tenant quotas,
@@ -61,7 +68,10 @@ its KV events published with the rank's); the engine batches the ranks' gathers 
 scatters into one device program each, and routes a new request by the prefix a rank
 holds in its device pool or its tier (`num_cached_tokens`).
 
-Invariants: no key of the tier is pinned between scheduler calls; every queued store
+Invariants: a key of the tier is pinned between scheduler calls only by the loads of
+requests waiting for them (`loading`: one pin per block of each); a staged block goes
+only to device blocks of its own request, taken once; between scheduler calls no
+lookup is pending (`admitted` or `cancel` follows each within the call); every queued store
 names a block whose bytes are final (full and computed by steps already dispatched)
 and that no program writes before its gather is dispatched (the engine dispatches the
 gathers before the next step, its zeroing, copies and loads; a block evicted for reuse
@@ -76,6 +86,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -94,10 +105,12 @@ __all__ = [
     "Gathered",
     "STORE_MOMENTS",
     "HostOffload",
+    "LoadBatch",
     "PendingStore",
     "StoreBatch",
     "block_digest",
     "host_offloads",
+    "wait_for_a_staging",
 ]
 
 # The KV-cache group kinds the engine's host tier serves.
@@ -142,14 +155,51 @@ class _Store:
 
 
 @dataclass
-class _Staged:
-    """A request's verified host hit: blocks `[first, end)` of its prefix, as
-    `(group, block index)` pairs `blocks` (`[n, *block_shape]`) go to."""
+class _Found:
+    """A request's host hit, as `lookup` found it: blocks `[first, end)` of its prefix,
+    each group's `(group, block index)` pairs `targets`."""
 
     first: int
     end: int
     targets: list[tuple[int, int]]
-    blocks: np.ndarray
+
+
+def _stage(
+    buffer: np.ndarray, slots: list[int], digests: list[bytes]
+) -> tuple[np.ndarray, list[bytes]]:
+    """A load's staging (on the worker thread): the host blocks of `slots`, copied, and
+    the checksum of each with its digest."""
+    blocks = buffer[slots]
+    return blocks, [_checksum(d, b) for d, b in zip(digests, blocks, strict=True)]
+
+
+@dataclass
+class _Load:
+    """An admitted request's load: the pinned `keys` (one per target), and the staged
+    blocks' rows `rows` going to device blocks `block_ids` of groups `groups` (the
+    targets the pool did not leave null); `num_tokens` it serves; `staging` the worker's
+    copy and checksums."""
+
+    keys: list[BlockHashWithGroupId]
+    block_ids: list[int]
+    groups: list[int]
+    rows: list[int]
+    num_tokens: int
+    staging: Future[tuple[np.ndarray, list[bytes]]]
+
+
+class LoadBatch(NamedTuple):
+    """What `take_loads` hands out: the requests whose loads go with the next step
+    (`loaded`, their host blocks `blocks`, `[n, *block_shape]`, onto the layers `layers`,
+    `[n, layers_per_block]`, of device blocks `block_ids`; None, None: nothing), and
+    those whose load failed (`failed`: a verification mismatch or a staging error; their
+    pins are released, their device blocks hold nothing loaded)."""
+
+    loaded: list[str]
+    failed: list[str]
+    block_ids: list[int]
+    blocks: np.ndarray | None
+    layers: np.ndarray | None
 
 
 class Gathered(Protocol):
@@ -193,7 +243,9 @@ class HostOffload:
     `group_layers[g]`: the indices, in the runner's stacked KV cache, of KV-cache group
     `g`'s layers; a host block of group `g` holds those layers in that order, padded
     with zeros to `block_shape[0]` (the most layers of a group). `block_size`: tokens
-    per block, every group's.
+    per block, every group's. `loading`: the admitted requests' loads not taken yet,
+    by request id (one each), their blocks pinned in the tier; it owns the worker
+    thread that stages them (it ends with this object).
     """
 
     def __init__(
@@ -230,56 +282,40 @@ class HostOffload:
         # store_at="evicted": device block id -> (its key, digest, tenant) when a freed
         # request offered it; stale (ignored, replaced) once the block holds another key.
         self._candidates: dict[int, tuple[BlockHashWithGroupId, bytes, str | None]] = {}
-        # request id -> its verified hit, kept until it is admitted or freed: a request
-        # retried step after step is read and verified once
-        self._staged: dict[str, _Staged] = {}
+        # request id -> the hit its lookup found, until it is admitted or not (`cancel`)
+        self._found: dict[str, _Found] = {}
         self._queried: dict[str, int] = {}  # request id -> tokens its lookup asked for
-        self._loads: list[tuple[list[int], list[int], np.ndarray]] = []  # ids, groups, blocks
+        # request id -> its load, admitted, not yet taken or discarded (admission order)
+        self.loading: dict[str, _Load] = {}
+        # Stages the loads: numpy copies and hashing release the GIL. One thread keeps
+        # them in admission order; its thread ends with this object.
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-host-load")
         self.pending_stores: list[PendingStore] = []
 
     # -- loads (scheduler) -------------------------------------------------------------
 
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens after the first `num_computed_tokens` (a whole number of blocks) that the
-        tier serves verified, whole blocks only, leaving at least the request's last
-        token to compute. The verified blocks are staged for `admitted` (a copy, reused
-        when the request is looked up again from the same block)."""
+        tier holds for `request`, whole blocks only, leaving at least its last token to
+        compute. Nothing is read or pinned yet: `admitted` starts the load, `cancel`
+        forgets it."""
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        self._found.pop(request.request_id, None)
         if num_computed_tokens % bs or first >= last:
             return 0
         self._queried[request.request_id] = (last - first) * bs
-        staged = self._staged.get(request.request_id)
-        if staged is None or staged.first != first:
-            staged = self._stage(request, first, last)
-        return 0 if staged is None else (staged.end - first) * bs
+        end, targets = self._find_hit(request, first, last)
+        if not targets:
+            return 0
+        self._found[request.request_id] = _Found(first, end, targets)
+        return (end - first) * bs
 
     def num_cached_tokens(self, request: Request) -> int:
         """Tokens of `request`'s prefix the tier could serve from its first token, as a
         lookup after no device hit would (nothing pinned, read or verified)."""
         last = (request.num_tokens - 1) // self.block_size
         return self._find_hit(request, 0, last)[0] * self.block_size if last > 0 else 0
-
-    def _stage(self, request: Request, first: int, last: int) -> _Staged | None:
-        """Read and verify the longest hit after block `first`; a block failing the
-        check is dropped from the tier and the hit looked for again without it."""
-        self._staged.pop(request.request_id, None)
-        hashes, bs = request.block_hashes, self.block_size
-        while True:
-            end, targets = self._find_hit(request, first, last)
-            if not targets:
-                return None
-            keys = [make_block_hash_with_group_id(hashes[i], g) for g, i in targets]
-            blocks = self.buffer[self.tier.prepare_load(keys)]  # a copy: the pins end below
-            digests = {i: block_digest(request, i, bs) for i in {i for _, i in targets}}
-            checksums = [
-                _checksum(digests[i], block) for (_, i), block in zip(targets, blocks, strict=True)
-            ]
-            if not self.tier.complete_load(keys, checksums):
-                break
-            self.stats["failed_loads"] += 1
-        staged = self._staged[request.request_id] = _Staged(first, end, targets, blocks)
-        return staged
 
     def _find_hit(self, request: Request, first: int, last: int) -> tuple[int, list]:
         """The longest hit end `end` in `(first, last]` (blocks) for which every group has
@@ -312,42 +348,86 @@ class HostOffload:
                 return e, [(g, i) for g in groups for i in range(start(g, e), e)]
         return first, []
 
-    def admitted(self, request: Request, block_lists: Sequence[Sequence[KVCacheBlock]]) -> None:
+    def admitted(self, request: Request, block_lists: Sequence[Sequence[KVCacheBlock]]) -> bool:
         """`request`, looked up last, is admitted with the device blocks `block_lists` (per
-        group, as `allocate_slots` left them): its staged blocks (if any) go to the
-        blocks `allocate_slots` gave its connector tokens with the next step (one the
-        pool left null, outside a window, is not needed). Its lookup counts in the
-        stats from here."""
-        self.stats["queried_tokens"] += self._queried.pop(request.request_id, 0)
-        staged = self._staged.pop(request.request_id, None)
-        if staged is None:
-            return
+        group, as `allocate_slots` left them, its host hit as connector tokens). When its
+        lookup found a hit, that hit's blocks are pinned and their staging starts (the
+        worker copies and checksums them); they go to the blocks `allocate_slots` gave
+        its connector tokens (one the pool left null, outside a window, is not needed)
+        once `take_loads` takes them. Returns whether a load started: the request then
+        waits for it. Its lookup counts in the stats from here."""
+        request_id = request.request_id
+        self.stats["queried_tokens"] += self._queried.pop(request_id, 0)
+        found = self._found.pop(request_id, None)
+        if found is None:
+            return False
+        if request_id in self.loading:
+            raise ValueError(f"request {request_id!r} is already loading from the host tier")
+        hashes, bs = request.block_hashes, self.block_size
+        keys = [make_block_hash_with_group_id(hashes[i], g) for g, i in found.targets]
+        digests = {i: block_digest(request, i, bs) for _, i in found.targets}
         ids, groups, rows = [], [], []
-        for row, (g, i) in enumerate(staged.targets):
+        for row, (g, i) in enumerate(found.targets):
             block = block_lists[g][i]
             if not block.is_null:
                 ids.append(block.block_id)
                 groups.append(g)
                 rows.append(row)
-        self._loads.append((ids, groups, staged.blocks[rows]))
-        self.stats["hit_tokens"] += (staged.end - staged.first) * self.block_size
-        self.stats["loaded_bytes"] += len(rows) * self.block_bytes
+        slots = self.tier.prepare_load(keys)  # pinned until taken or discarded
+        staging = self._stager.submit(
+            _stage, self.buffer, slots, [digests[i] for _, i in found.targets]
+        )
+        num_tokens = (found.end - found.first) * bs
+        self.loading[request_id] = _Load(keys, ids, groups, rows, num_tokens, staging)
+        return True
 
     def cancel(self, request: Request) -> None:
-        """`request`, looked up last, was not admitted (its staged blocks are kept for its
-        next attempt)."""
+        """`request`, looked up last, was not admitted: what its lookup found is
+        forgotten (nothing was pinned)."""
         self._queried.pop(request.request_id, None)
+        self._found.pop(request.request_id, None)
 
-    def take_loads(self) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
-        """The device block ids, host blocks `[n, *block_shape]` and the layers each goes
-        to (`[n, layers_per_block]`, `layers_of`) to scatter before the next step (None,
-        None: nothing)."""
-        loads, self._loads = self._loads, []
-        if not loads:
-            return [], None, None
-        ids = [i for load in loads for i in load[0]]
-        groups = [g for load in loads for g in load[1]]
-        return ids, np.concatenate([load[2] for load in loads]), self.layer_table[groups]
+    def take_loads(self) -> LoadBatch:
+        """The loads whose staging has finished, in admission order, verified and
+        unpinned; the others keep waiting. A verified load's blocks are handed out to be
+        scattered before the next step (in `LoadBatch.blocks`), one failing the check (a
+        block whose checksum differs is dropped from the tier, counted) or whose staging
+        raised is reported in `LoadBatch.failed`; either way the load is over."""
+        loaded, failed, parts = [], [], []
+        for request_id, load in list(self.loading.items()):
+            if not load.staging.done():
+                continue
+            del self.loading[request_id]
+            try:
+                blocks, checksums = load.staging.result()
+            except Exception:  # a staging error: the request recomputes, as on a mismatch
+                blocks, checksums = None, None
+            rejected = self.tier.complete_load(load.keys, checksums)  # unpins
+            if blocks is None or rejected:
+                self.stats["failed_loads"] += 1
+                failed.append(request_id)
+                continue
+            loaded.append(request_id)
+            parts.append((load, blocks[load.rows]))
+            self.stats["hit_tokens"] += load.num_tokens
+            self.stats["loaded_bytes"] += len(load.rows) * self.block_bytes
+        if not parts:
+            return LoadBatch(loaded, failed, [], None, None)
+        ids = [i for load, _ in parts for i in load.block_ids]
+        groups = [g for load, _ in parts for g in load.groups]
+        blocks = np.concatenate([rows for _, rows in parts])
+        return LoadBatch(loaded, failed, ids, blocks, self.layer_table[groups])
+
+    def discard(self, request: Request) -> None:
+        """Drop `request`'s load, if it has one not taken yet (it is freed while waiting):
+        its staging is cancelled or, already running, waited for (it reads the pinned
+        slots, which a store may reuse once unpinned), then its pins are released."""
+        load = self.loading.pop(request.request_id, None)
+        if load is None:
+            return
+        if not load.staging.cancel():
+            wait([load.staging])
+        self.tier.complete_load(load.keys)
 
     def layers_of(self, keys: Sequence[BlockHashWithGroupId]) -> np.ndarray:
         """The stacked cache's layers each key's block moves, `[n, layers_per_block]`
@@ -365,13 +445,14 @@ class HostOffload:
     ) -> None:
         """Offer the blocks of `request` (its block lists per group, read before the pool
         frees them) that a hit ending where the group's cached blocks end needs
-        (`HostKVTier.storable_block_range`); drop what was staged for it. A block the
+        (`HostKVTier.storable_block_range`). A block the
         request already released (a sliding window's, now the null block in its list)
         is taken from the device prefix cache, `device_cached(key)` (the block pool's
         `get_one_block`), when still there. `store_at="finished"`: those the tier does
         not hold yet are queued; "evicted": each is remembered with its digest (once per
-        key a block holds) until the pool evicts it (`blocks_evicted`)."""
-        self._staged.pop(request.request_id, None)
+        key a block holds) until the pool evicts it (`blocks_evicted`). A load the
+        request still waits for is discarded first (`discard`)."""
+        self.discard(request)
         bs, candidates = self.block_size, self._candidates
         for g, blocks in enumerate(block_lists):
             num_cached = next(
@@ -473,17 +554,23 @@ class HostOffload:
         return {name: stats[name] for name in STAT_NAMES}
 
     def reset(self) -> bool:
-        """Land the pending stores, drop the queued ones and what lookups staged, and clear
-        the tier (`AllBlocksCleared`); False, changing nothing, while loads are taken
-        for a step not yet dispatched."""
-        if self._loads:
+        """Land the pending stores, drop the queued ones, and clear the tier
+        (`AllBlocksCleared`); False, changing nothing, while a request waits for a load."""
+        if self.loading:
             return False
         self.complete_stores()
         self._queued = _Store()
         self._queued_keys.clear()
         self._candidates.clear()
-        self._staged.clear()
         return self.tier.reset()
+
+
+def wait_for_a_staging(offloads: Sequence[HostOffload]) -> None:
+    """Block until a load of any of `offloads` has finished staging (`take_loads` then
+    takes it); at once when none is pending."""
+    stagings = [load.staging for offload in offloads for load in offload.loading.values()]
+    if stagings:
+        wait(stagings, return_when=FIRST_COMPLETED)
 
 
 def host_offloads(config, runner) -> list[HostOffload]:

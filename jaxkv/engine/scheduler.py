@@ -22,13 +22,27 @@ Rules, in the order `schedule()` applies them:
   cannot give a request its slots, the newest running request is preempted (its blocks
   are freed, it is recomputed later, mostly from the prefix cache) until the request
   fits or is itself preempted.
+* Host-tier loads whose staging has finished are taken (`HostOffload.take_loads`):
+  they go with this step, scattered before its forward, and their requests run from
+  the next step on; a request whose load failed verification (or staging) goes back to
+  the front of `waiting` without its blocks and is recomputed from its device prefix
+  hit, not looking the tier up again.
 * Waiting requests are admitted, oldest first, from their longest cached prefix, while
-  requests, tokens and blocks last; none in a step that had to preempt. A request whose
-  whole remaining chunk cannot fit the free blocks is not looked up (no cache query).
+  requests (running and loading together at most `max_num_seqs`), tokens and blocks
+  last; none in a step that had to preempt. A request whose whole remaining chunk
+  cannot fit the free blocks is not looked up (no cache query). With a host tier, a
+  request whose prefix continues there is allocated its blocks with the tier's tokens
+  as connector tokens (`num_external_computed_tokens`, caching delayed) and moves to
+  `loading` (`WAITING_FOR_REMOTE_KVS`): it computes nothing and takes no token budget
+  until its load is taken.
 * Multimodal items: a chunk that reaches an item's placeholders needs the item's encoder
   output. A cached item (`EncoderCacheManager`) is shared, a new one is encoded once
   within the per-step encoder compute budget; the chunk is cut before an item that cannot
   be scheduled now.
+* Preemption picks victims among running requests only: a request waiting for its load
+  is not running (as in vLLM) and keeps its blocks until its load is taken; its load
+  always ends (taken or failed) within the steps its staging takes, after which it can
+  be preempted like any running request.
 * A step's tokens are counted as computed when it is scheduled. A chunk that reaches the
   end of a request's tokens samples one token; until `update_from_output` appends it, it
   is *pending*, and the request's next decode step reads it from the previous step's
@@ -45,9 +59,12 @@ and `finished_request_ids`, holds exactly `kv_cache_manager.get_block_ids(reques
 for every running request.
 
 Invariants (checked by tests/test_engine_scheduler_stateful.py): the blocks held in the
-pool are exactly those of the running requests; a finished, aborted or preempted request
-holds no block and no encoder-cache entry; every request is in exactly one of `waiting`,
-`running`, or neither (finished).
+pool are exactly those of the running and loading requests; a finished, aborted or
+preempted request holds no block and no encoder-cache entry, and no load; every request
+is in exactly one of `waiting`, `loading`, `running`, or none (finished); a loading
+request has exactly one load in its `HostOffload` (`HostOffload.loading`), and the
+blocks a load writes belong to that request alone (allocated to it, not cached until
+the load is taken, so no other request's hit reaches them before they hold their KV).
 """
 
 from __future__ import annotations
@@ -61,7 +78,7 @@ import numpy as np
 
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
-from jaxkv.engine.offload import HostOffload
+from jaxkv.engine.offload import HostOffload, LoadBatch
 from jaxkv.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from jaxkv.kv_cache_utils import KVCacheBlockCopy
 from jaxkv.request import Request
@@ -182,7 +199,8 @@ class RequestUpdate:
 @dataclass(slots=True)
 class _Tracked:
     """The scheduler's record of an unfinished request. Its status is the request's own
-    `status` (the one record of it: waiting, running, preempted, finished)."""
+    `status` (the one record of it: waiting, waiting for its load, running, preempted,
+    finished)."""
 
     request: Request
     stop_token_ids: frozenset[int]
@@ -191,6 +209,8 @@ class _Tracked:
     held_inputs: set[int] = field(default_factory=set)
     num_cached_tokens: int = 0  # prefix-cache and host-tier hits at its first admission
     num_host_cached_tokens: int = 0  # the host tier's share
+    # Its host-tier load failed: its next admission does not look the tier up.
+    skip_host_tier: bool = False
     # Per KV-cache group, the leading null blocks of its lists as last reported; None:
     # its row must be reset (new, or resumed after preemption).
     num_null_blocks: list[int] | None = None
@@ -250,8 +270,8 @@ class Scheduler:
     simulation needs no block tables). `offload`: a host-memory KV tier
     (`jaxkv.engine.offload.HostOffload`, this rank's): an admitted request's blocks
     after its device prefix hit are looked up there and allocated as connector tokens,
-    their load going with the step (`kv_load_block_ids`); a freed request's cached
-    blocks are offered to it.
+    the request waiting in `loading` until its load goes with a step
+    (`kv_load_block_ids`); a freed request's cached blocks are offered to it.
     """
 
     def __init__(
@@ -288,6 +308,8 @@ class Scheduler:
         )
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        # Admitted, waiting for their host-tier loads (WAITING_FOR_REMOTE_KVS), by id.
+        self.loading: dict[str, Request] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._num_arrivals = 0
         self._finished_ids: list[str] = []  # since the last `schedule()`
@@ -328,13 +350,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Request:
-        """Finish a waiting or running request now; KeyError naming it when it is unknown."""
+        """Finish an unfinished request now; KeyError naming it when it is unknown."""
         return self.finish_request(request_id, FinishReason.ABORT)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request:
-        """Finish a waiting or running request now with `reason` (its blocks and encoder
-        entries are freed; a token of it still in flight is dropped); KeyError naming it
-        when it is unknown."""
+        """Finish a waiting, loading or running request now with `reason` (its blocks and
+        encoder entries are freed, a load it waits for is discarded; a token of it still
+        in flight is dropped); KeyError naming it when it is unknown."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
@@ -395,6 +417,8 @@ class Scheduler:
                 continue
             self._release_planned(request, inputs)
             break
+        # Before admitting: the loads admitted in this call are taken by a later one.
+        loads = self._take_loads() if self.loading else None
         if not preempted:
             self._admit(scheduled, budget, encoder_budget, counts)
         freed_blocks = (
@@ -408,10 +432,9 @@ class Scheduler:
         out = SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
         if self._finished_ids:
             out.finished_request_ids, self._finished_ids = self._finished_ids, []
-        if self.offload is not None:
-            out.kv_load_block_ids, out.kv_load_blocks, out.kv_load_layers = (
-                self.offload.take_loads()
-            )
+        if loads is not None:
+            out.kv_load_block_ids, out.kv_load_blocks = loads.block_ids, loads.blocks
+            out.kv_load_layers = loads.layers
         if self.takes_block_copies:
             copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
             if copies:
@@ -427,7 +450,8 @@ class Scheduler:
     ) -> None:
         manager = self.kv_cache_manager
         block_size = manager.coordinator.scheduler_block_size
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        max_num_seqs = self.config.max_num_seqs
+        while self.waiting and len(self.running) + len(self.loading) < max_num_seqs and budget > 0:
             request = self.waiting[0]
             tracked = self._tracked[request.request_id]
             if tracked.num_pending:
@@ -438,8 +462,14 @@ class Scheduler:
                 break  # cheap pre-check, so hopeless attempts do not count as cache lookups
             hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = shared_prefix_boundary
-            num_host = 0 if self.offload is None else self.offload.lookup(request, num_hits)
-            plan = self._plan(tracked, num_hits + num_host, budget, encoder_budget)
+            num_host = 0
+            if self.offload is not None and not tracked.skip_host_tier:
+                num_host = self.offload.lookup(request, num_hits)
+            if num_host:
+                if not self._admit_loading(tracked, hit_blocks, num_hits, num_host):
+                    break
+                continue
+            plan = self._plan(tracked, num_hits, budget, encoder_budget)
             if plan is None:
                 self._cancel_load(request)
                 break
@@ -450,27 +480,80 @@ class Scheduler:
                 num_hits,
                 hit_blocks,
                 num_lookahead_tokens=self.config.num_lookahead_tokens,
-                num_external_computed_tokens=num_host,
             )
             if new_blocks is None:
                 self._release_planned(request, inputs)
                 self._cancel_load(request)
                 break
-            if self.offload is not None:
+            if self.offload is not None:  # its lookup found nothing: no load starts
                 self.offload.admitted(request, manager.get_blocks(request.request_id).blocks)
-            self.waiting.popleft()
-            self.num_admitted_tokens += request.num_tokens
-            self.num_admitted_hit_tokens += num_hits + num_host
-            request.num_computed_tokens = num_hits + num_host
-            if not request.num_preemptions:
-                tracked.num_cached_tokens = num_hits + num_host
-                tracked.num_host_cached_tokens = num_host
+            self._admitted(tracked, num_hits, 0)
             _set_status(request, "RUNNING")
             self.running.append(request)
             if inputs:
                 encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
             scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
             budget -= num_new
+
+    def _admit_loading(
+        self, tracked: _Tracked, hit_blocks: KVCacheBlocks, num_hits: int, num_host: int
+    ) -> bool:
+        """Admit the first waiting request, whose `num_host` tokens after its `num_hits`
+        device hit the host tier holds, into `loading`: its blocks are allocated, the
+        tier's tokens as connector tokens, their caching delayed until the load is taken
+        (no other request may hit them before they hold their KV); no token is computed
+        now. False (nothing changed): the pool has too few free blocks."""
+        request = tracked.request
+        manager = self.kv_cache_manager
+        new_blocks = manager.allocate_slots(
+            request,
+            0,
+            num_hits,
+            hit_blocks,
+            num_external_computed_tokens=num_host,
+            delay_cache_blocks=True,
+        )
+        if new_blocks is None:
+            self._cancel_load(request)
+            return False
+        self.offload.admitted(request, manager.get_blocks(request.request_id).blocks)
+        self._admitted(tracked, num_hits, num_host)
+        _set_status(request, "WAITING_FOR_REMOTE_KVS")
+        self.loading[request.request_id] = request
+        return True
+
+    def _admitted(self, tracked: _Tracked, num_hits: int, num_host: int) -> None:
+        """The first waiting request leaves `waiting` with its hits computed."""
+        request = tracked.request
+        self.waiting.popleft()
+        tracked.skip_host_tier = False
+        self.num_admitted_tokens += request.num_tokens
+        self.num_admitted_hit_tokens += num_hits + num_host
+        request.num_computed_tokens = num_hits + num_host
+        if not request.num_preemptions:
+            tracked.num_cached_tokens = num_hits + num_host
+            tracked.num_host_cached_tokens = num_host
+
+    def _take_loads(self) -> LoadBatch:
+        """Take the finished loads: a loaded request runs from the next step (its blocks,
+        scattered before this step's forward, are cached now); one whose load failed is
+        freed and goes back to the front of `waiting`, to be recomputed from its device
+        prefix hit without the tier."""
+        loads = self.offload.take_loads()
+        for request_id in loads.loaded:
+            request = self.loading.pop(request_id)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            _set_status(request, "RUNNING")
+            self.running.append(request)
+        for request_id in reversed(loads.failed):
+            request = self.loading.pop(request_id)
+            tracked = self._tracked[request_id]
+            self._free_blocks(request)
+            request.num_computed_tokens = 0
+            tracked.skip_host_tier = True
+            _set_status(request, "PREEMPTED" if request.num_preemptions else "WAITING")
+            self.waiting.appendleft(request)
+        return loads
 
     def _cancel_load(self, request: Request) -> None:
         if self.offload is not None:
@@ -715,8 +798,10 @@ class Scheduler:
         request = tracked.request
         if tracked.running:
             self.running.remove(request)
-        else:
+        elif self.loading.pop(request.request_id, None) is None:
             self.waiting.remove(request)
+        # A load not taken yet is discarded; one taken went with a step already
+        # dispatched, which every program using these blocks later is ordered after.
         self._free_blocks(request)
         self._free_encoder_inputs(tracked)
         _set_status(request, _FINISHED_STATUS[reason])

@@ -23,6 +23,7 @@ class StepStats:
     num_scheduled_requests: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_loading: int = 0  # admitted, waiting for their host-tier loads
     num_generated_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -35,7 +36,7 @@ class StepStats:
     wait_s: float = 0.0
     compilations: int = 0
     # Host tier: tokens looked up after the device prefix hit, found (verified), bytes
-    # loaded and stored, loads cut short by a verification mismatch.
+    # loaded and stored, loads that failed (verification or staging; recomputed).
     host_queried_tokens: int = 0
     host_hit_tokens: int = 0
     host_loaded_bytes: int = 0
@@ -156,7 +157,7 @@ class EngineStats:
         """Totals of every counter, plus the hit rates."""
         out: dict[str, float] = {"steps": len(self.steps)}
         for f in fields(StepStats):
-            if f.name not in ("step", "kv_usage", "num_running", "num_waiting"):
+            if f.name not in ("step", "kv_usage", "num_running", "num_waiting", "num_loading"):
                 out[f.name] = self.total(f.name)
         out["prefix_hit_rate"] = self.prefix_hit_rate
         out["encoder_hit_rate"] = self.encoder_hit_rate
