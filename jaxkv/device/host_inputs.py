@@ -35,7 +35,7 @@ def check_ids(
     arr = np.asarray(ids)
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}{where}")
-    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+    if arr.size and arr.dtype.kind not in "iu":  # signed or unsigned integers (not bool)
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}{where}")
     if not arr.size or (pad is None and arr.min() >= lo and arr.max() < hi):
         return arr.astype(np.int32)

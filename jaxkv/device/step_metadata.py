@@ -113,7 +113,7 @@ class StepLayout:
         ends = np.cumsum([0] + [f.length for f in self.fields]).tolist()
         return {f.name: (ends[i], ends[i + 1]) for i, f in enumerate(self.fields)}
 
-    @property
+    @functools.cached_property
     def length(self) -> int:
         return sum(f.length for f in self.fields)
 
@@ -158,6 +158,23 @@ class StepLayout:
             out[:, start:stop] = value
         return out
 
+    def views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
+        """Field name -> a writable view of its slice of the host `buffer` (`[..., length]`
+        int32; float32 fields viewed as float32): what a packer fills in place, its
+        values then unchecked (`pack` checks them)."""
+        if buffer.shape[-1:] != (self.length,) or buffer.dtype != _INT32:
+            raise ValueError(
+                f"step buffer has shape {buffer.shape} dtype {buffer.dtype}; the layout "
+                f"holds [..., {self.length}] int32"
+            )
+        bounds = self.bounds
+        out = {}
+        for f in self.fields:
+            start, stop = bounds[f.name]
+            part = buffer[..., start:stop]
+            out[f.name] = part.view(np.float32) if f.dtype == _FLOAT32 else part
+        return out
+
     def unpack(self, buffer: np.ndarray | jax.Array) -> dict[str, np.ndarray | jax.Array]:
         """Field name -> its slice of `buffer` (`[..., length]` int32, numpy or traced),
         float32 fields bitcast back; ValueError when the row length or dtype differs."""
@@ -188,7 +205,7 @@ class StepShape:
     num_reqs: int
     max_blocks_per_req: int
 
-    @property
+    @functools.cached_property
     def layout(self) -> StepLayout:
         """The metadata's fields for this shape (see the module docstring)."""
         return _metadata_layout(self)
@@ -307,10 +324,11 @@ class StepMetadataPacker:
         self._req_bucket_of = {
             t: pick_bucket(min(t, max_num_reqs), self.req_buckets) for t in self.token_buckets
         }
+        self._all_shapes = tuple(self._shape_for(t) for t in self.token_buckets)
 
     def all_shapes(self) -> list[StepShape]:
         """Every shape `pack` can produce (for warm-up): one per token bucket."""
-        return [self._shape_for(t) for t in self.token_buckets]
+        return list(self._all_shapes)
 
     def shape_for(self, num_tokens: int) -> StepShape:
         """The bucket shape `pack` chooses for a step of `num_tokens` tokens (per rank)."""
@@ -352,7 +370,7 @@ class StepMetadataPacker:
                 f"{int(s.seq_lens[i])} (allowed [1, seq_len]){where}"
             )
         cu = np.zeros(n_reqs + 1, np.int32)
-        np.cumsum(ql, out=cu[1:])
+        cu[1:] = ql.cumsum()
         n_tokens = int(cu[-1])
         slots = s.slot_mapping
         if slots is not None:
@@ -395,41 +413,52 @@ class StepMetadataPacker:
         """
         ranks = [steps] if isinstance(steps, StepInputs) else list(steps)
         derived = [self._derive(s, i) for i, s in enumerate(ranks)]
+        shape = self._check_shape(derived, shape)
+        out = np.zeros((len(ranks), shape.length), np.int32)
+        self._write(derived, shape, out)
+        return out, shape
+
+    def pack_into(self, steps: Sequence[StepInputs], shape: StepShape, out: np.ndarray) -> None:
+        """`pack` into `out`, zero-filled `[dp, shape.length]` int32 (e.g. a view of a
+        larger step buffer), for `shape` chosen by the caller (`shape_for`)."""
+        derived = [self._derive(s, i) for i, s in enumerate(steps)]
+        self._write(derived, self._check_shape(derived, shape), out)
+
+    def _check_shape(self, derived: Sequence[_Derived], shape: StepShape | None) -> StepShape:
+        """`shape`, or the smallest holding every rank's step; ValueError when it is not
+        one of this packer's shapes or does not hold them."""
         n_tokens = max((d.slot_mapping.size for d in derived), default=0)
         n_reqs = max((d.seq_lens.size for d in derived), default=0)
         if shape is None:
-            shape = self.shape_for(n_tokens)
-        elif shape not in self.all_shapes():
+            return self.shape_for(n_tokens)
+        if shape not in self._all_shapes:
             raise ValueError(f"{shape} is not one of this packer's bucket shapes")
-        elif n_tokens > shape.num_tokens or n_reqs > shape.num_reqs:
+        if n_tokens > shape.num_tokens or n_reqs > shape.num_reqs:
             raise ValueError(f"{n_tokens} tokens and {n_reqs} requests do not fit {shape}")
-        t, r, w = shape.num_tokens, shape.num_reqs, shape.max_blocks_per_req
-        dp = len(ranks)
-        counts = np.zeros((dp, 2), np.int32)
-        block_tables = np.zeros((dp, r, w), np.int32)
-        seq_lens = np.zeros((dp, r), np.int32)
-        query_start_loc = np.zeros((dp, r + 1), np.int32)
-        slot_mapping = np.full((dp, t), self.padding_slot, np.int32)
-        positions = np.zeros((dp, t), np.int32)
+        return shape
+
+    def _write(self, derived: Sequence[_Derived], shape: StepShape, out: np.ndarray) -> None:
+        """Fill the zeroed rows `out` (`[dp, shape.length]`) with the checked steps: the
+        padding rows are zero but for the queries' ends (the token count) and the slots
+        (`padding_slot`)."""
+        if out.shape != (len(derived), shape.length) or out.dtype != _INT32:
+            raise ValueError(
+                f"out has shape {out.shape} dtype {out.dtype}; {len(derived)} rank(s) of "
+                f"{shape} need ({len(derived)}, {shape.length}) int32"
+            )
+        fields = shape.layout.views(out)
+        block_tables = fields["block_tables"].reshape(len(derived), shape.num_reqs, -1)
         for k, d in enumerate(derived):
             n, m = d.seq_lens.size, d.slot_mapping.size
-            counts[k] = m, n
+            fields["num_tokens"][k] = m
+            fields["num_reqs"][k] = n
             block_tables[k, :n] = d.block_tables
-            seq_lens[k, :n] = d.seq_lens
-            query_start_loc[k, : n + 1] = d.query_start_loc
-            query_start_loc[k, n + 1 :] = m
-            slot_mapping[k, :m] = d.slot_mapping
-            positions[k, :m] = d.positions
-        values = {
-            "num_tokens": counts[:, :1],
-            "num_reqs": counts[:, 1:],
-            "block_tables": block_tables.reshape(dp, r * w),
-            "seq_lens": seq_lens,
-            "query_start_loc": query_start_loc,
-            "slot_mapping": slot_mapping,
-            "positions": positions,
-        }
-        return shape.layout.pack(values, dp), shape
+            fields["seq_lens"][k, :n] = d.seq_lens
+            fields["query_start_loc"][k, : n + 1] = d.query_start_loc
+            fields["query_start_loc"][k, n + 1 :] = m
+            fields["slot_mapping"][k, :m] = d.slot_mapping
+            fields["slot_mapping"][k, m:] = self.padding_slot
+            fields["positions"][k, :m] = d.positions
 
     @staticmethod
     def put(buffer: np.ndarray, sharding: Sharding | None = None) -> jax.Array:

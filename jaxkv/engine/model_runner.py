@@ -763,41 +763,36 @@ class ModelRunner:
         """The step's `[dp, length]` buffer (`step_layout`) of every rank's prepared step
         (its row updates applied); `shapes`: the groups' bucket shapes to pack into (None:
         the smallest that hold the step)."""
-        metadata, packed_shapes = [], []
+        if shapes is None:
+            shapes = self.step_shapes(max(step.token_ids.size for step in steps))
+        layout, t = self._layout(shapes), shapes[0].num_tokens
+        buffer = np.zeros((len(steps), layout.length), np.int32)
+        fields = layout.views(buffer)
         for g, packer in enumerate(self.packers):
             tables = [rows.tables[g].block_table for rows in self.rows]
-            buffer, shape = packer.pack(
+            packer.pack_into(
                 [
                     StepInputs(table[step.rows], step.seq_lens, step.query_lens)
                     for table, step in zip(tables, steps, strict=True)
                 ],
-                None if shapes is None else shapes[g],
+                shapes[g],
+                fields[_metadata_field(g)],
             )
-            metadata.append(buffer)
-            packed_shapes.append(shape)
-        shapes = tuple(packed_shapes)
-        layout = self._layout(shapes)
-        dp, t, r = len(steps), shapes[0].num_tokens, shapes[0].num_reqs
-        values = {_metadata_field(g): buffer for g, buffer in enumerate(metadata)}
-        token_ids = values["token_ids"] = np.zeros((dp, t), np.int32)
-        token_src = values["token_src"] = np.full((dp, t), -1, np.int32)
-        logits_indices = values["logits_indices"] = np.zeros((dp, r), np.int32)
-        temperature = values["temperature"] = np.zeros((dp, r), np.float32)
-        top_k = values["top_k"] = np.zeros((dp, r), np.int32)
-        top_p = values["top_p"] = np.ones((dp, r), np.float32)
-        seeds = values["seeds"] = np.zeros((dp, r), np.int32)
-        counters = values["counters"] = np.zeros((dp, r), np.int64)
+        fields["token_src"][:] = -1  # no token from the previous step
+        fields["top_p"][:] = 1.0
         for k, (rows, step) in enumerate(zip(self.rows, steps, strict=True)):
             n, row = len(step.request_ids), step.rows
-            token_ids[k, : step.token_ids.size] = step.token_ids
-            token_src[k, step.pending_rows] = step.pending_src
-            logits_indices[k, :n] = k * t + np.cumsum(step.query_lens) - 1
-            temperature[k, :n], top_k[k, :n] = rows.temperature[row], rows.top_k[row]
-            top_p[k, :n], seeds[k, :n] = rows.top_p[row], rows.seeds[row]
-            counters[k, :n] = step.seq_lens - rows.num_prompt_tokens[row]
+            fields["token_ids"][k, : step.token_ids.size] = step.token_ids
+            fields["token_src"][k, step.pending_rows] = step.pending_src
+            fields["logits_indices"][k, :n] = k * t + np.cumsum(step.query_lens) - 1
+            fields["temperature"][k, :n] = rows.temperature[row]
+            fields["top_k"][k, :n] = rows.top_k[row]
+            fields["top_p"][k, :n] = rows.top_p[row]
+            fields["seeds"][k, :n] = rows.seeds[row]
+            fields["counters"][k, :n] = step.seq_lens - rows.num_prompt_tokens[row]
         if self.encoder_store is not None:
-            values["merge_src"], values["merge_dst"] = self._merge_rows(steps, t)
-        return layout.pack(values, dp), shapes
+            fields["merge_src"][:], fields["merge_dst"][:] = self._merge_rows(steps, t)
+        return buffer, shapes
 
     def _merge_rows(self, steps: Sequence[_RankStep], t: int) -> tuple[np.ndarray, np.ndarray]:
         """Store rows to merge into each rank's token rows; unused entries point past all
