@@ -275,6 +275,7 @@ class _RowAppends:
         self.rows: list[int] = []
         self.scheduled: list[ScheduledRequest] = []
         self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
+        self.checked_ids: list[np.ndarray] = []  # per group, once `check` passed
         self.counts: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_null_blocks: list[list[int]] = [[] for _ in range(num_groups)]
 
@@ -294,10 +295,12 @@ class _RowAppends:
         if not self.rows:
             return
         try:
-            for g, table in enumerate(tables):
+            self.checked_ids = [
                 table.check_appends(
                     self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
                 )
+                for g, table in enumerate(tables)
+            ]
         except (TypeError, ValueError):  # find whose change it is
             offsets = [0] * len(tables)
             for i, (s, row) in enumerate(zip(self.scheduled, self.rows, strict=True)):
@@ -314,10 +317,11 @@ class _RowAppends:
             raise
 
     def apply(self, tables: Sequence[BlockTable]) -> None:
+        """Write the changes `check` accepted (the tables unchanged since)."""
         if self.rows:
             for g, table in enumerate(tables):
-                table.append_rows(
-                    self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
+                table.write_checked_appends(
+                    self.rows, self.checked_ids[g], self.counts[g], self.num_null_blocks[g]
                 )
 
 
