@@ -38,8 +38,9 @@ program that donates the KV cache may wait, at its dispatch, for a gather still
 reading it (that shows in the step's host time). On a CPU the copies and the forward
 share the cores, so the overlap has little to hide and contention can make the
 overlapped copies slower than the isolated ones (a negative fraction). A load is
-synchronous by design (read and verified on the host at admission, scattered ahead
-of the step), so its scatter overlaps at most the dispatch of the step it precedes.
+staged (read and verified) on a worker thread while its request waits
+(`WAITING_FOR_REMOTE_KVS`) and the others run; its scatter then goes ahead of a later
+step, so it overlaps at most that step's dispatch.
 The tokens of every configuration must be equal.
 
 `--sweep` (instead): host budgets of 1/8, 1/4, 1/2, 1 and 2 times the working set's
