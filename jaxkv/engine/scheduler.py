@@ -237,6 +237,7 @@ def stop_token_ids_for(
 
 # `ScheduledRequest`'s (new_block_ids, num_null_blocks, resets_row).
 _BlockChanges = tuple[tuple[list[int], ...], tuple[int, ...], bool]
+_NO_BLOCK_CHANGES: _BlockChanges = ((), (), False)  # the rows stay as they are
 
 # The `RequestStatus` member each finish reason sets (vLLM's names; jaxkv's enum has one
 # `FINISHED`).
@@ -688,7 +689,8 @@ class Scheduler:
             lists = self._lists_of(tracked)
             tracked.num_null_blocks = [_num_leading_nulls(blocks) for blocks in lists]
             return tuple([block.block_id for block in blocks] for blocks in lists), (), True
-        new_block_ids = new_blocks.get_block_ids() if any(new_blocks.blocks) else ()
+        grew = any(new_blocks.blocks)
+        new_block_ids = new_blocks.get_block_ids() if grew else ()
         if self.blocks_turn_null:
             now = [
                 _num_leading_nulls(blocks, k)
@@ -697,7 +699,7 @@ class Scheduler:
             if now != nulls:
                 tracked.num_null_blocks = now
                 return new_block_ids, tuple(now), False
-        return new_block_ids, (), False
+        return (new_block_ids, (), False) if grew else _NO_BLOCK_CHANGES
 
     def _lists_of(self, tracked: _Tracked) -> tuple[Sequence[KVCacheBlock], ...]:
         """The request's block lists per group, as the coordinator holds them (read,
