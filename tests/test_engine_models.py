@@ -110,6 +110,6 @@ def test_scanned_and_per_layer_stacks_serve_the_same_tokens(tmp_path_factory) ->
     outputs = [engines["tiny", scan].generate(prompts, GREEDY) for scan in (True, False)]
     assert [o.output_token_ids for o in outputs[0]] == [o.output_token_ids for o in outputs[1]]
     for scan in (True, False):
-        assert engines["tiny", scan].runner.programs_per_step == (1 if scan else 3)
+        assert engines["tiny", scan].runner.programs_per_step == (2 if scan else 4)
         shallow, deeper = (step_program_chars(engines[name, scan]) for name in ("tiny", "deep"))
         assert deeper < 1.05 * shallow, f"scan_layers={scan}: {shallow} -> {deeper} chars"

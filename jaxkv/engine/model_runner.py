@@ -632,9 +632,10 @@ class ModelRunner:
 
     @property
     def programs_per_step(self) -> int:
-        """Programs one step shape compiles: 1 (the fused step), or 3 for a model run
-        layer by layer (inputs, the layer program, head and sampling)."""
-        return 1 if self._run_graphdef is None else 3
+        """Programs one step shape compiles: the step buffer's placement (`placer`) and
+        the fused step, or for a model run layer by layer its three (inputs, the layer
+        program, head and sampling)."""
+        return 1 + (1 if self._run_graphdef is None else 3)
 
     def _replicated(self, arr: np.ndarray) -> jax.Array:
         return self.paged[0].put(arr, P())
