@@ -81,10 +81,10 @@ def place(arr: np.ndarray, sharding: Sharding | None = None) -> jax.Array:
 def placer(sharding: Sharding) -> Callable[[np.ndarray], jax.Array]:
     """`place(arr, sharding)` for arrays placed again and again with `sharding` (a step's
     buffer, every step): in one process a jitted identity whose input takes `sharding`,
-    since a jitted call places its numpy arguments on JAX's C++ path, about 8x faster
-    than `jax.device_put`'s Python path for a step-sized buffer. One per sharding, so
-    engines alike share it; it compiles once per shape and dtype, like the program the
-    array feeds."""
+    since a jitted call places its numpy arguments on JAX's C++ path: on the CPU
+    backend 10 us against `jax.device_put`'s ~80 us for a small buffer, 37 us for a
+    256-request step's. One per sharding, so engines alike share it; it compiles once
+    per shape and dtype, like the program the array feeds."""
     if jax.process_count() > 1:
         return functools.partial(place, sharding=sharding)
     return jax.jit(_identity, in_shardings=sharding, out_shardings=sharding)
