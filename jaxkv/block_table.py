@@ -130,8 +130,10 @@ class BlockTable:
         arrays = [np.asarray(a) for a in (rows, block_ids, counts, num_null_blocks)]
         if self._appends_ok(*arrays):
             return arrays[1].astype(np.int32)
-        self._raise_first_bad_append(*arrays)
-        raise AssertionError("unreachable: a batch that fails its checks has a bad append")
+        index, error = self.first_bad_append(*arrays)
+        if index is None:
+            raise error
+        raise type(error)(f"append {index}: {error}") from None
 
     def _appends_ok(
         self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray, nulls: np.ndarray
@@ -156,19 +158,30 @@ class BlockTable:
         ends = self.num_blocks_per_row[rows] + counts
         return bool(ends.max() <= self.max_num_blocks_per_req and (nulls <= ends).all())
 
-    def _raise_first_bad_append(
-        self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray, nulls: np.ndarray
-    ) -> None:
-        """Raise, for the first append the batched check refused, what `append_row`
-        raises (the batch's own shape problems first)."""
+    def first_bad_append(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int] | np.ndarray,
+        counts: Sequence[int] | np.ndarray,
+        num_null_blocks: Sequence[int] | np.ndarray,
+    ) -> tuple[int | None, Exception]:
+        """For a batch `check_appends` refuses: the index of its first bad append and the
+        error `append_row` raises for it, or (None, the error) when the batch itself is
+        malformed (shapes, counts). Changes nothing."""
+        rows, ids, counts, nulls = (
+            np.asarray(a) for a in (rows, block_ids, counts, num_null_blocks)
+        )
         if rows.ndim != 1 or counts.shape != rows.shape or nulls.shape != rows.shape:
-            raise ValueError(
+            return None, ValueError(
                 f"rows, counts and num_null_blocks must be 1-D of equal length, got shapes "
                 f"{rows.shape}, {counts.shape} and {nulls.shape}"
             )
-        counts_list = [check_int("counts[i]", c, min_value=0) for c in counts.tolist()]
+        try:
+            counts_list = [check_int("counts[i]", c, min_value=0) for c in counts.tolist()]
+        except (TypeError, ValueError) as error:
+            return None, error
         if ids.ndim != 1 or sum(counts_list) != ids.size:
-            raise ValueError(
+            return None, ValueError(
                 f"block_ids must be 1-D with sum(counts) = {sum(counts_list)} entries, got "
                 f"shape {ids.shape}"
             )
@@ -182,9 +195,10 @@ class BlockTable:
                 if row in seen:
                     raise ValueError(f"row {row} is appended to twice in one batch")
             except (TypeError, ValueError) as error:
-                raise type(error)(f"append {i}: {error}") from None
+                return i, error
             seen.add(row)
             offset += count
+        return None, RuntimeError("the batch passes append_row's checks one by one")
 
     def append_rows(
         self,
@@ -208,16 +222,15 @@ class BlockTable:
         """`append_rows` of a batch whose checks already passed: `block_ids` as
         `check_appends` returned them for this table as it still is (nothing is checked
         again; another batch is the caller's error)."""
-        ids = block_ids
-        if not ids.size and not np.any(num_null_blocks):
+        if not block_ids.size and not np.any(num_null_blocks):
             return
         rows_arr, counts_arr = np.asarray(rows, np.intp), np.asarray(counts, np.intp)
         nulls = np.asarray(num_null_blocks, np.intp)
         starts = self.num_blocks_per_row[rows_arr].astype(np.intp)
         # Append i's k-th id goes to column starts[i] + k.
         first = np.cumsum(counts_arr) - counts_arr
-        columns = np.arange(ids.size) + np.repeat(starts - first, counts_arr)
-        self.block_table[np.repeat(rows_arr, counts_arr), columns] = ids
+        columns = np.arange(block_ids.size) + np.repeat(starts - first, counts_arr)
+        self.block_table[np.repeat(rows_arr, counts_arr), columns] = block_ids
         nulled = nulls > 0
         if nulled.any():
             null_rows = rows_arr[nulled]

@@ -123,6 +123,39 @@ def test_a_failed_request_leaves_every_row_as_it_was(tiny):
     assert seen.steps > 5
 
 
+def test_a_refused_block_change_fails_its_request_alone(tiny):
+    """A step's block changes are checked in one batch per group; the one a table refuses
+    (here a block id past the pool) fails its own request, named; the others' rows take
+    their changes and their tokens are the dense reference's."""
+    engine = LLMEngine(tiny, CONFIG)
+    ids = [engine.add_request(p, sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+           for p in prompts(3, seed=3, length=(4, 12))]  # fmt: skip
+    execute, victim = engine.runner.execute, []
+
+    def corrupting_execute(outs, *args):
+        for s in outs[0].scheduled:
+            if not victim and not s.resets_row and s.new_block_ids:
+                victim.append(s.request.request_id)
+                s.new_block_ids = ([CONFIG.num_blocks + 5], *s.new_block_ids[1:])
+        return execute(outs, *args)
+
+    engine.runner.execute = corrupting_execute
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    (bad,) = victim
+    assert finals[bad].finish_reason == "error"
+    assert f"block id {CONFIG.num_blocks + 5} is out of range" in finals[bad].error
+    reference = DenseReference(tiny, CONFIG.max_model_len)
+    for out in (finals[r] for r in ids if r != bad):
+        assert out.finish_reason == "length"
+        want = reference.expected(out.prompt_token_ids, out.output_token_ids)
+        assert out.output_token_ids == want, out.request_id
+    engine.step()  # the finished requests' rows are released with the next step
+    assert not engine.runner.rows[0].index
+    assert engine.kv_cache_manager.num_free_blocks == CONFIG.num_blocks - 1
+
+
 def test_sliding_window_rows_take_the_null_block_as_the_manager_does(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3")
     models.save_random_checkpoint(path, models.tiny_configs()["gemma3-tiny"], seed=0)

@@ -158,26 +158,11 @@ class StepLayout:
             out[:, start:stop] = value
         return out
 
-    def views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
-        """Field name -> a writable view of its slice of the host `buffer` (`[..., length]`
-        int32; float32 fields viewed as float32): what a packer fills in place, its
-        values then unchecked (`pack` checks them)."""
-        if buffer.shape[-1:] != (self.length,) or buffer.dtype != _INT32:
-            raise ValueError(
-                f"step buffer has shape {buffer.shape} dtype {buffer.dtype}; the layout "
-                f"holds [..., {self.length}] int32"
-            )
-        bounds = self.bounds
-        out = {}
-        for f in self.fields:
-            start, stop = bounds[f.name]
-            part = buffer[..., start:stop]
-            out[f.name] = part.view(np.float32) if f.dtype == _FLOAT32 else part
-        return out
-
     def unpack(self, buffer: np.ndarray | jax.Array) -> dict[str, np.ndarray | jax.Array]:
         """Field name -> its slice of `buffer` (`[..., length]` int32, numpy or traced),
-        float32 fields bitcast back; ValueError when the row length or dtype differs."""
+        float32 fields bitcast back; ValueError when the row length or dtype differs. Of
+        a numpy buffer the slices are writable views: a packer fills a step through them
+        (`StepMetadataPacker.pack_into`), unchecked (`pack` checks what it is given)."""
         if buffer.shape[-1:] != (self.length,) or buffer.dtype != _INT32:
             raise ValueError(
                 f"step buffer has shape {buffer.shape} dtype {buffer.dtype}; the layout "
@@ -446,7 +431,7 @@ class StepMetadataPacker:
                 f"out has shape {out.shape} dtype {out.dtype}; {len(derived)} rank(s) of "
                 f"{shape} need ({len(derived)}, {shape.length}) int32"
             )
-        fields = shape.layout.views(out)
+        fields = shape.layout.unpack(out)
         block_tables = fields["block_tables"].reshape(len(derived), shape.num_reqs, -1)
         for k, d in enumerate(derived):
             n, m = d.seq_lens.size, d.slot_mapping.size

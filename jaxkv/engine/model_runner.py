@@ -301,20 +301,19 @@ class _RowAppends:
                 )
                 for g, table in enumerate(tables)
             ]
-        except (TypeError, ValueError):  # find whose change it is
-            offsets = [0] * len(tables)
-            for i, (s, row) in enumerate(zip(self.scheduled, self.rows, strict=True)):
-                for g, table in enumerate(tables):
-                    count, first = self.counts[g][i], offsets[g]
-                    try:
-                        table.check_row_ids(
-                            self.block_ids[g][first : first + count], row,
-                            self.num_null_blocks[g][i],
-                        )  # fmt: skip
-                    except (TypeError, ValueError) as error:
-                        raise RequestStepError(s.request.request_id, error) from error
-                    offsets[g] += count
-            raise
+        except (TypeError, ValueError):  # whose change is it: the first any group refuses
+            index, error = min(
+                (
+                    table.first_bad_append(
+                        self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
+                    )
+                    for g, table in enumerate(tables)
+                ),
+                key=lambda found: len(self.rows) if found[0] is None else found[0],
+            )
+            if index is None:
+                raise
+            raise RequestStepError(self.scheduled[index].request.request_id, error) from error
 
     def apply(self, tables: Sequence[BlockTable]) -> None:
         """Write the changes `check` accepted (the tables unchanged since)."""
@@ -772,7 +771,7 @@ class ModelRunner:
             shapes = self.step_shapes(max(step.token_ids.size for step in steps))
         layout, t = self._layout(shapes), shapes[0].num_tokens
         buffer = np.zeros((len(steps), layout.length), np.int32)
-        fields = layout.views(buffer)
+        fields = layout.unpack(buffer)
         for g, packer in enumerate(self.packers):
             tables = [rows.tables[g].block_table for rows in self.rows]
             packer.pack_into(
