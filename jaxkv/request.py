@@ -321,8 +321,10 @@ class Request:
         self.all_token_ids = AllTokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        # Prompt tokens served by the prefix cache when first scheduled; -1 until then (vLLM's).
+        # Prompt tokens served from a cache at its first admission (the prefix cache or a
+        # KV connector such as the host tier), -1 until then; of them, the connector's.
         self.num_cached_tokens = -1
+        self.num_external_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         # Prompt-embedding digests per (start, end) block range, computed once.

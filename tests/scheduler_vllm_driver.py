@@ -112,10 +112,11 @@ def trace(backend, seed: int, num_blocks: int, overlap: bool) -> dict:
         finished = []
         if done is not None:
             tokens = [(s.request.num_tokens * 31 + 7) % 50 for s in done.scheduled]
-            for u in scheduler.update_from_output(done, tokens):
-                if u.finish_reason is not None:
-                    finished.append(u.request.request_id)
-                    outputs[u.request.request_id] = list(u.request.output_token_ids)
+            updates = scheduler.update_from_output(done, tokens)
+            for request in updates.requests:
+                if request.request_id in updates.finish_reasons:
+                    finished.append(request.request_id)
+                    outputs[request.request_id] = list(request.output_token_ids)
         steps.append(
             {
                 "scheduled": [

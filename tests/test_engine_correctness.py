@@ -181,14 +181,24 @@ def test_streamed_outputs_follow_each_requests_output_kind(text_model) -> None:
     }
     streamed: dict[str, list[int]] = {i: [] for i in ids}
     outputs: dict[str, list] = {i: [] for i in ids}
+    as_received = []
     while engine.has_unfinished_requests():
         for out in engine.step():
+            as_received.append((out, out.new_token_ids, out.output_token_ids, repr(out)))
             outputs[out.request_id].append(out)
             streamed[out.request_id] += out.new_token_ids
             if ids[out.request_id] is RequestOutputKind.DELTA:
                 assert out.output_token_ids == out.new_token_ids
             else:
                 assert out.output_token_ids == streamed[out.request_id]
+    # An output reads the same later, after its request has grown and finished.
+    for out, new_token_ids, output_token_ids, text in as_received:
+        assert (out.new_token_ids, out.output_token_ids, repr(out)) == (
+            new_token_ids,
+            output_token_ids,
+            text,
+        )
+        assert out.new_token_ids is not out.new_token_ids  # each read is the caller's own list
     by_kind = {kind: outputs[i] for i, kind in ids.items()}
     assert all(o[-1].finished and not any(x.finished for x in o[:-1]) for o in by_kind.values())
     assert len(by_kind[RequestOutputKind.FINAL_ONLY]) == 1

@@ -196,10 +196,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             assert s.request.request_id in running
             assert s.num_computed_tokens + s.num_new_tokens == s.request.num_computed_tokens
-        for update in self.scheduler.update_from_output(out, tokens):
-            if update.finish_reason is not None:
-                event(f"finished: {update.finish_reason}")
-                del self.unfinished[update.request.request_id]
+        updates = self.scheduler.update_from_output(out, tokens)
+        for request_id, reason in updates.finish_reasons.items():
+            event(f"finished: {reason}")
+            del self.unfinished[request_id]
 
     @precondition(lambda self: self.unfinished)
     @rule(idx=st.integers(0, 100))

@@ -20,7 +20,7 @@ _EXPORTS = {
     "SamplingParams": "sampling",
     "sample_tokens": "sampling",
     "FinishReason": "scheduler",
-    "RequestUpdate": "scheduler",
+    "TokenUpdates": "scheduler",
     "ScheduledRequest": "scheduler",
     "Scheduler": "scheduler",
     "SchedulerConfig": "scheduler",

@@ -48,10 +48,10 @@ from jaxkv.engine.outputs import OutputStream, RequestOutput
 from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import (
     FinishReason,
-    RequestUpdate,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    TokenUpdates,
     stop_token_ids_for,
 )
 from jaxkv.engine.sizing import size_kv_cache
@@ -600,7 +600,7 @@ class LLMEngine:
     def _finish_now(self, request: Request, reason: FinishReason, error: str | None = None):
         """Queue the final output of a request finished outside a step's token update."""
         stream = self._streams[request.request_id]
-        self._final_outputs.append(stream.output(request, None, str(reason), self.tokenizer))
+        self._final_outputs.append(stream.output(request, 0, str(reason), self.tokenizer))
         if error is not None:
             self._final_outputs[-1].error = error
         self._forget(request)
@@ -696,7 +696,7 @@ class LLMEngine:
             t_wait = time.perf_counter()
             wait_for_a_staging(self.offloads)
             wait_s = time.perf_counter() - t_wait
-        updates: list[RequestUpdate] = []
+        updates: list[TokenUpdates] = []
         if done is not None:
             t_wait = time.perf_counter()
             tokens = multihost.host_tokens(done.sampled)  # the one place the host waits
@@ -706,13 +706,16 @@ class LLMEngine:
                 zip(self.schedulers, done.outputs, strict=True)
             ):
                 rows = tokens[rank * width : (rank + 1) * width]
-                updates += scheduler.update_from_output(out, rows)
+                updates.append(scheduler.update_from_output(out, rows))
         self._store_freed_blocks()
         outputs, self._final_outputs = self._final_outputs, []
         for update in updates:
-            output = self._output(update)
-            if output is not None:
-                outputs.append(output)
+            reasons = update.finish_reasons
+            for request in update.requests:
+                reason = reasons.get(request.request_id) if reasons else None
+                output = self._output(request, reason)
+                if output is not None:
+                    outputs.append(output)
         self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
@@ -762,26 +765,20 @@ class LLMEngine:
                         s for s in out.scheduled if s.request.request_id != error.request_id
                     ]
 
-    def _output(self, update: RequestUpdate) -> RequestOutput | None:
-        """The request's output for this update; None for a `FINAL_ONLY` request that is
-        not finished."""
-        request = update.request
+    def _output(self, request: Request, reason: FinishReason | None) -> RequestOutput | None:
+        """The output of a request given a token this step (`reason`: it stopped with
+        it); None for a `FINAL_ONLY` request that is not finished."""
         stream = self._streams[request.request_id]
         if request.num_output_tokens == 1:
-            stream.num_cached_tokens = update.num_cached_tokens
-            stream.num_host_cached_tokens = update.num_host_cached_tokens
             self.stats.record_admission(
                 stream.cache_salt,
                 request.num_prompt_tokens,
-                update.num_cached_tokens,
-                update.num_host_cached_tokens,
+                request.num_cached_tokens,
+                request.num_external_cached_tokens,
             )
-        reason = update.finish_reason
         if reason is None and stream.final_only:
             return None
-        output = stream.output(
-            request, update.new_token_id, None if reason is None else str(reason), self.tokenizer
-        )
+        output = stream.output(request, 1, None if reason is None else str(reason), self.tokenizer)
         if reason is not None:
             self._forget(request)
         return output
@@ -800,7 +797,7 @@ class LLMEngine:
                 num_running=sum(len(s.running) for s in self.schedulers),
                 num_waiting=sum(len(s.waiting) for s in self.schedulers),
                 num_loading=sum(len(s.loading) for s in self.schedulers),
-                num_generated_tokens=len(updates),
+                num_generated_tokens=sum(len(u.requests) for u in updates),
                 prefix_queries=sum(p.queries + p.preempted_queries for p in prefix),
                 prefix_hits=sum(p.hits + p.preempted_hits for p in prefix),
                 encoder_hits=sum(o.num_encoder_hits for o in outs),
@@ -856,7 +853,7 @@ class LLMEngine:
                 order.append(self.add_request(prompt, imgs, params, cache_salt=cache_salt))
             except (ValueError, TypeError) as error:
                 ids = list(prompt) if not isinstance(prompt, str) else []
-                order.append(RequestOutput("", ids, [], [], True, error=str(error)))
+                order.append(RequestOutput.rejected(ids, str(error)))
         pending = {rid for rid in order if isinstance(rid, str)}
         while pending:
             outputs = self.step()

@@ -86,7 +86,7 @@ from jaxkv.sampling_params import SamplingParams
 
 __all__ = [
     "FinishReason",
-    "RequestUpdate",
+    "TokenUpdates",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
@@ -183,17 +183,13 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class RequestUpdate:
-    """A token appended to a request (`finish_reason`: the request stopped with it).
+class TokenUpdates:
+    """What `update_from_output` did: the requests it appended a token to, in the step's
+    order (each one's token is now the last of its `output_token_ids`), and the reason
+    each of those that stopped with its token stopped."""
 
-    `num_cached_tokens`: prompt tokens its first admission found in the prefix cache or
-    the host tier; `num_host_cached_tokens`: the host tier's share of them."""
-
-    request: Request
-    new_token_id: int
-    finish_reason: FinishReason | None = None
-    num_cached_tokens: int = 0
-    num_host_cached_tokens: int = 0
+    requests: list[Request] = field(default_factory=list)
+    finish_reasons: dict[str, FinishReason] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -207,8 +203,6 @@ class _Tracked:
     num_pending: int = 0  # sampled tokens in flight, not yet appended
     arrival: int = 0
     held_inputs: set[int] = field(default_factory=set)
-    num_cached_tokens: int = 0  # prefix-cache and host-tier hits at its first admission
-    num_host_cached_tokens: int = 0  # the host tier's share
     # Its host-tier load failed: its next admission does not look the tier up.
     skip_host_tier: bool = False
     # Per KV-cache group, the leading null blocks of its lists as last reported; None:
@@ -531,9 +525,9 @@ class Scheduler:
         self.num_admitted_tokens += request.num_tokens
         self.num_admitted_hit_tokens += num_hits + num_host
         request.num_computed_tokens = num_hits + num_host
-        if not request.num_preemptions:
-            tracked.num_cached_tokens = num_hits + num_host
-            tracked.num_host_cached_tokens = num_host
+        if not request.num_preemptions:  # its first admission (or a failed load's retry)
+            request.num_cached_tokens = num_hits + num_host
+            request.num_external_cached_tokens = num_host
 
     def _take_loads(self) -> LoadBatch:
         """Take the finished loads: a loaded request runs from the next step (its blocks,
@@ -736,7 +730,7 @@ class Scheduler:
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: Sequence[int] | np.ndarray
-    ) -> list[RequestUpdate]:
+    ) -> TokenUpdates:
         """Append the tokens sampled for `output` (row `i` for `output.scheduled[i]`).
 
         Requests finished or aborted since are skipped (their token is dropped); a
@@ -744,7 +738,8 @@ class Scheduler:
         decided: a token of its stop set (`stop_token_ids_for`) stops it, reaching
         `Request.max_tokens` outputs or the model length caps it.
         """
-        updates: list[RequestUpdate] = []
+        updates = TokenUpdates()
+        updated = updates.requests
         all_tracked = self._tracked
         max_model_len = self.config.max_model_len
         # One conversion of a device array, rather than an `int()` per row.
@@ -774,15 +769,8 @@ class Scheduler:
                     reason = FinishReason.LENGTH
                 if reason is not None:
                     self._finish(tracked, reason)
-                updates.append(
-                    RequestUpdate(
-                        request,
-                        token,
-                        reason,
-                        tracked.num_cached_tokens,
-                        tracked.num_host_cached_tokens,
-                    )  # fmt: skip
-                )
+                    updates.finish_reasons[request.request_id] = reason
+                updated.append(request)
             if tracked.held_inputs and tracked.running:
                 self._release_done_inputs(tracked)
         return updates
