@@ -390,11 +390,11 @@ def _sampled_rows(logits, fields: dict, max_num_seqs: int):
 
 
 def _paged_step(
-    state, kv_cache, store, buffer, prev_sampled, *, graphdef, paged, layer_to_group, store_dtype,
-    max_num_seqs, shapes, layout,
+    params, kv_cache, store, buffer, prev_sampled, *, graphdef, state_def, paged, layer_to_group,
+    store_dtype, max_num_seqs, shapes, layout,
 ):  # fmt: skip
     """Forward + sampling of one packed step, unpacked by `layout` (`step_layout`)."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     fields = layout.unpack(buffer)
     ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     token_ids, embeds = _step_tokens(model, store, fields, prev_sampled, store_dtype)
@@ -404,36 +404,37 @@ def _paged_step(
 
 @dataclass(frozen=True)
 class LayerParams:
-    """A layer-by-layer model's parameters as its step programs take them: the whole
-    model's (`model`: embeddings, final norm, head) and each run of layers' own
-    (`runs[i]`, first layer `first_layers[i]`, a device int32 scalar)."""
+    """A layer-by-layer model's parameters as its step programs take them (each a flat
+    list of arrays, as `ModelRunner` flattens them): the whole model's (`model`:
+    embeddings, final norm, head) and each run of layers' own (`runs[i]`, first layer
+    `first_layers[i]`, a device int32 scalar)."""
 
-    model: nnx.State
-    runs: tuple[nnx.State, ...]
+    model: list[jax.Array]
+    runs: tuple[list[jax.Array], ...]
     first_layers: tuple[jax.Array, ...]
 
 
-def _inputs_step(state, store, buffer, prev_sampled, *, graphdef, layout, store_dtype):
-    model = nnx.merge(graphdef, state)
+def _inputs_step(params, store, buffer, prev_sampled, *, graphdef, state_def, layout, store_dtype):
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     token_ids, embeds = _step_tokens(model, store, layout.unpack(buffer), prev_sampled, store_dtype)
     return model.input_embeddings(token_ids, embeds)
 
 
 def _layers_step(
-    run_state, x, kv_cache, buffer, first_layer, *, run_graphdef, config, paged, layer_to_group,
-    shapes, layout,
+    run_params, x, kv_cache, buffer, first_layer, *, run_graphdef, run_def, config, paged,
+    layer_to_group, shapes, layout,
 ):  # fmt: skip
     ctx = _context(layout.unpack(buffer), paged=paged, shapes=shapes, layer_to_group=layer_to_group)
-    run = nnx.merge(run_graphdef, run_state)
+    run = nnx.merge(run_graphdef, jax.tree.unflatten(run_def, run_params))
     return apply_layers(
         run, x, ctx.token_positions(), first_layer, paged_attend(config, ctx), kv_cache
     )
 
 
 def _sample_step(
-    state, x, buffer, *, graphdef, paged, layer_to_group, max_num_seqs, shapes, layout
+    params, x, buffer, *, graphdef, state_def, paged, layer_to_group, max_num_seqs, shapes, layout
 ):  # fmt: skip
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     fields = layout.unpack(buffer)
     ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     return _sampled_rows(model.paged_logits(x, ctx), fields, max_num_seqs)
@@ -464,23 +465,22 @@ class _LayerByLayerStep:
 
 @functools.lru_cache(maxsize=512)
 def _layer_by_layer_program(
-    *, graphdef, run_graphdef, config, paged, layer_to_group, store_dtype, max_num_seqs, shapes,
-    layout,
+    *, graphdef, state_def, run_graphdef, run_def, config, paged, layer_to_group, store_dtype,
+    max_num_seqs, shapes, layout,
 ):  # fmt: skip
     """`_step_program`'s counterpart for a model run layer by layer (`_LayerByLayerStep`)."""
     common = dict(paged=paged, layer_to_group=layer_to_group, shapes=shapes, layout=layout)
+    model = dict(graphdef=graphdef, state_def=state_def)
     return _LayerByLayerStep(
-        jax.jit(functools.partial(
-            _inputs_step, graphdef=graphdef, layout=layout, store_dtype=store_dtype
-        )),
+        jax.jit(functools.partial(_inputs_step, **model, layout=layout, store_dtype=store_dtype)),
         jax.jit(
-            functools.partial(_layers_step, run_graphdef=run_graphdef, config=config, **common),
+            functools.partial(
+                _layers_step, run_graphdef=run_graphdef, run_def=run_def, config=config, **common
+            ),
             donate_argnames="kv_cache",
         ),
-        jax.jit(functools.partial(
-            _sample_step, graphdef=graphdef, max_num_seqs=max_num_seqs, **common
-        )),
-    )  # fmt: skip
+        jax.jit(functools.partial(_sample_step, **model, max_num_seqs=max_num_seqs, **common)),
+    )
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -605,16 +605,22 @@ class ModelRunner:
             )
         self._graphdef, self._state = nnx.split(model)
         # A model whose layers are not scanned as one body (one stack per layer, the CPU
-        # default) runs layer by layer; `_params` is what the step programs take.
-        self._run_graphdef = None
-        self._params = self._state
+        # default) runs layer by layer; `_params` is what the step programs take. They
+        # take parameters as flat lists of arrays, their tree structures (`_state_def`,
+        # `_run_def`) bound statically: JAX flattens a list of arrays in C++ on each call,
+        # an `nnx.State` in Python.
+        self._params, self._state_def = jax.tree.flatten(self._state)
+        self._run_graphdef = self._run_def = None
         runs = model.decoder.layers if isinstance(model, CausalLM) else ()
         if len(runs) > 1:
             self._run_graphdef = nnx.graphdef(runs[0])
+            flat_runs = [jax.tree.flatten(nnx.state(run)) for run in runs]
+            self._run_def = flat_runs[0][1]  # every run has the first's structure (and graphdef)
+            run_params = tuple(params for params, _ in flat_runs)
             first_layers = np.cumsum([0] + [run.num_layers for run in runs[:-1]])
             self._params = LayerParams(
-                self._state,
-                tuple(nnx.state(run) for run in runs),
+                self._params,
+                run_params,
                 tuple(self._replicated(np.int32(i)) for i in first_layers),
             )
         # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
@@ -647,7 +653,8 @@ class ModelRunner:
         if fn is None:
             store = self.encoder_store
             static = dict(
-                graphdef=self._graphdef, paged=self.paged, layer_to_group=self.layer_to_group,
+                graphdef=self._graphdef, state_def=self._state_def, paged=self.paged,
+                layer_to_group=self.layer_to_group,
                 max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
                 store_dtype=None if store is None else store.dtype,
             )  # fmt: skip
@@ -655,8 +662,9 @@ class ModelRunner:
                 fn = _step_program(**static)
             else:
                 fn = _layer_by_layer_program(
-                    run_graphdef=self._run_graphdef, config=self.model.config, **static
-                )
+                    run_graphdef=self._run_graphdef, run_def=self._run_def,
+                    config=self.model.config, **static,
+                )  # fmt: skip
             self._step_fns[shapes] = fn
         return fn
 
