@@ -136,9 +136,7 @@ def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wa
     steady = [s for s in steps if s.compilations == 0]
     steady_s = sum(s.host_s + s.wait_s for s in steady)
     runner = engine.runner
-    bound = len(runner.packers[0].all_shapes()) * runner.programs_per_step + (
-        len(runner.paged[0].id_buckets) if engine.config.zero_freed_blocks else 0
-    )
+    bound = runner.max_compilations(host_tier=bool(engine.offloads))
     return {
         "model": name,
         "requests": len(finished),

@@ -642,6 +642,18 @@ class ModelRunner:
         program, head and sampling)."""
         return 1 + (1 if self._run_graphdef is None else 3)
 
+    def max_compilations(self, host_tier: bool) -> int:
+        """At most how many cache programs serving compiles: `programs_per_step` for each
+        step shape, block zeroing at each id bucket (when freed blocks are zeroed) and,
+        with a host tier (`host_tier`), a gather and a scatter at each transfer bucket.
+        Image encoding and encoder-store writes are not counted."""
+        paged = self.paged[0]
+        return (
+            len(self.packers[0].all_shapes()) * self.programs_per_step
+            + (len(paged.id_buckets) if self.zero_freed_blocks else 0)
+            + (2 * len(paged.transfer_buckets) if host_tier else 0)
+        )
+
     def _replicated(self, arr: np.ndarray) -> jax.Array:
         return self.paged[0].put(arr, P())
 
