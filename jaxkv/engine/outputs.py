@@ -48,6 +48,7 @@ class RequestOutput:
         tokens: list[int],
         start: int,
         new_start: int,
+        end: int,
         finished: bool,
         finish_reason: str | None = None,
         text: str | None = None,
@@ -56,14 +57,14 @@ class RequestOutput:
         num_cached_tokens: int = 0,
         num_host_cached_tokens: int = 0,
     ) -> None:
-        """The output spans `tokens[start:]` (its new tokens `tokens[new_start:]`) as
-        `tokens` is now; `tokens` may grow later, never change."""
+        """The output spans `tokens[start:end]`, its new tokens `tokens[new_start:end]`;
+        `tokens` may grow later, never change."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._tokens = tokens
         self._start = start
         self._new_start = new_start
-        self._end = len(tokens)
+        self._end = end
         self.finished = finished
         self.finish_reason = finish_reason
         self.text = text
@@ -75,7 +76,7 @@ class RequestOutput:
     @classmethod
     def rejected(cls, prompt_token_ids: list[int], error: str) -> RequestOutput:
         """The only output of a prompt the engine could not accept."""
-        return cls("", prompt_token_ids, [], 0, 0, True, error=error)
+        return cls("", prompt_token_ids, [], 0, 0, 0, True, error=error)
 
     @property
     def new_token_ids(self) -> list[int]:
@@ -137,7 +138,8 @@ class OutputStream:
         1), finished when `finish_reason` is given; `text` decoded by `tokenizer` (if
         any)."""
         tokens = request.output_token_ids
-        new_start = 0 if self.final_only else len(tokens) - num_new_tokens
+        end = len(tokens)
+        new_start = 0 if self.final_only else end - num_new_tokens
         text, error = None, None
         if tokenizer is not None:
             try:
@@ -149,7 +151,7 @@ class OutputStream:
         num_cached = request.num_cached_tokens
         return RequestOutput(
             request.request_id, request.prompt_token_ids, tokens,
-            new_start if self.delta else 0, new_start, finish_reason is not None,
+            new_start if self.delta else 0, new_start, end, finish_reason is not None,
             finish_reason, text, request.num_preemptions, error,
             num_cached if num_cached > 0 else 0, request.num_external_cached_tokens,
         )  # fmt: skip
