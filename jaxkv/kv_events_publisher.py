@@ -9,20 +9,21 @@ at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
 `[b"", b"", (-1 as 8 signed bytes), b""]`.
 
 Publishing never blocks the caller. `publish` converts and encodes the step's events at
-once (about a microsecond per event, while they are still in the CPU's caches) and puts
-the payload on a bounded queue; on a full queue the oldest payload is dropped and
-counted in `num_dropped` (it never gets a sequence number, so subscribers see no gap for
-it: the drop is the publisher's, reported by its count and a warning). Whoever holds the
-send lock numbers and sends what is queued, in order: `publish` itself when the lock is
-free (the usual case: the step's message goes out before `publish` returns), else a
-background thread, woken to send what the holder may have left (and at least every
-`DRAIN_INTERVAL`, 1 s); the same thread answers replay requests as they come.
+once (about a microsecond per event) and puts the payload on a bounded queue; on a full
+queue the oldest payload is dropped and counted in `num_dropped` (it never gets a
+sequence number, so subscribers see no gap for it: the drop is the publisher's, reported
+by its count and a warning). Whoever holds the send lock numbers and sends what is
+queued, in order: `publish` itself when the lock is free (the usual case: the step's
+message goes out before `publish` returns), else a background thread, woken to send what
+the holder may have left (and at least every `DRAIN_INTERVAL`, 1 s); the same thread
+answers replay requests as they come. The PUB socket never blocks: it drops messages
+for a subscriber past the high-water mark.
 
-Why the step loop sends (measured on a 2-core machine, `benchmarks/bench_kv_events.py`):
-each frame sent lets go of the GIL, and a background thread getting it back while the
-step loop runs Python costs both threads far more than the send itself, three times a
-message; the step loop gets it back at once (no other thread wants it). For the same reason the
-thread sleeps in `zmq_poll` (no GIL) and is woken only by a replay request, a payload left
+Why the step loop sends (`benchmarks/bench_kv_events.py`, a 2-core machine): each frame
+sent lets go of the GIL, and a background thread getting it back while the step loop
+runs Python costs both threads far more than the send itself, three times a message;
+the step loop gets it back at once (no other thread wants it). For the same reason the
+thread sleeps in `zmq_poll` (no GIL), woken only by a replay request, a payload left
 queued, or `shutdown`.
 """
 
@@ -55,7 +56,8 @@ logger = logging.getLogger("jaxkv")
 
 # The replay socket's end-of-replay sequence frame: -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_SNDMORE = zmq.SNDMORE
+_NOBLOCK = zmq.NOBLOCK
+_SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
 
 
 @dataclass(frozen=True)
@@ -310,10 +312,10 @@ class ZmqEventPublisher(EventPublisher):
         time, which checks each frame in Python."""
         seq = self.num_sent
         send = self._pub.send
-        try:
-            send(self._topic, _SNDMORE)
-            send(seq.to_bytes(8, "big"), _SNDMORE)
-            send(payload)
+        try:  # a PUB socket never blocks (it drops at the high-water mark); NOBLOCK says so
+            send(self._topic, _SNDMORE_NOBLOCK)
+            send(seq.to_bytes(8, "big"), _SNDMORE_NOBLOCK)
+            send(payload, _NOBLOCK)
         except zmq.ZMQError:
             logger.exception("KV events: could not send a batch; it is skipped")
             return
