@@ -260,16 +260,20 @@ class ZmqEventPublisher(EventPublisher):
             return 0.0
 
     def flush(self, timeout: float = 1.0) -> bool:
+        # Taking the send lock also waits out a send in progress elsewhere (the queue can
+        # be empty while the thread still sends the payload it took last).
         deadline = time.monotonic() + timeout
-        while self._queue:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._send_lock.acquire(timeout=remaining):
+        while True:
+            if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return False
             try:
                 self._send_queued()
             finally:
                 self._send_lock.release()
-        return True
+            if not self._queue:
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     def _run(self) -> None:
         poller = zmq.Poller()

@@ -16,6 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from jaxkv.kv_events_publisher import (
@@ -318,6 +320,63 @@ def test_publish_sends_the_step_at_once_from_the_calling_thread(endpoints):
     finally:
         pub.shutdown()
         sock.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    actions=st.lists(
+        st.one_of(
+            st.tuples(st.just("publish"), st.booleans()),  # the send lock held elsewhere?
+            st.tuples(st.just("bad"), st.booleans()),  # a batch that cannot be encoded
+            st.tuples(st.just("flush"), st.just(False)),
+        ),
+        max_size=24,
+    ),
+    max_queue_size=st.integers(1, 4),
+)
+def test_publishing_sequences_match_a_model(tmp_path_factory, actions, max_queue_size):
+    """Any interleaving of publishes with the send lock free or taken (a sender busy
+    elsewhere, for a run of publishes), unencodable batches and flushes: the messages
+    sent are the batches published, in order, less the oldest ones a full queue dropped
+    (counted) and the bad ones (skipped), numbered 0, 1, 2, ... without gaps; nothing is
+    sent while the lock is taken, a publish that finds it free sends before it returns,
+    and `flush` returns once everything queued is sent."""
+    endpoint = f"ipc://{tmp_path_factory.mktemp('model')}/pub"
+    pub = ZmqEventPublisher(0, endpoint, max_queue_size=max_queue_size)
+    sent, queued, dropped, holding = [], [], 0, False
+    try:
+        for i, (action, held) in enumerate(actions):
+            if holding and not held:  # the other sender is done; what it left goes out
+                pub._send_lock.release()
+                holding = False
+                assert pub.flush(WAIT_MS / 1000)
+                sent, queued = sent + queued, []
+            if action == "flush":
+                if not holding:
+                    assert pub.flush(WAIT_MS / 1000)
+                    sent, queued = sent + queued, []
+                else:
+                    assert not pub.flush(0.01), "nothing can be sent past the lock"
+                continue
+            if held and not holding:
+                pub._send_lock.acquire()
+                holding = True
+            pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
+            if action == "publish":
+                (queued if holding else sent).append(i % 256)
+                if len(queued) > max_queue_size:
+                    queued.pop(0)
+                    dropped += 1
+            assert pub.num_sent == len(sent) and pub.num_dropped == dropped
+        if holding:
+            pub._send_lock.release()
+        assert pub.flush(WAIT_MS / 1000)
+        sent += queued
+        assert pub.num_sent == len(sent) and pub.num_dropped == dropped
+        buffered = [(seq, decode_event_batch(p).events[0].token_ids[0]) for seq, p in pub._buffer]
+        assert buffered == list(enumerate(sent))
+    finally:
+        pub.shutdown()
 
 
 @pytest.mark.slow
