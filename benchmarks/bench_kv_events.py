@@ -8,13 +8,20 @@
    cost per `publish()`.
 2. Step-loop cost: engine host time per decode step at 256 running requests
    (`bench_engine.decode_steps`, overlap off), publishing off vs on, interleaved runs
-   (the order alternating per round), median and range over the rounds. The 20 timed
-   steps include those where the requests fill a block (256 events in a few batches), so
-   the per-run mean carries those bursts and the median the typical step; the stepping
-   thread's CPU time per step and the publishing thread's (an upper bound on the GIL time
-   it takes from the loop) are less disturbed by other load than wall time.
-3. What building the events costs the stepping thread: the host-only scheduler and
-   manager serving `bench_host`'s workload (600 requests, up to 256 running) with the
+   (the order alternating per round), median and range over the rounds. The timed steps
+   include those where the requests fill a block (256 events in a few batches), so the
+   per-run mean carries those bursts and the median the typical step. The cost of
+   publishing, per round: the stepping thread's extra CPU per step (on minus off: building
+   the events, `take_events`, `publish`, which converts, encodes and sends) plus the
+   publishing thread's CPU per step (an upper bound on the GIL time it takes from the
+   loop), over the same round's host step without publishing. Also measured directly:
+   the stepping thread's CPU inside the engine's `_publish_events` (`take_events` and
+   `publish`) per step.
+3. What the events cost the stepping thread, host only (no model, so less noise):
+   (a) the scheduler and manager decoding as `decode_steps` does (256 requests of 8-token
+   prompts, 16-token blocks, to 49 tokens each), CPU per step with events off vs built
+   and published (`take_events` and `ZmqEventPublisher.publish` each step), paired
+   per round; (b) `bench_host`'s workload (600 requests, up to 256 running) with the
    manager's events off vs on (`enable_kv_cache_events`), interleaved rounds; the extra
    CPU per stored block, and that times the blocks a decode step at 256 running stores
    (256 / 16 a step on average) over the engine's host step without publishing.
@@ -82,17 +89,67 @@ def bench_publisher(tmp: str, num_batches: int, events_per_batch: int) -> dict:
 STEP_STATS = ("host_ms", "host_ms_mean", "main_cpu_ms")
 
 
+class _PartTimers:
+    """The stepping thread's time in the two places publishing adds work, patched on the
+    classes for the publishing runs only: `LLMEngine._publish_events` (`take_events`,
+    `publish`; CPU time) and `BlockPool._block_stored_event` (building a `BlockStored`;
+    wall time, a clock read costing ~0.05 us against a syscall's ~1 us, so the timer
+    itself stays out of the figure; the call's own overhead is in it)."""
+
+    def __init__(self) -> None:
+        from jaxkv.block_pool import BlockPool
+        from jaxkv.engine.engine import LLMEngine
+
+        self.engine_cls, self.pool_cls = LLMEngine, BlockPool
+        self.publish_events = LLMEngine.__dict__["_publish_events"]
+        self.block_stored_event = BlockPool.__dict__["_block_stored_event"]
+        self.publish_s = self.build_s = 0.0
+
+    def __enter__(self) -> _PartTimers:
+        publish_events, build = self.publish_events, self.block_stored_event.__func__
+        thread_time, perf_counter = time.thread_time, time.perf_counter
+
+        def timed_publish(engine) -> None:
+            start = thread_time()
+            publish_events(engine)
+            self.publish_s += thread_time() - start
+
+        def timed_build(*args):
+            start = perf_counter()
+            event = build(*args)
+            self.build_s += perf_counter() - start
+            return event
+
+        self.engine_cls._publish_events = timed_publish
+        self.pool_cls._block_stored_event = staticmethod(timed_build)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine_cls._publish_events = self.publish_events
+        self.pool_cls._block_stored_event = self.block_stored_event
+
+
 def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> dict:
-    decode_steps(model, running, False, 3)  # compile the shapes
+    # Compile every shape the timed runs meet (the decode grows past a block boundary).
+    decode_steps(model, running, False, steps)
+    decode_steps(model, running, False, steps, kv_events_endpoint=f"ipc://{tmp}/warm")
     runs: dict[str, list[dict]] = {"off": [], "on": []}
+    publish_ms: list[float] = []
+    build_ms: list[float] = []
     for round_ in range(repeats):
         order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
         for mode in order:
-            fields = {}
-            if mode == "on":
-                fields = {"kv_events_endpoint": f"ipc://{tmp}/step-{round_}",
-                          "kv_events_replay_endpoint": f"ipc://{tmp}/replay-{round_}"}  # fmt: skip
-            runs[mode].append(decode_steps(model, running, False, steps, **fields))
+            if mode == "off":
+                runs[mode].append(decode_steps(model, running, False, steps))
+                continue
+            fields = {"kv_events_endpoint": f"ipc://{tmp}/step-{round_}",
+                      "kv_events_replay_endpoint": f"ipc://{tmp}/replay-{round_}"}  # fmt: skip
+            with _PartTimers() as timers:
+                runs[mode].append(decode_steps(model, running, False, steps, **fields))
+            # Every step's share (warm-up and prefill too, which store no block here) over
+            # the timed steps: an upper bound.
+            publish_ms.append(1e3 * timers.publish_s / steps)
+            build_ms.append(1e3 * timers.build_s / steps)
     result: dict = {"running": running, "steps": steps, "rounds": repeats}
     for stat in STEP_STATS:
         off = [r[stat] for r in runs["off"]]
@@ -103,16 +160,97 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> 
     result["publisher_cpu_ms"] = spread(publisher_ms)
     # The publishing thread's CPU per step against the host step without it: an upper
     # bound on what it takes from the step loop (it holds the GIL at most that long).
-    result["publisher_cpu_fraction"] = (
-        statistics.median(publisher_ms) / result["host_ms"]["off"]["median"]
-    )
+    host_off = result["host_ms"]["off"]["median"]
+    host_mean_off = result["host_ms_mean"]["off"]["median"]
+    result["publisher_cpu_fraction"] = statistics.median(publisher_ms) / host_off
+    # The cost of publishing per round, (1) as an A/B: the stepping thread's extra CPU
+    # per step (on minus off) plus the publishing thread's, over that round's host step
+    # without publishing (the mean over steps: the costs are totals over the steps too).
+    extra = [
+        on["main_cpu_ms"] - off["main_cpu_ms"]
+        for off, on in zip(runs["off"], runs["on"], strict=True)
+    ]
+    result["main_cpu_extra_ms"] = spread(extra)
+    result["cost_fraction"] = spread(
+        [(x + on["publisher_cpu_ms"]) / off["host_ms_mean"]
+         for x, off, on in zip(extra, runs["off"], runs["on"], strict=True)]
+    )  # fmt: skip
+    # (2) by parts, timed where the work is: less disturbed by the machine's other load
+    # than the A/B, which differences two whole-step CPU times.
+    parts = [p + b + t for p, b, t in zip(publish_ms, build_ms, publisher_ms, strict=True)]
+    result["publish_events_ms"] = spread(publish_ms)
+    result["block_stored_event_ms"] = spread(build_ms)
+    result["parts_ms"] = spread(parts)
+    result["parts_fraction"] = {
+        f"of {stat}": spread([p / off[stat] for p, off in zip(parts, runs["off"], strict=True)])
+        for stat in ("host_ms_mean", "host_ms")
+    }
+    result["host_ms_off"], result["host_ms_mean_off"] = host_off, host_mean_off
     return result
 
 
-def bench_event_building(repeats: int) -> dict:
-    """CPU seconds of a host-only serve with the manager's events off vs on (interleaved
-    rounds), and the extra microseconds per block the events announce."""
+def _host_decode_cpu(mode: str, endpoint: str, running: int = 256) -> float:
+    """CPU ms per step of the host-only scheduler and manager decoding `running` requests
+    as `decode_steps` does; `mode` "off" (no events), "on" (built, taken and published:
+    the stepping thread's CPU plus the publishing thread's)."""
+    import gc
+
+    import numpy as np
+
+    import jaxkv
+    from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
+
+    fn = jaxkv.get_hash_fn_by_name("sha256")
+    jaxkv.init_none_hash(fn)
+    hasher = jaxkv.get_request_block_hasher(16, fn)
+    spec = jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128)
+    manager = jaxkv.KVCacheManager.from_spec(
+        spec, running * 8 + 1, 128, enable_kv_cache_events=mode == "on"
+    )
+    config = SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=2 * running,
+                             max_model_len=128)  # fmt: skip
+    scheduler = Scheduler(manager, config, with_block_ids=False)
+    rng = np.random.default_rng(running)
+    for i in range(running):
+        prompt = rng.integers(3, 512, 8).tolist()
+        scheduler.add_request(jaxkv.Request(str(i), prompt, max_tokens=41, block_hasher=hasher))
+    publisher = ZmqEventPublisher(0, endpoint) if mode == "on" else None
+    thread_start = publisher.cpu_time() if publisher is not None else 0.0
+    steps = 0
+    gc.collect()
+    gc.freeze()
+    start = time.thread_time()
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        scheduler.update_from_output(
+            out, [s.request.num_tokens * 7919 % 500 for s in out.scheduled]
+        )
+        if publisher is not None:
+            events = manager.take_events()
+            if events:
+                publisher.publish(events)
+        steps += 1
+    seconds = time.thread_time() - start
+    gc.unfreeze()
+    if publisher is not None:  # the publishing thread's CPU counts too
+        assert publisher.flush(10.0) and publisher.num_dropped == 0
+        seconds += publisher.cpu_time() - thread_start
+        publisher.shutdown()
+    return 1e3 * seconds / steps
+
+
+def bench_event_building(repeats: int, tmp: str) -> dict:
+    """(a) The host-only decode's CPU per step with events off vs on (built, taken and
+    published), paired per round; (b) CPU seconds of a host-only serve with the manager's
+    events off vs on (interleaved rounds), and the extra microseconds per block the
+    events announce."""
     from benchmarks.bench_host import JaxkvEngine, make_workload, serve
+
+    decode: dict[str, list[float]] = {"off": [], "on": []}
+    for round_ in range(2 * repeats + 1):
+        for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+            decode[mode].append(_host_decode_cpu(mode, f"ipc://{tmp}/host-{round_}"))
+    decode_extra = [on - off for off, on in zip(decode["off"], decode["on"], strict=True)]
 
     workload = make_workload(600)
     seconds: dict[bool, list[float]] = {False: [], True: []}
@@ -129,7 +267,9 @@ def bench_event_building(repeats: int) -> dict:
                 )
     extra = statistics.median(seconds[True]) - statistics.median(seconds[False])
     ratios = [on / off for off, on in zip(seconds[False], seconds[True], strict=True)]
-    return {"off_s": spread(seconds[False]), "on_s": spread(seconds[True]),
+    return {"decode_off_ms": spread(decode["off"]), "decode_on_ms": spread(decode["on"]),
+            "decode_extra_ms": spread(decode_extra),
+            "off_s": spread(seconds[False]), "on_s": spread(seconds[True]),
             "on/off": spread(ratios), "blocks_stored": num_blocks,
             "us_per_block": 1e6 * extra / num_blocks}  # fmt: skip
 
@@ -149,6 +289,9 @@ def bench_routing(engines: int) -> dict:
     return results
 
 
+SECTIONS = ("publisher", "step", "building", "routing")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the step-cost A/B")
@@ -157,56 +300,108 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--events-per-batch", type=int, default=64)
     parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
+    )  # fmt: skip
     add_record_option(parser)
     args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    result: dict = {"workload": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
-        publisher = bench_publisher(tmp, args.batches, args.events_per_batch)
-        model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
-        step = bench_step_cost(model, tmp, args.repeats, args.steps, args.running)
-    building = bench_event_building(args.repeats)
-    routing = bench_routing(args.engines)
+        if "publisher" in sections:
+            result["publisher"] = bench_publisher(tmp, args.batches, args.events_per_batch)
+        if "step" in sections:
+            model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
+            result["step_cost"] = bench_step_cost(
+                model, tmp, args.repeats, args.steps, args.running
+            )
+        if "building" in sections:
+            result["event_building"] = bench_event_building(args.repeats, tmp)
+    if "routing" in sections:
+        result["routing"] = bench_routing(args.engines)
 
-    print_table(
-        "publisher throughput (no subscriber)",
-        ["batches", "events/batch", "events/s", "publish() us/batch"],
-        [[publisher["batches"], publisher["events_per_batch"], publisher["events_per_s"],
-          publisher["publish_call_us"]]],
-    )  # fmt: skip
-    print_table(
-        f"engine host ms per decode step at {args.running} running, publishing off vs on "
-        f"({args.repeats} interleaved rounds of {args.steps} steps)",
-        ["per-run statistic", "off median", "on median", "on/off median", "on/off range"],
-        [[stat, s["off"]["median"], s["on"]["median"], s["on/off"]["median"],
-          f"{s['on/off']['min']:.3f}-{s['on/off']['max']:.3f}"]
-         for stat, s in ((k, step[k]) for k in STEP_STATS)],
-    )  # fmt: skip
-    print(
-        f"publishing thread: {step['publisher_cpu_ms']['median']:.3f} ms CPU per step "
-        f"({step['publisher_cpu_fraction']:.1%} of the host step without publishing)"
-    )
-    # A decode step at `running` requests of 16-token blocks stores running / 16 blocks.
-    building["step_fraction"] = (
-        building["us_per_block"] * 1e-3 * args.running / 16 / step["host_ms"]["off"]["median"]
-    )
-    print_table(
-        "building the events on the stepping thread (host-only serve, 600 requests)",
-        ["events off s", "events on s", "on/off median", "on/off range", "blocks stored",
-         "us per block", "share of an engine host step"],
-        [[building["off_s"]["median"], building["on_s"]["median"],
-          building["on/off"]["median"],
-          f"{building['on/off']['min']:.3f}-{building['on/off']['max']:.3f}",
-          building["blocks_stored"], building["us_per_block"],
-          f"{building['step_fraction']:.2%}"]],
-    )  # fmt: skip
-    print_table(
-        f"routing {args.engines} engines (examples/kv_aware_routing.py)",
-        ["policy", "hit rate", "prefill tokens", "index predicted exactly"],
-        [[p, f"{routing[p]['hit_rate']:.1%}", routing[p]["prefill_tokens"],
-          f"{routing[p]['predicted_exactly']:.0%}"] for p in ("round-robin", "index")],
-    )  # fmt: skip
-    print(f"index-routed: {routing['prefill_ratio']:.2f}x fewer prefill tokens than round-robin")
-    result = {"publisher": publisher, "step_cost": step, "event_building": building,
-              "routing": routing, "workload": vars(args)}  # fmt: skip
+    if "publisher" in result:
+        publisher = result["publisher"]
+        print_table(
+            "publisher throughput (no subscriber)",
+            ["batches", "events/batch", "events/s", "publish() us/batch"],
+            [[publisher["batches"], publisher["events_per_batch"], publisher["events_per_s"],
+              publisher["publish_call_us"]]],
+        )  # fmt: skip
+    step = result.get("step_cost")
+    if step is not None:
+        print_table(
+            f"engine host ms per decode step at {args.running} running, publishing off vs "
+            f"on ({args.repeats} interleaved rounds of {args.steps} steps)",
+            ["per-run statistic", "off median", "on median", "on/off median", "on/off range"],
+            [[stat, s["off"]["median"], s["on"]["median"], s["on/off"]["median"],
+              f"{s['on/off']['min']:.3f}-{s['on/off']['max']:.3f}"]
+             for stat, s in ((k, step[k]) for k in STEP_STATS)],
+        )  # fmt: skip
+        cost, extra = step["cost_fraction"], step["main_cpu_extra_ms"]
+        print(
+            f"cost of publishing per round, A/B: (stepping thread's extra CPU + publishing "
+            f"thread's CPU) / mean host step without publishing: {cost['median']:.2%} "
+            f"(range {cost['min']:.2%} to {cost['max']:.2%}); the stepping thread's extra "
+            f"CPU {extra['median']:.3f} ms per step (range {extra['min']:.3f} to "
+            f"{extra['max']:.3f})"
+        )
+        by_parts = step["parts_fraction"]
+        print(
+            f"cost by parts, ms per step (median of rounds): _publish_events (take_events, "
+            f"publish) {step['publish_events_ms']['median']:.4f} + building BlockStored "
+            f"{step['block_stored_event_ms']['median']:.4f} + publishing thread "
+            f"{step['publisher_cpu_ms']['median']:.4f} = {step['parts_ms']['median']:.4f}; "
+            f"of the mean host step without publishing "
+            f"{by_parts['of host_ms_mean']['median']:.2%} (range "
+            f"{by_parts['of host_ms_mean']['min']:.2%} to "
+            f"{by_parts['of host_ms_mean']['max']:.2%}), of the median host step "
+            f"{by_parts['of host_ms']['median']:.2%} (range {by_parts['of host_ms']['min']:.2%} "
+            f"to {by_parts['of host_ms']['max']:.2%})"
+        )
+    building = result.get("event_building")
+    if building is not None:
+        host_ms = step["host_ms"]["off"]["median"] if step is not None else None
+        decode_extra = building["decode_extra_ms"]
+        print(
+            f"host-only decode at 256 running, stepping thread CPU per step: events off "
+            f"{building['decode_off_ms']['median']:.3f} ms, built and published "
+            f"{building['decode_on_ms']['median']:.3f} ms; extra per round "
+            f"{decode_extra['median']:.4f} ms (range {decode_extra['min']:.4f} to "
+            f"{decode_extra['max']:.4f})"
+            + (f", {decode_extra['median'] / host_ms:.2%} of the engine's host step"
+               if host_ms else "")
+        )  # fmt: skip
+        # A decode step at `running` requests of 16-token blocks stores running / 16 blocks.
+        share = "-"
+        if host_ms:
+            building["step_fraction"] = (
+                building["us_per_block"] * 1e-3 * args.running / 16 / host_ms
+            )
+            share = f"{building['step_fraction']:.2%}"
+        print_table(
+            "building the events on the stepping thread (host-only serve, 600 requests)",
+            ["events off s", "events on s", "on/off median", "on/off range", "blocks stored",
+             "us per block", "share of an engine host step"],
+            [[building["off_s"]["median"], building["on_s"]["median"],
+              building["on/off"]["median"],
+              f"{building['on/off']['min']:.3f}-{building['on/off']['max']:.3f}",
+              building["blocks_stored"], building["us_per_block"], share]],
+        )  # fmt: skip
+    routing = result.get("routing")
+    if routing is not None:
+        print_table(
+            f"routing {args.engines} engines (examples/kv_aware_routing.py)",
+            ["policy", "hit rate", "prefill tokens", "index predicted exactly"],
+            [[p, f"{routing[p]['hit_rate']:.1%}", routing[p]["prefill_tokens"],
+              f"{routing[p]['predicted_exactly']:.0%}"] for p in ("round-robin", "index")],
+        )  # fmt: skip
+        print(
+            f"index-routed: {routing['prefill_ratio']:.2f}x fewer prefill tokens than round-robin"
+        )
     write_json(results_name("bench_kv_events", parser, args), result, record=args.record)
     return result
 

@@ -19,6 +19,7 @@ from jaxkv.hashing import (
     make_block_hash_with_group_id,
 )
 from jaxkv.kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -872,6 +873,25 @@ class BlockPool:
     ) -> BlockStored:
         """The event for blocks `indices` (stored ones, within [`start`, `end`)) whose
         token span is blocks [`start`, `end`) of the request."""
+        if not (
+            request.lora_request is not None
+            or request.mm_features
+            or request.cache_salt
+            or request.prompt_embeds is not None
+        ):  # no block has extra keys (`_needs_extra_keys`): a decode step's usual event
+            return BlockStored(
+                block_hashes[indices.start : indices.stop]
+                if type(indices) is range
+                else [block_hashes[i] for i in indices],
+                block_hashes[start - 1] if start else None,
+                request.all_token_ids.span(start * block_size, end * block_size),
+                block_size,
+                None,
+                MEDIUM_GPU,
+                None,
+                None,
+                kv_cache_group_id,
+            )
         hashes, extra_keys, mm_idx = [], [], 0
         for i in indices:
             hashes.append(block_hashes[i])

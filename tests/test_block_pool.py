@@ -845,3 +845,66 @@ def test_tenant_caps_bad_input_is_refused_naming_the_setting(quotas, error, matc
     _cache(pool, req, pool.get_new_blocks(1))
     with pytest.raises(ValueError, match="only while no block is cached"):
         pool.set_tenant_block_quotas({"a": 1})
+
+
+def _reference_block_stored(request, hashes, indices, start, end, block_size, group_id):
+    """`BlockStored` as the general builder makes it (per-block extra keys)."""
+    from jaxkv.kv_events import to_event_extra_keys
+    from jaxkv.request_hashing import generate_block_hash_extra_keys
+
+    keys, mm_idx = [], 0
+    for i in indices:
+        block_keys, mm_idx = generate_block_hash_extra_keys(
+            request, i * block_size, (i + 1) * block_size, mm_idx
+        )
+        keys.append(block_keys)
+    lora = request.lora_request
+    return BlockStored(
+        block_hashes=[hashes[i] for i in indices],
+        parent_block_hash=hashes[start - 1] if start else None,
+        token_ids=list(request.all_token_ids)[start * block_size : end * block_size],
+        block_size=block_size,
+        lora_id=request.lora_int_id,
+        lora_name=lora.lora_name if lora is not None else None,
+        extra_keys=to_event_extra_keys(keys),
+        group_idx=group_id,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    num_prompt=st.integers(1, 20),
+    num_output=st.integers(0, 20),
+    span=st.tuples(st.integers(0, 10), st.integers(0, 10)),
+    skip=st.sets(st.integers(0, 10)),
+    salt=st.sampled_from([None, "", "tenant"]),
+    lora=st.booleans(),
+    group_id=st.integers(0, 2),
+)
+def test_block_stored_events_with_and_without_extra_keys(
+    num_prompt, num_output, span, skip, salt, lora, group_id
+):
+    """The builder's shortcut for requests without extra keys (a decode step's events)
+    makes the event the general per-block path makes; blocks that straddle the prompt
+    and the output take tokens from both."""
+    from jaxkv.request import LoRARequest
+
+    request = Request(
+        "r", list(range(100, 100 + num_prompt)), cache_salt=salt,
+        lora_request=LoRARequest("adapter", 7, "/a") if lora else None,
+        block_hasher=get_request_block_hasher(BS, SHA_CBOR),
+    )  # fmt: skip
+    request.append_output_token_ids(list(range(500, 500 + num_output)))
+    num_full = len(request.block_hashes)
+    start, end = sorted(min(x, num_full) for x in span)
+    for indices in (range(start, end), [i for i in range(start, end) if i not in skip]):
+        event = BlockPool._block_stored_event(
+            request, request.block_hashes, indices, start, end, BS, group_id
+        )
+        want = _reference_block_stored(
+            request, request.block_hashes, indices, start, end, BS, group_id
+        )
+        assert event == want
+        assert type(event.block_hashes) is list and type(event.token_ids) is list
+        if salt is None and not lora:  # the shortcut: nothing but the blocks themselves
+            assert event.extra_keys is None and event.lora_id is None

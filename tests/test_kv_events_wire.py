@@ -16,8 +16,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import jaxkv.kv_events_publisher as publisher_module
 from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from jaxkv.kv_events_publisher import (
     EventPublisherFactory,
@@ -28,6 +29,8 @@ from jaxkv.kv_events_publisher import (
 )
 from jaxkv.kv_events_wire import (
     KVEventBatch,
+    WireBlockRemoved,
+    WireBlockStored,
     decode_event_batch,
     encode_event_batch,
     to_wire_events,
@@ -229,27 +232,43 @@ def test_missed_messages_are_replayed_or_counted_lost(endpoints, buffer_steps):
         assert index.block_hashes(E0) == published_index(BATCHES[4:]).block_hashes(E0)
 
 
-def test_a_full_queue_drops_the_oldest_without_blocking(endpoints, monkeypatch):
+class StallingSocket:
+    """The PUB socket, its first send waiting for `release` (a sender stuck in a send)."""
+
+    def __init__(self, sock: zmq.Socket, release: threading.Event) -> None:
+        self.sock, self.release, self.senders = sock, release, []
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        if not self.senders:
+            self.senders.append(threading.current_thread().name)
+            self.release.wait(WAIT_MS / 1000)
+        self.sock.send(frame, flags)
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close(linger=linger)
+
+
+def test_a_full_queue_drops_the_oldest_without_blocking(endpoints):
+    """While a send is stuck (here the background thread's), `publish` queues and returns
+    at once, and a full queue drops its oldest payloads, counted and never numbered."""
     release = threading.Event()
-    encode = publisher_module.encode_event_batch
-
-    def slow_encode(batch):
-        release.wait(WAIT_MS / 1000)
-        return encode(batch)
-
-    monkeypatch.setattr(publisher_module, "encode_event_batch", slow_encode)
     pub = ZmqEventPublisher(0, endpoints[0], max_queue_size=2)
+    pub._pub = stalling = StallingSocket(pub._pub, release)
     sock = sub_socket(endpoints[0], b"")
     try:
         time.sleep(0.5)  # the subscription reaches the publisher
-        pub.publish([stored(0)])
-        time.sleep(2 * ZmqEventPublisher.DRAIN_INTERVAL)  # the thread took batch 0 and waits
+        with pub._send_lock:  # a sender is busy: batch 0 waits in the queue
+            pub.publish([stored(0)])
+        assert pub.num_sent == 0
+        time.sleep(0.2)  # woken by that publish, the thread took batch 0 and waits
+        assert stalling.senders == ["kv-events-pub"]
         start = time.perf_counter()
         for i in range(1, 6):
             pub.publish([stored(i)])
         assert time.perf_counter() - start < 0.05, "publish must not wait for the thread"
-        assert pub.num_dropped == 3
+        assert pub.num_dropped == 3 and pub.num_sent == 0
         release.set()
+        assert pub.flush(WAIT_MS / 1000) and pub.num_sent == 3
         got = []
         for _ in range(3):
             assert sock.poll(WAIT_MS)
@@ -266,6 +285,98 @@ def test_a_full_queue_drops_the_oldest_without_blocking(endpoints, monkeypatch):
         sock.close()
     with pytest.raises(RuntimeError, match="shut down"):
         pub.publish([stored(9)])
+
+
+def test_publish_sends_the_step_at_once_from_the_calling_thread(endpoints):
+    """With the send lock free, `publish` numbers and sends the message before it returns
+    (the background thread sends nothing), one message per call, in order."""
+    pub = ZmqEventPublisher(0, endpoints[0])
+    senders = []
+    send = pub._pub.send
+
+    class Recording:
+        def send(self, frame: bytes, flags: int = 0) -> None:
+            if not flags & zmq.SNDMORE:  # a message's last frame
+                senders.append(threading.current_thread().name)
+            send(frame, flags)
+
+        def close(self, linger: int = 0) -> None:
+            pub_sock.close(linger=linger)
+
+    pub_sock, pub._pub = pub._pub, Recording()
+    sock = sub_socket(endpoints[0], b"")
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        for i in range(4):
+            pub.publish([stored(i), BlockRemoved([bytes([i]) * 32])], ts=float(i))
+            assert pub.num_sent == i + 1
+        assert senders == [threading.current_thread().name] * 4
+        for i in range(4):
+            assert sock.poll(WAIT_MS)
+            _, seq, payload = sock.recv_multipart()
+            batch = decode_event_batch(payload)
+            assert int.from_bytes(seq, "big") == i and batch.ts == float(i)
+            assert [type(e) for e in batch.events] == [WireBlockStored, WireBlockRemoved]
+    finally:
+        pub.shutdown()
+        sock.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    actions=st.lists(
+        st.one_of(
+            st.tuples(st.just("publish"), st.booleans()),  # the send lock held elsewhere?
+            st.tuples(st.just("bad"), st.booleans()),  # a batch that cannot be encoded
+            st.tuples(st.just("flush"), st.just(False)),
+        ),
+        max_size=24,
+    ),
+    max_queue_size=st.integers(1, 4),
+)
+def test_publishing_sequences_match_a_model(tmp_path_factory, actions, max_queue_size):
+    """Any interleaving of publishes with the send lock free or taken (a sender busy
+    elsewhere, for a run of publishes), unencodable batches and flushes: the messages
+    sent are the batches published, in order, less the oldest ones a full queue dropped
+    (counted) and the bad ones (skipped), numbered 0, 1, 2, ... without gaps; nothing is
+    sent while the lock is taken, a publish that finds it free sends before it returns,
+    and `flush` returns once everything queued is sent."""
+    endpoint = f"ipc://{tmp_path_factory.mktemp('model')}/pub"
+    pub = ZmqEventPublisher(0, endpoint, max_queue_size=max_queue_size)
+    sent, queued, dropped, holding = [], [], 0, False
+    try:
+        for i, (action, held) in enumerate(actions):
+            if holding and not held:  # the other sender is done; what it left goes out
+                pub._send_lock.release()
+                holding = False
+                assert pub.flush(WAIT_MS / 1000)
+                sent, queued = sent + queued, []
+            if action == "flush":
+                if not holding:
+                    assert pub.flush(WAIT_MS / 1000)
+                    sent, queued = sent + queued, []
+                else:
+                    assert not pub.flush(0.01), "nothing can be sent past the lock"
+                continue
+            if held and not holding:
+                pub._send_lock.acquire()
+                holding = True
+            pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
+            if action == "publish":
+                (queued if holding else sent).append(i % 256)
+                if len(queued) > max_queue_size:
+                    queued.pop(0)
+                    dropped += 1
+            assert pub.num_sent == len(sent) and pub.num_dropped == dropped
+        if holding:
+            pub._send_lock.release()
+        assert pub.flush(WAIT_MS / 1000)
+        sent += queued
+        assert pub.num_sent == len(sent) and pub.num_dropped == dropped
+        buffered = [(seq, decode_event_batch(p).events[0].token_ids[0]) for seq, p in pub._buffer]
+        assert buffered == list(enumerate(sent))
+    finally:
+        pub.shutdown()
 
 
 @pytest.mark.slow

@@ -33,6 +33,9 @@ def test_all_token_ids_behaves_like_the_concatenated_list(prompt, outputs, start
     assert list(view) == expected
     assert view[start:stop:step] == expected[start:stop:step]
     assert type(view[start:stop]) is list
+    # `span`: the in-range slice without a slice object (`BlockStored` token ids).
+    lo, hi = sorted((start % (len(expected) + 1), stop % (len(expected) + 1)))
+    assert view.span(lo, hi) == expected[lo:hi] and type(view.span(lo, hi)) is list
     for i in (start, stop):
         if -len(expected) <= i < len(expected):
             assert view[i] == expected[i]
