@@ -685,6 +685,9 @@ class LLMEngine:
         if empty and self._in_flight is None:
             self._fail_unschedulable()
         sampled = self._execute(outs)
+        # While the device computes the step: the events of its schedule (the blocks it
+        # caches are written by the step just dispatched, before any later step runs).
+        self._publish_events()
         empty = all(out.is_empty for out in outs)
         current = _InFlight(outs, sampled) if not empty else None
         done = self._in_flight if self.config.async_scheduling else current
@@ -716,7 +719,6 @@ class LLMEngine:
                 output = self._output(request, reason)
                 if output is not None:
                     outputs.append(output)
-        self._publish_events()
         self._record(outs, updates, time.perf_counter() - t0 - wait_s, wait_s, compiled)
         return outputs
 
