@@ -391,14 +391,14 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+        # Oldest first. A preemption removes the newest running request, never one before
+        # the current one: iterating `running` as it shrinks visits each survivor once.
+        for request in self.running:
+            if budget <= 0:
+                break
             tracked = self._tracked[request.request_id]
             step = self._plan(tracked, request.num_computed_tokens, budget, encoder_budget)
             if step is None:
-                i += 1
                 continue
             num_new = step.num_new_tokens
             while (
@@ -414,7 +414,6 @@ class Scheduler:
                     encoder_budget -= self._commit_encoder_inputs(step, counts)
                 scheduled.append(self._advance(tracked, step, new_blocks))
                 budget -= num_new
-                i += 1
                 continue
             self._release_planned(request, step.encoder_input_ids)
             break
