@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -172,18 +172,18 @@ class _Step:
     num_encoder_tokens: int
     reserved_blocks: int
     skip_zeroing_group_ids: Sequence[int]  # a tuple of ints with KV-connector tokens
-    # Filled in by `_lay_out`:
-    hits: tuple[Sequence[KVCacheBlock], ...] = ()  # per group (empty lists: no hits)
-    has_hits: bool = False
-    num_local_computed_tokens: int = 0  # computed before the step, plus the local hits
-    num_computed_tokens: int = 0  # plus the tokens a KV connector computed
-    num_tokens: int = 0  # plus the new tokens: where the step ends
-    num_slot_tokens: int = 0  # plus the lookahead tokens, at most `max_model_len`
-    num_cacheable_tokens: int = 0  # never past `request.num_tokens` (unverified tokens)
+    # Set by `_lay_out` (unset before it):
+    hits: tuple[Sequence[KVCacheBlock], ...] = field(init=False)  # per group, [] if none
+    has_hits: bool = field(init=False)
+    num_local_computed_tokens: int = field(init=False)  # computed, plus the local hits
+    num_computed_tokens: int = field(init=False)  # plus the tokens a KV connector computed
+    num_tokens: int = field(init=False)  # plus the new tokens: where the step ends
+    num_slot_tokens: int = field(init=False)  # plus lookahead tokens, <= max_model_len
+    num_cacheable_tokens: int = field(init=False)  # <= request.num_tokens (no unverified)
     # `num_tokens` for the groups that give lookahead tokens no slot, when there are
     # lookahead tokens and such groups; else None.
-    num_tokens_main_model: int | None = None
-    cache: bool = False  # caching on and not delayed
+    num_tokens_main_model: int | None = field(init=False)
+    cache: bool = field(init=False)  # caching on and not delayed
 
 
 class KVCacheManager:
@@ -638,8 +638,11 @@ class KVCacheManager:
                 f"{step.num_new_tokens} new tokens exceed max_model_len={self.max_model_len}"
             )
         step.num_slot_tokens = min(num_tokens + step.num_lookahead_tokens, self.max_model_len)
-        if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead:
-            step.num_tokens_main_model = num_tokens
+        step.num_tokens_main_model = (
+            num_tokens
+            if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead
+            else None
+        )
         step.num_cacheable_tokens = min(num_tokens, request.num_tokens)
         step.cache = self.enable_caching and not delay_cache_blocks
         # Caching needs a hash for every block it fills (it would fail half-way otherwise).
