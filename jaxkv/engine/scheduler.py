@@ -572,8 +572,9 @@ class Scheduler:
         request = tracked.request
         config = self.config
         num_tokens = request.num_tokens
-        available = num_tokens + tracked.num_pending
-        num_new = available - start  # capped below by the budget, the model length, a chunk
+        # Its tokens from `start` on, the sampled ones still in flight included.
+        num_unscheduled = num_tokens - start + tracked.num_pending
+        num_new = num_unscheduled  # capped below by the budget, the model length, a chunk
         if num_new > budget:
             num_new = budget
         if num_new > config.max_model_len - start:
@@ -583,7 +584,7 @@ class Scheduler:
             num_new = cap
         if num_new <= 0:
             return None
-        samples = start + num_new == available
+        samples = num_new == num_unscheduled
         if samples and request.num_output_tokens + tracked.num_pending >= request.max_tokens:
             return None  # its last token is in flight; the update will finish it
         manager = self.encoder_cache_manager
@@ -618,7 +619,7 @@ class Scheduler:
             self._release_planned(request, inputs)
             return None
         return ScheduledRequest(
-            request, start, end - start, num_tokens, end == available, tuple(inputs)
+            request, start, end - start, num_tokens, end - start == num_unscheduled, tuple(inputs)
         )
 
     def _release_planned(self, request: Request, inputs: Sequence[int]) -> None:
