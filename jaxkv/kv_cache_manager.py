@@ -531,7 +531,7 @@ class KVCacheManager:
             and type(num_lookahead_tokens) is int
             and num_new_tokens > 0
             and num_lookahead_tokens >= 0
-            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            and request.num_computed_tokens + (num_new_tokens + num_lookahead_tokens)
             <= state.quiet_until
             and new_computed_blocks is None
             and not full_sequence_must_fit
