@@ -637,13 +637,18 @@ class KVCacheManager:
                 f"request {request.request_id!r}: {step.num_computed_tokens} computed + "
                 f"{step.num_new_tokens} new tokens exceed max_model_len={self.max_model_len}"
             )
-        step.num_slot_tokens = min(num_tokens + step.num_lookahead_tokens, self.max_model_len)
+        num_slot_tokens = num_tokens + step.num_lookahead_tokens
+        if num_slot_tokens > self.max_model_len:
+            num_slot_tokens = self.max_model_len
+        step.num_slot_tokens = num_slot_tokens
         step.num_tokens_main_model = (
             num_tokens
             if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead
             else None
         )
-        step.num_cacheable_tokens = min(num_tokens, request.num_tokens)
+        step.num_cacheable_tokens = num_tokens
+        if num_tokens > request.num_tokens:
+            step.num_cacheable_tokens = request.num_tokens
         step.cache = self.enable_caching and not delay_cache_blocks
         # Caching needs a hash for every block it fills (it would fail half-way otherwise).
         if step.cache and len(request.block_hashes) < (
@@ -964,12 +969,17 @@ class KVCacheManager:
         if not self._use_slot_state:
             return _NO_SLOT_STATE
         capacity, caches_at, releases_at = self.coordinator.get_slot_state(request.request_id)
-        capacity = min(capacity, self.max_model_len)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
         if not self.enable_caching:
             caches_at = NEVER
-        return SlotState(
-            capacity, caches_at, releases_at, min(capacity, caches_at - 1, releases_at)
-        )
+        # The fewest of the three limits (`SlotState`).
+        quiet_until = caches_at - 1
+        if capacity < quiet_until:
+            quiet_until = capacity
+        if releases_at < quiet_until:
+            quiet_until = releases_at
+        return SlotState(capacity, caches_at, releases_at, quiet_until)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""
