@@ -257,10 +257,20 @@ def _num_leading_nulls(blocks: Sequence[KVCacheBlock], start: int = 0) -> int:
     return k
 
 
+# (status enum, name) -> the member `_set_status` sets: the enum's `name`, else its
+# `FINISHED`.
+_STATUS_MEMBERS: dict[tuple[type, str], enum.Enum] = {}
+
+
 def _set_status(request: Request, name: str) -> None:
     """Set the member `name` of the request's own status enum (jaxkv's or vLLM's)."""
-    statuses = type(request.status)
-    request.status = statuses[name] if name in statuses.__members__ else statuses["FINISHED"]
+    key = (type(request.status), name)
+    member = _STATUS_MEMBERS.get(key)
+    if member is None:
+        statuses = key[0]
+        member = statuses[name] if name in statuses.__members__ else statuses["FINISHED"]
+        _STATUS_MEMBERS[key] = member
+    request.status = member
 
 
 class Scheduler:
