@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -162,8 +162,8 @@ class _Step:
 
     request: Request
     state: SlotState | None  # None at the request's first allocation
-    # No encoder, KV-connector or reserved-block arguments: a running request's
-    # missing blocks can be bounded without counting per group.
+    # Python ints in range, no encoder, KV-connector or reserved-block arguments: a
+    # running request's missing blocks can be bounded without counting per group.
     plain: bool
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -172,18 +172,18 @@ class _Step:
     num_encoder_tokens: int
     reserved_blocks: int
     skip_zeroing_group_ids: Sequence[int]  # a tuple of ints with KV-connector tokens
-    # Filled in by `_lay_out`:
-    hits: tuple[Sequence[KVCacheBlock], ...] = ()  # per group (empty lists: no hits)
-    has_hits: bool = False
-    num_local_computed_tokens: int = 0  # computed before the step, plus the local hits
-    num_computed_tokens: int = 0  # plus the tokens a KV connector computed
-    num_tokens: int = 0  # plus the new tokens: where the step ends
-    num_slot_tokens: int = 0  # plus the lookahead tokens, at most `max_model_len`
-    num_cacheable_tokens: int = 0  # never past `request.num_tokens` (unverified tokens)
+    # Set by `_lay_out` (unset before it):
+    hits: tuple[Sequence[KVCacheBlock], ...] = field(init=False)  # per group, [] if none
+    has_hits: bool = field(init=False)
+    num_local_computed_tokens: int = field(init=False)  # computed, plus the local hits
+    num_computed_tokens: int = field(init=False)  # plus the tokens a KV connector computed
+    num_tokens: int = field(init=False)  # plus the new tokens: where the step ends
+    num_slot_tokens: int = field(init=False)  # plus lookahead tokens, <= max_model_len
+    num_cacheable_tokens: int = field(init=False)  # <= request.num_tokens (no unverified)
     # `num_tokens` for the groups that give lookahead tokens no slot, when there are
     # lookahead tokens and such groups; else None.
-    num_tokens_main_model: int | None = None
-    cache: bool = False  # caching on and not delayed
+    num_tokens_main_model: int | None = field(init=False)
+    cache: bool = field(init=False)  # caching on and not delayed
 
 
 class KVCacheManager:
@@ -531,7 +531,7 @@ class KVCacheManager:
             and type(num_lookahead_tokens) is int
             and num_new_tokens > 0
             and num_lookahead_tokens >= 0
-            and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            and request.num_computed_tokens + (num_new_tokens + num_lookahead_tokens)
             <= state.quiet_until
             and new_computed_blocks is None
             and not full_sequence_must_fit
@@ -587,10 +587,11 @@ class KVCacheManager:
         object and was checked then)."""
         plain = (
             type(num_new_tokens) is type(num_lookahead_tokens) is int
-            and type(num_external_computed_tokens) is type(reserved_blocks) is int
-            and type(num_encoder_tokens) is int
+            and type(num_new_computed_tokens) is type(num_external_computed_tokens) is int
+            and type(reserved_blocks) is type(num_encoder_tokens) is int
             and num_new_tokens > 0
             and num_lookahead_tokens >= 0
+            and num_new_computed_tokens >= 0
             and not (num_external_computed_tokens or reserved_blocks or num_encoder_tokens)
         )
         step = _Step(
@@ -605,7 +606,7 @@ class KVCacheManager:
             reserved_blocks,
             skip_zeroing_group_ids,
         )
-        if not (plain and type(num_new_computed_tokens) is int and num_new_computed_tokens >= 0):
+        if not plain:
             self._check_counts(step)
         if state is None:
             self._check_new_request(request)
@@ -636,13 +637,29 @@ class KVCacheManager:
                 f"request {request.request_id!r}: {step.num_computed_tokens} computed + "
                 f"{step.num_new_tokens} new tokens exceed max_model_len={self.max_model_len}"
             )
-        step.num_slot_tokens = min(num_tokens + step.num_lookahead_tokens, self.max_model_len)
-        if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead:
-            step.num_tokens_main_model = num_tokens
-        step.num_cacheable_tokens = min(num_tokens, request.num_tokens)
+        num_slot_tokens = num_tokens + step.num_lookahead_tokens
+        if num_slot_tokens > self.max_model_len:
+            num_slot_tokens = self.max_model_len
+        step.num_slot_tokens = num_slot_tokens
+        step.num_tokens_main_model = (
+            num_tokens
+            if step.num_lookahead_tokens and self.coordinator.some_group_ignores_lookahead
+            else None
+        )
+        step.num_cacheable_tokens = num_tokens
+        if num_tokens > request.num_tokens:
+            step.num_cacheable_tokens = request.num_tokens
         step.cache = self.enable_caching and not delay_cache_blocks
-        if step.cache:  # caching would fail half-way otherwise
-            self._check_block_hashes(request, step.num_cacheable_tokens)
+        # Caching needs a hash for every block it fills (it would fail half-way otherwise).
+        if step.cache and len(request.block_hashes) < (
+            num_full_blocks := step.num_cacheable_tokens // self.hash_block_size
+        ):
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block "
+                f"hashes but {num_full_blocks} full blocks of {self.hash_block_size} tokens "
+                f"to cache; give it block_hasher=get_request_block_hasher("
+                f"{self.hash_block_size}, hash_fn)"
+            )
 
     def _check_new_request(self, request: Request) -> None:
         """A request's first allocation: a `Request` (`_check_request`) whose id no other
@@ -658,79 +675,66 @@ class KVCacheManager:
             )
         self._check_request(request)
 
-    def _check_block_hashes(self, request: Request, num_cacheable_tokens: int) -> None:
-        """The request has a hash for every block its first `num_cacheable_tokens` fill."""
-        num_full_blocks = num_cacheable_tokens // self.hash_block_size
-        if len(request.block_hashes) < num_full_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} has {len(request.block_hashes)} block "
-                f"hashes but {num_full_blocks} full blocks of {self.hash_block_size} tokens "
-                f"to cache; give it block_hasher=get_request_block_hasher("
-                f"{self.hash_block_size}, hash_fn)"
-            )
-
     def _count_blocks(self, step: _Step, full_sequence_must_fit: bool) -> int | None:
         """Stage 2: release what left an attention window, then the free blocks the step
-        takes; None when fewer are free (less `reserved_blocks`)."""
+        takes; None when fewer are free (less `reserved_blocks`).
+
+        A plain step of a running request lacks none when its blocks hold its slots;
+        else, when every group allocates by capacity, a group lacks at most
+        cdiv(missing, its block size) blocks for the `missing` tokens past the smallest
+        capacity, and that bound is taken when that many are free (every group then
+        takes what it lacks). Otherwise each group is asked.
+        """
         coordinator = self.coordinator
         request, state = step.request, step.state
-        request_id = request.request_id
         prefill_end = 0
         if coordinator.checkpoints_at_prefill_end:  # as the scheduler splits chunks
             prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        free_block_queue = self.block_pool.free_block_queue
-        if (
-            full_sequence_must_fit
-            and coordinator.get_num_blocks_to_allocate(
-                request_id,
+        if full_sequence_must_fit and not self._full_sequence_fits(step, prefill_end):
+            return None
+        if state is None or step.num_local_computed_tokens >= state.releases_at:
+            coordinator.remove_skipped_blocks(
+                request.request_id, step.num_computed_tokens, request.num_prompt_tokens
+            )
+        num_free = self.block_pool.free_block_queue.num_free_blocks - step.reserved_blocks
+        if step.plain and state is not None:
+            missing = step.num_slot_tokens - state.capacity
+            if missing <= 0:
+                return 0
+            if coordinator.blocks_per_missing_block is not None:
+                bound = cdiv(missing, coordinator.min_block_size)
+                bound *= coordinator.blocks_per_missing_block
+                if bound <= num_free:
+                    return bound
+        num_blocks = coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            step.num_slot_tokens,
+            step.hits,
+            step.num_encoder_tokens,
+            step.num_computed_tokens,
+            prefill_end=prefill_end,
+            num_tokens_main_model=step.num_tokens_main_model,
+            num_local_computed_tokens=step.num_local_computed_tokens,
+        )
+        return num_blocks if num_blocks <= num_free else None
+
+    def _full_sequence_fits(self, step: _Step, prefill_end: int) -> bool:
+        """Whether the blocks the whole request needs (window groups holding at most their
+        admission cap at once) are free, less `reserved_blocks`."""
+        request = step.request
+        return (
+            self.coordinator.get_num_blocks_to_allocate(
+                request.request_id,
                 min(request.num_tokens, self.max_model_len),
                 step.hits,
                 step.num_encoder_tokens,
                 step.num_computed_tokens,
-                apply_admission_cap=True,  # window groups hold at most their cap at once
+                apply_admission_cap=True,
                 prefill_end=prefill_end,
                 num_local_computed_tokens=step.num_local_computed_tokens,
             )
-            > free_block_queue.num_free_blocks - step.reserved_blocks
-        ):
-            return None
-        if state is None or step.num_local_computed_tokens >= state.releases_at:
-            coordinator.remove_skipped_blocks(
-                request_id, step.num_computed_tokens, request.num_prompt_tokens
-            )
-        num_blocks = self._bounded_count(step)
-        if num_blocks is None:
-            num_blocks = coordinator.get_num_blocks_to_allocate(
-                request_id,
-                step.num_slot_tokens,
-                step.hits,
-                step.num_encoder_tokens,
-                step.num_computed_tokens,
-                prefill_end=prefill_end,
-                num_tokens_main_model=step.num_tokens_main_model,
-                num_local_computed_tokens=step.num_local_computed_tokens,
-            )
-        if num_blocks > free_block_queue.num_free_blocks - step.reserved_blocks:
-            return None
-        return num_blocks
-
-    def _bounded_count(self, step: _Step) -> int | None:
-        """A running request's blocks to take without asking each group, or None: 0 when
-        its blocks hold the slots; else, when every group allocates by capacity, a group
-        lacks at most cdiv(missing, its block size) blocks for the `missing` tokens past
-        the smallest capacity, and that bound is taken when that many are free (every
-        group then takes what it lacks)."""
-        state = step.state
-        if not step.plain or state is None:
-            return None
-        missing = step.num_slot_tokens - state.capacity
-        if missing <= 0:
-            return 0
-        coordinator = self.coordinator
-        if coordinator.blocks_per_missing_block is None:
-            return None
-        bound = cdiv(missing, coordinator.min_block_size) * coordinator.blocks_per_missing_block
-        return bound if bound <= self.block_pool.free_block_queue.num_free_blocks else None
+            <= self.block_pool.free_block_queue.num_free_blocks - step.reserved_blocks
+        )
 
     def _take_blocks(self, step: _Step, num_blocks: int) -> KVCacheBlocks:
         """Stage 3: the hits and the KV connector's blocks (every group's hits first), then
@@ -965,12 +969,17 @@ class KVCacheManager:
         if not self._use_slot_state:
             return _NO_SLOT_STATE
         capacity, caches_at, releases_at = self.coordinator.get_slot_state(request.request_id)
-        capacity = min(capacity, self.max_model_len)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
         if not self.enable_caching:
             caches_at = NEVER
-        return SlotState(
-            capacity, caches_at, releases_at, min(capacity, caches_at - 1, releases_at)
-        )
+        # The fewest of the three limits (`SlotState`).
+        quiet_until = caches_at - 1
+        if capacity < quiet_until:
+            quiet_until = capacity
+        if releases_at < quiet_until:
+            quiet_until = releases_at
+        return SlotState(capacity, caches_at, releases_at, quiet_until)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group block lists; the shared (immutable) empty value when all are empty."""

@@ -90,10 +90,9 @@ class MambaManager(SingleTypeKVCacheManager):
         # request id -> the blocks whose state is the one at their end (a step ended
         # there), not cached yet: cached once the cacheable count passes them.
         self._boundary_states: dict[str, set[int]] = {}
-        # request id -> the next position its state may be keyed at inside a block (the
-        # prompt's tail, or the junction), while a step has yet to end there: the slot
-        # state then has the step that reaches it cache.
-        self._pending_tails: dict[str, int] = {}
+        # `_pending_tails` (the base's): request id -> the next position its state may be
+        # keyed at inside a block (the prompt's tail, or the junction), while a step has
+        # yet to end there.
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
@@ -103,12 +102,8 @@ class MambaManager(SingleTypeKVCacheManager):
     def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
         if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
             return 0, 0, 0  # its next step copies the keyed state: never skipped
-        capacity, next_full, _ = super().get_slot_state(request_id)
-        if self._pending_tails:
-            pending = self._pending_tails.get(request_id)
-            if pending is not None and pending < next_full:
-                next_full = pending  # a step reaching a tail or junction caches
-        return capacity, next_full, self._release_threshold(request_id)
+        capacity, next_caching, _ = super().get_slot_state(request_id)
+        return capacity, next_caching, self._release_threshold(request_id)
 
     def _release_threshold(self, request_id: str) -> int:
         """Smallest computed-token count at which the first held state leaves the window."""

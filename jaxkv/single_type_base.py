@@ -123,6 +123,10 @@ class SingleTypeKVCacheManager(ABC):
         self.use_eagle = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # request id -> a token count before its next full block at which a step caches
+        # (a group keying positions inside blocks: a prompt's partial tail, a junction),
+        # until a step reaches it; `get_slot_state` reports it.
+        self._pending_tails: dict[str, int] = {}
         # Attention types that release blocks: request id -> how many leading entries of
         # its table are the null block (absent: none); every later entry is held.
         self._num_null_prefix: dict[str, int] = {}
@@ -432,16 +436,21 @@ class SingleTypeKVCacheManager(ABC):
         return None
 
     def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
-        """(tokens the request's blocks can hold, token count at which its next block is
-        full, computed-token count at which `remove_skipped_blocks` would release a block).
+        """(tokens the request's blocks can hold, token count at which a step next caches:
+        its next block full or its pending tail, computed-token count at which
+        `remove_skipped_blocks` would release a block).
 
         Below all three a step changes nothing in this group.
         """
         block_size = self.block_size
-        blocks = self.req_to_blocks[request_id]
+        next_caching = (self.num_cached_block[request_id] + 1) * block_size
+        if self._pending_tails:
+            tail = self._pending_tails.get(request_id)
+            if tail is not None and tail < next_caching:
+                next_caching = tail
         return (
-            len(blocks) * block_size,
-            (self.num_cached_block[request_id] + 1) * block_size,
+            len(self.req_to_blocks[request_id]) * block_size,
+            next_caching,
             # The first held block is the one after the table's null prefix.
             self.release_threshold_for_block(self._num_null_prefix.get(request_id, 0))
             if self.releases_blocks

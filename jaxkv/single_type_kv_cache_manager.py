@@ -61,9 +61,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             if self.block_size != hash_block_size and self._prefix_cacheable
             else None
         )
-        # request id -> its prompt's partial tail boundary, while no key names it: until
-        # a step reaches it, and again once `evict_blocks` dropped its block's keys.
-        self._pending_tails: dict[str, int] = {}
+        # `_pending_tails` (the base's): request id -> its prompt's partial tail boundary,
+        # while no key names it: until a step reaches it, and again once `evict_blocks`
+        # dropped its block's keys.
         # request id -> the boundary of its partial tail, once a step has keyed it.
         self._keyed_tails: dict[str, int] = {}
 
@@ -92,16 +92,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size
             )
             self._keyed_tails[request.request_id] = boundary
-
-    def get_slot_state(self, request_id: str) -> tuple[int, int, int]:
-        """The base's, with the next caching due at the prompt's partial tail while that
-        is not keyed (not yet, or again after `evict_blocks`), so the next step reaching
-        it caches."""
-        capacity, next_full, release_at = super().get_slot_state(request_id)
-        boundary = self._pending_tails.get(request_id)
-        if boundary is not None and boundary < next_full:
-            next_full = boundary
-        return capacity, next_full, release_at
 
     def free(self, request_id: str) -> None:
         self._pending_tails.pop(request_id, None)

@@ -251,10 +251,20 @@ def _num_leading_nulls(blocks: Sequence[KVCacheBlock], start: int = 0) -> int:
     return k
 
 
+# (status enum, name) -> the member `_set_status` sets: the enum's `name`, else its
+# `FINISHED`.
+_STATUS_MEMBERS: dict[tuple[type, str], enum.Enum] = {}
+
+
 def _set_status(request: Request, name: str) -> None:
     """Set the member `name` of the request's own status enum (jaxkv's or vLLM's)."""
-    statuses = type(request.status)
-    request.status = statuses[name] if name in statuses.__members__ else statuses["FINISHED"]
+    key = (type(request.status), name)
+    member = _STATUS_MEMBERS.get(key)
+    if member is None:
+        statuses = key[0]
+        member = statuses[name] if name in statuses.__members__ else statuses["FINISHED"]
+        _STATUS_MEMBERS[key] = member
+    request.status = member
 
 
 class Scheduler:
@@ -385,16 +395,16 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         counts = [0, 0]  # encoder hits, misses
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+        # Oldest first. A preemption removes the newest running request, never one before
+        # the current one: iterating `running` as it shrinks visits each survivor once.
+        for request in self.running:
+            if budget <= 0:
+                break
             tracked = self._tracked[request.request_id]
-            plan = self._plan(tracked, request.num_computed_tokens, budget, encoder_budget)
-            if plan is None:
-                i += 1
+            step = self._plan(tracked, request.num_computed_tokens, budget, encoder_budget)
+            if step is None:
                 continue
-            num_new, inputs = plan
+            num_new = step.num_new_tokens
             while (
                 new_blocks := allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             ) is None:
@@ -404,13 +414,12 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                if inputs:
-                    encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-                scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
+                if step.encoder_input_ids:
+                    encoder_budget -= self._commit_encoder_inputs(step, counts)
+                scheduled.append(self._advance(tracked, step, new_blocks))
                 budget -= num_new
-                i += 1
                 continue
-            self._release_planned(request, inputs)
+            self._release_planned(request, step.encoder_input_ids)
             break
         # Before admitting: the loads admitted in this call are taken by a later one.
         loads = self._take_loads() if self.loading else None
@@ -464,11 +473,11 @@ class Scheduler:
                 if not self._admit_loading(tracked, hit_blocks, num_hits, num_host):
                     break
                 continue
-            plan = self._plan(tracked, num_hits, budget, encoder_budget)
-            if plan is None:
+            step = self._plan(tracked, num_hits, budget, encoder_budget)
+            if step is None:
                 self._cancel_load(request)
                 break
-            num_new, inputs = plan
+            num_new = step.num_new_tokens
             new_blocks = manager.allocate_slots(
                 request,
                 num_new,
@@ -477,7 +486,7 @@ class Scheduler:
                 num_lookahead_tokens=self.config.num_lookahead_tokens,
             )
             if new_blocks is None:
-                self._release_planned(request, inputs)
+                self._release_planned(request, step.encoder_input_ids)
                 self._cancel_load(request)
                 break
             if self.offload is not None:  # its lookup found nothing: no load starts
@@ -485,9 +494,9 @@ class Scheduler:
             self._admitted(tracked, num_hits, 0)
             _set_status(request, "RUNNING")
             self.running.append(request)
-            if inputs:
-                encoder_budget -= self._commit_encoder_inputs(request, inputs, counts)
-            scheduled.append(self._advance(tracked, num_new, inputs, new_blocks))
+            if step.encoder_input_ids:
+                encoder_budget -= self._commit_encoder_inputs(step, counts)
+            scheduled.append(self._advance(tracked, step, new_blocks))
             budget -= num_new
 
     def _admit_loading(
@@ -556,16 +565,20 @@ class Scheduler:
 
     def _plan(
         self, tracked: _Tracked, start: int, budget: int, encoder_budget: int
-    ) -> tuple[int, Sequence[int]] | None:
-        """Tokens to compute from `start` and encoder inputs they need; None: nothing now.
+    ) -> ScheduledRequest | None:
+        """The request's share of a step from `start` computed tokens: the tokens to
+        compute and the encoder inputs they need, its block changes left empty (see
+        `_advance`); None: nothing now.
 
         Cached encoder entries the chunk needs are referenced here (so planning the rest
         cannot evict them); `_release_planned` undoes that when the slots are refused.
         """
         request = tracked.request
         config = self.config
-        available = request.num_tokens + tracked.num_pending
-        num_new = available - start  # capped below by the budget, the model length, a chunk
+        num_tokens = request.num_tokens
+        # Its tokens from `start` on, the sampled ones still in flight included.
+        num_unscheduled = num_tokens - start + tracked.num_pending
+        num_new = num_unscheduled  # capped below by the budget, the model length, a chunk
         if num_new > budget:
             num_new = budget
         if num_new > config.max_model_len - start:
@@ -575,13 +588,12 @@ class Scheduler:
             num_new = cap
         if num_new <= 0:
             return None
-        if start + num_new == available and (
-            request.num_output_tokens + tracked.num_pending >= request.max_tokens
-        ):
+        samples = num_new == num_unscheduled
+        if samples and request.num_output_tokens + tracked.num_pending >= request.max_tokens:
             return None  # its last token is in flight; the update will finish it
         manager = self.encoder_cache_manager
-        if manager is None or not request.mm_features:
-            return num_new, ()  # the hot path: a text request
+        if manager is None or not request.mm_features:  # the hot path: a text request
+            return ScheduledRequest(request, start, num_new, num_tokens, samples)
         inputs: list[int] = []
         end = start + num_new
         held = manager.get_cached_input_ids(request)
@@ -610,7 +622,9 @@ class Scheduler:
         if end <= start:
             self._release_planned(request, inputs)
             return None
-        return end - start, inputs
+        return ScheduledRequest(
+            request, start, end - start, num_tokens, end - start == num_unscheduled, tuple(inputs)
+        )
 
     def _release_planned(self, request: Request, inputs: Sequence[int]) -> None:
         manager = self.encoder_cache_manager
@@ -621,13 +635,15 @@ class Scheduler:
             if input_id in held:
                 manager.free_encoder_input(request, input_id)
 
-    def _commit_encoder_inputs(self, request: Request, inputs: list[int], counts: list) -> int:
-        """Reference or allocate each planned input; return the embeddings to encode."""
+    def _commit_encoder_inputs(self, step: ScheduledRequest, counts: list) -> int:
+        """Reference or allocate each input `step` planned, leaving in its
+        `encoder_input_ids` those to encode; return their embeddings."""
         manager = self.encoder_cache_manager
+        request = step.request
         tracked = self._tracked[request.request_id]
         encoded = 0
         to_encode = []
-        for input_id in inputs:
+        for input_id in step.encoder_input_ids:
             tracked.held_inputs.add(input_id)
             if input_id in manager.get_cached_input_ids(request) or manager.check_and_update_cache(
                 request, input_id
@@ -638,36 +654,23 @@ class Scheduler:
             encoded += request.get_num_encoder_embeds(input_id)
             to_encode.append(input_id)
             counts[1] += 1
-        inputs[:] = to_encode
+        step.encoder_input_ids = tuple(to_encode)
         return encoded
 
     def _advance(
-        self,
-        tracked: _Tracked,
-        num_new: int,
-        inputs: Sequence[int],
-        new_blocks: KVCacheBlocks,
+        self, tracked: _Tracked, step: ScheduledRequest, new_blocks: KVCacheBlocks
     ) -> ScheduledRequest:
-        """Schedule `num_new` tokens of a request whose slots `allocate_slots` gave
-        (returning `new_blocks`)."""
-        request = tracked.request
-        start = request.num_computed_tokens
-        num_tokens = request.num_tokens
-        samples = start + num_new == num_tokens + tracked.num_pending
-        if type(inputs) is not tuple:
-            inputs = tuple(inputs)
+        """Schedule `step` (`_plan`'s) once `allocate_slots` gave its slots, returning
+        `new_blocks`: its tokens count as computed, a token it samples as pending, and it
+        gets its block changes. Returns `step`."""
         if self.with_block_ids:
-            new_block_ids, num_null_blocks, resets_row = self._block_changes(tracked, new_blocks)
-            out = ScheduledRequest(
-                request, start, num_new, num_tokens, samples, inputs,
-                new_block_ids, num_null_blocks, resets_row,
-            )  # fmt: skip
-        else:
-            out = ScheduledRequest(request, start, num_new, num_tokens, samples, inputs)
-        request.num_computed_tokens = start + num_new
-        if samples:
+            step.new_block_ids, step.num_null_blocks, step.resets_row = self._block_changes(
+                tracked, new_blocks
+            )
+        step.request.num_computed_tokens = step.num_computed_tokens + step.num_new_tokens
+        if step.samples:
             tracked.num_pending += 1
-        return out
+        return step
 
     def _block_changes(self, tracked: _Tracked, new_blocks: KVCacheBlocks) -> _BlockChanges:
         """`(new_block_ids, num_null_blocks, resets_row)` of a request `allocate_slots`
