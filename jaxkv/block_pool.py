@@ -19,14 +19,13 @@ from jaxkv.hashing import (
     make_block_hash_with_group_id,
 )
 from jaxkv.kv_events import (
-    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
     to_event_extra_keys,
 )
-from jaxkv.request_hashing import generate_block_hash_extra_keys
+from jaxkv.request_hashing import generate_block_hash_extra_keys, needs_extra_keys
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -873,37 +872,19 @@ class BlockPool:
     ) -> BlockStored:
         """The event for blocks `indices` (stored ones, within [`start`, `end`)) whose
         token span is blocks [`start`, `end`) of the request."""
-        if not (
-            request.lora_request is not None
-            or request.mm_features
-            or request.cache_salt
-            or request.prompt_embeds is not None
-        ):  # no block has extra keys (`_needs_extra_keys`): a decode step's usual event
-            return BlockStored(
-                block_hashes[indices.start : indices.stop]
-                if type(indices) is range
-                else [block_hashes[i] for i in indices],
-                block_hashes[start - 1] if start else None,
-                request.all_token_ids.span(start * block_size, end * block_size),
-                block_size,
-                None,
-                MEDIUM_GPU,
-                None,
-                None,
-                kv_cache_group_id,
-            )
-        hashes, extra_keys, mm_idx = [], [], 0
-        for i in indices:
-            hashes.append(block_hashes[i])
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, i * block_size, (i + 1) * block_size, mm_idx
-            )
-            extra_keys.append(keys)
+        extra_keys = None
+        if needs_extra_keys(request):  # else no block has any (a decode step's usual case)
+            extra_keys, mm_idx = [], 0
+            for i in indices:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx
+                )
+                extra_keys.append(keys)
         lora = request.lora_request
         return BlockStored(
-            block_hashes=hashes,
+            block_hashes=[block_hashes[i] for i in indices],
             parent_block_hash=block_hashes[start - 1] if start else None,
-            token_ids=request.all_token_ids[start * block_size : end * block_size],
+            token_ids=request.all_token_ids.span(start * block_size, end * block_size),
             block_size=block_size,
             lora_id=request.lora_int_id,
             lora_name=lora.lora_name if lora is not None else None,

@@ -50,7 +50,7 @@ _UNPACK_U64 = struct.Struct(">Q").unpack_from
 
 def _low_64_bits(block_hash: bytes) -> int:
     size = len(block_hash)
-    if size >= 8:  # unpack_from: a quarter of int.from_bytes(block_hash[-8:])'s time
+    if size >= 8:  # read in place, no slice
         return _UNPACK_U64(block_hash, size - 8)[0]
     return int.from_bytes(block_hash, "big")
 
@@ -129,23 +129,18 @@ def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True
     TypeError naming the event for anything but `BlockStored`, `BlockRemoved` and
     `AllBlocksCleared`.
     """
-    # The step loop runs this once per step (`ZmqEventPublisher.publish`), about half a
-    # microsecond per decode step's event: fields go positionally (the structs'
-    # declaration order), the hash form is chosen once, a lone hash (a decode step's
-    # event) is converted without a list pass, and token lists are sent as they are.
+    # Fields go positionally, in the structs' declaration order; token lists are sent
+    # as they are.
     to_wire = _low_64_bits if int_block_hashes else _unchanged
-    stored, removed = WireBlockStored, WireBlockRemoved
     wire: list = []
-    append = wire.append
     for event in events:
         kind = type(event)
         if kind is BlockStored:
-            hashes = event.block_hashes
             parent = event.parent_block_hash
             tokens = event.token_ids
-            append(
-                stored(
-                    [to_wire(hashes[0])] if len(hashes) == 1 else list(map(to_wire, hashes)),
+            wire.append(
+                WireBlockStored(
+                    list(map(to_wire, event.block_hashes)),
                     None if parent is None else to_wire(parent),
                     tokens if type(tokens) is list else list(tokens),
                     event.block_size,
@@ -159,16 +154,15 @@ def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True
                 )
             )
         elif kind is BlockRemoved:
-            hashes = event.block_hashes
-            append(
-                removed(
-                    [to_wire(hashes[0])] if len(hashes) == 1 else list(map(to_wire, hashes)),
+            wire.append(
+                WireBlockRemoved(
+                    list(map(to_wire, event.block_hashes)),
                     event.medium,
                     event.group_idx,
                 )
             )
         elif kind is AllBlocksCleared:
-            append(WireAllBlocksCleared())
+            wire.append(WireAllBlocksCleared())
         else:
             raise TypeError(
                 f"cannot publish {event!r}: KV events are BlockStored, BlockRemoved or "

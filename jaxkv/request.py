@@ -187,8 +187,8 @@ class AllTokenIds(Sequence[int]):
         raise IndexError(f"token index {index} out of range for {num_tokens} tokens")
 
     def span(self, start: int, stop: int) -> list[int]:
-        """`self[start:stop]` for `0 <= start <= stop <= len(self)`, without a slice object
-        (a third of its time: a `BlockStored` event's tokens, once per block cached)."""
+        """`self[start:stop]` for `0 <= start <= stop <= len(self)`, as a list (a cached
+        block's tokens, for its `BlockStored` event)."""
         num_prompt = self._num_prompt
         if start >= num_prompt:
             return self._output[start - num_prompt : stop - num_prompt]

@@ -76,7 +76,9 @@ def generate_block_hash_extra_keys(
     return (tuple(keys) if keys else None), next_mm_idx
 
 
-def _needs_extra_keys(request: Request) -> bool:
+def needs_extra_keys(request: Request) -> bool:
+    """Whether any of the request's blocks can have hash extra keys (LoRA, multimodal
+    inputs, a cache salt, prompt embeddings)."""
     return bool(
         request.lora_request is not None
         or request.mm_features
@@ -262,7 +264,7 @@ class RequestBlockHasher:
             return []
         start = num_hashed * block_size
         end = num_full * block_size
-        if _needs_extra_keys(request):
+        if needs_extra_keys(request):
             extra, mm_idx = [], 0
             for s in range(start, end, block_size):
                 keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)

@@ -884,9 +884,9 @@ def _reference_block_stored(request, hashes, indices, start, end, block_size, gr
 def test_block_stored_events_with_and_without_extra_keys(
     num_prompt, num_output, span, skip, salt, lora, group_id
 ):
-    """The builder's shortcut for requests without extra keys (a decode step's events)
-    makes the event the general per-block path makes; blocks that straddle the prompt
-    and the output take tokens from both."""
+    """The builder makes the per-block reference event, whether or not the request's
+    blocks can have extra keys (a decode step's events have none); blocks that straddle
+    the prompt and the output take tokens from both."""
     from jaxkv.request import LoRARequest
 
     request = Request(
@@ -906,5 +906,5 @@ def test_block_stored_events_with_and_without_extra_keys(
         )
         assert event == want
         assert type(event.block_hashes) is list and type(event.token_ids) is list
-        if salt is None and not lora:  # the shortcut: nothing but the blocks themselves
+        if salt is None and not lora:  # nothing but the blocks themselves
             assert event.extra_keys is None and event.lora_id is None
