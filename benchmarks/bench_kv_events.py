@@ -3,20 +3,22 @@
     python -m benchmarks.bench_kv_events [--repeats 5] [--record]
 
 1. Publisher throughput: batches of `BlockStored` events (one 16-token block each, as a
-   decode step stores them) published as fast as the caller can, no subscriber: events
-   per second the background thread sustains (queue drained, all sent), and the caller's
-   cost per `publish()`.
+   decode step stores them) published as fast as the caller can, no subscriber, then the
+   caller sleeping until all are sent: events per second the background thread sustains,
+   and the caller's cost per `publish()`.
 2. Step-loop cost: engine host time per decode step at 256 running requests
    (`bench_engine.decode_steps`, overlap off), publishing off vs on, interleaved runs
    (the order alternating per round), median and range over the rounds. The timed steps
    include those where the requests fill a block (256 events in a few batches), so the
    per-run mean carries those bursts and the median the typical step. The cost of
-   publishing, per round: the stepping thread's extra CPU per step (on minus off: building
-   the events, `take_events`, `publish`, which converts, encodes and sends) plus the
-   publishing thread's CPU per step (an upper bound on the GIL time it takes from the
-   loop), over the same round's host step without publishing. Also measured directly:
-   the stepping thread's CPU inside the engine's `_publish_events` (`take_events` and
-   `publish`) per step.
+   publishing, (1) as an A/B per round: the stepping thread's extra CPU per step (on
+   minus off) plus the publishing thread's CPU per step, over the same round's host step
+   without publishing (too noisy here to resolve 2%); (2) by parts (`_PartTimers`): on
+   the stepping thread, queueing the step's `BlockStored` records and the engine's
+   `_publish_events` (`take_events`, `publish`: a queue append and a wake-up), plus the
+   publishing thread's CPU (building, converting, encoding, sending) that ran outside the
+   stepping thread's device waits; and, as an upper bound for a loop that never waits,
+   with all of the publishing thread's CPU.
 3. What the events cost the stepping thread, host only (no model, so less noise):
    (a) the scheduler and manager decoding as `decode_steps` does (256 requests of 8-token
    prompts, 16-token blocks, to 49 tokens each), CPU per step with events off vs built
@@ -32,12 +34,14 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from benchmarks._common import (
@@ -70,7 +74,10 @@ def bench_publisher(tmp: str, num_batches: int, events_per_batch: int) -> dict:
             t = time.perf_counter()
             publisher.publish(events)
             caller += time.perf_counter() - t
-        assert publisher.flush(60.0)
+        # The caller sleeps (as the step loop waits for the device) while the thread sends.
+        deadline = start + 60.0
+        while publisher.num_sent < num_batches and time.perf_counter() < deadline:
+            time.sleep(0.005)
         wall = time.perf_counter() - start
     finally:
         publisher.shutdown()
@@ -91,43 +98,90 @@ STEP_STATS = ("host_ms", "host_ms_mean", "main_cpu_ms", "step_ms")
 
 
 class _PartTimers:
-    """The stepping thread's time in the two places publishing adds work, patched on the
-    classes for the publishing runs only: `LLMEngine._publish_events` (`take_events`,
-    `publish`; CPU time) and `BlockPool._block_stored_event` (building a `BlockStored`;
-    wall time, a clock read costing ~0.05 us against a syscall's ~1 us, so the timer
-    itself stays out of the figure; the call's own overhead is in it)."""
+    """Where publishing spends time, patched in for the timed runs (both modes).
+
+    On the stepping thread, per step (`per_step`: one entry per `_publish_events` call,
+    which each step makes once): `LLMEngine._publish_events` (`take_events`, `publish`;
+    CPU time, less that of the same call with publishing off: the call and the clock
+    reads, system calls, cost a few microseconds of their own) and making the step's
+    `DeferredBlockStored` records during its schedule (wall time, a clock read costing
+    ~0.05 us against a system call's ~1 us; the call's own overhead is in it). On the
+    publishing thread: each `ZmqEventPublisher._send_queued` (build the events, convert,
+    encode, send) as a wall interval and its CPU time, and the stepping thread's device
+    waits (`multihost.host_tokens`) as wall intervals, so the thread's CPU splits into
+    what ran while the stepping thread waited for the device (it holds no GIL then:
+    hidden) and what ran beside the step's Python (at most that much taken from the
+    loop)."""
 
     def __init__(self) -> None:
-        from jaxkv.block_pool import BlockPool
+        from jaxkv import block_pool
+        from jaxkv.engine import multihost
         from jaxkv.engine.engine import LLMEngine
 
-        self.engine_cls, self.pool_cls = LLMEngine, BlockPool
+        self.engine_cls, self.block_pool, self.multihost = LLMEngine, block_pool, multihost
         self.publish_events = LLMEngine.__dict__["_publish_events"]
-        self.block_stored_event = BlockPool.__dict__["_block_stored_event"]
-        self.publish_s = self.build_s = 0.0
+        self.record_cls = block_pool.DeferredBlockStored
+        self.send_queued = ZmqEventPublisher.__dict__["_send_queued"]
+        self.host_tokens = multihost.host_tokens
+        self.per_step: list[tuple[float, float]] = []  # (publish CPU s, build wall s)
+        self._build_s = 0.0  # the step's so far
+        self.waits: list[tuple[float, float]] = []
+        self.sends: list[tuple[float, float, float]] = []  # (start, end, CPU s), the thread's
 
     def __enter__(self) -> _PartTimers:
-        publish_events, build = self.publish_events, self.block_stored_event.__func__
+        publish_events, record_cls = self.publish_events, self.record_cls
+        send_queued, host_tokens = self.send_queued, self.host_tokens
         thread_time, perf_counter = time.thread_time, time.perf_counter
+        stepping_thread = threading.get_ident()
 
         def timed_publish(engine) -> None:
             start = thread_time()
             publish_events(engine)
-            self.publish_s += thread_time() - start
+            self.per_step.append((thread_time() - start, self._build_s))
+            self._build_s = 0.0
 
-        def timed_build(*args):
+        def timed_record(*args):
             start = perf_counter()
-            event = build(*args)
-            self.build_s += perf_counter() - start
-            return event
+            record = record_cls(*args)
+            self._build_s += perf_counter() - start
+            return record
+
+        def timed_wait(sampled):
+            start = perf_counter()
+            tokens = host_tokens(sampled)
+            self.waits.append((start, perf_counter()))
+            return tokens
+
+        def timed_send_queued(publisher) -> None:
+            if threading.get_ident() == stepping_thread:  # a flush, after the timed steps
+                return send_queued(publisher)
+            start, cpu = perf_counter(), thread_time()
+            send_queued(publisher)
+            self.sends.append((start, perf_counter(), thread_time() - cpu))
 
         self.engine_cls._publish_events = timed_publish
-        self.pool_cls._block_stored_event = staticmethod(timed_build)
+        self.block_pool.DeferredBlockStored = timed_record
+        self.multihost.host_tokens = timed_wait
+        ZmqEventPublisher._send_queued = timed_send_queued
         return self
 
     def __exit__(self, *exc) -> None:
         self.engine_cls._publish_events = self.publish_events
-        self.pool_cls._block_stored_event = self.block_stored_event
+        self.block_pool.DeferredBlockStored = self.record_cls
+        self.multihost.host_tokens = self.host_tokens
+        ZmqEventPublisher._send_queued = self.send_queued
+
+    def thread_cpu_beside_the_step(self) -> float:
+        """CPU seconds of the publishing thread's sends that did not run wholly inside
+        one of the stepping thread's device waits."""
+        waits = sorted(self.waits)
+        starts = [w[0] for w in waits]
+        beside = 0.0
+        for start, end, cpu in self.sends:
+            i = bisect.bisect_right(starts, start) - 1
+            if i < 0 or end > waits[i][1]:
+                beside += cpu
+        return beside
 
 
 def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> dict:
@@ -137,20 +191,23 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> 
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     publish_ms: list[float] = []
     build_ms: list[float] = []
+    beside_ms: list[float] = []  # the publishing thread's CPU outside the device waits
     for round_ in range(repeats):
         order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
+        publish_call_ms = {}  # per mode: `_publish_events`, which returns at once when off
         for mode in order:
-            if mode == "off":
-                runs[mode].append(decode_steps(model, running, False, steps))
-                continue
-            fields = {"kv_events_endpoint": f"ipc://{tmp}/step-{round_}",
-                      "kv_events_replay_endpoint": f"ipc://{tmp}/replay-{round_}"}  # fmt: skip
-            with _PartTimers() as timers:
+            fields = {} if mode == "off" else {
+                "kv_events_endpoint": f"ipc://{tmp}/step-{round_}",
+                "kv_events_replay_endpoint": f"ipc://{tmp}/replay-{round_}"}  # fmt: skip
+            with _PartTimers() as timers:  # both modes: the same timers in the loop
                 runs[mode].append(decode_steps(model, running, False, steps, **fields))
-            # Every step's share (warm-up and prefill too, which store no block here) over
-            # the timed steps: an upper bound.
-            publish_ms.append(1e3 * timers.publish_s / steps)
-            build_ms.append(1e3 * timers.build_s / steps)
+            timed = timers.per_step[-steps:]  # the timed steps are the run's last
+            publish_call_ms[mode] = 1e3 * sum(p for p, _ in timed) / steps
+            if mode == "on":
+                build_ms.append(1e3 * sum(b for _, b in timed) / steps)
+                beside_ms.append(1e3 * timers.thread_cpu_beside_the_step() / steps)
+        # Less the call and its timer's own cost (the clock reads are system calls).
+        publish_ms.append(publish_call_ms["on"] - publish_call_ms["off"])
     result: dict = {"running": running, "steps": steps, "rounds": repeats}
     for stat in STEP_STATS:
         off = [r[stat] for r in runs["off"]]
@@ -177,15 +234,23 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> 
          for x, off, on in zip(extra, runs["off"], runs["on"], strict=True)]
     )  # fmt: skip
     # (2) by parts, timed where the work is: less disturbed by the machine's other load
-    # than the A/B, which differences two whole-step CPU times.
-    parts = [p + b + t for p, b, t in zip(publish_ms, build_ms, publisher_ms, strict=True)]
+    # than the A/B, which differences two whole-step CPU times. The stepping thread's
+    # parts plus the publishing thread's CPU outside the device waits: what publishing
+    # takes from the step loop; with all the thread's CPU instead, an upper bound.
+    parts = [p + b + t for p, b, t in zip(publish_ms, build_ms, beside_ms, strict=True)]
+    bound = [p + b + t for p, b, t in zip(publish_ms, build_ms, publisher_ms, strict=True)]
     result["publish_events_ms"] = spread(publish_ms)
     result["block_stored_event_ms"] = spread(build_ms)
+    result["publisher_cpu_beside_step_ms"] = spread(beside_ms)
     result["parts_ms"] = spread(parts)
+    result["parts_bound_ms"] = spread(bound)
     result["parts_fraction"] = {
         f"of {stat}": spread([p / off[stat] for p, off in zip(parts, runs["off"], strict=True)])
         for stat in ("host_ms_mean", "host_ms")
     }
+    result["parts_bound_fraction"] = spread(
+        [p / off["host_ms_mean"] for p, off in zip(bound, runs["off"], strict=True)]
+    )
     result["host_ms_off"], result["host_ms_mean_off"] = host_off, host_mean_off
     return result
 
@@ -227,7 +292,7 @@ def _host_decode_cpu(mode: str, endpoint: str, running: int = 256) -> float:
             out, [s.request.num_tokens * 7919 % 500 for s in out.scheduled]
         )
         if publisher is not None:
-            events = manager.take_events()
+            events = manager.take_events(deferred=True)  # as the engine does
             if events:
                 publisher.publish(events)
         steps += 1
@@ -350,18 +415,21 @@ def main(argv: list[str] | None = None) -> dict:
             f"CPU {extra['median']:.3f} ms per step (range {extra['min']:.3f} to "
             f"{extra['max']:.3f})"
         )
-        by_parts = step["parts_fraction"]
+        by_parts, bound = step["parts_fraction"], step["parts_bound_fraction"]
         print(
             f"cost by parts, ms per step (median of rounds): _publish_events (take_events, "
-            f"publish) {step['publish_events_ms']['median']:.4f} + building BlockStored "
-            f"{step['block_stored_event_ms']['median']:.4f} + publishing thread "
-            f"{step['publisher_cpu_ms']['median']:.4f} = {step['parts_ms']['median']:.4f}; "
-            f"of the mean host step without publishing "
+            f"publish) {step['publish_events_ms']['median']:.4f} + queueing BlockStored "
+            f"{step['block_stored_event_ms']['median']:.4f} + the publishing thread's CPU "
+            f"outside the device waits {step['publisher_cpu_beside_step_ms']['median']:.4f} "
+            f"(of {step['publisher_cpu_ms']['median']:.4f} in all) = "
+            f"{step['parts_ms']['median']:.4f}; of the mean host step without publishing "
             f"{by_parts['of host_ms_mean']['median']:.2%} (range "
             f"{by_parts['of host_ms_mean']['min']:.2%} to "
             f"{by_parts['of host_ms_mean']['max']:.2%}), of the median host step "
             f"{by_parts['of host_ms']['median']:.2%} (range {by_parts['of host_ms']['min']:.2%} "
-            f"to {by_parts['of host_ms']['max']:.2%})"
+            f"to {by_parts['of host_ms']['max']:.2%}); counting all the thread's CPU "
+            f"{bound['median']:.2%} (range {bound['min']:.2%} to {bound['max']:.2%}) of the "
+            f"mean host step"
         )
     building = result.get("event_building")
     if building is not None:

@@ -19,13 +19,19 @@ from jaxkv.hashing import (
     make_block_hash_with_group_id,
 )
 from jaxkv.kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    DeferredKVCacheEvent,
     KVCacheEvent,
+    build_events,
     to_event_extra_keys,
 )
 from jaxkv.request_hashing import generate_block_hash_extra_keys, needs_extra_keys
+
+# The spec kind and sliding window of an event whose group has none recorded.
+_NO_SPEC = (None, None)
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -286,6 +292,68 @@ def check_tenant_block_quotas(
     return checked
 
 
+class DeferredBlockStored(DeferredKVCacheEvent):
+    """The `BlockStored` of a request's blocks `indices` (the ones stored, within
+    [`start`, `end`)), whose token span is blocks [`start`, `end`) of the request, built
+    by `build()` from the request's tokens, block hashes and hash keys (which only grow)
+    and the group's entry in `group_specs`, (spec kind, sliding window) per group."""
+
+    __slots__ = ("block_hashes", "block_size", "end", "group", "group_specs", "indices",
+                 "request", "start")  # fmt: skip
+
+    def __init__(
+        self,
+        request: Request,
+        block_hashes: Sequence[BlockHash],
+        indices: Sequence[int],
+        start: int,
+        end: int,
+        block_size: int,
+        group: int,
+        group_specs: Sequence[tuple[str | None, int | None]],
+    ) -> None:
+        self.request = request
+        self.block_hashes = block_hashes
+        self.indices = indices
+        self.start = start
+        self.end = end
+        self.block_size = block_size
+        self.group = group
+        self.group_specs = group_specs
+
+    def build(self) -> BlockStored:
+        request, block_hashes, indices = self.request, self.block_hashes, self.indices
+        start, end, block_size, group = self.start, self.end, self.block_size, self.group
+        extra_keys = None
+        if needs_extra_keys(request):  # else no block has any (a decode step's usual case)
+            keys_per_block, mm_idx = [], 0
+            for i in indices:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx
+                )
+                keys_per_block.append(keys)
+            extra_keys = to_event_extra_keys(keys_per_block)
+        lora = request.lora_request
+        specs = self.group_specs
+        return BlockStored(
+            block_hashes[start:end]  # every block of the span stored (the usual case)
+            if len(indices) == end - start
+            else [block_hashes[i] for i in indices],
+            block_hashes[start - 1] if start else None,
+            request.all_token_ids.span(start * block_size, end * block_size),
+            block_size,
+            None if lora is None else lora.lora_int_id,
+            MEDIUM_GPU,
+            None if lora is None else lora.lora_name,
+            extra_keys,
+            group,
+            *(specs[group] if group < len(specs) else _NO_SPEC),
+        )
+
+    def __repr__(self) -> str:
+        return f"DeferredBlockStored({self.build()!r})"
+
+
 class BlockPool:
     """All KV-cache pages of one pool.
 
@@ -346,6 +414,9 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        # (spec kind, sliding window) per KV cache group, stamped on this pool's
+        # `BlockStored` events; set by the KV cache manager (empty: left None).
+        self.event_group_specs: Sequence[tuple[str | None, int | None]] = ()
         self.track_freed_block_ids = track_freed_block_ids
         self._freed_block_ids: set[int] = set()
         # Grows whenever a block loses its hash: a manager's remembered lookup result is
@@ -678,7 +749,7 @@ class BlockPool:
             if capped:  # the event's tokens end with the last block cached
                 num_full_blocks = indices[-1] + 1
             self.kv_event_queue.append(
-                self._block_stored_event(
+                DeferredBlockStored(
                     request,
                     block_hashes,
                     indices,
@@ -686,6 +757,7 @@ class BlockPool:
                     num_full_blocks,
                     block_size,
                     kv_cache_group_id,
+                    self.event_group_specs,
                 )
             )
 
@@ -783,6 +855,10 @@ class BlockPool:
         lora = request.lora_request
         start = num_tokens - hash_block_size
         keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, 0)
+        specs = self.event_group_specs
+        spec_kind, sliding_window = (
+            specs[kv_cache_group_id] if kv_cache_group_id < len(specs) else _NO_SPEC
+        )
         self.kv_event_queue.append(
             BlockStored(
                 block_hashes=[block_hash],
@@ -793,6 +869,8 @@ class BlockPool:
                 lora_name=lora.lora_name if lora is not None else None,
                 extra_keys=to_event_extra_keys([keys]),
                 group_idx=kv_cache_group_id,
+                kv_cache_spec_kind=spec_kind,
+                kv_cache_spec_sliding_window=sliding_window,
             )
         )
 
@@ -841,7 +919,7 @@ class BlockPool:
             "num_cached_blocks", num_cached_blocks, min_value=0, max_value=len(block_hashes)
         )
         self.kv_event_queue.append(
-            self._block_stored_event(
+            DeferredBlockStored(
                 request,
                 block_hashes,
                 range(num_cached_blocks),
@@ -849,6 +927,7 @@ class BlockPool:
                 num_cached_blocks,
                 block_size,
                 kv_cache_group_id,
+                self.event_group_specs,
             )
         )
 
@@ -859,38 +938,6 @@ class BlockPool:
                 request.block_hashes, self.hash_block_size, block_size
             )
         return request.block_hashes
-
-    @staticmethod
-    def _block_stored_event(
-        request: Request,
-        block_hashes: Sequence[BlockHash],
-        indices: Iterable[int],
-        start: int,
-        end: int,
-        block_size: int,
-        kv_cache_group_id: int,
-    ) -> BlockStored:
-        """The event for blocks `indices` (stored ones, within [`start`, `end`)) whose
-        token span is blocks [`start`, `end`) of the request."""
-        extra_keys = None
-        if needs_extra_keys(request):  # else no block has any (a decode step's usual case)
-            extra_keys, mm_idx = [], 0
-            for i in indices:
-                keys, mm_idx = generate_block_hash_extra_keys(
-                    request, i * block_size, (i + 1) * block_size, mm_idx
-                )
-                extra_keys.append(keys)
-        lora = request.lora_request
-        return BlockStored(
-            block_hashes=[block_hashes[i] for i in indices],
-            parent_block_hash=block_hashes[start - 1] if start else None,
-            token_ids=request.all_token_ids.span(start * block_size, end * block_size),
-            block_size=block_size,
-            lora_id=request.lora_int_id,
-            lora_name=lora.lora_name if lora is not None else None,
-            extra_keys=to_event_extra_keys(extra_keys),
-            group_idx=kv_cache_group_id,
-        )
 
     def _evict_cached_blocks(self, blocks: Sequence[KVCacheBlock], were_free: bool = False) -> None:
         """Drop cached blocks from the prefix cache (their hashes are reset). `were_free`:
@@ -974,9 +1021,12 @@ class BlockPool:
 
     # -- hand-offs -----------------------------------------------------------
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self, deferred: bool = False) -> list[KVCacheEvent | DeferredKVCacheEvent]:
+        """The events queued since the last call, in order. `deferred`: the `BlockStored`
+        events of cached blocks may come unbuilt (`DeferredKVCacheEvent`), for whoever
+        reads them to build."""
         events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+        return events if deferred else build_events(events)
 
     def take_freed_block_ids(self) -> np.ndarray:
         """Sorted int32 ids whose contents became garbage since the last call.

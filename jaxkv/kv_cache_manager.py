@@ -19,7 +19,7 @@ from jaxkv.kv_cache_interface import (
     get_kv_cache_spec_sliding_window,
 )
 from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
-from jaxkv.kv_events import BlockStored, KVCacheEvent
+from jaxkv.kv_events import BlockStored, DeferredKVCacheEvent, KVCacheEvent
 from jaxkv.request import Request
 from jaxkv.single_type_base import NEVER
 
@@ -369,6 +369,7 @@ class KVCacheManager:
             (g.kv_cache_spec.kind.value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
             for g in kv_cache_config.kv_cache_groups
         )
+        self.block_pool.event_group_specs = self._event_metadata
         # The last hit `get_computed_blocks` returned: (blocks, tokens, the pool's
         # num_hash_removals then). Handed back unchanged to `allocate_slots` while no
         # hash was removed, its blocks are known to be this pool's cached blocks.
@@ -1064,13 +1065,17 @@ class KVCacheManager:
         for request in self._running.values():  # their next caching step may have moved
             self._slot_states[request] = self._slot_state_for(request)
 
-    def take_events(self) -> list[KVCacheEvent]:
-        """The step's events; `BlockStored` carries its group's spec kind and window."""
-        events = self.block_pool.take_events()
+    def take_events(self, deferred: bool = False) -> list[KVCacheEvent | DeferredKVCacheEvent]:
+        """The step's events; `BlockStored` carries its group's spec kind and window.
+        `deferred`: those of cached blocks may come unbuilt (`DeferredKVCacheEvent`, built
+        by their `build()` at any time, on any thread), as the engine hands them to its
+        publishing thread."""
+        events = self.block_pool.take_events(deferred)
         metadata = self._event_metadata
         for event in events:
-            if type(event) is BlockStored:
-                if not 0 <= event.group_idx < len(metadata):  # queued by hand: left as is
+            # The pool stamps its own; one queued by hand may lack them.
+            if type(event) is BlockStored and event.kv_cache_spec_kind is None:
+                if not 0 <= event.group_idx < len(metadata):  # left as is
                     logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
                     continue
                 # The pool's events are fresh and this manager's alone: filled in place.

@@ -82,3 +82,23 @@ class BlockRemoved(KVCacheEvent):
 @dataclass(slots=True)
 class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was reset."""
+
+
+class DeferredKVCacheEvent:
+    """An event queued as what it is built from, built by `build()` when read.
+
+    What it is built from never changes once it is queued (a request only appends
+    tokens and block hashes), so `build()` gives the same event whenever and on whichever
+    thread it runs: the engine leaves the building to its publishing thread, which runs
+    while the step loop waits for the device.
+    """
+
+    __slots__ = ()
+
+    def build(self) -> KVCacheEvent:
+        raise NotImplementedError
+
+
+def build_events(events: Iterable[KVCacheEvent | DeferredKVCacheEvent]) -> list[KVCacheEvent]:
+    """`events` with the deferred ones built, in order."""
+    return [e.build() if isinstance(e, DeferredKVCacheEvent) else e for e in events]

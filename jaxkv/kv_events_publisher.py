@@ -8,23 +8,20 @@ ROUTER socket replays the last `buffer_steps` messages: a request `[b"", start_s
 at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
 `[b"", b"", (-1 as 8 signed bytes), b""]`.
 
-Publishing never blocks the caller. `publish` converts and encodes the step's events at
-once (about a microsecond per event) and puts the payload on a bounded queue; on a full
-queue the oldest payload is dropped and counted in `num_dropped` (it never gets a
-sequence number, so subscribers see no gap for it: the drop is the publisher's, reported
-by its count and a warning). Whoever holds the send lock numbers and sends what is
-queued, in order: `publish` itself when the lock is free (the usual case: the step's
-message goes out before `publish` returns), else a background thread, woken to send what
-the holder may have left (and at least every `DRAIN_INTERVAL`, 1 s); the same thread
-answers replay requests as they come. The PUB socket never blocks: it drops messages
-for a subscriber past the high-water mark.
+Publishing never blocks the caller: `publish` puts the step's events on a bounded queue
+and wakes the background thread, which converts, encodes, numbers and sends them, in
+order, and answers replay requests as they come. On a full queue the oldest batch is
+dropped and counted in `num_dropped` (it never gets a sequence number, so subscribers see
+no gap for it: the drop is the publisher's, reported by its count and a warning). The
+PUB socket never blocks: it drops messages for a subscriber past the high-water mark.
 
-Why the step loop sends (`benchmarks/bench_kv_events.py`, a 2-core machine): each frame
-sent lets go of the GIL, and a background thread getting it back while the step loop
-runs Python costs both threads far more than the send itself, three times a message;
-the step loop gets it back at once (no other thread wants it). For the same reason the
-thread sleeps in `zmq_poll` (no GIL), woken only by a replay request, a payload left
-queued, or `shutdown`.
+Why the thread does the work: the engine publishes a step's events right after
+dispatching the step, so the thread converts and sends them while the stepping thread
+waits for the device, which lets go of the GIL; the step loop's share is a queue append
+and a wake-up. The wake-up is a lock released, not a byte written to a pipe: a
+system call lets go of the GIL, and the woken thread would take it in the middle of the
+step. Replay requests have a thread of their own, asleep in `zmq_poll` (no GIL) on the
+ROUTER socket. `flush` sends what is queued from the calling thread.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_events import DeferredKVCacheEvent, KVCacheEvent
 from jaxkv.kv_events_wire import KVEventBatch, encode_event_batch, to_wire_events
 
 __all__ = [
@@ -54,6 +51,8 @@ __all__ = [
 
 logger = logging.getLogger("jaxkv")
 
+# One step's events; deferred ones are built by the thread that sends them.
+Events = Sequence[KVCacheEvent | DeferredKVCacheEvent]
 # The replay socket's end-of-replay sequence frame: -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _NOBLOCK = zmq.NOBLOCK
@@ -126,13 +125,32 @@ def _is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+class _WakeUp:
+    """A wake-up one thread waits for and others give without letting go of the GIL;
+    wake-ups given while none is awaited merge into one."""
+
+    def __init__(self) -> None:
+        self._pending = threading.Lock()
+        self._pending.acquire()  # held while no wake-up is pending
+
+    def give(self) -> None:
+        try:
+            self._pending.release()
+        except RuntimeError:  # one is pending already
+            pass
+
+    def wait(self, timeout: float) -> None:
+        """Return once a wake-up is given (taking it), or after `timeout` seconds."""
+        self._pending.acquire(timeout=timeout)
+
+
 class EventPublisher:
     """Sends each step's KV events; one per data-parallel rank, stamping its rank."""
 
     def __init__(self, data_parallel_rank: int = 0) -> None:
         self.data_parallel_rank = data_parallel_rank
 
-    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+    def publish(self, events: Events, ts: float | None = None) -> None:
         """Queue one step's events (`ts`: when, default now); never blocks."""
 
     def flush(self, timeout: float = 1.0) -> bool:
@@ -153,14 +171,15 @@ class ZmqEventPublisher(EventPublisher):
 
     Invariants: sequence numbers are consecutive from 0 over the messages sent; the
     replay buffer holds the last `buffer_steps` of them in order; `num_dropped` counts
-    payloads dropped from a full queue (never sent, never numbered); the PUB socket is
-    used only under the send lock, the ROUTER socket only by the background thread.
+    batches dropped from a full queue (never sent, never numbered); the queue holds at
+    most `max_queue_size` batches; the PUB socket is used only under the send lock, the
+    ROUTER socket only by the replay thread. A batch's events must not change once
+    published: they are read when the thread sends them.
     """
 
     SHUTDOWN_TIMEOUT = 1.0
-    # The background thread is woken when `publish` leaves a payload queued (it found the
-    # send lock taken); it also drains the queue at least this often, in case a payload
-    # was queued after the holder's last look and the wake-up came first.
+    # The background thread is woken by each `publish`; it also drains the queue at
+    # least this often, in case a batch was queued after a sender's last look at it.
     DRAIN_INTERVAL = 1.0
 
     def __init__(
@@ -182,13 +201,11 @@ class ZmqEventPublisher(EventPublisher):
         self.num_dropped = 0
         self.num_sent = 0
         self._topic = topic.encode()
-        self._queue: deque[bytes] = deque()  # encoded payloads not yet sent
+        self._queue: deque[tuple[float, Events]] = deque()  # (ts, events)
         self._queue_lock = threading.Lock()  # the bounded append against the sender's pops
         self._send_lock = threading.Lock()  # the PUB socket, the sequence, the buffer
         self._stop = threading.Event()
-        # Written (a byte, never blocking) to wake the background thread from its poll.
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_write, False)
+        self._wake_up = _WakeUp()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
@@ -200,6 +217,8 @@ class ZmqEventPublisher(EventPublisher):
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
+                # Written at shutdown to end the replay thread's poll.
+                self._stop_read, self._stop_write = os.pipe()
                 self._replay = ctx.socket(zmq.ROUTER)
                 # A full replay plus its end marker fits even when the peer reads slowly.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
@@ -210,29 +229,21 @@ class ZmqEventPublisher(EventPublisher):
                 f"KV events: cannot open {self.endpoint!r} / {self.replay_endpoint!r}: {error}"
             ) from None
         self._running = True
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events-pub")
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._send_loop, daemon=True,
+                                          name="kv-events-pub")]  # fmt: skip
+        if self._replay is not None:
+            self._threads.append(threading.Thread(target=self._replay_loop, daemon=True,
+                                                  name="kv-events-replay"))  # fmt: skip
+        for thread in self._threads:
+            thread.start()
 
-    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+    def publish(self, events: Events, ts: float | None = None) -> None:
         if not self._running:
             raise RuntimeError("the KV event publisher is shut down")
-        payload = self._encode(time.time() if ts is None else ts, events)
-        if payload is None:
-            return
-        if self._send_lock.acquire(blocking=False):
-            try:
-                if self._queue:  # left by an earlier holder: those go first
-                    self._enqueue(payload)
-                    self._send_queued()
-                else:
-                    self._send(payload)
-            finally:
-                self._send_lock.release()
-        else:  # the holder may be past its last look at the queue: the thread sends it
-            self._enqueue(payload)
-            self._wake()
+        self._enqueue((time.time() if ts is None else ts, events))
+        self._wake_up.give()
 
-    def _enqueue(self, payload: bytes) -> None:
+    def _enqueue(self, batch: tuple[float, Events]) -> None:
         with self._queue_lock:
             if len(self._queue) >= self.max_queue_size:
                 self._queue.popleft()
@@ -244,24 +255,21 @@ class ZmqEventPublisher(EventPublisher):
                         self.max_queue_size,
                         self.num_dropped,
                     )
-            self._queue.append(payload)
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already
-            pass
+            self._queue.append(batch)
 
     def cpu_time(self) -> float:
-        """CPU seconds the background thread has used (0.0 once it has ended)."""
-        try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
-        except (OSError, TypeError):
-            return 0.0
+        """CPU seconds the background threads have used (those still running)."""
+        seconds = 0.0
+        for thread in self._threads:
+            try:
+                seconds += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, TypeError):  # ended
+                pass
+        return seconds
 
     def flush(self, timeout: float = 1.0) -> bool:
         # Taking the send lock also waits out a send in progress elsewhere (the queue can
-        # be empty while the thread still sends the payload it took last).
+        # be empty while the thread still sends the batch it took last).
         deadline = time.monotonic() + timeout
         while True:
             if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -275,23 +283,21 @@ class ZmqEventPublisher(EventPublisher):
             if time.monotonic() >= deadline:
                 return False
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_read, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
-        timeout_ms = int(1000 * self.DRAIN_INTERVAL)
+    def _send_loop(self) -> None:
         while not self._stop.is_set():
-            ready = dict(poller.poll(timeout_ms))
-            if self._wake_read in ready:
-                os.read(self._wake_read, 4096)
-            if self._replay is not None and self._replay in ready:
-                self._serve_replay()
-            if self._queue:  # `publish` found the lock taken and left these
+            self._wake_up.wait(self.DRAIN_INTERVAL)
+            if self._queue:
                 with self._send_lock:
                     self._send_queued()
 
-    def _encode(self, ts: float, events: Sequence[KVCacheEvent]) -> bytes | None:
+    def _replay_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        poller.register(self._stop_read, zmq.POLLIN)
+        while self._stop_read not in dict(poller.poll()):
+            self._serve_replay()
+
+    def _encode(self, ts: float, events: Events) -> bytes | None:
         """One batch's payload (None: it cannot be encoded, and is skipped)."""
         try:
             wire = to_wire_events(events, self.int_block_hashes)
@@ -301,14 +307,16 @@ class ZmqEventPublisher(EventPublisher):
             return None
 
     def _send_queued(self) -> None:
-        """Send every queued payload, in order (the caller holds the send lock)."""
+        """Encode and send every queued batch, in order (the caller holds the send lock)."""
         queue, lock = self._queue, self._queue_lock
         while queue:
             with lock:
                 if not queue:
                     return
-                payload = queue.popleft()
-            self._send(payload)
+                ts, events = queue.popleft()
+            payload = self._encode(ts, events)
+            if payload is not None:
+                self._send(payload)
 
     def _send(self, payload: bytes) -> None:
         """Number and send `payload` (the caller holds the send lock); one that cannot be
@@ -352,11 +360,14 @@ class ZmqEventPublisher(EventPublisher):
             return
         self._running = False
         self._stop.set()
-        self._wake()
-        self._thread.join(self.SHUTDOWN_TIMEOUT)
-        if self._thread.is_alive():
+        self._wake_up.give()
+        if self._replay is not None:
+            os.write(self._stop_write, b"\0")
+        for thread in self._threads:
+            thread.join(self.SHUTDOWN_TIMEOUT)
+        if any(thread.is_alive() for thread in self._threads):
             logger.warning(
-                "KV events: the publisher thread did not finish within %.1f s",
+                "KV events: the publisher threads did not finish within %.1f s",
                 self.SHUTDOWN_TIMEOUT,
             )
         elif not self.flush(self.SHUTDOWN_TIMEOUT):
@@ -371,8 +382,9 @@ class ZmqEventPublisher(EventPublisher):
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        for fd in (self._wake_read, self._wake_write):
-            os.close(fd)
+        if self._replay is not None:
+            os.close(self._stop_read)
+            os.close(self._stop_write)
 
 
 class EventPublisherFactory:

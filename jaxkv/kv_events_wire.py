@@ -21,7 +21,13 @@ from typing import Any
 
 import msgspec
 
-from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DeferredKVCacheEvent,
+    KVCacheEvent,
+)
 
 __all__ = [
     "KVEventBatch",
@@ -123,8 +129,11 @@ class _EventType(msgspec.Struct, gc=False):
     type: str
 
 
-def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True) -> list:
-    """jaxkv's events (`take_events()`) as the wire structs; hashes by `block_hash_to_wire`.
+def to_wire_events(
+    events: Sequence[KVCacheEvent | DeferredKVCacheEvent], int_block_hashes: bool = True
+) -> list:
+    """jaxkv's events (`take_events()`, deferred ones built here) as the wire structs;
+    hashes by `block_hash_to_wire`.
 
     TypeError naming the event for anything but `BlockStored`, `BlockRemoved` and
     `AllBlocksCleared`.
@@ -134,6 +143,8 @@ def to_wire_events(events: Sequence[KVCacheEvent], int_block_hashes: bool = True
     to_wire = _low_64_bits if int_block_hashes else _unchanged
     wire: list = []
     for event in events:
+        if isinstance(event, DeferredKVCacheEvent):
+            event = event.build()
         kind = type(event)
         if kind is BlockStored:
             parent = event.parent_block_hash

@@ -18,7 +18,7 @@ from jaxkv import (
     get_hash_fn_by_name,
     get_request_block_hasher,
 )
-from jaxkv.block_pool import BlockHashToBlockMap
+from jaxkv.block_pool import BlockHashToBlockMap, DeferredBlockStored
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from jaxkv.hashing import make_block_hash_with_group_id
 
@@ -884,9 +884,11 @@ def _reference_block_stored(request, hashes, indices, start, end, block_size, gr
 def test_block_stored_events_with_and_without_extra_keys(
     num_prompt, num_output, span, skip, salt, lora, group_id
 ):
-    """The builder makes the per-block reference event, whether or not the request's
-    blocks can have extra keys (a decode step's events have none); blocks that straddle
-    the prompt and the output take tokens from both."""
+    """A `DeferredBlockStored` builds the per-block reference event, with its group's spec
+    (none past the recorded groups), whether or not the request's blocks can have extra
+    keys (a decode step's events have none); blocks that straddle the prompt and the
+    output take tokens from both. Built after the request has grown, it is the same event
+    (what it is built from only grows)."""
     from jaxkv.request import LoRARequest
 
     request = Request(
@@ -897,14 +899,54 @@ def test_block_stored_events_with_and_without_extra_keys(
     request.append_output_token_ids(list(range(500, 500 + num_output)))
     num_full = len(request.block_hashes)
     start, end = sorted(min(x, num_full) for x in span)
+    records = []
     for indices in (range(start, end), [i for i in range(start, end) if i not in skip]):
-        event = BlockPool._block_stored_event(
-            request, request.block_hashes, indices, start, end, BS, group_id
+        record = DeferredBlockStored(
+            request, request.block_hashes, indices, start, end, BS, group_id, GROUP_SPECS
         )
         want = _reference_block_stored(
             request, request.block_hashes, indices, start, end, BS, group_id
         )
+        if group_id < len(GROUP_SPECS):
+            want.kv_cache_spec_kind, want.kv_cache_spec_sliding_window = GROUP_SPECS[group_id]
+        event = record.build()
         assert event == want
         assert type(event.block_hashes) is list and type(event.token_ids) is list
         if salt is None and not lora:  # nothing but the blocks themselves
             assert event.extra_keys is None and event.lora_id is None
+        records.append((record, want))
+    request.append_output_token_ids(list(range(900, 900 + 3 * BS)))
+    assert [record.build() for record, _ in records] == [want for _, want in records]
+
+
+GROUP_SPECS = (("full_attention", None), ("sliding_window", 64))
+
+
+def test_deferred_events_build_the_same_on_another_thread_while_the_request_grows():
+    """The engine's publishing thread builds a step's `BlockStored` events while the
+    stepping thread appends to the requests: every build is the event of the blocks as
+    they were cached."""
+    import threading
+
+    pool = BlockPool(64, True, BS, enable_kv_cache_events=True)
+    request = Request(
+        "r", list(range(3, 3 + 2 * BS)), block_hasher=get_request_block_hasher(BS, SHA_CBOR)
+    )
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, BS, 0)
+    (record,) = pool.take_events(deferred=True)
+    want = record.build()
+    assert pool.take_events() == [] and want.token_ids == list(range(3, 3 + 2 * BS))
+    builds, stop = [], threading.Event()
+
+    def build_until_stopped() -> None:
+        while not stop.is_set():
+            builds.append(record.build())
+
+    builder = threading.Thread(target=build_until_stopped)
+    builder.start()
+    for token in range(2000):
+        request.append_output_token_ids(token)
+    stop.set()
+    builder.join()
+    assert builds and all(event == want for event in builds)

@@ -287,12 +287,16 @@ def test_a_full_queue_drops_the_oldest_without_blocking(endpoints):
         pub.publish([stored(9)])
 
 
-def test_publish_sends_the_step_at_once_from_the_calling_thread(endpoints):
-    """With the send lock free, `publish` numbers and sends the message before it returns
-    (the background thread sends nothing), one message per call, in order."""
+def test_the_background_thread_encodes_and_sends_what_publish_queues(endpoints):
+    """`publish` only queues: the background thread converts, encodes, numbers and sends
+    each batch (the caller's thread never encodes), one message per call, in order."""
     pub = ZmqEventPublisher(0, endpoints[0])
-    senders = []
-    send = pub._pub.send
+    encoders, senders = [], []
+    encode, send = pub._encode, pub._pub.send
+
+    def recording_encode(ts, events):
+        encoders.append(threading.current_thread().name)
+        return encode(ts, events)
 
     class Recording:
         def send(self, frame: bytes, flags: int = 0) -> None:
@@ -303,14 +307,18 @@ def test_publish_sends_the_step_at_once_from_the_calling_thread(endpoints):
         def close(self, linger: int = 0) -> None:
             pub_sock.close(linger=linger)
 
+    pub._encode = recording_encode
     pub_sock, pub._pub = pub._pub, Recording()
     sock = sub_socket(endpoints[0], b"")
     try:
         time.sleep(0.5)  # the subscription reaches the publisher
         for i in range(4):
             pub.publish([stored(i), BlockRemoved([bytes([i]) * 32])], ts=float(i))
-            assert pub.num_sent == i + 1
-        assert senders == [threading.current_thread().name] * 4
+            deadline = time.monotonic() + WAIT_MS / 1000
+            while pub.num_sent < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert pub.num_sent == i + 1, "the thread sends without a flush"
+        assert encoders == senders == ["kv-events-pub"] * 4
         for i in range(4):
             assert sock.poll(WAIT_MS)
             _, seq, payload = sock.recv_multipart()
@@ -338,10 +346,9 @@ def test_publishing_sequences_match_a_model(tmp_path_factory, actions, max_queue
     """Any interleaving of publishes with the send lock free or taken (a sender busy
     elsewhere, for a run of publishes), unencodable batches and flushes: the messages
     sent are the batches published, in order, less the oldest ones a full queue dropped
-    (counted) and the bad ones (skipped), numbered 0, 1, 2, ... without gaps; nothing is
-    sent while the lock is taken, and `flush` returns once everything queued is sent (a
-    publish that finds the lock free sends at once:
-    `test_publish_sends_the_step_at_once_from_the_calling_thread`)."""
+    (counted; a bad batch takes its place in the queue too) and the bad ones (skipped at
+    encoding), numbered 0, 1, 2, ... without gaps; nothing is sent while the lock is
+    taken, and `flush` returns once everything queued is sent."""
     endpoint = f"ipc://{tmp_path_factory.mktemp('model')}/pub"
     pub = ZmqEventPublisher(0, endpoint, max_queue_size=max_queue_size)
     sent, queued, dropped, holding = [], [], 0, False
@@ -351,11 +358,11 @@ def test_publishing_sequences_match_a_model(tmp_path_factory, actions, max_queue
                 pub._send_lock.release()
                 holding = False
                 assert pub.flush(WAIT_MS / 1000)
-                sent, queued = sent + queued, []
+                sent, queued = sent + [b for b in queued if b is not None], []
             if action == "flush":
                 if not holding:
                     assert pub.flush(WAIT_MS / 1000)
-                    sent, queued = sent + queued, []
+                    sent, queued = sent + [b for b in queued if b is not None], []
                 else:
                     assert not pub.flush(0.01), "nothing can be sent past the lock"
                 continue
@@ -363,20 +370,21 @@ def test_publishing_sequences_match_a_model(tmp_path_factory, actions, max_queue
                 pub._send_lock.acquire()
                 holding = True
             pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
-            if action == "publish":
-                (queued if holding else sent).append(i % 256)
+            batch = i % 256 if action == "publish" else None
+            if holding:
+                queued.append(batch)
                 if len(queued) > max_queue_size:
                     queued.pop(0)
                     dropped += 1
-            if not holding:
-                # The background thread, woken by a payload queued earlier, may hold the
-                # send lock for a moment: the publish then leaves its payload to it.
+            else:  # the queue was empty: the thread (or this flush) sends it
                 assert pub.flush(WAIT_MS / 1000)
+                if batch is not None:
+                    sent.append(batch)
             assert pub.num_sent == len(sent) and pub.num_dropped == dropped
         if holding:
             pub._send_lock.release()
         assert pub.flush(WAIT_MS / 1000)
-        sent += queued
+        sent += [b for b in queued if b is not None]
         assert pub.num_sent == len(sent) and pub.num_dropped == dropped
         buffered = [(seq, decode_event_batch(p).events[0].token_ids[0]) for seq, p in pub._buffer]
         assert buffered == list(enumerate(sent))

@@ -59,7 +59,7 @@ from jaxkv.engine.stats import EngineStats, StepStats
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.host_tier import combined_stats
 from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.kv_events import KVCacheEvent
+from jaxkv.kv_events import DeferredKVCacheEvent, KVCacheEvent, build_events
 from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
@@ -258,7 +258,7 @@ class LLMEngine:
         encoder_cache = EncoderCacheManager(encoder_budget.cache_size) if encoder_budget else None
         self._events_on = c.kv_events_endpoint is not None or c.enable_kv_cache_events
         # Each rank's events kept for `take_kv_events` (None: not kept).
-        self._kept_events: list[list[KVCacheEvent]] | None = None
+        self._kept_events: list[list[KVCacheEvent | DeferredKVCacheEvent]] | None = None
         self.kv_cache_managers = [
             KVCacheManager(
                 kv_cache_config=self.runner.kv_cache_config,
@@ -349,17 +349,21 @@ class LLMEngine:
         its publisher (a queue append each) and, with `enable_kv_cache_events`, keep them
         for `take_kv_events`; otherwise (events off, or processes other than 0 without
         publishers) they are dropped."""
-        host_events = [offload.tier.take_events() for offload in self.offloads]
-        if not self._events_on and not self.kv_event_publishers:
-            return  # events off: nothing records them (the host tiers' are dropped)
+        offloads, publishers, kept = self.offloads, self.kv_event_publishers, self._kept_events
+        if not self._events_on and not publishers:
+            for offload in offloads:  # events off: nothing records them (dropped)
+                offload.tier.take_events()
+            return
         for rank, manager in enumerate(self.kv_cache_managers):
-            events = manager.take_events() + (host_events[rank] if host_events else [])
+            events = manager.take_events(deferred=True)  # built by the publishing thread
+            if offloads:
+                events += offloads[rank].tier.take_events()
             if not events:
                 continue
-            if self.kv_event_publishers:
-                self.kv_event_publishers[rank].publish(events)
-            if self._kept_events is not None:
-                self._kept_events[rank] += events
+            if publishers:
+                publishers[rank].publish(events)
+            if kept is not None:
+                kept[rank] += events
 
     def take_kv_events(self, data_rank: int = 0) -> list[KVCacheEvent]:
         """Data rank `data_rank`'s KV events since the last call, in order: the device
@@ -375,7 +379,7 @@ class LLMEngine:
             "data_rank", data_rank, min_value=0, max_value=len(self._kept_events) - 1
         )
         events, self._kept_events[data_rank] = self._kept_events[data_rank], []
-        return events
+        return build_events(events)
 
     def _tier_snapshot(self):
         """Device cached blocks per salt (all ranks; None: not counted), the device caps
