@@ -7,7 +7,8 @@
    caller sleeping until all are sent: events per second the background thread sustains,
    and the caller's cost per `publish()`.
 2. Step-loop cost: engine host time per decode step at 256 running requests
-   (`bench_engine.decode_steps`, overlap off), publishing off vs on, interleaved runs
+   (`bench_engine.decode_steps`; async scheduling off, on (the engine's default) or
+   both: `--overlap`), publishing off vs on, interleaved runs
    (the order alternating per round), median and range over the rounds. The timed steps
    include those where the requests fill a block (256 events in a few batches), so the
    per-run mean carries those bursts and the median the typical step. The cost of
@@ -184,10 +185,10 @@ class _PartTimers:
         return beside
 
 
-def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> dict:
+def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int, overlap: bool) -> dict:
     # Compile every shape the timed runs meet (the decode grows past a block boundary).
-    decode_steps(model, running, False, steps)
-    decode_steps(model, running, False, steps, kv_events_endpoint=f"ipc://{tmp}/warm")
+    decode_steps(model, running, overlap, steps)
+    decode_steps(model, running, overlap, steps, kv_events_endpoint=f"ipc://{tmp}/warm")
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     publish_ms: list[float] = []
     build_ms: list[float] = []
@@ -200,7 +201,7 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> 
                 "kv_events_endpoint": f"ipc://{tmp}/step-{round_}",
                 "kv_events_replay_endpoint": f"ipc://{tmp}/replay-{round_}"}  # fmt: skip
             with _PartTimers() as timers:  # both modes: the same timers in the loop
-                runs[mode].append(decode_steps(model, running, False, steps, **fields))
+                runs[mode].append(decode_steps(model, running, overlap, steps, **fields))
             timed = timers.per_step[-steps:]  # the timed steps are the run's last
             publish_call_ms[mode] = 1e3 * sum(p for p, _ in timed) / steps
             if mode == "on":
@@ -208,7 +209,7 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int) -> 
                 beside_ms.append(1e3 * timers.thread_cpu_beside_the_step() / steps)
         # Less the call and its timer's own cost (the clock reads are system calls).
         publish_ms.append(publish_call_ms["on"] - publish_call_ms["off"])
-    result: dict = {"running": running, "steps": steps, "rounds": repeats}
+    result: dict = {"running": running, "steps": steps, "rounds": repeats, "overlap": overlap}
     for stat in STEP_STATS:
         off = [r[stat] for r in runs["off"]]
         on = [r[stat] for r in runs["on"]]
@@ -292,9 +293,13 @@ def _host_decode_cpu(mode: str, endpoint: str, running: int = 256) -> float:
             out, [s.request.num_tokens * 7919 % 500 for s in out.scheduled]
         )
         if publisher is not None:
-            events = manager.take_events(deferred=True)  # as the engine does
+            # As the engine does with nothing to wait for (the host is the bottleneck):
+            # sent from this thread unless the publishing thread is sending.
+            events = manager.take_events(deferred=True)
             if events:
-                publisher.publish(events)
+                publisher.publish(events, wake=False)
+                if not publisher.flush(0.0):
+                    publisher.wake()
         steps += 1
     seconds = time.thread_time() - start
     gc.unfreeze()
@@ -355,6 +360,46 @@ def bench_routing(engines: int) -> dict:
     return results
 
 
+# The step-cost results, by async scheduling off / on.
+STEP_COST_KEYS = {False: "step_cost", True: "step_cost_overlap"}
+
+
+def print_step_cost(step: dict, args: argparse.Namespace) -> None:
+    print_table(
+        f"engine host ms per decode step at {args.running} running, async scheduling "
+        f"{'on' if step['overlap'] else 'off'}, publishing off vs on ({args.repeats} "
+        f"interleaved rounds of {args.steps} steps)",
+        ["per-run statistic", "off median", "on median", "on/off median", "on/off range"],
+        [[stat, s["off"]["median"], s["on"]["median"], s["on/off"]["median"],
+          f"{s['on/off']['min']:.3f}-{s['on/off']['max']:.3f}"]
+         for stat, s in ((k, step[k]) for k in STEP_STATS)],
+    )  # fmt: skip
+    cost, extra = step["cost_fraction"], step["main_cpu_extra_ms"]
+    print(
+        f"cost of publishing per round, A/B: (stepping thread's extra CPU + publishing "
+        f"thread's CPU) / mean host step without publishing: {cost['median']:.2%} "
+        f"(range {cost['min']:.2%} to {cost['max']:.2%}); the stepping thread's extra "
+        f"CPU {extra['median']:.3f} ms per step (range {extra['min']:.3f} to "
+        f"{extra['max']:.3f})"
+    )
+    by_parts, bound = step["parts_fraction"], step["parts_bound_fraction"]
+    print(
+        f"cost by parts, ms per step (median of rounds): _publish_events (take_events, "
+        f"publish) {step['publish_events_ms']['median']:.4f} + queueing BlockStored "
+        f"{step['block_stored_event_ms']['median']:.4f} + the publishing thread's CPU "
+        f"outside the device waits {step['publisher_cpu_beside_step_ms']['median']:.4f} "
+        f"(of {step['publisher_cpu_ms']['median']:.4f} in all) = "
+        f"{step['parts_ms']['median']:.4f}; of the mean host step without publishing "
+        f"{by_parts['of host_ms_mean']['median']:.2%} (range "
+        f"{by_parts['of host_ms_mean']['min']:.2%} to "
+        f"{by_parts['of host_ms_mean']['max']:.2%}), of the median host step "
+        f"{by_parts['of host_ms']['median']:.2%} (range {by_parts['of host_ms']['min']:.2%} "
+        f"to {by_parts['of host_ms']['max']:.2%}); counting all the thread's CPU "
+        f"{bound['median']:.2%} (range {bound['min']:.2%} to {bound['max']:.2%}) of the "
+        f"mean host step"
+    )
+
+
 SECTIONS = ("publisher", "step", "building", "routing")
 
 
@@ -366,6 +411,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--events-per-batch", type=int, default=64)
     parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument(
+        "--overlap", choices=("off", "on", "both"), default="both",
+        help="step-cost runs with async scheduling off (each step waits for its own "
+             "tokens), on (the engine's default), or both",
+    )  # fmt: skip
     parser.add_argument(
         "--sections", default=",".join(SECTIONS),
         help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
@@ -381,9 +431,11 @@ def main(argv: list[str] | None = None) -> dict:
             result["publisher"] = bench_publisher(tmp, args.batches, args.events_per_batch)
         if "step" in sections:
             model = TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
-            result["step_cost"] = bench_step_cost(
-                model, tmp, args.repeats, args.steps, args.running
-            )
+            for overlap in (False, True):
+                if args.overlap in ("both", "on" if overlap else "off"):
+                    result[STEP_COST_KEYS[overlap]] = bench_step_cost(
+                        model, tmp, args.repeats, args.steps, args.running, overlap
+                    )
         if "building" in sections:
             result["event_building"] = bench_event_building(args.repeats, tmp)
     if "routing" in sections:
@@ -397,40 +449,10 @@ def main(argv: list[str] | None = None) -> dict:
             [[publisher["batches"], publisher["events_per_batch"], publisher["events_per_s"],
               publisher["publish_call_us"]]],
         )  # fmt: skip
-    step = result.get("step_cost")
-    if step is not None:
-        print_table(
-            f"engine host ms per decode step at {args.running} running, publishing off vs "
-            f"on ({args.repeats} interleaved rounds of {args.steps} steps)",
-            ["per-run statistic", "off median", "on median", "on/off median", "on/off range"],
-            [[stat, s["off"]["median"], s["on"]["median"], s["on/off"]["median"],
-              f"{s['on/off']['min']:.3f}-{s['on/off']['max']:.3f}"]
-             for stat, s in ((k, step[k]) for k in STEP_STATS)],
-        )  # fmt: skip
-        cost, extra = step["cost_fraction"], step["main_cpu_extra_ms"]
-        print(
-            f"cost of publishing per round, A/B: (stepping thread's extra CPU + publishing "
-            f"thread's CPU) / mean host step without publishing: {cost['median']:.2%} "
-            f"(range {cost['min']:.2%} to {cost['max']:.2%}); the stepping thread's extra "
-            f"CPU {extra['median']:.3f} ms per step (range {extra['min']:.3f} to "
-            f"{extra['max']:.3f})"
-        )
-        by_parts, bound = step["parts_fraction"], step["parts_bound_fraction"]
-        print(
-            f"cost by parts, ms per step (median of rounds): _publish_events (take_events, "
-            f"publish) {step['publish_events_ms']['median']:.4f} + queueing BlockStored "
-            f"{step['block_stored_event_ms']['median']:.4f} + the publishing thread's CPU "
-            f"outside the device waits {step['publisher_cpu_beside_step_ms']['median']:.4f} "
-            f"(of {step['publisher_cpu_ms']['median']:.4f} in all) = "
-            f"{step['parts_ms']['median']:.4f}; of the mean host step without publishing "
-            f"{by_parts['of host_ms_mean']['median']:.2%} (range "
-            f"{by_parts['of host_ms_mean']['min']:.2%} to "
-            f"{by_parts['of host_ms_mean']['max']:.2%}), of the median host step "
-            f"{by_parts['of host_ms']['median']:.2%} (range {by_parts['of host_ms']['min']:.2%} "
-            f"to {by_parts['of host_ms']['max']:.2%}); counting all the thread's CPU "
-            f"{bound['median']:.2%} (range {bound['min']:.2%} to {bound['max']:.2%}) of the "
-            f"mean host step"
-        )
+    for overlap in (False, True):
+        if STEP_COST_KEYS[overlap] in result:
+            print_step_cost(result[STEP_COST_KEYS[overlap]], args)
+    step = result.get(STEP_COST_KEYS[False])
     building = result.get("event_building")
     if building is not None:
         host_ms = step["host_ms"]["off"]["median"] if step is not None else None

@@ -150,12 +150,17 @@ class EventPublisher:
     def __init__(self, data_parallel_rank: int = 0) -> None:
         self.data_parallel_rank = data_parallel_rank
 
-    def publish(self, events: Events, ts: float | None = None) -> None:
-        """Queue one step's events (`ts`: when, default now); never blocks."""
+    def publish(self, events: Events, ts: float | None = None, wake: bool = True) -> None:
+        """Queue one step's events (`ts`: when, default now); never blocks. `wake=False`
+        leaves them to the next `wake()` or `flush()` (or, at the latest, the thread's
+        periodic look at the queue)."""
+
+    def wake(self) -> None:
+        """Have the background thread send what is queued."""
 
     def flush(self, timeout: float = 1.0) -> bool:
-        """Wait until every batch published so far is sent (True) or `timeout` seconds
-        pass (False)."""
+        """Send what is queued from the calling thread; wait until every batch published
+        so far is sent (True) or `timeout` seconds pass (False)."""
         return True
 
     def shutdown(self) -> None:
@@ -178,8 +183,9 @@ class ZmqEventPublisher(EventPublisher):
     """
 
     SHUTDOWN_TIMEOUT = 1.0
-    # The background thread is woken by each `publish`; it also drains the queue at
-    # least this often, in case a batch was queued after a sender's last look at it.
+    # The background thread is woken by `publish` or `wake()`; it also drains the queue
+    # at least this often, for a batch queued without a wake-up or after a sender's last
+    # look at the queue.
     DRAIN_INTERVAL = 1.0
 
     def __init__(
@@ -237,10 +243,14 @@ class ZmqEventPublisher(EventPublisher):
         for thread in self._threads:
             thread.start()
 
-    def publish(self, events: Events, ts: float | None = None) -> None:
+    def publish(self, events: Events, ts: float | None = None, wake: bool = True) -> None:
         if not self._running:
             raise RuntimeError("the KV event publisher is shut down")
         self._enqueue((time.time() if ts is None else ts, events))
+        if wake:
+            self._wake_up.give()
+
+    def wake(self) -> None:
         self._wake_up.give()
 
     def _enqueue(self, batch: tuple[float, Events]) -> None:
@@ -360,7 +370,7 @@ class ZmqEventPublisher(EventPublisher):
             return
         self._running = False
         self._stop.set()
-        self._wake_up.give()
+        self.wake()
         if self._replay is not None:
             os.write(self._stop_write, b"\0")
         for thread in self._threads:

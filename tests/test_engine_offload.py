@@ -43,7 +43,8 @@ from jaxkv.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from jaxkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, build_events
+from jaxkv.kv_events_publisher import EventPublisher
 from jaxkv.testing.reference import DenseReference
 
 # BASE: 23 usable blocks of 8 tokens. One conversation's history is up to 12 of them,
@@ -231,15 +232,15 @@ def test_corrupt_entry_and_hash_collision_fall_back_to_recompute_for_their_reque
     assert_nothing_held(engine)
 
 
-class _Recorder:
+class _Recorder(EventPublisher):
+    """Keeps what the engine publishes, built."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.events = []
 
-    def publish(self, events) -> None:
-        self.events += events
-
-    def shutdown(self) -> None:
-        pass
+    def publish(self, events, ts=None, wake=True) -> None:
+        self.events += build_events(events)
 
 
 def test_reset_prefix_cache_clears_both_tiers_with_cpu_events(text_model, text_reference):

@@ -287,6 +287,15 @@ def test_a_full_queue_drops_the_oldest_without_blocking(endpoints):
         pub.publish([stored(9)])
 
 
+def wait_until_sent(pub: ZmqEventPublisher, num_sent: int) -> None:
+    """Sleep (letting go of the GIL, as a step waiting for the device does) until the
+    publisher's thread has sent `num_sent` messages, without sending any here."""
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while pub.num_sent < num_sent and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pub.num_sent == num_sent
+
+
 def test_the_background_thread_encodes_and_sends_what_publish_queues(endpoints):
     """`publish` only queues: the background thread converts, encodes, numbers and sends
     each batch (the caller's thread never encodes), one message per call, in order."""
@@ -314,10 +323,7 @@ def test_the_background_thread_encodes_and_sends_what_publish_queues(endpoints):
         time.sleep(0.5)  # the subscription reaches the publisher
         for i in range(4):
             pub.publish([stored(i), BlockRemoved([bytes([i]) * 32])], ts=float(i))
-            deadline = time.monotonic() + WAIT_MS / 1000
-            while pub.num_sent < i + 1 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            assert pub.num_sent == i + 1, "the thread sends without a flush"
+            wait_until_sent(pub, i + 1)
         assert encoders == senders == ["kv-events-pub"] * 4
         for i in range(4):
             assert sock.poll(WAIT_MS)
@@ -456,6 +462,63 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
         wait_for(subscriber, publisher.num_sent)
         assert index.num_blocks(E0) == 0
         subscriber.close()
+    finally:
+        engine.shutdown()
+
+
+class _DeviceResult:
+    """Stands for the device array a step waits for: computed or not."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = ready
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def test_the_engine_leaves_sending_to_the_thread_only_while_it_waits_for_the_device(
+    endpoints,
+):
+    """A step's events are built and sent by the publishing thread when the step will wait
+    for a device result not yet computed (the wait lets go of the GIL); with nothing to
+    wait for, or a result already there (the host is the bottleneck), the stepping
+    thread sends them itself before going on, unless the publishing thread is sending
+    (it then leaves them to it)."""
+    from jaxkv.engine import EngineConfig, LLMEngine
+    from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
+
+    config = EngineConfig(
+        block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32,
+        max_model_len=128, compilation_cache_dir="none", kv_events_endpoint=endpoints[0],
+    )  # fmt: skip
+    engine = LLMEngine(TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0), config)
+    publisher = engine.kv_event_publishers[0]
+    senders = []
+    send = publisher._send
+
+    def recording_send(payload: bytes) -> None:
+        senders.append(threading.current_thread().name)
+        send(payload)
+
+    publisher._send = recording_send
+    pool = engine.kv_cache_manager.block_pool
+    here = threading.current_thread().name
+    try:
+        for i, (awaited, sender) in enumerate([
+            (None, here), (_DeviceResult(True), here), (_DeviceResult(False), "kv-events-pub"),
+        ]):  # fmt: skip
+            pool.kv_event_queue.append(BlockRemoved([bytes([i]) * 32]))
+            engine._publish_events(awaited)
+            if sender == here:
+                assert publisher.num_sent == i + 1, "sent before the step goes on"
+            wait_until_sent(publisher, i + 1)
+            assert senders[-1] == sender
+        with publisher._send_lock:  # the thread is sending: the step leaves this to it
+            pool.kv_event_queue.append(BlockRemoved([bytes([3]) * 32]))
+            engine._publish_events(None)
+            assert publisher.num_sent == 3
+        wait_until_sent(publisher, 4)
+        assert senders == [here, here, "kv-events-pub", "kv-events-pub"]
     finally:
         engine.shutdown()
 

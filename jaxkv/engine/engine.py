@@ -344,24 +344,37 @@ class LLMEngine:
             raise
         return publishers
 
-    def _publish_events(self) -> None:
+    def _publish_events(self, awaited: jax.Array | None = None) -> None:
         """Hand each rank's pending KV events (its device pool's, then its host tier's) to
-        its publisher (a queue append each) and, with `enable_kv_cache_events`, keep them
-        for `take_kv_events`; otherwise (events off, or processes other than 0 without
-        publishers) they are dropped."""
+        its publisher and, with `enable_kv_cache_events`, keep them for `take_kv_events`;
+        otherwise (events off, or processes other than 0 without publishers) they are
+        dropped.
+
+        The publishers' threads build, encode and send the events while this thread
+        waits for `awaited`, the device result the step waits for next (the wait lets go
+        of the GIL). When there is no such wait (`awaited` None or already computed: the
+        host is the bottleneck), this thread sends them itself unless the publishing
+        thread is sending: a thread woken to send would take the GIL from the step loop in
+        the middle of its work."""
         offloads, publishers, kept = self.offloads, self.kv_event_publishers, self._kept_events
         if not self._events_on and not publishers:
             for offload in offloads:  # events off: nothing records them (dropped)
                 offload.tier.take_events()
             return
+        send_here = None
         for rank, manager in enumerate(self.kv_cache_managers):
-            events = manager.take_events(deferred=True)  # built by the publishing thread
+            events = manager.take_events(deferred=True)  # built by whoever sends them
             if offloads:
                 events += offloads[rank].tier.take_events()
             if not events:
                 continue
             if publishers:
-                publishers[rank].publish(events)
+                if send_here is None:  # looked at once, for the first rank with events
+                    send_here = awaited is None or awaited.is_ready()
+                publisher = publishers[rank]
+                publisher.publish(events, wake=not send_here)
+                if send_here and not publisher.flush(0.0):  # the thread is sending
+                    publisher.wake()
             if kept is not None:
                 kept[rank] += events
 
@@ -689,13 +702,14 @@ class LLMEngine:
         if empty and self._in_flight is None:
             self._fail_unschedulable()
         sampled = self._execute(outs)
-        # While the device computes the step: the events of its schedule (the blocks it
-        # caches are written by the step just dispatched, before any later step runs).
-        self._publish_events()
         empty = all(out.is_empty for out in outs)
         current = _InFlight(outs, sampled) if not empty else None
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
+        # The events of the step's schedule (the blocks it caches are written by the step
+        # just dispatched, before any later step runs), sent while the host waits for
+        # `done` when it will.
+        self._publish_events(None if done is None else done.sampled)
         wait_s = 0.0
         if current is None and done is None and self.offloads:
             # Nothing runs until a pending host-tier load is staged: wait for one (the
