@@ -135,9 +135,9 @@ class _PartTimers:
         thread_time, perf_counter = time.thread_time, time.perf_counter
         stepping_thread = threading.get_ident()
 
-        def timed_publish(engine) -> None:
+        def timed_publish(engine, *args) -> None:
             start = thread_time()
-            publish_events(engine)
+            publish_events(engine, *args)
             self.per_step.append((thread_time() - start, self._build_s))
             self._build_s = 0.0
 
@@ -253,6 +253,7 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int, ove
         [p / off["host_ms_mean"] for p, off in zip(bound, runs["off"], strict=True)]
     )
     result["host_ms_off"], result["host_ms_mean_off"] = host_off, host_mean_off
+    result["runs"] = runs  # each run's statistics, in round order
     return result
 
 
