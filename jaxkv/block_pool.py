@@ -413,7 +413,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.kv_event_queue: list[KVCacheEvent] = []
+        self.kv_event_queue: list[KVCacheEvent | DeferredKVCacheEvent] = []
         # (spec kind, sliding window) per KV cache group, stamped on this pool's
         # `BlockStored` events; set by the KV cache manager (empty: left None).
         self.event_group_specs: Sequence[tuple[str | None, int | None]] = ()

@@ -9,19 +9,23 @@ at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
 `[b"", b"", (-1 as 8 signed bytes), b""]`.
 
 Publishing never blocks the caller: `publish` puts the step's events on a bounded queue
-and wakes the background thread, which converts, encodes, numbers and sends them, in
-order, and answers replay requests as they come. On a full queue the oldest batch is
-dropped and counted in `num_dropped` (it never gets a sequence number, so subscribers see
-no gap for it: the drop is the publisher's, reported by its count and a warning). The
-PUB socket never blocks: it drops messages for a subscriber past the high-water mark.
+and wakes the background thread, which builds (`DeferredKVCacheEvent`), converts,
+encodes, numbers and sends them, in order. On a full queue the oldest batch is dropped
+and counted in `num_dropped` (it never gets a sequence number, so subscribers see no gap
+for it: the drop is the publisher's, reported by its count and a warning). The PUB socket
+never blocks: it drops messages for a subscriber past the high-water mark. `flush` sends
+what is queued from the calling thread; `publish(..., wake=False)` leaves a batch for a
+later `wake()` or `flush()`.
 
-Why the thread does the work: the engine publishes a step's events right after
-dispatching the step, so the thread converts and sends them while the stepping thread
-waits for the device, which lets go of the GIL; the step loop's share is a queue append
-and a wake-up. The wake-up is a lock released, not a byte written to a pipe: a
-system call lets go of the GIL, and the woken thread would take it in the middle of the
-step. Replay requests have a thread of their own, asleep in `zmq_poll` (no GIL) on the
-ROUTER socket. `flush` sends what is queued from the calling thread.
+Why a thread does the work: the engine publishes a step's events right after
+dispatching the step and wakes the thread when the step is about to wait for the device,
+which lets go of the GIL: the thread works while the step loop waits, and the loop's
+share is a queue append and a wake-up. When the loop will not wait (the host is the
+bottleneck), a woken thread would take the GIL in the middle of the loop's work, so the
+engine sends from the loop itself (`flush(0.0)`) unless the thread is sending. The
+wake-up is a lock released, not a byte written to a pipe: a system call lets go of the
+GIL. Replay requests have a thread of their own, asleep in `zmq_poll` (no GIL) on the
+ROUTER socket.
 """
 
 from __future__ import annotations
@@ -317,7 +321,8 @@ class ZmqEventPublisher(EventPublisher):
             return None
 
     def _send_queued(self) -> None:
-        """Encode and send every queued batch, in order (the caller holds the send lock)."""
+        """Build, encode and send every queued batch, in order (the caller holds the send
+        lock)."""
         queue, lock = self._queue, self._queue_lock
         while queue:
             with lock:
