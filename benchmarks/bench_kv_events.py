@@ -22,12 +22,14 @@
    with all of the publishing thread's CPU.
 3. What the events cost the stepping thread, host only (no model, so less noise):
    (a) the scheduler and manager decoding as `decode_steps` does (256 requests of 8-token
-   prompts, 16-token blocks, to 49 tokens each), CPU per step with events off vs built
-   and published (`take_events` and `ZmqEventPublisher.publish` each step), paired
-   per round; (b) `bench_host`'s workload (600 requests, up to 256 running) with the
-   manager's events off vs on (`enable_kv_cache_events`), interleaved rounds; the extra
-   CPU per stored block, and that times the blocks a decode step at 256 running stores
-   (256 / 16 a step on average) over the engine's host step without publishing.
+   prompts, 16-token blocks, to 49 tokens each), CPU per step (the stepping thread's and
+   the publishing thread's) with events off vs built and published each step as the
+   engine does when the host is the bottleneck (sent from the loop unless the thread is
+   sending), paired per round; (b) `bench_host`'s workload (600 requests, up to 256
+   running) with the manager's events off vs on (`enable_kv_cache_events`: the records
+   queued, built when taken after the serve), interleaved rounds; the extra CPU per
+   stored block, and that times the blocks a decode step at 256 running stores (256 / 16
+   a step on average) over the engine's host step without publishing.
 4. Routing (`examples/kv_aware_routing.py`, 4 engine processes): prefix hit rate and
    prefill tokens computed, index-routed vs round-robin.
 """
@@ -475,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             share = f"{building['step_fraction']:.2%}"
         print_table(
-            "building the events on the stepping thread (host-only serve, 600 requests)",
+            "queueing the events on the stepping thread (host-only serve, 600 requests)",
             ["events off s", "events on s", "on/off median", "on/off range", "blocks stored",
              "us per block", "share of an engine host step"],
             [[building["off_s"]["median"], building["on_s"]["median"],
