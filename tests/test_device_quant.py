@@ -31,12 +31,16 @@ def test_elementwise_error_within_the_documented_bound(mode, seed, log_scale, ze
     if zero_row:
         x[2, 1] = 0.0
     back = np.asarray(dequantize(quantize(jnp.asarray(x), mode), mode))
-    scale = np.abs(x).max(-1, keepdims=True) / (127.0 if mode == "int8" else 448.0)
+    row_max = np.abs(x).max(-1, keepdims=True)
+    scale = row_max / (127.0 if mode == "int8" else 448.0)
     err = np.abs(back - x)
+    # float32 arithmetic (the scale, the division, the product, the error itself) adds a
+    # few roundings of the row's largest value to the exact bound.
+    rounding = 4 * np.finfo(np.float32).eps * row_max
     if mode == "int8":
-        bound = scale / 2 * (1 + 1e-5)
+        bound = scale / 2 + rounding
     else:
-        bound = np.abs(x) / 16 + scale * 2.0**-9 + 1e-6 * scale
+        bound = np.abs(x) / 16 + scale * 2.0**-9 + rounding
     assert (err <= bound).all(), float((err - bound).max())
     if zero_row:
         assert not back[2, 1].any()

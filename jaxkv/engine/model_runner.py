@@ -484,8 +484,9 @@ def _layer_by_layer_program(
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _encode_images(state, pixel_values, *, graphdef):
-    return nnx.merge(graphdef, state).encode_images(pixel_values)
+def _encode_image(state, pixel_values, *, graphdef):
+    """One image's encoder output `[num_image_tokens, hidden]` (one program)."""
+    return nnx.merge(graphdef, state).encode_images(pixel_values[None])[0]
 
 
 @dataclass(frozen=True)
@@ -597,7 +598,7 @@ class ModelRunner:
             )
             self.encoder_store = EncoderCacheStore(
                 pages, encoder_page_size, self.hidden_size, dtype=jnp.float32,
-                mesh=None if mesh is None else self.mesh,
+                mesh=self.mesh,
             )  # fmt: skip
             self.encoder_pages = EncoderPageAllocator(pages, encoder_page_size)
             self.encoder_cache = (
@@ -643,15 +644,17 @@ class ModelRunner:
         return 1 + (1 if self._run_graphdef is None else 3)
 
     def max_compilations(self, host_tier: bool) -> int:
-        """At most how many cache programs serving compiles: `programs_per_step` for each
-        step shape, block zeroing at each id bucket (when freed blocks are zeroed) and,
-        with a host tier (`host_tier`), a gather and a scatter at each transfer bucket.
-        Image encoding and encoder-store writes are not counted."""
+        """At most how many programs serving compiles: `programs_per_step` for each step
+        shape, block zeroing at each id bucket (when freed blocks are zeroed), with a host
+        tier (`host_tier`) a gather and a scatter at each transfer bucket, and for an
+        image model the image encoder and the encoder store's write (every image has the
+        same number of embeddings: one page bucket)."""
         paged = self.paged[0]
         return (
             len(self.packers[0].all_shapes()) * self.programs_per_step
             + (len(paged.id_buckets) if self.zero_freed_blocks else 0)
             + (2 * len(paged.transfer_buckets) if host_tier else 0)
+            + (2 if self.encoder_store is not None else 0)
         )
 
     def _replicated(self, arr: np.ndarray) -> jax.Array:
@@ -686,7 +689,7 @@ class ModelRunner:
         )
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
-        return _encode_images(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
+        return _encode_image(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
 
     # -- host side ----------------------------------------------------------------------
 
@@ -846,7 +849,7 @@ class ModelRunner:
                     mm_hash = s.request.mm_features[input_id].identifier
                     if mm_hash in pages:
                         continue  # same content already encoded (e.g. twice in one step)
-                    self._store_encoded(mm_hash, self._encode(images[mm_hash][None])[0])
+                    self._store_encoded(mm_hash, self._encode(images[mm_hash]))
                     self.num_encoded += 1
 
     def _store_encoded(self, mm_hash: str, embeds: jax.Array) -> None:
@@ -1042,8 +1045,8 @@ class ModelRunner:
         for shapes in zip(*shapes_per_group, strict=True):
             self.kv_cache, self.sampled = self._step(self._empty_buffer(shapes), shapes)
         if self.encoder_store is not None:
-            pixels = np.zeros((1, *self.images.pixel_shape), np.float32)
-            self._store_encoded("warm-up", self._encode(pixels)[0])
+            pixels = np.zeros(self.images.pixel_shape, np.float32)
+            self._store_encoded("warm-up", self._encode(pixels))
             self.encoder_pages.free(["warm-up"])
         if self.zero_freed_blocks:
             for size in self.paged[0].id_buckets:
