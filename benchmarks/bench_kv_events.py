@@ -300,9 +300,7 @@ def _host_decode_cpu(mode: str, endpoint: str, running: int = 256) -> float:
             # sent from this thread unless the publishing thread is sending.
             events = manager.take_events(deferred=True)
             if events:
-                publisher.publish(events, wake=False)
-                if not publisher.flush(0.0):
-                    publisher.wake()
+                publisher.publish(events, in_background=False)
         steps += 1
     seconds = time.thread_time() - start
     gc.unfreeze()

@@ -14,15 +14,15 @@ encodes, numbers and sends them, in order. On a full queue the oldest batch is d
 and counted in `num_dropped` (it never gets a sequence number, so subscribers see no gap
 for it: the drop is the publisher's, reported by its count and a warning). The PUB socket
 never blocks: it drops messages for a subscriber past the high-water mark. `flush` sends
-what is queued from the calling thread; `publish(..., wake=False)` leaves a batch for a
-later `wake()` or `flush()`.
+what is queued from the calling thread; so does `publish(..., in_background=False)`,
+unless the thread is sending.
 
 Why a thread does the work: the engine publishes a step's events right after
 dispatching the step and wakes the thread when the step is about to wait for the device,
 which lets go of the GIL: the thread works while the step loop waits, and the loop's
 share is a queue append and a wake-up. When the loop will not wait (the host is the
 bottleneck), a woken thread would take the GIL in the middle of the loop's work, so the
-engine sends from the loop itself (`flush(0.0)`) unless the thread is sending. The
+engine sends from the loop itself (`in_background=False`) unless the thread is sending. The
 wake-up is a lock released, not a byte written to a pipe: a system call lets go of the
 GIL. Replay requests have a thread of their own, asleep in `zmq_poll` (no GIL) on the
 ROUTER socket.
@@ -154,13 +154,10 @@ class EventPublisher:
     def __init__(self, data_parallel_rank: int = 0) -> None:
         self.data_parallel_rank = data_parallel_rank
 
-    def publish(self, events: Events, ts: float | None = None, wake: bool = True) -> None:
-        """Queue one step's events (`ts`: when, default now); never blocks. `wake=False`
-        leaves them to the next `wake()` or `flush()` (or, at the latest, the thread's
-        periodic look at the queue)."""
-
-    def wake(self) -> None:
-        """Have the background thread send what is queued."""
+    def publish(self, events: Events, ts: float | None = None, in_background: bool = True) -> None:
+        """Queue one step's events (`ts`: when, default now) for the background thread to
+        send; never blocks. `in_background=False`: send what is queued from the calling
+        thread instead, unless the background thread is sending (it then sends these)."""
 
     def flush(self, timeout: float = 1.0) -> bool:
         """Send what is queued from the calling thread; wait until every batch published
@@ -187,9 +184,8 @@ class ZmqEventPublisher(EventPublisher):
     """
 
     SHUTDOWN_TIMEOUT = 1.0
-    # The background thread is woken by `publish` or `wake()`; it also drains the queue
-    # at least this often, for a batch queued without a wake-up or after a sender's last
-    # look at the queue.
+    # The background thread is woken by `publish`; it also drains the queue at least this
+    # often, for a batch queued after a sender's last look at the queue.
     DRAIN_INTERVAL = 1.0
 
     def __init__(
@@ -247,15 +243,12 @@ class ZmqEventPublisher(EventPublisher):
         for thread in self._threads:
             thread.start()
 
-    def publish(self, events: Events, ts: float | None = None, wake: bool = True) -> None:
+    def publish(self, events: Events, ts: float | None = None, in_background: bool = True) -> None:
         if not self._running:
             raise RuntimeError("the KV event publisher is shut down")
         self._enqueue((time.time() if ts is None else ts, events))
-        if wake:
+        if in_background or not self.flush(0.0):  # flush(0.0) fails while the thread sends
             self._wake_up.give()
-
-    def wake(self) -> None:
-        self._wake_up.give()
 
     def _enqueue(self, batch: tuple[float, Events]) -> None:
         with self._queue_lock:
@@ -375,7 +368,7 @@ class ZmqEventPublisher(EventPublisher):
             return
         self._running = False
         self._stop.set()
-        self.wake()
+        self._wake_up.give()
         if self._replay is not None:
             os.write(self._stop_write, b"\0")
         for thread in self._threads:

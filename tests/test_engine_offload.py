@@ -239,7 +239,7 @@ class _Recorder(EventPublisher):
         super().__init__()
         self.events = []
 
-    def publish(self, events, ts=None, wake=True) -> None:
+    def publish(self, events, ts=None, in_background=True) -> None:
         self.events += build_events(events)
 
 

@@ -371,10 +371,7 @@ class LLMEngine:
             if publishers:
                 if send_here is None:  # looked at once, for the first rank with events
                     send_here = awaited is None or awaited.is_ready()
-                publisher = publishers[rank]
-                publisher.publish(events, wake=not send_here)
-                if send_here and not publisher.flush(0.0):  # the thread is sending
-                    publisher.wake()
+                publishers[rank].publish(events, in_background=not send_here)
             if kept is not None:
                 kept[rank] += events
 
