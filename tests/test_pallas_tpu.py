@@ -228,7 +228,7 @@ def test_auto_dispatch_by_platform(monkeypatch) -> None:
     assert len(calls) == 3
     with pytest.raises(ValueError, match="a quantised cache is not supported"):
         run_attention(quant, sm_scale=0.5, platform="gpu", impl="pallas", kv_quant="int8")
-    with pytest.raises(ValueError, match="needs a cache whose storage dtype"):
+    with pytest.raises(ValueError, match="must have the width of the cache.s storage dtype"):
         ragged_paged_attention(  # f32 bits read as bf16
             jnp.asarray(case.q), case.kv, case.block_tables, case.seq_lens,
             case.query_start_loc, case.num_seqs, AttentionOptions(sm_scale=0.5, impl="pallas"),

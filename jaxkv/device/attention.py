@@ -54,6 +54,8 @@ probability times a NaN value is still NaN); rows with no visible key return 0.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -69,7 +71,7 @@ from jaxkv.device.pallas_gpu import (
     block_shape_error,
     paged_attention_rows_pallas,
 )
-from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu
+from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu, tpu_kernel_error
 from jaxkv.device.storage import (
     SCALE_BYTES,
     DTypeLike,
@@ -79,6 +81,7 @@ from jaxkv.device.storage import (
     resolve_dtype,
 )
 
+logger = logging.getLogger("jaxkv")
 _MASKED = -1e30
 AttentionImpl = Literal["auto", "reference", "pallas", "pallas_tpu_interpret"]
 _IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret")
@@ -263,9 +266,8 @@ def ragged_paged_attention(
         "span_ends": span_ends,
     }
     kernel = _pick_kernel(
-        impl, platform, interpret, kv_cache, compute, kv_head, q.shape[-1],
-        quantised=kv_quant is not None,
-    )  # fmt: skip
+        impl, platform, interpret, kv_cache, compute, kv_head, q.shape[-1], kv_quant
+    )
     iv = token_intervals(
         num_tokens, seq_lens, query_start_loc, num_seqs,
         block_tables.shape[1] * block_size, **masks,
@@ -299,22 +301,25 @@ def _check_tiling(*sizes: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
 
 
-def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_size, *, quantised):
+def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_size, kv_quant):
     """`"tpu"`, `"gpu"` or `"blockwise"` for this call (module docstring's dispatch table)."""
     if impl == "reference":
         return "blockwise"
-    tpu_fits = quantised or compute.itemsize == kv_cache.dtype.itemsize
-    gpu_error = _gpu_kernel_error(kv_cache, compute, kv_head, head_size, quantised=quantised)
+    tpu_error = tpu_kernel_error(kv_cache.shape[-2] // 2, kv_cache.dtype, compute, kv_quant)
+    gpu_error = _gpu_kernel_error(kv_cache, compute, kv_head, head_size, quantised=bool(kv_quant))
     if impl == "auto":
-        if platform == "gpu" and gpu_error is None:
-            return "gpu"
-        return "tpu" if platform == "tpu" and tpu_fits else "blockwise"
-    if impl == "pallas_tpu_interpret" or (impl == "pallas" and platform == "tpu" and not interpret):
-        if not tpu_fits:
-            raise ValueError(
-                f"impl={impl!r} (the TPU kernel) needs a cache whose storage dtype "
-                f"{kv_cache.dtype} has the width of its compute dtype {compute}"
+        error = {"gpu": gpu_error, "tpu": tpu_error}.get(platform)
+        if platform in ("gpu", "tpu") and error is None:
+            return platform
+        if platform in ("gpu", "tpu"):
+            _say_once(
+                f"jaxkv: the {platform.upper()} attention kernel cannot serve "
+                f"{tuple(kv_cache.shape)} {kv_cache.dtype}: {error}; using the blockwise path"
             )
+        return "blockwise"
+    if impl == "pallas_tpu_interpret" or (impl == "pallas" and platform == "tpu" and not interpret):
+        if tpu_error is not None:
+            raise ValueError(f"impl={impl!r} (the TPU kernel) cannot serve this cache: {tpu_error}")
         return "tpu"
     if interpret or platform == "gpu":
         if gpu_error is not None:
@@ -329,6 +334,12 @@ def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_siz
         f"interpret mode, impl='pallas_tpu_interpret' for the TPU kernel in Pallas TPU "
         f"interpret mode, or use impl='auto'/'reference'"
     )
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    """Log `line` once per process (a dispatch is traced once per compiled program)."""
+    logger.warning(line)
 
 
 def _gpu_kernel_error(kv_cache, compute, kv_head, head_size, *, quantised) -> str | None:

@@ -75,7 +75,6 @@ from jaxkv.device.storage import (
     SCALE_BYTES,
     DTypeLike,
     check_kv_quant,
-    dequantize,
     from_storage,
     resolve_dtype,
 )
@@ -118,6 +117,107 @@ def _segments(req: jax.Array, lo: jax.Array, hi: jax.Array, tokens_per_tile: int
     )
 
 
+def head_block(num_kv_heads: int, storage_itemsize: int) -> int:
+    """KV heads per grid step: their `2 * heads` combined rows fill whole tiles.
+
+    The cache's HBM layout tiles its last two axes `(2H, D)` by `(8 * packing, 128)`,
+    `packing = 4 // itemsize` rows per 32-bit sublane; a DMA may only slice the `2H`
+    axis at a tile boundary. A block is one tile of combined heads where `2H` is a
+    multiple of it, else all `H` heads (the whole axis, always a legal slice).
+    """
+    tile_rows = 8 * (4 // storage_itemsize)
+    return tile_rows // 2 if (2 * num_kv_heads) % tile_rows == 0 else num_kv_heads
+
+
+def lane_columns(stored_head: int) -> tuple[tuple[int, int], ...]:
+    """`(start, width)` of each DMA'd lane column of a stored row: 128 lanes each, the rest last.
+
+    Mosaic's strided loads need a buffer whose last axis is at most one 128-lane vreg
+    wide, so a wider row (head size 256, a quantised row's inline scale) is copied
+    column by column (each slice of the HBM row starts at a lane-tile boundary).
+    """
+    return tuple((c, min(128, stored_head - c)) for c in range(0, stored_head, 128))
+
+
+def _head_words(buf, slot, head: int, combined: int, keys: int, interpret: bool) -> list:
+    """The rows holding block head `head`'s K and V in `buf[slot]` (`[P, bs, combined, w]`).
+
+    32-bit storage: `[K rows, V rows]`, each `[keys, w]`. Narrower storage: one `[keys, w]`
+    uint32 array whose words each pack `4 // itemsize` consecutive combined rows, the
+    lowest row in the lowest bits (TPU memory packs sublanes so), and hence K and V of
+    one head side by side. Compiled, Mosaic reads them with strided loads over the buffer
+    viewed as `[keys * combined, w]` rows (as words); interpret mode, which has neither ref
+    reshapes nor bitcasts, packs the same words from the rows it indexes.
+    """
+    itemsize = buf.dtype.itemsize
+    per_word = 4 // itemsize
+    if not interpret:
+        flat = buf.at[slot].reshape(keys * combined, buf.shape[-1])
+        if per_word == 1:
+            return [flat[pl.ds(2 * head + lane, keys, stride=combined), :] for lane in (0, 1)]
+        words = flat.bitcast(jnp.uint32)
+        return [words[pl.ds(2 * head // per_word, keys, stride=combined // per_word), :]]
+
+    def row(c: int) -> jax.Array:
+        return buf[slot, :, :, c, :].reshape(keys, buf.shape[-1])
+
+    if per_word == 1:
+        return [row(2 * head), row(2 * head + 1)]
+    first = 2 * head // per_word * per_word
+    bits = jnp.dtype(f"uint{8 * itemsize}")
+    word = jnp.zeros((keys, buf.shape[-1]), jnp.uint32)
+    for i in range(per_word):
+        part = jax.lax.bitcast_convert_type(row(first + i), bits).astype(jnp.uint32)
+        word = word | (part << (8 * itemsize * i))
+    return [word]
+
+
+def _load_head(bufs, slot, head, combined, keys, compute, kv_quant, interpret):
+    """K and V of block head `head` in this chunk, float32 `[keys, D]` each."""
+    columns = [_head_words(b, slot, head, combined, keys, interpret) for b in bufs]
+    if len(columns[0]) == 2:  # 32-bit rows
+        k, v = (jnp.concatenate([c[lane] for c in columns], axis=1) for lane in (0, 1))
+        return from_storage(k, compute).astype(jnp.float32), from_storage(v, compute).astype(
+            jnp.float32
+        )
+    words = jnp.concatenate([c[0] for c in columns], axis=1)
+    if bufs[0].dtype.itemsize == 2:  # bfloat16 bits: a float32 with low mantissa bits zero
+        k = pltpu.bitcast(words << 16, jnp.float32)
+        v = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32)
+        return k, v
+    shift = 8 * (2 * head % 4)
+    k_bytes = ((words >> shift) & 0xFF).astype(jnp.int32)
+    v_bytes = ((words >> (shift + 8)) & 0xFF).astype(jnp.int32)
+    return _dequantize_bytes(k_bytes, kv_quant), _dequantize_bytes(v_bytes, kv_quant)
+
+
+def _dequantize_bytes(b: jax.Array, kv_quant: str) -> jax.Array:
+    """`storage.dequantize` of a row's bytes given as int32 `[K, D + SCALE_BYTES]` in [0, 256).
+
+    Written with what Mosaic lowers: no width-changing bitcast and no lane slice past
+    the values (the scale's four bytes are summed out of the masked row in two exact
+    16-bit halves), and fp8 e4m3 decoded from its fields (TPUs before v6 have no fp8).
+    """
+    head_size = b.shape[-1] - SCALE_BYTES
+    lane = jax.lax.broadcasted_iota(jnp.int32, b.shape, 1) - head_size
+    shifted = b << (8 * jnp.clip(lane % 2, 0, 1))
+
+    def half(first: int) -> jax.Array:
+        part = jnp.where((lane == first) | (lane == first + 1), shifted, 0)
+        return part.astype(jnp.float32).sum(axis=1, keepdims=True).astype(jnp.int32)
+
+    scale = pltpu.bitcast(half(0) | (half(2) << 16), jnp.float32)
+    values = b[:, :head_size]
+    if kv_quant == "int8":
+        x = jnp.where(values >= 128, values - 256, values).astype(jnp.float32)
+    else:  # e4m3fn: bias 7, 3 mantissa bits; quantize never writes its NaN
+        exponent, mantissa = (values >> 3) & 0xF, values & 7
+        normal = pltpu.bitcast(((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+        magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 2.0**-9, normal)
+        x = jnp.where(values >= 128, -magnitude, magnitude)
+    return x * scale
+
+
 def _tiles_kernel(
     # scalar prefetch (SMEM)
     tables_ref,  # [R * W_pad] int32 page ids, clipped to valid blocks
@@ -125,67 +225,78 @@ def _tiles_kernel(
     seg_lo_ref,  # [T_pad] int32
     seg_hi_ref,  # [T_pad] int32
     seg_count_ref,  # [tiles] int32
-    head_base_ref,  # [1] int32: KV head of grid row 0 (kv_head, or 0)
+    head_ref,  # [2] int32: first combined head of grid row 0, selected block head (-1: all)
     # blocks (VMEM)
-    q_ref,  # [N, D], N = G * tokens_per_tile
+    q_ref,  # [Hq_blk, N, D], N = G * tokens_per_tile
     lo_ref,  # [N, 1] int32
     hi_ref,  # [N, 1] int32
     seg_ref,  # [N, 1] int32 flat segment index of the row (-1: none)
     kv_hbm,  # [num_blocks, block_size, 2 * H, D_stored] left in HBM
-    o_ref,  # [N, D]
+    o_ref,  # [Hq_blk, N, D]
     # scratch
-    k_buf,  # [2, P * block_size, D_stored] double buffer
-    v_buf,  # [2, P * block_size, D_stored]
-    sems,  # DMA semaphores [2 slots, 2 lanes, P]
-    m_ref,  # [N, 1] f32 running max
-    l_ref,  # [N, 1] f32 running denominator
-    acc_ref,  # [N, D] f32 accumulator
-    *,
+    *scratch,  # per lane column [2, P, block_size, 2 * Hb, w] double buffer; DMA
+    # semaphores [2 slots, P, columns]; [Hq_blk, N, 1] f32 running max and denominator;
+    # [Hq_blk, N, D] f32 accumulator
+    columns: tuple[tuple[int, int], ...],
     sm_scale: float,
     soft_cap: float | None,
     tokens_per_tile: int,
-    pages_per_chunk: int,
     table_width: int,
     compute: np.dtype,
     kv_quant: str | None,
+    select_head: bool,
+    interpret: bool,
 ) -> None:
-    block_size = kv_hbm.shape[1]
+    bufs, (sems, m_ref, l_ref, acc_ref) = scratch[: len(columns)], scratch[len(columns) :]
+    _, pages_per_chunk, block_size, combined, _ = bufs[0].shape
     keys = pages_per_chunk * block_size
-    head = head_base_ref[0] + pl.program_id(0)
+    first_head = pl.multiple_of(head_ref[0] + pl.program_id(0) * combined, combined)
     tile = pl.program_id(1)
     dot_dtype = jnp.float32 if compute == jnp.float32 else compute
     precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
     m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    q = q_ref[...].astype(dot_dtype)
     row_lo, row_hi, row_seg = lo_ref[...], hi_ref[...], seg_ref[...]
 
     def transfer(req, chunk, slot, wait: bool) -> None:
         """Start (or wait for) the DMAs of page chunk `chunk` of `req` into buffer `slot`."""
         base = req * table_width + chunk * pages_per_chunk
-
-        def page(p, carry):
-            dst = pl.ds(pl.multiple_of(p * block_size, block_size), block_size)
-            for lane, buf in ((0, k_buf), (1, v_buf)):
+        for p in range(pages_per_chunk):
+            page = tables_ref[base + p]
+            for c, (lane, width) in enumerate(columns):
                 dma = pltpu.make_async_copy(
-                    kv_hbm.at[tables_ref[base + p], :, 2 * head + lane, :],
-                    buf.at[slot, dst],
-                    sems.at[slot, lane, p],
+                    kv_hbm.at[page, :, pl.ds(first_head, combined), pl.ds(lane, width)],
+                    bufs[c].at[slot, p],
+                    sems.at[slot, p, c],
                 )
                 if wait:
                     dma.wait()
                 else:
                     dma.start()
-            return carry
 
-        jax.lax.fori_loop(0, pages_per_chunk, page, 0)
-
-    def load(buf, slot) -> jax.Array:
-        """Buffer `slot` as float32 `[K, D]` (bitcast, or dequantised with its inline scales)."""
-        if kv_quant is not None:
-            return dequantize(buf[slot], kv_quant, jnp.float32)
-        return from_storage(buf[slot], compute).astype(jnp.float32)
+    def attend(slot, head: int, q_row: int, visible, values_ok) -> None:
+        """Fold block head `head`'s keys of this chunk into query block `q_row`'s state."""
+        k, v = _load_head(bufs, slot, head, combined, keys, compute, kv_quant, interpret)
+        s = jax.lax.dot_general(
+            q_ref[q_row].astype(dot_dtype), k.astype(dot_dtype), (((1,), (1,)), ((), ())),
+            precision=precision, preferred_element_type=jnp.float32,
+        ) * sm_scale  # fmt: skip
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible, s, _MASKED)
+        m_prev = m_ref[q_row]
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        v = jnp.where(values_ok, v, 0.0).astype(dot_dtype)
+        pv = jax.lax.dot_general(
+            p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
+            precision=precision, preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[q_row] = alpha * l_ref[q_row] + p.sum(axis=1, keepdims=True)
+        acc_ref[q_row] = alpha * acc_ref[q_row] + pv
+        m_ref[q_row] = m_new
 
     def segment(s, carry):
         index = tile * tokens_per_tile + s
@@ -204,30 +315,17 @@ def _tiles_kernel(
                 transfer(req, j + 1, 1 - slot, wait=False)
 
             transfer(req, j, slot, wait=True)
-            k = load(k_buf, slot).astype(dot_dtype)  # [K, D]
-            v = load(v_buf, slot)
-            s = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())),
-                precision=precision, preferred_element_type=jnp.float32,
-            ) * sm_scale  # fmt: skip
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
             key = j * keys + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
             visible = (row_seg == index) & (key >= row_lo) & (key < row_hi)  # [N, K]
-            s = jnp.where(visible, s, _MASKED)
-            m_prev = m_ref[...]
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
             key_col = j * keys + jax.lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
-            v = jnp.where((key_col >= seg_lo) & (key_col < seg_hi), v, 0.0).astype(dot_dtype)
-            pv = jax.lax.dot_general(
-                p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
-                precision=precision, preferred_element_type=jnp.float32,
-            )  # fmt: skip
-            alpha = jnp.exp(m_prev - m_new)
-            l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-            acc_ref[...] = alpha * acc_ref[...] + pv
-            m_ref[...] = m_new
+            values_ok = (key_col >= seg_lo) & (key_col < seg_hi)  # [K, 1]
+            for head in range(combined // 2):
+                if select_head:
+                    pl.when(head_ref[1] == head)(
+                        functools.partial(attend, slot, head, 0, visible, values_ok)
+                    )
+                else:
+                    attend(slot, head, head, visible, values_ok)
             return carry
 
         return jax.lax.fori_loop(first, last, chunk, carry)
@@ -235,6 +333,29 @@ def _tiles_kernel(
     jax.lax.fori_loop(0, seg_count_ref[tile], segment, 0)
     denom = l_ref[...]
     o_ref[...] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
+
+
+def tpu_kernel_error(
+    num_kv_heads: int, storage: np.dtype, compute: np.dtype, kv_quant: str | None
+) -> str | None:
+    """Why the kernel cannot read this cache, or None if it can (the dispatch's test)."""
+    storage, compute = np.dtype(storage), np.dtype(compute)
+    if kv_quant is None and compute.itemsize != storage.itemsize:
+        return (
+            f"kv_dtype={compute} must have the width of the cache's storage dtype "
+            f"{storage} (its bits are reinterpreted)"
+        )
+    if kv_quant is None and compute.itemsize == 2 and compute != jnp.bfloat16:
+        return f"a 16-bit cache must compute in bfloat16, got {compute}"
+    if kv_quant is None and compute.itemsize not in (2, 4):
+        return f"a {compute} cache is not supported (bfloat16, float32 or kv_quant)"
+    block = head_block(num_kv_heads, storage.itemsize)
+    if (2 * block) % (4 // storage.itemsize):
+        return (
+            f"num_kv_heads={num_kv_heads} per device: a {storage} cache needs an even number "
+            f"of KV heads per device (its K/V rows are read 4 to a 32-bit word)"
+        )
+    return None
 
 
 def paged_attention_tiles_tpu(
@@ -287,12 +408,12 @@ def paged_attention_tiles_tpu(
     if kv_quant and kv_dtype is None:
         raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
-    if not kv_quant and compute.itemsize != kv_cache.dtype.itemsize:
-        raise ValueError(
-            f"kv_dtype={compute} must have the width of the cache's storage dtype "
-            f"{kv_cache.dtype} (its bits are reinterpreted)"
-        )
+    error = tpu_kernel_error(kv_cache.shape[-2] // 2, kv_cache.dtype, compute, kv_quant)
+    if error is not None:
+        raise ValueError(error)
     num_blocks, block_size = kv_cache.shape[:2]
+    block = head_block(kv_cache.shape[-2] // 2, kv_cache.dtype.itemsize)
+    select_head = kv_head is not None
     heads = num_kv_heads if kv_head is None else 1
     group = num_q_heads // heads
     tiles = pl.cdiv(max(num_tokens, 1), tokens_per_tile)
@@ -317,31 +438,38 @@ def paged_attention_tiles_tpu(
     qt = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
     qt = qt.reshape(tiles, tokens_per_tile, heads, group, head_size).transpose(2, 0, 3, 1, 4)
     qt = qt.reshape(heads, tiles, rows, head_size)
-    head_base = jnp.zeros((1,), jnp.int32) if kv_head is None else jnp.reshape(kv_head, (1,))
+    if select_head:  # the block holding `kv_head`, and its place in the block
+        kv_head = jnp.asarray(kv_head, jnp.int32)
+        head_info = jnp.stack([kv_head // block * 2 * block, kv_head % block])
+    else:
+        head_info = jnp.array([0, -1], jnp.int32)
+    q_block = 1 if select_head else block
+    columns = lane_columns(stored_head)
 
     kernel = functools.partial(
         _tiles_kernel, sm_scale=sm_scale, soft_cap=soft_cap, tokens_per_tile=tokens_per_tile,
-        pages_per_chunk=pages_per_chunk, table_width=table_width, compute=compute,
-        kv_quant=kv_quant,
+        table_width=table_width, compute=compute, kv_quant=kv_quant, select_head=select_head,
+        columns=columns, interpret=bool(interpret),
     )  # fmt: skip
-    tile_block = pl.BlockSpec((None, None, rows, head_size), lambda h, t, *_: (h, t, 0, 0))
+    tile_block = pl.BlockSpec((q_block, None, rows, head_size), lambda h, t, *_: (h, t, 0, 0))
     row_block = pl.BlockSpec((None, rows, 1), lambda h, t, *_: (t, 0, 0))
     cache_in_hbm = pl.BlockSpec(memory_space=pl.ANY)  # pages are copied by the kernel's DMAs
-    keys = pages_per_chunk * block_size
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(heads, tiles),
+            grid=(heads // q_block, tiles),
             in_specs=[tile_block, row_block, row_block, row_block, cache_in_hbm],
             out_specs=tile_block,
             scratch_shapes=[
-                pltpu.VMEM((2, keys, stored_head), kv_cache.dtype),
-                pltpu.VMEM((2, keys, stored_head), kv_cache.dtype),
-                pltpu.SemaphoreType.DMA((2, 2, pages_per_chunk)),
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, head_size), jnp.float32),
+                *(
+                    pltpu.VMEM((2, pages_per_chunk, block_size, 2 * block, w), kv_cache.dtype)
+                    for _, w in columns
+                ),
+                pltpu.SemaphoreType.DMA((2, pages_per_chunk, len(columns))),
+                pltpu.VMEM((q_block, rows, 1), jnp.float32),
+                pltpu.VMEM((q_block, rows, 1), jnp.float32),
+                pltpu.VMEM((q_block, rows, head_size), jnp.float32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
@@ -349,7 +477,7 @@ def paged_attention_tiles_tpu(
         interpret=pltpu.InterpretParams() if interpret is True else interpret,
         name="jaxkv_ragged_paged_attention_tpu",
     )(
-        tables, segs.req, segs.lo, segs.hi, segs.count, head_base,
+        tables, segs.req, segs.lo, segs.hi, segs.count, head_info,
         qt, per_row(lo_p), per_row(hi_p), per_row(segs.of_token), kv_cache,
     )  # fmt: skip
     out = out.reshape(heads, tiles, group, tokens_per_tile, head_size).transpose(1, 3, 0, 2, 4)
