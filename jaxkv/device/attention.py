@@ -272,13 +272,13 @@ def ragged_paged_attention(
         num_tokens, seq_lens, query_start_loc, num_seqs,
         block_tables.shape[1] * block_size, **masks,
     )  # fmt: skip
-    if kernel != "blockwise" and layer is not None:
-        kv_cache = kv_cache[layer]  # the kernels take one layer's cache
+    if kernel == "gpu" and layer is not None:
+        kv_cache = kv_cache[layer]  # the Triton kernel takes one layer's cache
     if kernel == "tpu":
         return paged_attention_tiles_tpu(
             q, kv_cache, block_tables, iv.req, iv.lo, iv.hi,
             sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, kv_head=kv_head,
-            kv_quant=kv_quant, tokens_per_tile=token_chunk,
+            kv_quant=kv_quant, layer=layer, tokens_per_tile=token_chunk,
             pages_per_chunk=max(1, keys_per_chunk // block_size),
             interpret=impl == "pallas_tpu_interpret",
         )  # fmt: skip

@@ -73,6 +73,7 @@ from jaxkv.device.storage import (
     resolve_storage_dtype,
     to_storage,
 )
+from jaxkv.device.tpu_writes import write_rows_tpu
 from jaxkv.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -92,15 +93,18 @@ _UNSERVED_MASKS = {
 
 def _write_local(
     kv: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, compute, storage, kv_quant=None,
-    layer: jax.Array | None = None,
+    layer: jax.Array | None = None, dma: bool | str = False,
 ):  # fmt: skip
-    """Scatter the step's K/V rows into `kv`, addressed in the cache's own 4-D shape.
+    """Write the step's K/V rows into `kv`, addressed in the cache's own 4-D shape.
 
     Every program that touches the cache indexes it as `[blocks, block_size, 2H, D]`:
     an update written through one reshape of the buffer and read through another makes
     XLA materialise the buffer in both shapes, a copy of the whole cache per step.
-    K and V go straight into their lanes (combined heads `2h` and `2h+1`): no interleaved
-    temporary of the step's K/V. `layer`: the layer of a stacked `[L, ...]` cache.
+    The scatter puts K and V straight into their lanes (combined heads `2h` and `2h+1`):
+    no interleaved temporary of the step's K/V. `dma` (the TPU: True, or "interpret"
+    for Pallas TPU interpret mode) writes whole interleaved rows by DMA instead
+    (`tpu_writes`): XLA's TPU scatter of more than a few rows is not in place.
+    `layer`: the layer of a stacked `[L, ...]` cache.
     """
     bs, combined = kv.shape[-3:-1]
     stack = () if layer is None else (layer,)
@@ -108,6 +112,9 @@ def _write_local(
     def stored(x):
         return quantize(x, kv_quant) if kv_quant else to_storage(x, compute, storage)
 
+    if dma:
+        rows = jnp.stack([stored(k), stored(v)], axis=2).reshape(k.shape[0], *kv.shape[-2:])
+        return write_rows_tpu(kv, rows, slots, layer, interpret=dma == "interpret")
     # The padding slot `nb * bs` lands on block `nb`: out of range, dropped.
     blocks, offsets = (slots // bs)[:, None], (slots % bs)[:, None]
     k_lanes = 2 * jnp.arange(combined // 2, dtype=slots.dtype)[None, :]
@@ -130,49 +137,52 @@ class _StepKey(NamedTuple):
 # A traced sliding window this large is none: `pos - window + 1` stays below 0.
 _NO_WINDOW = np.iinfo(np.int32).max // 2
 
-# Block copies and zeroing run over their ids this many at a time, so a call's
-# temporaries are one chunk of blocks however many ids it takes (a bucket may hold as
-# many ids as the pool has blocks: one scatter would materialise a cache-sized update).
-_IDS_PER_CHUNK = 64
+# Block transfers to and from host memory move at most this many blocks per rank per
+# call, so a program's temporaries stay a small fraction of the cache.
+_IDS_PER_TRANSFER = 64
 
 
-def _in_chunks(update, kv: jax.Array, ids: Sequence[jax.Array], fills: Sequence[int]):
-    """`update(kv, *ids)` over `_IDS_PER_CHUNK` ids at a time (padding with `fills`)."""
-    n = ids[0].shape[0]
-    if n <= _IDS_PER_CHUNK:
-        return update(kv, *ids)
-    chunks = -(-n // _IDS_PER_CHUNK)
-    padded = [
-        jnp.pad(x, (0, chunks * _IDS_PER_CHUNK - n), constant_values=fill).reshape(chunks, -1)
-        for x, fill in zip(ids, fills, strict=True)
-    ]
-    return jax.lax.fori_loop(0, chunks, lambda i, kv: update(kv, *(x[i] for x in padded)), kv)
+def _each_block(update, kv: jax.Array, ids: Sequence[jax.Array]) -> jax.Array:
+    """`update(kv, *(x[i] for x in ids))` for each `i` whose `ids[-1][i]` is a block id
+    (`< num_blocks`; larger ids pad and are skipped), one block at a time.
+
+    Each update is a dynamic-update-slice of one block: in place on every backend, where
+    a scatter of many blocks may not be (XLA's TPU scatter writes a fresh buffer).
+    """
+    num_blocks = kv.shape[-4]
+
+    def body(i, kv):
+        row = tuple(x[i] for x in ids)
+        return jax.lax.cond(row[-1] < num_blocks, lambda kv: update(kv, *row), lambda kv: kv, kv)
+
+    return jax.lax.fori_loop(0, ids[0].shape[0], body, kv)
 
 
-def _every_layer(kv: jax.Array) -> tuple[slice, ...]:
-    """The index prefix that reaches the block axis of a cache, stacked (`[L, ...]`) or not."""
-    return (slice(None),) * (kv.ndim - 4)
+def _block_start(kv: jax.Array, block: jax.Array) -> tuple:
+    """The start index of block `block` (in every layer of a stack)."""
+    return (0,) * (kv.ndim - 4) + (block, 0, 0, 0)
 
 
 def _copy_local(kv: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     """Block `src[i]` onto `dst[i]` (in every layer of a stack); sources and destinations
-    are disjoint (checked on the host), so the chunk order cannot matter. Destination
-    `num_blocks` pads (dropped)."""
-    layers = _every_layer(kv)
+    are disjoint (checked on the host), so the order cannot matter. Destination
+    `num_blocks` pads (skipped)."""
+    size = kv.shape[:-4] + (1,) + kv.shape[-3:]
 
     def copy(kv, src, dst):
-        return kv.at[(*layers, dst)].set(kv[(*layers, src)], mode="drop")
+        block = jax.lax.dynamic_slice(kv, _block_start(kv, src), size)
+        return jax.lax.dynamic_update_slice(kv, block, _block_start(kv, dst))
 
-    return _in_chunks(copy, kv, (src, dst), (0, kv.shape[-4]))
+    return _each_block(copy, kv, (src, dst))
 
 
 def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
-    layers = _every_layer(kv)
+    zeros = jnp.zeros(kv.shape[:-4] + (1,) + kv.shape[-3:], kv.dtype)
 
-    def zero(kv, ids):
-        return kv.at[(*layers, ids)].set(jnp.zeros((), kv.dtype), mode="drop")
+    def zero(kv, block):
+        return jax.lax.dynamic_update_slice(kv, zeros, _block_start(kv, block))
 
-    return _in_chunks(zero, kv, (ids,), (kv.shape[-4],))
+    return _each_block(zero, kv, (ids,))
 
 
 def _gather_local(kv: jax.Array, ids: jax.Array, layers: jax.Array) -> jax.Array:
@@ -186,9 +196,20 @@ def _scatter_local(
     kv: jax.Array, ids: jax.Array, layers: jax.Array, blocks: jax.Array
 ) -> jax.Array:
     """`blocks [m, n, bs, 2H, D]` (as stored) onto layers `layers[i]` of block `ids[i]` of
-    a stacked cache; a padding id `num_blocks` or layer `L` is dropped (ids are distinct,
+    a stacked cache; a padding id `num_blocks` or layer `L` is skipped (ids are distinct,
     checked on the host, and so are a block's layers)."""
-    return kv.at[layers.T, ids[None, :]].set(blocks, mode="drop")
+    num_layers = kv.shape[0]
+
+    def one_block(kv, i, block):
+        def one_layer(j, kv):
+            layer = layers[i, j]
+            update = blocks[j, i][None, None]
+            write = lambda kv: jax.lax.dynamic_update_slice(kv, update, (layer, block, 0, 0, 0))  # noqa: E731
+            return jax.lax.cond(layer < num_layers, write, lambda kv: kv, kv)
+
+        return jax.lax.fori_loop(0, layers.shape[1], one_layer, kv)
+
+    return _each_block(one_block, kv, (jnp.arange(ids.shape[0]), ids))
 
 
 def _read_local(
@@ -270,9 +291,7 @@ class PagedKVCache:
         self._stacked_spec = P(None, *self.layout.cache_spec)
         self.stacked_sharding = NamedSharding(self.mesh, self._stacked_spec)
         self.id_buckets = padding_buckets(num_blocks)
-        # Block transfers to and from host memory move at most this many blocks per rank
-        # per call, so a program's temporaries stay a small fraction of the cache.
-        self.transfer_buckets = padding_buckets(min(num_blocks, _IDS_PER_CHUNK))
+        self.transfer_buckets = padding_buckets(min(num_blocks, _IDS_PER_TRANSFER))
         # The spec's own mask: a step applies it without being told again.
         self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         self.attention_chunk = (
@@ -291,7 +310,13 @@ class PagedKVCache:
         c, s = self.dtype, self.storage_dtype
         self._write = jax.jit(
             sharded(
-                functools.partial(_write_local, compute=c, storage=s, kv_quant=kv_quant),
+                functools.partial(
+                    _write_local,
+                    compute=c,
+                    storage=s,
+                    kv_quant=kv_quant,
+                    dma=self.platform == "tpu",
+                ),  # fmt: skip
                 (cache_spec, self._token_spec, self._token_spec, self._rank_spec),
                 cache_spec,
             ),
@@ -1030,6 +1055,13 @@ class PagedKVCache:
             fn = self._layer_fns[key] = self._layer_fn(key)
         return fn
 
+    def _dma_writes(self, options: AttentionOptions) -> bool | str:
+        """How a step writes its rows: by DMA on a TPU (or in TPU interpret mode, with the
+        TPU kernel's interpret impl), else by scatter (`_write_local`)."""
+        if options.impl == "pallas_tpu_interpret":
+            return "interpret"
+        return self.platform == "tpu"
+
     def _layer_fn(self, key: _StepKey):
         """The shard-mapped (not jitted) write-then-attend function for a `_step_key`."""
         shape, num_q_heads, options, stacked = key.shape, key.num_q_heads, key.options, key.stacked
@@ -1043,8 +1075,9 @@ class PagedKVCache:
             layer, window = extra[:2] if stacked else (None, None)
             md = unpack_step(buf[0], shape)
             kv = _write_local(
-                kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant, layer
-            )
+                kv, k, v, md.slot_mapping, self.dtype, self.storage_dtype, self.kv_quant, layer,
+                dma=self._dma_writes(options),
+            )  # fmt: skip
             kv_head = None
             if replicated_kv_split_q:
                 kv_head = jax.lax.axis_index(MODEL_AXIS) * per_rank // group

@@ -225,13 +225,14 @@ def _tiles_kernel(
     seg_lo_ref,  # [T_pad] int32
     seg_hi_ref,  # [T_pad] int32
     seg_count_ref,  # [tiles] int32
-    head_ref,  # [2] int32: first combined head of grid row 0, selected block head (-1: all)
+    head_ref,  # [3] int32: first combined head of grid row 0, selected block head (-1: all),
+    # layer of a stacked cache
     # blocks (VMEM)
     q_ref,  # [Hq_blk, N, D], N = G * tokens_per_tile
     lo_ref,  # [N, 1] int32
     hi_ref,  # [N, 1] int32
     seg_ref,  # [N, 1] int32 flat segment index of the row (-1: none)
-    kv_hbm,  # [num_blocks, block_size, 2 * H, D_stored] left in HBM
+    kv_hbm,  # [(L,) num_blocks, block_size, 2 * H, D_stored] left in HBM
     o_ref,  # [Hq_blk, N, D]
     # scratch
     *scratch,  # per lane column [2, P, block_size, 2 * Hb, w] double buffer; DMA
@@ -262,11 +263,13 @@ def _tiles_kernel(
     def transfer(req, chunk, slot, wait: bool) -> None:
         """Start (or wait for) the DMAs of page chunk `chunk` of `req` into buffer `slot`."""
         base = req * table_width + chunk * pages_per_chunk
+        stack = (head_ref[2],) if len(kv_hbm.shape) == 5 else ()
         for p in range(pages_per_chunk):
             page = tables_ref[base + p]
             for c, (lane, width) in enumerate(columns):
+                heads, lanes = pl.ds(first_head, combined), pl.ds(lane, width)
                 dma = pltpu.make_async_copy(
-                    kv_hbm.at[page, :, pl.ds(first_head, combined), pl.ds(lane, width)],
+                    kv_hbm.at[(*stack, page, slice(None), heads, lanes)],
                     bufs[c].at[slot, p],
                     sems.at[slot, p, c],
                 )
@@ -371,6 +374,7 @@ def paged_attention_tiles_tpu(
     kv_dtype: DTypeLike | None = None,
     kv_head: jax.Array | None = None,
     kv_quant: str | None = None,
+    layer: jax.Array | None = None,
     tokens_per_tile: int = TOKENS_PER_TILE,
     pages_per_chunk: int = PAGES_PER_CHUNK,
     interpret: bool | pltpu.InterpretParams = False,
@@ -382,17 +386,19 @@ def paged_attention_tiles_tpu(
     tokens with `lo >= hi` return 0. Precondition (as `token_intervals` gives
     it): a request's tokens are contiguous and in position order, each token's
     interval contains its own position, `hi <= W * block_size`, and the pages
-    covering each interval are written. `kv_head` (a traced scalar) makes every
+    covering each interval are written. `layer` (a traced scalar) reads that layer of a
+    stacked `[L, num_blocks, ...]` cache in place. `kv_head` (a traced scalar) makes every
     query head read that one KV head. `kv_quant` ("int8"/"fp8") reads a quantised
     cache `[..., D + SCALE_BYTES]` (`jaxkv.device.storage`), dequantised in VMEM to
     `kv_dtype`'s precision. `interpret=True` (or a `pltpu.InterpretParams`, e.g.
     with race detection) runs the kernel in Pallas TPU interpret mode (any
     backend); otherwise it needs a TPU.
     """
-    if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2:
+    if q.ndim != 3 or kv_cache.ndim != (4 if layer is None else 5) or block_tables.ndim != 2:
         raise ValueError(
-            f"need q [T, Hq, D], kv_cache [blocks, block_size, 2 * H, D], block_tables [R, W]; "
-            f"got {q.shape}, {kv_cache.shape}, {block_tables.shape}"
+            f"need q [T, Hq, D], kv_cache [blocks, block_size, 2 * H, D] (with `layer`: "
+            f"[L, blocks, ...]), block_tables [R, W]; got {q.shape}, {kv_cache.shape}, "
+            f"{block_tables.shape}"
         )
     num_tokens, num_q_heads, head_size = q.shape
     for name, x in (("req", req), ("lo", lo), ("hi", hi)):
@@ -403,7 +409,7 @@ def paged_attention_tiles_tpu(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     check_kv_quant(kv_quant)
     stored_head = kv_cache.shape[-1]
-    value_shape = kv_cache.shape[:-1] + (stored_head - (SCALE_BYTES if kv_quant else 0),)
+    value_shape = kv_cache.shape[-4:-1] + (stored_head - (SCALE_BYTES if kv_quant else 0),)
     num_kv_heads = check_attention_args(q.shape, value_shape, None, soft_cap, kv_head is None)
     if kv_quant and kv_dtype is None:
         raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
@@ -411,7 +417,7 @@ def paged_attention_tiles_tpu(
     error = tpu_kernel_error(kv_cache.shape[-2] // 2, kv_cache.dtype, compute, kv_quant)
     if error is not None:
         raise ValueError(error)
-    num_blocks, block_size = kv_cache.shape[:2]
+    num_blocks, block_size = kv_cache.shape[-4:-2]
     block = head_block(kv_cache.shape[-2] // 2, kv_cache.dtype.itemsize)
     select_head = kv_head is not None
     heads = num_kv_heads if kv_head is None else 1
@@ -438,11 +444,12 @@ def paged_attention_tiles_tpu(
     qt = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
     qt = qt.reshape(tiles, tokens_per_tile, heads, group, head_size).transpose(2, 0, 3, 1, 4)
     qt = qt.reshape(heads, tiles, rows, head_size)
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     if select_head:  # the block holding `kv_head`, and its place in the block
         kv_head = jnp.asarray(kv_head, jnp.int32)
-        head_info = jnp.stack([kv_head // block * 2 * block, kv_head % block])
+        head_info = jnp.stack([kv_head // block * 2 * block, kv_head % block, layer])
     else:
-        head_info = jnp.array([0, -1], jnp.int32)
+        head_info = jnp.stack([jnp.int32(0), jnp.int32(-1), layer])
     q_block = 1 if select_head else block
     columns = lane_columns(stored_head)
 

@@ -657,7 +657,12 @@ class ModelRunner:
             + (2 if self.encoder_store is not None else 0)
         )
 
-    def _replicated(self, arr: np.ndarray) -> jax.Array:
+    def _replicated(self, arr: np.ndarray) -> jax.Array | jax.ShapeDtypeStruct:
+        """`arr` on every device; its abstract value on a runner that allocates nothing (a
+        compile-only TPU topology has no memory to put it in)."""
+        if isinstance(self.kv_cache, jax.ShapeDtypeStruct):
+            sharding = NamedSharding(self.mesh, P())
+            return jax.ShapeDtypeStruct(np.shape(arr), np.asarray(arr).dtype, sharding=sharding)
         return self.paged[0].put(arr, P())
 
     def _layout(self, shapes: tuple[StepShape, ...]) -> StepLayout:

@@ -1,0 +1,259 @@
+"""A serving plan for a TPU slice, compiled by the TPU compiler without a TPU.
+
+`plan_topology(config, "v6e:4x4")` takes the slice's devices from
+`jax.experimental.topologies.get_topology_desc` (deviceless ahead-of-time compilation:
+needs `jax[tpu]`, which brings `libtpu`; no TPU is touched), lays a `(data, model)` mesh
+over them and plans as `pod_plan.plan_mesh` does: an abstract model (config.json only),
+the KV cache sized from a per-chip budget, and the engine's own programs (the fused
+decode and prefill steps with the Mosaic attention kernel, block zeroing, copies and
+host-tier transfers) lowered and compiled for that TPU.
+
+Per chip it reports weight bytes, KV bytes and blocks, each program's temporaries and
+generated code, the longest `max_model_len` the pool holds and the concurrency at the
+planned one, whether every donated cache is aliased to its output in the TPU executable
+(`kv_in_place`: a cache-sized copy anywhere is `False`), and a decode roofline.
+
+The KV budget defaults to the chip's HBM less the weights, the compiled programs'
+largest temporaries and generated code, and a 5% reserve: a first compile with a small
+pool measures the temporaries (they follow the step's batch, not the pool), the second
+compiles the real pool.
+
+Roofline of one decode step (`max_num_seqs` requests per data rank, each attending
+`context` keys): bytes = the chip's weights + the KV rows its heads read
+(`layers x context x 2 x kv_heads_per_chip x head_size x bytes`, per request) + XLA's
+own count of everything else the compiled step reads outside the Mosaic call (its
+cost analysis); time = bytes / the chip's HBM bandwidth. HBM sizes and bandwidths are
+Google Cloud's published per-chip figures (cloud.google.com/tpu/docs/v5e, /v6e, /v5p).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+from flax import nnx
+
+from jaxkv.device import make_mesh
+from jaxkv.device.in_place import check_in_place
+from jaxkv.engine.engine import EngineConfig
+from jaxkv.engine.model_runner import ModelRunner, group_kv_cache_specs
+from jaxkv.engine.pod_plan import per_device_bytes
+from jaxkv.engine.sizing import size_kv_cache
+from jaxkv.models.config import DecoderConfig, LlavaConfig
+from jaxkv.models.loading import abstract_model
+
+__all__ = ["CHIPS", "TopologyPlan", "plan_topology", "topology_devices"]
+
+# device_kind -> (HBM bytes per chip, HBM bandwidth bytes/s): Google Cloud's TPU pages.
+CHIPS = {
+    "TPU v5 lite": (16 * 2**30, 819e9),  # v5e
+    "TPU v6 lite": (32 * 2**30, 1640e9),  # v6e (Trillium)
+    "TPU v5": (95 * 2**30, 2765e9),  # v5p
+    "TPU v4": (32 * 2**30, 1200e9),
+}
+_RESERVE = 0.05  # of HBM, kept free for the runtime and fragmentation
+
+
+def topology_devices(name: str) -> list[jax.Device]:
+    """The devices of TPU slice `name` (e.g. `v5e:2x2`), for compiling only.
+
+    ValueError naming `--topology` when `libtpu` is missing or the name is unknown.
+    """
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server off a TPU VM
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu absent, or a topology it does not know
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"--topology {name!r}: the TPU compiler cannot describe it ({first}); it needs "
+            f"jax[tpu] at this jax version (pip install 'jax[tpu]=={jax.__version__}') and "
+            "a name such as v5e:2x2, v6e:4x4 or v5p:2x2x1"
+        ) from None
+
+
+def default_model_axis(chips: int, num_kv_heads: int) -> int:
+    """The model axis: the largest power of two dividing both the chips and the KV heads
+    (heads sharded, never replicated); the rest of the chips serve as data ranks."""
+    model = 1
+    while chips % (2 * model) == 0 and num_kv_heads % (2 * model) == 0:
+        model *= 2
+    return model
+
+
+@dataclass(frozen=True)
+class Program:
+    """One compiled program on one chip: bytes XLA reports and its in-place verdict."""
+
+    name: str
+    temp_bytes: int
+    code_bytes: int
+    alias_bytes: int
+    compile_seconds: float
+    cache_copies: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TopologyPlan:
+    """What each chip of a TPU slice holds and runs (module docstring)."""
+
+    topology: str
+    device_kind: str
+    chips: int
+    data: int
+    model: int
+    hbm_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    longest_model_len: int
+    concurrency: float
+    programs: tuple[Program, ...]
+    kv_in_place: bool
+    decode_bytes: int
+    decode_flops: float
+    decode_seconds: float
+    hbm_bandwidth: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _compile_all(runner: ModelRunner) -> tuple[list[Program], jax.stages.Compiled]:
+    """The decode step (`max_num_seqs` tokens per rank), the prefill step
+    (`max_num_batched_tokens`) and every other program on the cache, compiled; returns
+    them and the decode step's executable."""
+    cache = [runner.paged[0].stacked_struct(len(runner.layer_to_group))]
+    all_shapes = runner.packers[0].all_shapes()
+    decode = runner.step_shapes(runner.max_num_seqs)
+    lowered = {
+        "decode": (runner.lower_step(decode), cache),
+        "prefill": (runner.lower_step(runner.step_shapes(all_shapes[-1].num_tokens)), cache),
+    }
+    lowered.update(
+        (name, program)
+        for name, program in runner.lowered_programs().items()
+        if not name.startswith("step ")
+    )
+    programs, executables = [], {}
+    for name, (program, caches) in lowered.items():
+        start = time.perf_counter()
+        executables[name] = compiled = program.compile()
+        elapsed = time.perf_counter() - start
+        report, stats = check_in_place(compiled, caches), compiled.memory_analysis()
+        programs.append(
+            Program(
+                name=name,
+                temp_bytes=int(stats.temp_size_in_bytes),
+                code_bytes=int(stats.generated_code_size_in_bytes),
+                alias_bytes=int(stats.alias_size_in_bytes),
+                compile_seconds=round(elapsed, 2),
+                cache_copies=tuple(report.cache_sized_copies),
+            )
+        )
+    return programs, executables["decode"]
+
+
+def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[ModelRunner, int]:
+    """The engine's runner for `config` on `mesh` with `memory` KV bytes per chip (None:
+    the fewest blocks that hold one `max_model_len` request), built on abstract values;
+    also its pool's blocks."""
+    model = abstract_model(config, engine.dtype, mesh)
+    specs = model.kv_cache_specs(engine.block_size, engine.dtype)
+    probe, layer_to_group = group_kv_cache_specs(specs, 2)
+    smallest = len(layer_to_group) * (-(-engine.max_model_len // engine.block_size)) + 1
+    engine = dataclasses.replace(
+        engine, kv_cache_memory=memory, num_blocks=None if memory else smallest
+    )
+    sizing = size_kv_cache(
+        engine, probe, layer_to_group, model.config.max_position_embeddings, mesh, None
+    )
+    runner = ModelRunner(
+        model, num_blocks=sizing.num_blocks, block_size=engine.block_size,
+        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=engine.max_model_len, dtype=engine.dtype, mesh=mesh, allocate=False,
+    )  # fmt: skip
+    return runner, sizing.num_blocks
+
+
+def _decoder(config: DecoderConfig | LlavaConfig) -> DecoderConfig:
+    return config.text if isinstance(config, LlavaConfig) else config
+
+
+def _decode_roofline(
+    runner: ModelRunner, compiled, engine: EngineConfig, weight_bytes: int, context: int
+) -> tuple[int, float]:
+    """Bytes one chip reads and FLOPs it runs in one decode step (module docstring)."""
+    paged, text = runner.paged[0], _decoder(runner.model.config)
+    layers = len(runner.layer_to_group)
+    row_bytes = paged.bytes_per_block // paged.block_size  # one token of one layer, per chip
+    kv_bytes = engine.max_num_seqs * context * layers * row_bytes
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    outside = float(cost.get("bytes accessed", 0.0))  # XLA's count, the Mosaic call aside
+    q_heads = -(-text.num_attention_heads // paged.layout.model_size)
+    attention = 4.0 * engine.max_num_seqs * context * layers * q_heads * paged.head_size
+    return int(weight_bytes + kv_bytes + outside), float(cost.get("flops", 0.0)) + attention
+
+
+def plan_topology(
+    config: DecoderConfig | LlavaConfig,
+    topology: str,
+    engine: EngineConfig,
+    *,
+    memory: int | None = None,
+    model_axis: int | None = None,
+    context: int | None = None,
+) -> TopologyPlan:
+    """The plan of serving `config` on TPU slice `topology` (module docstring).
+
+    `engine` gives the dtype, block size, batch sizes and `max_model_len`; `memory` the KV
+    bytes per chip (None: what the chip's HBM leaves); `model_axis` the mesh's model axis
+    (None: `default_model_axis`); `context` the keys each decode request attends in the
+    roofline (None: `max_model_len`). ValueError when the model does not fit.
+    """
+    devices = topology_devices(topology)
+    kind = devices[0].device_kind
+    hbm, bandwidth = CHIPS.get(kind, (0, 0.0))
+    if memory is None and not hbm:
+        raise ValueError(f"no HBM size known for {kind!r}: give --memory")
+    model = model_axis or default_model_axis(len(devices), _decoder(config).num_key_value_heads)
+    if len(devices) % model:
+        raise ValueError(f"--mesh model axis {model} does not divide {len(devices)} chips")
+    mesh = make_mesh(len(devices) // model, model, devices)
+    runner, _ = _runner(config, mesh, engine, memory)
+    weight_bytes = per_device_bytes(nnx.state(runner.model, nnx.Param))
+    if memory is None:  # the temporaries follow the batch, not the pool: measured small
+        programs, _ = _compile_all(runner)
+        need = max(p.temp_bytes for p in programs) + sum(p.code_bytes for p in programs)
+        memory = int(hbm * (1 - _RESERVE)) - weight_bytes - need
+        if memory <= 0:
+            raise ValueError(
+                f"{topology}: {weight_bytes:,} weight bytes and {need:,} bytes of compiled "
+                f"programs per chip leave nothing of its {hbm:,} bytes of HBM for the KV cache"
+            )
+        runner, _ = _runner(config, mesh, engine, memory)
+    programs, decode = _compile_all(runner)
+    paged = runner.paged[0]
+    tokens = paged.num_blocks * paged.block_size
+    bytes_read, flops = _decode_roofline(
+        runner, decode, engine, weight_bytes, context or engine.max_model_len
+    )
+    return TopologyPlan(
+        topology=topology, device_kind=kind, chips=len(devices), data=len(devices) // model,
+        model=model, hbm_bytes=hbm, weight_bytes=weight_bytes,
+        kv_bytes=per_device_bytes(runner.kv_cache), num_blocks=paged.num_blocks,
+        block_size=paged.block_size, max_model_len=engine.max_model_len,
+        longest_model_len=tokens, concurrency=round(tokens / engine.max_model_len, 2),
+        programs=tuple(programs), kv_in_place=not any(p.cache_copies for p in programs),
+        decode_bytes=bytes_read, decode_flops=flops,
+        decode_seconds=bytes_read / bandwidth if bandwidth else math.nan,
+        hbm_bandwidth=bandwidth,
+    )  # fmt: skip
