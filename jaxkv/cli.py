@@ -420,16 +420,47 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args, "--max-model-len", "--max-num-batched-tokens", "--block-size",
         "--tensor-parallel-size", "--max-num-seqs",
     )  # fmt: skip
-    memory = parse_memory(args.memory)
+    memory = None if args.memory is None else parse_memory(args.memory)
+    if args.topology:
+        return _topology_plan(args, memory)
+    if memory is None:
+        raise ValueError("--memory is needed (it defaults to the chip's HBM only with --topology)")
     if args.mesh:
         return _pod_plan(args, memory)
     if args.aot:
-        raise ValueError("--aot compiles the step on a mesh: give --mesh DATAxMODEL")
+        raise ValueError("--aot compiles the step on a mesh: give --mesh DATAxMODEL or --topology")
     specs = read_kv_cache_specs(args.model, args.block_size, args.dtype)
     plan = capacity_plan(
         specs, memory, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size
     )
     print(json.dumps(plan) if args.json else format_plan(plan))
+    return 0
+
+
+def _topology_plan(args: argparse.Namespace, memory: int | None) -> int:
+    """`jaxkv plan --topology v6e:4x4 --aot ...`: the engine's programs compiled by the TPU
+    compiler for each slice, per chip (`jaxkv.engine.tpu_plan`)."""
+    from jaxkv.engine.pod_plan import parse_mesh
+
+    if not args.aot:
+        raise ValueError("--topology compiles for the TPU: add --aot")
+    if len(args.mesh or []) > 1:
+        raise ValueError("--topology takes at most one --mesh DATAxMODEL (its model axis)")
+    model_axis = parse_mesh(args.mesh[0])[1] if args.mesh else None
+    from jaxkv.engine.engine import EngineConfig
+    from jaxkv.engine.tpu_plan import format_topology_plan, plan_topology
+    from jaxkv.models.checkpoint import read_config
+    from jaxkv.models.config import parse_model_config
+
+    config = parse_model_config(read_config(args.model), f"{Path(args.model) / 'config.json'}")
+    engine = EngineConfig(
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        dtype=args.dtype,
+    )  # fmt: skip
+    for topology in args.topology:
+        plan = plan_topology(config, topology, engine, memory=memory, model_axis=model_axis)
+        print(json.dumps(plan.as_dict()) if args.json else format_topology_plan(plan), flush=True)
     return 0
 
 
@@ -544,7 +575,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="KV-cache capacity plan for a checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json)")
-    p.add_argument("--memory", required=True, help="KV-cache memory per device, e.g. 16GiB")
+    p.add_argument(
+        "--memory",
+        help="KV-cache memory per device, e.g. 16GiB (with --topology: default the chip's HBM "
+        "less weights, compiled programs and a 5%% reserve)",
+    )
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
@@ -555,6 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan serving on this (data, model) mesh over all devices, e.g. 16x16 "
         "(repeatable; on CPU simulate devices with "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N): per-device weights and KV cache",
+    )  # fmt: skip
+    p.add_argument(
+        "--topology", action="append", metavar="NAME",
+        help="with --aot: compile for this TPU slice without a TPU, e.g. v5e:2x2, v6e:4x4 "
+        "(repeatable; needs jax[tpu]); --mesh then sets only the model axis",
     )  # fmt: skip
     p.add_argument(
         "--aot", action="store_true",

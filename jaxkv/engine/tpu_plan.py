@@ -19,10 +19,12 @@ pool measures the temporaries (they follow the step's batch, not the pool), the 
 compiles the real pool.
 
 Roofline of one decode step (`max_num_seqs` requests per data rank, each attending
-`context` keys): bytes = the chip's weights + the KV rows its heads read
-(`layers x context x 2 x kv_heads_per_chip x head_size x bytes`, per request) + XLA's
-own count of everything else the compiled step reads outside the Mosaic call (its
-cost analysis); time = bytes / the chip's HBM bandwidth. HBM sizes and bandwidths are
+`context` keys), counted from the model because the compiler does not see inside the
+Mosaic call (its cost analysis counts the call's whole cache operand as read): bytes =
+the chip's weights + the KV rows its heads read (`layers x context x 2 x
+kv_heads_per_chip x head_size x bytes`, per request); FLOPs = the compiled step's
+(matmuls, XLA's count) + attention's `4 x context x q_heads_per_chip x head_size` per
+request and layer; time = bytes / the chip's HBM bandwidth. HBM sizes and bandwidths are
 Google Cloud's published per-chip figures (cloud.google.com/tpu/docs/v5e, /v6e, /v5p).
 """
 
@@ -46,7 +48,7 @@ from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.models.config import DecoderConfig, LlavaConfig
 from jaxkv.models.loading import abstract_model
 
-__all__ = ["CHIPS", "TopologyPlan", "plan_topology", "topology_devices"]
+__all__ = ["CHIPS", "TopologyPlan", "format_topology_plan", "plan_topology", "topology_devices"]
 
 # device_kind -> (HBM bytes per chip, HBM bandwidth bytes/s): Google Cloud's TPU pages.
 CHIPS = {
@@ -145,7 +147,13 @@ def _compile_all(runner: ModelRunner) -> tuple[list[Program], jax.stages.Compile
     programs, executables = [], {}
     for name, (program, caches) in lowered.items():
         start = time.perf_counter()
-        executables[name] = compiled = program.compile()
+        try:
+            executables[name] = compiled = program.compile()
+        except jax.errors.JaxRuntimeError as e:  # the compiler's memory check, above all
+            first = str(e).strip().splitlines()[0]
+            raise ValueError(
+                f"the {name} program does not compile for this slice: {first}"
+            ) from None
         elapsed = time.perf_counter() - start
         report, stats = check_in_place(compiled, caches), compiled.memory_analysis()
         programs.append(
@@ -197,10 +205,9 @@ def _decode_roofline(
     kv_bytes = engine.max_num_seqs * context * layers * row_bytes
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
-    outside = float(cost.get("bytes accessed", 0.0))  # XLA's count, the Mosaic call aside
     q_heads = -(-text.num_attention_heads // paged.layout.model_size)
     attention = 4.0 * engine.max_num_seqs * context * layers * q_heads * paged.head_size
-    return int(weight_bytes + kv_bytes + outside), float(cost.get("flops", 0.0)) + attention
+    return int(weight_bytes + kv_bytes), float(cost.get("flops", 0.0)) + attention
 
 
 def plan_topology(
@@ -233,7 +240,9 @@ def plan_topology(
     if memory is None:  # the temporaries follow the batch, not the pool: measured small
         programs, _ = _compile_all(runner)
         need = max(p.temp_bytes for p in programs) + sum(p.code_bytes for p in programs)
-        memory = int(hbm * (1 - _RESERVE)) - weight_bytes - need
+        # A program that copies the cache holds it that many more times (kv_in_place False).
+        copies = max(len(p.cache_copies) for p in programs)
+        memory = (int(hbm * (1 - _RESERVE)) - weight_bytes - need) // (1 + copies)
         if memory <= 0:
             raise ValueError(
                 f"{topology}: {weight_bytes:,} weight bytes and {need:,} bytes of compiled "
@@ -257,3 +266,33 @@ def plan_topology(
         decode_seconds=bytes_read / bandwidth if bandwidth else math.nan,
         hbm_bandwidth=bandwidth,
     )  # fmt: skip
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_topology_plan(plan: TopologyPlan) -> str:
+    """`plan` as lines a person reads: per chip, then one line per compiled program."""
+    head = (
+        f"{plan.topology} ({plan.device_kind}, {plan.chips} chips, mesh {plan.data}x{plan.model}"
+        f", {_gib(plan.hbm_bytes)} HBM per chip)"
+    )
+    lines = [
+        head,
+        f"  weights per chip: {_gib(plan.weight_bytes)}; KV cache: {_gib(plan.kv_bytes)} "
+        f"({plan.num_blocks} blocks of {plan.block_size} tokens per data rank)",
+        f"  longest max_model_len: {plan.longest_model_len}; concurrency at "
+        f"{plan.max_model_len} tokens: {plan.concurrency}x",
+        f"  KV cache in place in every program: {'yes' if plan.kv_in_place else 'NO'}",
+        f"  decode roofline: {plan.decode_bytes / 1e9:.2f} GB read per step, "
+        f"{plan.decode_flops / 1e12:.3f} TFLOP, {plan.decode_seconds * 1e3:.2f} ms at "
+        f"{plan.hbm_bandwidth / 1e9:.0f} GB/s",
+    ]
+    for p in plan.programs:
+        copies = f", {len(p.cache_copies)} cache-sized copies" if p.cache_copies else ""
+        lines.append(
+            f"  {p.name}: temporaries {p.temp_bytes / 2**20:.1f} MiB, code "
+            f"{p.code_bytes / 2**20:.1f} MiB, compiled in {p.compile_seconds:.1f} s{copies}"
+        )
+    return "\n".join(lines)
