@@ -67,8 +67,9 @@ import numpy as np
 from jaxkv._checks import check_int
 from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
-    PAGES_PER_COMPUTE_BLOCK,
-    block_shape_error,
+    compute_block_error,
+    compute_block_pages,
+    gpu_smem_limit,
     paged_attention_rows_pallas,
 )
 from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu, tpu_kernel_error
@@ -265,9 +266,7 @@ def ragged_paged_attention(
         "attention_chunk": attention_chunk,
         "span_ends": span_ends,
     }
-    kernel = _pick_kernel(
-        impl, platform, interpret, kv_cache, compute, kv_head, q.shape[-1], kv_quant
-    )
+    kernel = _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, q.shape, kv_quant)
     iv = token_intervals(
         num_tokens, seq_lens, query_start_loc, num_seqs,
         block_tables.shape[1] * block_size, **masks,
@@ -282,10 +281,14 @@ def ragged_paged_attention(
             pages_per_chunk=max(1, keys_per_chunk // block_size),
             interpret=impl == "pallas_tpu_interpret",
         )  # fmt: skip
-    if kernel == "gpu":
+    if kernel == "gpu":  # the compute block _gpu_kernel_error found to fit shared memory
+        group = q.shape[-2] // (kv_cache.shape[-2] // 2)
+        smem = None if interpret else gpu_smem_limit()
+        pages = compute_block_pages(q.shape[-1], block_size, group, compute, smem)
         return paged_attention_rows_pallas(
             q, kv_cache, block_tables[iv.req], iv.lo, iv.hi,
-            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, interpret=interpret,
+            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute,
+            pages_per_compute_block=pages, interpret=interpret,
         )  # fmt: skip
     return _blockwise(
         q, kv_cache, block_tables, query_start_loc, num_seqs, iv,
@@ -301,12 +304,14 @@ def _check_tiling(*sizes: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
 
 
-def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, head_size, kv_quant):
+def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, q_shape, kv_quant):
     """`"tpu"`, `"gpu"` or `"blockwise"` for this call (module docstring's dispatch table)."""
     if impl == "reference":
         return "blockwise"
     tpu_error = tpu_kernel_error(kv_cache.shape[-2] // 2, kv_cache.dtype, compute, kv_quant)
-    gpu_error = _gpu_kernel_error(kv_cache, compute, kv_head, head_size, quantised=bool(kv_quant))
+    gpu_error = _gpu_kernel_error(
+        kv_cache, compute, kv_head, q_shape, quantised=bool(kv_quant), interpret=interpret
+    )
     if impl == "auto":
         error = {"gpu": gpu_error, "tpu": tpu_error}.get(platform)
         if platform in ("gpu", "tpu") and error is None:
@@ -342,15 +347,22 @@ def _say_once(line: str) -> None:
     logger.warning(line)
 
 
-def _gpu_kernel_error(kv_cache, compute, kv_head, head_size, *, quantised) -> str | None:
-    """Why the Triton kernel cannot serve this call, or None if it can."""
+def _gpu_kernel_error(kv_cache, compute, kv_head, q_shape, *, quantised, interpret) -> str | None:
+    """Why the Triton kernel cannot serve this call, or None if it can.
+
+    Besides block shapes, a compiled kernel needs a compute block whose modelled shared
+    memory fits this process's GPU (`pallas_gpu.compute_block_pages`, which the GPU call
+    then passes); interpret mode has no such limit.
+    """
     if quantised:
         return "a quantised cache is not supported"
     if kv_head is not None:
         return "a replicated KV head slice is not supported"
     if compute.itemsize != kv_cache.dtype.itemsize:
         return f"storage {kv_cache.dtype} does not have the width of {compute}"
-    return block_shape_error(head_size, kv_cache.shape[-3], PAGES_PER_COMPUTE_BLOCK)
+    group = q_shape[-2] // (kv_cache.shape[-2] // 2)
+    smem = None if interpret else gpu_smem_limit()
+    return compute_block_error(q_shape[-1], kv_cache.shape[-3], group, compute, smem)
 
 
 def paged_decode_attention(

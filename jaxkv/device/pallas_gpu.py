@@ -35,6 +35,39 @@ needs every dimension >= 16): `block_size`, `head_size` and
 `pages_per_compute_block * block_size >= 16`. Violations raise `ValueError`
 (`block_shape_error` says why without raising).
 
+Shared memory: Triton sizes a program's shared memory at compile time and the launch
+fails (`RESOURCE_EXHAUSTED: Shared memory size limit exceeded`) when it passes the
+device's per-block limit, so the compute block is chosen per shape and device
+(`compute_block_pages`). `smem_bytes` models the need, for `keys =
+pages_per_compute_block * block_size`, `rows = G_pad`, `D = head_size`:
+
+    keys * D * (2 * itemsize + 4)    K and V tiles in the stored dtype, one buffer each,
+                                     and one float32 [keys, D] layout-conversion buffer
+    + 4 * rows * (D + keys)          the float32 dot operands q [rows, D] and p [rows, keys]
+    + 96                             the residual (barriers, small scratch)
+
+Calibration: the two figures Triton reported on an H200 for D = 256, 128 keys (8 pages
+of 16), 16 rows, JAX's default Triton settings on CUDA (num_warps 4, num_stages 3):
+286,816 bytes (bf16) and 417,888 bytes (f32); the model reproduces both exactly. Two
+points at one shape fix only two things: the dtype-dependent part (65,536 bytes per
+byte of itemsize: two [128, 256] tiles, so K and V get one buffer each; two buffers
+of f32 K and V alone would be 524,288 bytes) and the total of the rest (155,744
+bytes at that shape). How that rest splits into the terms above, and so how it scales
+with keys, D and rows, is the assumption, read off the kernel's tensors, not a
+measurement. Consistent with it: D = 128, 128 keys, f32 and bf16 compiled and ran on
+the H200 (`benchmarks/RESULTS.md`), modelled 213,088 and 147,552 bytes. The plan keeps
+the modelled need within the limit less `1/SMEM_MARGIN_DIVISOR` of it (alignment, the
+assumed split); the margin still admits the measured D = 128 f32 configuration.
+
+The limit comes from the device's compute capability (`gpu_smem_limit`; JAX exposes
+no shared-memory attribute): `SMEM_PER_BLOCK` holds the CUDA C++ Programming Guide's
+"maximum shared memory per thread block" (opt-in) per capability, which for 9.0 is the
+232,448 bytes the H200 reported. A capability outside the table (or none: ROCm) gets
+`UNKNOWN_GPU_SMEM`; with no GPU visible (cross-lowering on a CPU host) the plan
+assumes capability 9.0, the target JAX's Triton lowering then assumes too. Interpret
+mode has no shared memory: it takes `PAGES_PER_COMPUTE_BLOCK` pages. An explicit
+`pages_per_compute_block` is used as given (block shapes checked, not memory).
+
 Storage dtypes: a cache that stores another dtype's bits (bf16 as uint16, see
 `storage.py`) is loaded as stored and bitcast in the kernel; `kv_dtype` names the
 compute dtype and must have the storage dtype's width.
@@ -51,6 +84,7 @@ reference (README, "Attention dispatch"); CI has no GPU.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +97,35 @@ from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
 _MASKED = -1e30
 _MIN_DOT = 16  # smallest M, N and K Triton's `tl.dot` accepts
-PAGES_PER_COMPUTE_BLOCK = 8  # default; untuned
+PAGES_PER_COMPUTE_BLOCK = 8  # the most pages per compute block the plan takes; untuned
+SMEM_MARGIN_DIVISOR = 16  # the plan leaves limit // 16 of the limit unused (docstring)
+_SMEM_RESIDUAL = 96  # bytes the calibration leaves beyond the modelled tensors
+
+# Maximum shared memory per thread block (opt-in), bytes, by compute capability: CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability". 9.0 matches the
+# "available: 232448" Triton reported on an H200.
+SMEM_PER_BLOCK: dict[tuple[int, int], int] = {
+    (7, 0): 96 * 1024,  # V100
+    (7, 5): 64 * 1024,  # T4 and other Turing parts
+    (8, 0): 163 * 1024,  # A100, A30
+    (8, 6): 99 * 1024,  # A10, A40, RTX 30xx
+    (8, 7): 163 * 1024,  # Jetson Orin
+    (8, 9): 99 * 1024,  # L4, L40, RTX 40xx
+    (9, 0): 227 * 1024,  # H100, H200, GH200
+    (10, 0): 227 * 1024,  # B200, GB200
+    (12, 0): 99 * 1024,  # RTX 50xx
+}
+# Unknown parts: the smallest limit above (Turing; also AMD CDNA's 64 KiB of LDS).
+UNKNOWN_GPU_SMEM = 64 * 1024
+# JAX's Triton lowering targets this capability when no GPU is visible (CPU hosts).
+_LOWERING_DEFAULT_CAPABILITY = "9.0"
+
+
+class SmemLimit(NamedTuple):
+    """Shared memory per block a kernel may use on a device, and where the figure comes from."""
+
+    bytes: int
+    source: str
 
 
 def _is_pow2(n: int) -> bool:
@@ -87,6 +149,96 @@ def block_shape_error(head_size: int, block_size: int, pages_per_compute_block: 
             f"pages_per_compute_block={pages_per_compute_block} * block_size={block_size} "
             f"= {keys_per_block} keys per compute block must be >= {_MIN_DOT} (plgpu.dot on Triton)"
         )
+    return None
+
+
+def query_rows(group: int) -> int:
+    """Query rows a program computes for a GQA group: `G_pad = max(16, next_pow2(group))`."""
+    return max(_MIN_DOT, 1 << (group - 1).bit_length())
+
+
+def smem_bytes(head_size: int, keys_per_block: int, rows: int, itemsize: int) -> int:
+    """Modelled shared memory (bytes) of one program; model and calibration: module docstring.
+
+    Exact at the calibration shape (head 256, 128 keys, 16 rows, itemsize 2 and 4);
+    elsewhere an estimate whose scaling is assumed, hence the plan's margin.
+    """
+    tiles = keys_per_block * head_size * (2 * itemsize + 4)
+    operands = 4 * rows * (head_size + keys_per_block)
+    return tiles + operands + _SMEM_RESIDUAL
+
+
+def smem_limit_for(compute_capability: object) -> SmemLimit:
+    """`SMEM_PER_BLOCK`'s limit for a capability like "9.0"; `UNKNOWN_GPU_SMEM` otherwise."""
+    try:
+        major, minor = (int(part) for part in str(compute_capability).split("."))
+    except ValueError:
+        major = minor = -1  # None, ROCm's gfx names, anything unparsable
+    limit = SMEM_PER_BLOCK.get((major, minor))
+    if limit is None:
+        return SmemLimit(
+            UNKNOWN_GPU_SMEM,
+            f"compute capability {compute_capability}, not in SMEM_PER_BLOCK: the default",
+        )
+    return SmemLimit(limit, f"compute capability {major}.{minor}")
+
+
+@functools.cache
+def gpu_smem_limit() -> SmemLimit:
+    """The shared memory per block of this process's first GPU (module docstring).
+
+    Cached: the device set does not change within a process.
+    """
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:  # no GPU backend: lowering for CUDA from a CPU host
+        limit = smem_limit_for(_LOWERING_DEFAULT_CAPABILITY)
+        return limit._replace(source=f"{limit.source}, assumed: no GPU visible")
+    return smem_limit_for(getattr(device, "compute_capability", None))
+
+
+def compute_block_pages(
+    head_size: int, block_size: int, group: int, dtype: DTypeLike, smem: SmemLimit | None
+) -> int:
+    """Pages per compute block for this shape: the largest power of two <= 8 whose block
+    shapes are valid and whose modelled shared memory (`smem_bytes`) stays within `smem`
+    less its margin; `smem=None` (interpret mode) takes `PAGES_PER_COMPUTE_BLOCK`.
+
+    Raises `ValueError` saying why when no compute block qualifies.
+    """
+    error = block_shape_error(head_size, block_size, PAGES_PER_COMPUTE_BLOCK)
+    if error is not None:
+        raise ValueError(error)
+    if smem is None:
+        return PAGES_PER_COMPUTE_BLOCK
+    dtype = np.dtype(dtype)
+    rows = query_rows(group)
+    budget = smem.bytes - smem.bytes // SMEM_MARGIN_DIVISOR
+    pages = PAGES_PER_COMPUTE_BLOCK
+    while True:
+        need = smem_bytes(head_size, pages * block_size, rows, dtype.itemsize)
+        if need <= budget:
+            return pages
+        if pages == 1 or block_shape_error(head_size, block_size, pages // 2) is not None:
+            break  # fewer pages: fewer keys than a Triton dot takes
+        pages //= 2
+    raise ValueError(
+        f"no compute block fits shared memory: head_size={head_size}, {dtype.name}, group "
+        f"{group} ({rows} query rows), block_size={block_size}; the smallest, {pages} "
+        f"page(s) = {pages * block_size} keys, needs {need} bytes (modelled), over the "
+        f"budget of {budget}: {smem.bytes} bytes per block ({smem.source}) less 1/"
+        f"{SMEM_MARGIN_DIVISOR}"
+    )
+
+
+def compute_block_error(
+    head_size: int, block_size: int, group: int, dtype: DTypeLike, smem: SmemLimit | None
+) -> str | None:
+    """Why `compute_block_pages` finds no compute block, or None if it finds one."""
+    try:
+        compute_block_pages(head_size, block_size, group, dtype, smem)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -153,7 +305,7 @@ def paged_decode_attention_pallas(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_dtype: DTypeLike | None = None,
-    pages_per_compute_block: int = PAGES_PER_COMPUTE_BLOCK,
+    pages_per_compute_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of `q [R, Hq, D]` (one query per request); returns `[R, Hq, D]`.
@@ -167,7 +319,8 @@ def paged_decode_attention_pallas(
     required. Rows with `seq_lens[r] == 0` return 0 (use it for padding).
     `kv_dtype` is the compute dtype when the cache stores its bits in another
     dtype. `interpret=True` runs the kernel in Pallas interpret mode (any backend).
-    See the module docstring for the block-shape constraints (checked here).
+    See the module docstring for the block-shape constraints (checked here) and for
+    how `pages_per_compute_block=None` is chosen.
     """
     if seq_lens.ndim != 1 or block_tables.ndim != 2:
         raise ValueError(
@@ -193,7 +346,7 @@ def paged_attention_rows_pallas(
     sm_scale: float,
     soft_cap: float | None = None,
     kv_dtype: DTypeLike | None = None,
-    pages_per_compute_block: int = PAGES_PER_COMPUTE_BLOCK,
+    pages_per_compute_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Row `n` of `q [N, Hq, D]` attends to key positions `[lo[n], hi[n])` of its own table row.
@@ -203,6 +356,8 @@ def paged_attention_rows_pallas(
     of `jaxkv.device.attention` (causal, window, chunked-local, spans) is such an
     interval, so this one kernel serves decode and mixed steps. Precondition:
     `hi[n] <= W * block_size` and the pages covering `[lo[n], hi[n])` are valid.
+    `pages_per_compute_block=None` takes `compute_block_pages` for this process's GPU
+    (interpret mode: `PAGES_PER_COMPUTE_BLOCK`); raises `ValueError` if none fits.
     """
     if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2 or lo.ndim != 1:
         raise ValueError(
@@ -218,18 +373,21 @@ def paged_attention_rows_pallas(
             f"block_tables {block_tables.shape} and lo/hi {lo.shape}/{hi.shape} must have "
             f"one row per query ({num_rows})"
         )
-    error = block_shape_error(head_size, block_size, pages_per_compute_block)
-    if error is not None:
-        raise ValueError(error)
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
     if compute.itemsize != kv_cache.dtype.itemsize:
         raise ValueError(
             f"kv_dtype={compute} must have the width of the cache's storage dtype "
             f"{kv_cache.dtype} (its bits are reinterpreted)"
         )
-
     group = num_q_heads // num_kv_heads
-    rows = max(_MIN_DOT, 1 << (group - 1).bit_length())
+    if pages_per_compute_block is None:
+        smem = None if interpret else gpu_smem_limit()
+        pages_per_compute_block = compute_block_pages(head_size, block_size, group, compute, smem)
+    error = block_shape_error(head_size, block_size, pages_per_compute_block)
+    if error is not None:
+        raise ValueError(error)
+
+    rows = query_rows(group)
     width = block_tables.shape[1]
     padded_width = pl.cdiv(width, pages_per_compute_block) * pages_per_compute_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))

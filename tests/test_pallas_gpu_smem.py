@@ -1,0 +1,195 @@
+"""The Triton kernel's shared-memory plan (`jaxkv.device.pallas_gpu`), on CPU.
+
+No GPU here: the model's arithmetic, its calibration figures, the compute block the
+dispatch passes (a spy stands in for the kernel), and the Triton call cross-lowered for
+CUDA. Whether a compiled kernel fits is only known on a GPU (`benchmarks/gpu_check.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxkv.device import AttentionOptions, attention, paged_decode_attention, pallas_gpu
+from jaxkv.device.pallas_gpu import (
+    PAGES_PER_COMPUTE_BLOCK,
+    SMEM_MARGIN_DIVISOR,
+    UNKNOWN_GPU_SMEM,
+    SmemLimit,
+    block_shape_error,
+    compute_block_error,
+    compute_block_pages,
+    paged_decode_attention_pallas,
+    query_rows,
+    smem_bytes,
+    smem_limit_for,
+)
+from jaxkv.models.config import parse_model_config
+
+H200 = SmemLimit(232448, "H100/H200: 227 KiB per block")
+A100 = SmemLimit(166912, "A100: 163 KiB per block")
+DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+BLOCK_SIZES = (4, 8, 16)  # the repo's: tests and examples 4 and 8, the engine's default 16
+
+
+def repo_attention_shapes() -> dict[str, tuple[int, int]]:
+    """`(head_size, group)` of every model config in the repo that pages its KV cache."""
+    from benchmarks.bench_decode import REAL_SHAPES
+    from benchmarks.bench_device import HEAD_SIZE
+    from benchmarks.gpu_check import CASES
+    from benchmarks.pod_plan import GEMMA3_27B
+    from jaxkv.models.testing import tiny_configs
+    from jaxkv.testing.tiny_model import tiny_configs as demo_configs
+
+    shapes = {}
+    hf = {**REAL_SHAPES, "pod_plan gemma3-27b": GEMMA3_27B, **tiny_configs()}
+    for name, cfg in hf.items():
+        parsed = parse_model_config(cfg, name)
+        text = getattr(parsed, "text", parsed)  # LLaVA: its decoder
+        group = text.num_attention_heads // text.num_key_value_heads
+        shapes[name] = (text.head_dim, group)
+    for name, c in demo_configs().items():
+        shapes[name] = (c.head_dim, c.num_attention_heads // c.num_key_value_heads)
+    for case in CASES:  # gpu_check: head size 128, its GQA groups
+        shapes[f"gpu_check {case[0]}"] = (128, case[3])
+    shapes["bench_device"] = (HEAD_SIZE, 4)
+    shapes["examples/embed_in_your_loop.py"] = (32, 1)  # HEAD_DIM 32, as many Q as KV heads
+    return shapes
+
+
+def test_model_reproduces_the_h200_figures_it_is_calibrated_on() -> None:
+    """Head 256, 8 pages of 16 keys, group padded to 16 rows: Triton's own figures on an
+    H200, both over its 232,448 bytes (the failure the plan exists for)."""
+    assert smem_bytes(256, 8 * 16, 16, 2) == 286816
+    assert smem_bytes(256, 8 * 16, 16, 4) == 417888
+    assert query_rows(4) == 16 and query_rows(16) == 16 and query_rows(17) == 32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plan_keeps_the_configurations_the_h200_ran(dtype) -> None:
+    """gpu_check compiled and ran head 128, 8 pages of 16, f32 and bf16 on the H200: the
+    model must admit them within its margin, so the plan leaves them unchanged."""
+    assert smem_bytes(128, 128, 16, dtype.itemsize) <= H200.bytes * 15 // 16
+    assert compute_block_pages(128, 16, 4, dtype, H200) == PAGES_PER_COMPUTE_BLOCK
+
+
+@pytest.mark.parametrize("limit", [H200, A100], ids=["h100_h200", "a100"])
+def test_every_model_config_in_the_repo_fits(limit) -> None:
+    shapes = repo_attention_shapes()
+    assert {256, 128, 64} <= {head for head, _ in shapes.values()}, shapes  # the issue's sizes
+    for name, (head_size, group) in shapes.items():
+        for dtype in DTYPES:
+            for block_size in BLOCK_SIZES:
+                pages = compute_block_pages(head_size, block_size, group, dtype, limit)
+                need = smem_bytes(head_size, pages * block_size, query_rows(group), dtype.itemsize)
+                where = f"{name}: head {head_size}, group {group}, {dtype}, block {block_size}"
+                assert need <= limit.bytes - limit.bytes // SMEM_MARGIN_DIVISOR, where
+                assert block_shape_error(head_size, block_size, pages) is None, where
+
+
+@pytest.mark.parametrize(
+    "limit", [H200, A100, smem_limit_for("8.9")], ids=["h100_h200", "a100", "cc8.9"]
+)
+def test_plan_takes_the_largest_fitting_compute_block(limit) -> None:
+    """Head 64-256, f32/bf16, groups up to 32, block sizes 2-64: the pick fits, and twice
+    as many pages would not (or are past the maximum, or the keys past what fits)."""
+    budget = limit.bytes - limit.bytes // SMEM_MARGIN_DIVISOR
+    for head_size in (64, 128, 256):
+        for dtype in DTYPES:
+            for group in (1, 2, 3, 4, 8, 16, 32):
+                rows = query_rows(group)
+                for block_size in (2, 4, 8, 16, 32, 64):
+                    fits = [
+                        p
+                        for p in (1, 2, 4, 8)
+                        if block_shape_error(head_size, block_size, p) is None
+                        and smem_bytes(head_size, p * block_size, rows, dtype.itemsize) <= budget
+                    ]
+                    args = (head_size, block_size, group, dtype, limit)
+                    if fits:
+                        assert compute_block_pages(*args) == max(fits), args
+                    else:
+                        assert "no compute block fits shared memory" in compute_block_error(*args)
+
+
+def test_nothing_fits_says_why_with_the_values() -> None:
+    tiny = smem_limit_for("7.5")  # 64 KiB: head 256 f32 needs more at 16 keys
+    with pytest.raises(ValueError) as info:
+        compute_block_pages(256, 16, 4, np.float32, tiny)
+    message = str(info.value)
+    for part in ("head_size=256", "float32", "group 4 (16 query rows)", "block_size=16",
+                 "1 page(s) = 16 keys", f"needs {smem_bytes(256, 16, 16, 4)} bytes",
+                 "65536 bytes per block (compute capability 7.5)"):  # fmt: skip
+        assert part in message, (part, message)
+    assert compute_block_pages(256, 16, 4, np.float32, None) == PAGES_PER_COMPUTE_BLOCK  # interpret
+    assert "head_size=8 must be >= 16" in compute_block_error(8, 16, 1, np.float32, H200)
+
+
+def test_limit_table_and_unknown_parts() -> None:
+    assert smem_limit_for("9.0") == SmemLimit(232448, "compute capability 9.0")
+    assert smem_limit_for("8.0").bytes == 166912
+    for unknown in (None, "gfx942", "11.7"):
+        limit = smem_limit_for(unknown)
+        assert limit.bytes == UNKNOWN_GPU_SMEM and "not in SMEM_PER_BLOCK" in limit.source
+    assert min(pallas_gpu.SMEM_PER_BLOCK.values()) >= UNKNOWN_GPU_SMEM  # the default is the floor
+    if jax.default_backend() == "cpu":  # as JAX's Triton lowering: capability 9.0 assumed
+        assert pallas_gpu.gpu_smem_limit() == SmemLimit(
+            232448, "compute capability 9.0, assumed: no GPU visible"
+        )
+
+
+def _decode_args(head_size: int, dtype, width: int = 3):
+    q = jnp.zeros((2, 4, head_size), dtype)
+    kv = jnp.zeros((8, 16, 2, head_size), dtype)  # one KV head: group 4, block size 16
+    return q, kv, jnp.zeros((2, width), jnp.int32), jnp.ones(2, jnp.int32)
+
+
+def test_dispatch_passes_the_fitting_compute_block_or_falls_back(monkeypatch, caplog) -> None:
+    """Head 256 f32 on a GPU: 4 pages within an H200's limit, 2 within an A100's; nothing
+    within 64 KiB, where `auto` takes the blockwise path with one line and `pallas` raises."""
+    calls = []
+
+    def spy(q, kv_cache, block_tables, lo, hi, **kw):
+        calls.append(kw["pages_per_compute_block"])
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(attention, "paged_attention_rows_pallas", spy)
+    args = _decode_args(256, jnp.float32)
+    unit = AttentionOptions(sm_scale=1.0)
+    for limit, pages in ((H200, 4), (A100, 2)):
+        monkeypatch.setattr(attention, "gpu_smem_limit", lambda limit=limit: limit)
+        paged_decode_attention(*args, 2, unit, platform="gpu")
+        assert calls.pop() == pages
+    monkeypatch.setattr(attention, "gpu_smem_limit", lambda: smem_limit_for("7.5"))
+    attention._say_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        paged_decode_attention(*args, 2, unit, platform="gpu")
+    assert not calls
+    [record] = caplog.records
+    assert "no compute block fits shared memory" in record.getMessage()
+    assert "using the blockwise path" in record.getMessage()
+    pallas = AttentionOptions(sm_scale=1.0, impl="pallas")
+    with pytest.raises(ValueError, match="no compute block fits shared memory: head_size=256"):
+        paged_decode_attention(*args, 2, pallas, platform="gpu")
+    paged_decode_attention(*args, 2, pallas, platform="cpu", interpret=True)  # no smem limit
+    assert calls == [PAGES_PER_COMPUTE_BLOCK]
+
+
+@pytest.mark.parametrize(("limit", "padded_width"), [(H200, 12), (A100, 10)])
+def test_kernel_default_compute_block_lowers_for_cuda(monkeypatch, limit, padded_width) -> None:
+    """`pages_per_compute_block=None` takes the plan's pick (seen as the table padded to
+    a multiple of it: 9 -> 12 for 4 pages, 10 for 2) under JAX's default Triton settings
+    (num_warps 4, num_stages 3), the settings the model is calibrated for."""
+    monkeypatch.setattr(pallas_gpu, "gpu_smem_limit", lambda: limit)
+    fn = functools.partial(paged_decode_attention_pallas, sm_scale=0.1)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _decode_args(256, jnp.float32, 9)]
+    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"tensor<2x{padded_width}xi32>" in text
+    assert re.search(r"num_stages = 3 : i32", text) and re.search(r"num_warps = 4 : i32", text)
