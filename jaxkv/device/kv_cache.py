@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,6 +141,32 @@ _NO_WINDOW = np.iinfo(np.int32).max // 2
 # Block transfers to and from host memory move at most this many blocks per rank per
 # call, so a program's temporaries stay a small fraction of the cache.
 _IDS_PER_TRANSFER = 64
+
+
+def _row_major(sharding: NamedSharding, ndim: int, platform: str):
+    """`sharding` with a row-major layout on a TPU (see `PagedKVCache.cache_format`)."""
+    if platform != "tpu":
+        return sharding
+    return Format(Layout(major_to_minor=tuple(range(ndim))), sharding)
+
+
+def _tpu_tiled(rows: int, lanes: int, itemsize: int) -> tuple[int, int]:
+    """`(rows, lanes)` a row-major TPU layout gives a `[rows, lanes]` slab: lanes in whole
+    128s; rows in whole tiles of `8 * packing` unless they are 1, 2, 4 or 8 packed
+    32-bit words, which XLA tiles exactly."""
+    packing = 4 // itemsize
+    lanes = -(-lanes // 128) * 128
+    if rows % packing or rows // packing not in (1, 2, 4) and (rows // packing) % 8:
+        rows = -(-rows // (8 * packing)) * 8 * packing
+    return rows, lanes
+
+
+def keep_row_major(kv: jax.Array, platform: str) -> jax.Array:
+    """`kv` constrained to the row-major layout a TPU keeps the cache in (the output of a
+    program that takes the cache without naming its output sharding)."""
+    if platform != "tpu":
+        return kv
+    return with_layout_constraint(kv, Layout(major_to_minor=tuple(range(kv.ndim))))
 
 
 def _each_block(update, kv: jax.Array, ids: Sequence[jax.Array]) -> jax.Array:
@@ -290,6 +317,12 @@ class PagedKVCache:
         self.sharding = self.layout.cache_sharding()
         self._stacked_spec = P(None, *self.layout.cache_spec)
         self.stacked_sharding = NamedSharding(self.mesh, self._stacked_spec)
+        # On a TPU every program keeps the cache row-major (`cache_format`): the Mosaic
+        # kernel and the DMA writes read it so, and XLA's default TPU layout for a narrow
+        # row (head size 64, a quantised row's D + 4 bytes) puts another axis minor, which
+        # would copy the whole cache around each kernel call.
+        self.cache_format = _row_major(self.sharding, 4, self.platform)
+        self.stacked_format = _row_major(self.stacked_sharding, 5, self.platform)
         self.id_buckets = padding_buckets(num_blocks)
         self.transfer_buckets = padding_buckets(min(num_blocks, _IDS_PER_TRANSFER))
         # The spec's own mask: a step applies it without being told again.
@@ -321,19 +354,19 @@ class PagedKVCache:
                 cache_spec,
             ),
             donate_argnums=0,
-            out_shardings=self.sharding,
+            out_shardings=self.cache_format,
         )
         # Every program returns caches with this one sharding object: a cache is then
         # the same jit-cache key whichever update produced it (no recompilation).
         self._copy = jax.jit(
             sharded(_copy_local, (cache_spec, self._rank_spec, self._rank_spec), cache_spec),
             donate_argnums=0,
-            out_shardings=self.sharding,
+            out_shardings=self.cache_format,
         )
         self._zero = jax.jit(
             sharded(_zero_local, (cache_spec, self._rank_spec), cache_spec),
             donate_argnums=0,
-            out_shardings=self.sharding,
+            out_shardings=self.cache_format,
         )
         self._read = jax.jit(
             sharded(
@@ -356,12 +389,15 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block of one layer on each device (quantisation scales included).
+        """Bytes of one block of one layer on each device (quantisation scales included;
+        on a TPU the padding of its row-major tiles too: head size 64 takes 128 lanes).
 
         Capacity planning: `device_budget // (num_layers * bytes_per_block)` blocks fit.
         """
-        heads = self.layout.kv_heads_per_device
-        return self.block_size * 2 * heads * self.shape[-1] * self.storage_dtype.itemsize
+        rows, lanes = 2 * self.layout.kv_heads_per_device, self.shape[-1]
+        if self.platform == "tpu":
+            rows, lanes = _tpu_tiled(rows, lanes, self.storage_dtype.itemsize)
+        return self.block_size * rows * lanes * self.storage_dtype.itemsize
 
     @property
     def bytes_per_device(self) -> int:
@@ -387,7 +423,7 @@ class PagedKVCache:
             shape, dtype = self.shape, self.storage_dtype
             alloc = self._alloc_fns[num_layers] = jax.jit(
                 lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                out_shardings=tuple(self.sharding for _ in range(num_layers)),
+                out_shardings=tuple(self.cache_format for _ in range(num_layers)),
             )
         return list(alloc())
 
@@ -398,14 +434,14 @@ class PagedKVCache:
         alloc = self._alloc_fns.get(struct.shape)
         if alloc is None:
             alloc = self._alloc_fns[struct.shape] = jax.jit(
-                lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=self.stacked_sharding
+                lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=self.stacked_format
             )
         return alloc()
 
     def stacked_struct(self, num_layers: int) -> jax.ShapeDtypeStruct:
         """A stacked cache of `num_layers` layers as an abstract value."""
         return jax.ShapeDtypeStruct(
-            (num_layers, *self.shape), self.storage_dtype, sharding=self.stacked_sharding
+            (num_layers, *self.shape), self.storage_dtype, sharding=self.stacked_format
         )
 
     # ------------------------------------------------------------ validation
@@ -725,7 +761,7 @@ class PagedKVCache:
                     _scatter_local, mesh=self.mesh, in_specs=(spec, rank, rank, spec),
                     out_specs=spec, check_vma=False,
                 )  # fmt: skip
-                fn = jax.jit(local, donate_argnums=0, out_shardings=self.stacked_sharding)
+                fn = jax.jit(local, donate_argnums=0, out_shardings=self.stacked_format)
             self._stacked_fns[op] = fn
         return fn
 
@@ -738,7 +774,7 @@ class PagedKVCache:
                 out_specs=spec, check_vma=False,
             )  # fmt: skip
             fn = self._stacked_fns[local_fn] = jax.jit(
-                local, donate_argnums=0, out_shardings=self.stacked_sharding
+                local, donate_argnums=0, out_shardings=self.stacked_format
             )
         return fn
 
@@ -794,13 +830,13 @@ class PagedKVCache:
             fn = self._all_layer_fns[key] = jax.jit(
                 lambda kvs, *ids: tuple(per_layer(kv, *ids) for kv in kvs),
                 donate_argnums=0,
-                out_shardings=(self.sharding,) * num_layers,
+                out_shardings=(self.cache_format,) * num_layers,
             )
         return fn
 
     def cache_struct(self) -> jax.ShapeDtypeStruct:
         """One layer's cache as an abstract value (shape, storage dtype, sharding)."""
-        return jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.sharding)
+        return jax.ShapeDtypeStruct(self.shape, self.storage_dtype, sharding=self.cache_format)
 
     def lower_blocks_all(
         self, op: str, num_layers: int, num_ids: int | None = None
@@ -911,7 +947,7 @@ class PagedKVCache:
         if fn is None:
             q_sharding = NamedSharding(self.mesh, self._q_spec(key.num_q_heads))
             fn = self._step_fns[key] = jax.jit(
-                self._layer_fn(key), donate_argnums=0, out_shardings=(self.sharding, q_sharding)
+                self._layer_fn(key), donate_argnums=0, out_shardings=(self.cache_format, q_sharding)
             )
         # Inputs committed to the specs the program expects: however the caller placed
         # them, one program per key (a differently placed input would compile another).

@@ -5,24 +5,31 @@ mask of `jaxkv.device.attention`: each query token brings its request and its
 key interval `[lo, hi)` (`attention.token_intervals`), so causal, sliding window,
 chunked-local and bidirectional spans are one code path.
 
-Grid `(kv_head, query_tile)`, both parallel. A query tile is `tokens_per_tile`
-consecutive tokens; its block holds the `G = Hq / H` query heads of one KV head
-for those tokens as `G * tokens_per_tile` rows (row `g * tokens_per_tile + i` is
-head `g` of token `i`), so one MXU matmul per page chunk serves the whole GQA
-group. A tile may hold tokens of several requests: the wrapper splits it into
-*segments* (a maximal run of one request's tokens with non-empty intervals) and
-prefetches, as SMEM scalars (`pltpu.PrefetchScalarGridSpec`), every segment's
-request and key range `[seg_lo, seg_hi)` (the union of its rows' intervals, which
-is contiguous: each row's interval contains its own position and the positions
-are consecutive) together with the flattened block tables. For each segment the kernel walks the
-page chunks covering `[seg_lo, seg_hi)` only (`pages_per_chunk` pages each),
-copying each page's K lane (combined head `2h`) and V lane (`2h+1`) from the
-cache left in HBM (`memory_space=pl.ANY`) into VMEM with manual DMAs, double
-buffered: chunk `j + 1` is in flight while chunk `j` is computed. The online
-softmax state (running max, denominator, accumulator) lives in VMEM scratch and
-is written to the output once per tile. Each row carries its segment's index and
-is masked for every other segment's keys, so a row's state sees its own
-request's keys, each once.
+Grid `(head_block, query_tile)`, both parallel. A head block is `head_block(H)` KV
+heads whose `2 * Hb` combined rows are one tile of the cache's tiled `(2H, D)` axes
+(`(8 * packing, 128)`, packing 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8) or,
+where `2H` is not a multiple of that tile, all `H` heads: the TPU's DMAs may slice a
+tiled axis only at a tile boundary. A query tile is `tokens_per_tile` consecutive
+tokens; for each KV head of the block it holds the `G = Hq / H` query heads as
+`G * tokens_per_tile` rows (row `g * tokens_per_tile + i` is head `g` of token `i`), so
+one MXU matmul per page chunk serves the whole GQA group. A tile may hold tokens of
+several requests: the wrapper splits it into *segments* (a maximal run of one request's
+tokens with non-empty intervals) and prefetches, as SMEM scalars
+(`pltpu.PrefetchScalarGridSpec`), every segment's request and key range `[seg_lo,
+seg_hi)` (the union of its rows' intervals, which is contiguous: each row's interval
+contains its own position and the positions are consecutive) together with the
+flattened block tables. For each segment the kernel walks the page chunks covering
+`[seg_lo, seg_hi)` only (`pages_per_chunk` pages each), copying each page's rows of the
+head block from the cache left in HBM (`memory_space=pl.ANY`, a stacked cache's layer
+read in place) into VMEM with manual DMAs, one per page and 128-lane column
+(`lane_columns`: Mosaic's strided loads want a buffer at most one vreg wide), double
+buffered: chunk `j + 1` is in flight while chunk `j` is computed. Each head's K and V
+are read from the buffer with strided loads of 32-bit words (`_head_words`: K and V of
+one head share a word in 16- and 8-bit storage; bf16 halves become float32 by shifts,
+int8 / fp8 bytes are decoded in-kernel by `_dequantize_bytes`). The online softmax
+state (running max, denominator, accumulator) lives in VMEM scratch and is written to
+the output once per tile. Each row carries its segment's index and is masked for every
+other segment's keys, so a row's state sees its own request's keys, each once.
 
 NaN safety: the null block, freed pages, stale table tails and the unused tail
 of a last page may hold anything. Page ids are clipped into `[0, num_blocks)`
@@ -37,26 +44,28 @@ compute dtype they run at `Precision.HIGHEST`, with a 16-bit one in that dtype (
 MXU's native input) with float32 accumulation and probabilities rounded to it.
 
 Quantised caches (int8 / fp8 e4m3, `[..., D + 4]` bytes per row with the float32
-scale inline, `jaxkv.device.storage`): the DMAs copy the stored bytes (half of
-bf16's traffic) and the kernel dequantises each chunk in VMEM with
-`storage.dequantize`, the function the blockwise path uses, written without
-width-changing bitcasts so that Mosaic can lower it. `kv_head` (every query head
-reads one KV head, a replicated cache's head slice) is supported through a
-prefetched head offset. Not supported (`attention.py` runs the blockwise path
-instead): a storage dtype of another width than the compute dtype.
+scale inline, `jaxkv.device.storage`): the DMAs copy the stored bytes (half of bf16's
+traffic; the scale lands in the last lane column) and the kernel rebuilds values and
+scale from the bytes with integer ops (no width-changing bitcasts, no lane slice past
+the values; fp8 decoded from its fields, as TPUs before v6 have no fp8). `kv_head`
+(every query head reads one KV head, a replicated cache's head slice) is supported: the
+block holding it is copied and only its head computed. Not supported (`tpu_kernel_error`
+says why; `attention.py` then runs the blockwise path and logs one line): a storage dtype
+of another width than the compute dtype, a 16-bit cache computing in another dtype than
+bfloat16, and an odd number of KV heads per device in 8-bit storage (its K/V rows are
+read four to a word).
 
 Verification: the tests run this kernel in Pallas TPU interpret mode
-(`pltpu.InterpretParams`, which raises on out-of-bounds reads and fills
-uninitialised memory with NaN; DMAs executed eagerly and on wait agree) against
-a float64 reference, and lower it for TPU on a CPU host
-(`.lower(lowering_platforms=("tpu",))`, which runs the Pallas -> Mosaic lowering
-and emits a `tpu_custom_call`). Mosaic's own compilation (layout assignment,
-VMEM limits) runs only on a TPU and has not been run. Where it is most likely to
-object: the per-head DMA squeezes the second-minor (head) axis of the tiled HBM
-cache (JAX's bundled kernel instead copies tile-aligned head blocks and
-separates K and V with strided loads), and a quantised row's 132 byte lanes are
-not a multiple of 128. The whole block table is scalar-prefetched into SMEM
-(as in JAX's kernel), which bounds `R * W`. Tile sizes are untuned.
+(`pltpu.InterpretParams`, which raises on out-of-bounds reads and fills uninitialised
+memory with NaN; DMAs executed eagerly and on wait agree) against a float64 reference.
+Interpret mode has neither ref reshapes nor bitcasts, so there `_head_words` packs the
+same 32-bit words from the rows it indexes (the lowest row in the lowest bits, as TPU
+memory packs sublanes) and the decoding that follows is shared. The real TPU compiler
+(libtpu, through deviceless ahead-of-time compilation for v5e / v6e / v5p topologies)
+compiles the kernel for f32, bf16, int8 and fp8 caches, head sizes 64-256, block sizes
+16-128, 1-8 query heads per KV head and 1-16 KV heads per device, with every mask
+(`tests/test_tpu_aot.py`, in its own `jax[tpu]` environment). Not run on a TPU: its
+speed is unmeasured, and tile sizes are untuned.
 """
 
 from __future__ import annotations

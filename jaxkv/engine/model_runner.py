@@ -62,6 +62,7 @@ from jaxkv.device import (
 )
 from jaxkv.device.encoder_store import merge_rows
 from jaxkv.device.host_inputs import placer
+from jaxkv.device.kv_cache import keep_row_major
 from jaxkv.device.storage import check_kv_quant
 from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
 from jaxkv.engine.sampling import sample_tokens
@@ -399,6 +400,7 @@ def _paged_step(
     ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     token_ids, embeds = _step_tokens(model, store, fields, prev_sampled, store_dtype)
     logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
+    kv_cache = keep_row_major(kv_cache, paged[0].platform)
     return kv_cache, _sampled_rows(logits, fields, max_num_seqs)
 
 
@@ -426,9 +428,10 @@ def _layers_step(
 ):  # fmt: skip
     ctx = _context(layout.unpack(buffer), paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     run = nnx.merge(run_graphdef, jax.tree.unflatten(run_def, run_params))
-    return apply_layers(
+    x, kv_cache = apply_layers(
         run, x, ctx.token_positions(), first_layer, paged_attend(config, ctx), kv_cache
     )
+    return x, keep_row_major(kv_cache, paged[0].platform)
 
 
 def _sample_step(

@@ -258,7 +258,8 @@ def plan_topology(
     return TopologyPlan(
         topology=topology, device_kind=kind, chips=len(devices), data=len(devices) // model,
         model=model, hbm_bytes=hbm, weight_bytes=weight_bytes,
-        kv_bytes=per_device_bytes(runner.kv_cache), num_blocks=paged.num_blocks,
+        kv_bytes=paged.num_blocks * paged.bytes_per_block * len(runner.layer_to_group),
+        num_blocks=paged.num_blocks,
         block_size=paged.block_size, max_model_len=engine.max_model_len,
         longest_model_len=tokens, concurrency=round(tokens / engine.max_model_len, 2),
         programs=tuple(programs), kv_in_place=not any(p.cache_copies for p in programs),
