@@ -2,8 +2,9 @@
 of the suite: `python -m pytest` runs the quick suite (under 5 minutes on 2 cores);
 `python -m pytest -m slow` runs the rest, which CI runs too: the suites on 8 simulated
 devices (a fresh JAX process each), the differential tests against vLLM and transformers
-(skipped without `.venv-vllm`), and the deep random profiles. `-m "slow or not slow"`
-runs everything at once."""
+(skipped without `.venv-vllm`), the deep random profiles, and the TPU kernel compiled
+deviceless for v5e/v6e/v5p by libtpu (`test_tpu_aot.py`; it builds `.venv-tpu-ci`).
+`-m "slow or not slow"` runs everything at once."""
 
 from __future__ import annotations
 

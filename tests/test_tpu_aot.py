@@ -1,0 +1,173 @@
+"""The TPU kernel compiles for real, without a TPU: the Mosaic compiler in libtpu, deviceless.
+
+A TPU environment (`jax[tpu]` at this process's jax version, and this repository's jaxkv)
+is built once at `REPO/.venv-tpu-ci` (or `$JAXKV_TPU_VENV`) and reused while it imports
+`jax` at that version and `libtpu`; `tests/tpu_aot_matrix.py` runs in it and compiles
+`ragged_paged_attention(platform="tpu")` for a covering matrix of storage dtypes, head sizes,
+block sizes, groups, KV heads, masks and head modes on v5e, v6e and v5p. Skipped (with
+pip's last line) when the environment cannot be installed, e.g. without network.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+MATRIX = REPO / "tests" / "tpu_aot_matrix.py"
+VENV = Path(os.environ.get("JAXKV_TPU_VENV", REPO / ".venv-tpu-ci")).absolute()
+JAX_VERSION = importlib.metadata.version("jax")
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")
+# the values the matrix must compile bf16 with, on every topology
+BF16_VALUES = {
+    "head_size": {64, 128, 256},
+    "block_size": {16, 32, 64, 128},
+    "group": {1, 2, 4, 8},
+    "kv_heads": {1, 2, 4, 8, 16},
+}
+# how a refusal reason names the dimension it refuses: "name=value" of the configuration's
+REASON_NAMES = {"num_kv_heads": "kv_heads", "head_size": "head_size", "block_size": "block_size"}
+PIP_TIMEOUT_S, MATRIX_TIMEOUT_S = 1200, 1800
+
+
+def _env() -> dict[str, str]:
+    """The subprocesses' environment: this repository's jaxkv first, no CPU-only JAX settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def _not_ready(python: Path) -> str | None:
+    """Why `python` cannot run the matrix (None if it imports jax at our version and libtpu)."""
+    if not python.exists():
+        return f"{python} does not exist"
+    check = "import jax, libtpu, jaxkv; print(jax.__version__)"
+    proc = subprocess.run(
+        [python, "-c", check], capture_output=True, text=True, env=_env(), timeout=300
+    )
+    if proc.returncode:
+        return f"{python} cannot import jax, libtpu and jaxkv: {_last_line(proc)}"
+    if proc.stdout.strip() != JAX_VERSION:
+        return f"{python} has jax {proc.stdout.strip()}, need {JAX_VERSION}"
+    return None
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"exit status {proc.returncode}"
+
+
+def _install(*command: str | Path) -> None:
+    """Run one build step; skip the test (with the step's last line) if it fails."""
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=_env(), timeout=PIP_TIMEOUT_S
+    )
+    if proc.returncode:
+        step = " ".join(map(str, command[2:]))
+        pytest.skip(f"cannot build the TPU environment ({step}): {_last_line(proc)}")
+
+
+@pytest.fixture(scope="module")
+def tpu_python() -> Path:
+    """The TPU environment's python, built under a file lock (one xdist worker builds it)."""
+    python = VENV / "bin" / "python"
+    if _not_ready(python) is None:
+        return python
+    key = hashlib.sha256(str(VENV).encode()).hexdigest()[:16]
+    lock_path = Path(tempfile.gettempdir()) / f"jaxkv-tpu-venv-{key}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker that waited finds it built
+        if _not_ready(python) is not None:
+            if not python.exists():
+                _install(sys.executable, "-m", "venv", VENV)
+            _install(python, "-m", "pip", "install", "-q", f"jax[tpu]=={JAX_VERSION}")
+            _install(python, "-m", "pip", "install", "-q", "-e", REPO)
+        reason = _not_ready(python)
+    assert reason is None, f"the TPU environment at {VENV} was installed but is unusable: {reason}"
+    return python
+
+
+def run_matrix(python: Path) -> tuple[list[dict], dict, subprocess.CompletedProcess]:
+    """`(one record per configuration, the summary, the process)` of the matrix in `python`."""
+    proc = subprocess.run(
+        [python, MATRIX, *TOPOLOGIES],
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=MATRIX_TIMEOUT_S,
+    )  # fmt: skip
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert records and records[-1].get("summary"), (
+        f"the matrix printed no summary (exit status {proc.returncode}); "
+        f"stderr ends: {proc.stderr[-3000:]}"
+    )
+    return records[:-1], records[-1], proc
+
+
+def check_outcomes(configs: list[dict], summary: dict) -> None:
+    """Each configuration either compiled the Mosaic kernel or was refused by
+    `tpu_kernel_error` and compiled `impl="auto"`'s blockwise fallback; the run used this
+    repository's jaxkv and jax version, and every topology's counts add up."""
+    failed = [c for c in configs if c["outcome"] not in ("compiled", "refused")]
+    assert not failed, "configurations that neither compiled nor fell back:\n" + "\n".join(
+        json.dumps(c) for c in failed
+    )
+    assert Path(summary["jaxkv"]).resolve().is_relative_to(REPO.resolve()), summary["jaxkv"]
+    assert summary["jax"] == JAX_VERSION, summary["jax"]
+    assert list(summary["topologies"]) == list(TOPOLOGIES), summary["topologies"]
+    for name, counts in summary["topologies"].items():
+        mine = [c for c in configs if c["topology"] == name]
+        assert counts["configs"] == len(mine) == counts["compiled"] + counts["refused"] > 0, (
+            name, counts, len(mine),
+        )  # fmt: skip
+    assert summary["failed"] == 0, summary
+
+
+def check_bf16_coverage(configs: list[dict], topology: str) -> None:
+    """On `topology` bf16 compiled the kernel with every head size, block size, group and
+    KV heads value (never refused); f32, int8 and fp8 each compiled at least once."""
+    configs = [c for c in configs if c["topology"] == topology]
+    bf16 = [c for c in configs if c["dtype"] == "bf16"]
+    refused = [c for c in bf16 if c["outcome"] != "compiled"]
+    assert not refused, f"{topology}: bf16 refused: {refused}"
+    for key, values in BF16_VALUES.items():
+        missing = values - {c[key] for c in bf16}
+        assert not missing, f"{topology}: bf16 never compiled with {key} in {sorted(missing)}"
+    for dtype in ("f32", "int8", "fp8"):
+        compiled = [c for c in configs if c["dtype"] == dtype and c["outcome"] == "compiled"]
+        assert compiled, f"{topology}: the kernel never compiled for {dtype}"
+
+
+def check_refusals(configs: list[dict]) -> None:
+    """A refused configuration's reason names the refused dimension with its value
+    (e.g. `num_kv_heads=1` for an int8/fp8 cache with an odd number of KV heads)."""
+    for config in configs:
+        if config["outcome"] != "refused":
+            continue
+        named = {name: int(v) for name, v in re.findall(r"(\w+)=(\d+)", config["reason"])}
+        assert any(named.get(name) == config[key] for name, key in REASON_NAMES.items()), (
+            f"the reason does not name the refused dimension with its value: {config}"
+        )
+
+
+# One test (not one per check): under `--dist load` each test could land on another xdist
+# worker, and each worker would compile the whole matrix again.
+@pytest.mark.timeout(PIP_TIMEOUT_S * 2 + MATRIX_TIMEOUT_S)
+def test_tpu_kernel_compiles_on_v5e_v6e_v5p(tpu_python):
+    """The matrix compiled (or fell back) everywhere; see the check_* functions."""
+    configs, summary, proc = run_matrix(tpu_python)
+    check_outcomes(configs, summary)
+    for topology in TOPOLOGIES:
+        check_bf16_coverage(configs, topology)
+    check_refusals(configs)
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-3000:]}"
