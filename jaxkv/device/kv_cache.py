@@ -47,7 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Format, Layout, with_layout_constraint
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -159,14 +159,6 @@ def _tpu_tiled(rows: int, lanes: int, itemsize: int) -> tuple[int, int]:
     if rows % packing or rows // packing not in (1, 2, 4) and (rows // packing) % 8:
         rows = -(-rows // (8 * packing)) * 8 * packing
     return rows, lanes
-
-
-def keep_row_major(kv: jax.Array, platform: str) -> jax.Array:
-    """`kv` constrained to the row-major layout a TPU keeps the cache in (the output of a
-    program that takes the cache without naming its output sharding)."""
-    if platform != "tpu":
-        return kv
-    return with_layout_constraint(kv, Layout(major_to_minor=tuple(range(kv.ndim))))
 
 
 def _each_block(update, kv: jax.Array, ids: Sequence[jax.Array]) -> jax.Array:

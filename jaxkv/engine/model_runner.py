@@ -62,7 +62,6 @@ from jaxkv.device import (
 )
 from jaxkv.device.encoder_store import merge_rows
 from jaxkv.device.host_inputs import placer
-from jaxkv.device.kv_cache import keep_row_major
 from jaxkv.device.storage import check_kv_quant
 from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
 from jaxkv.engine.sampling import sample_tokens
@@ -356,7 +355,20 @@ def _step_program(**static):
     """The jitted step with its static arguments bound (one per engine layout and step
     shape; engines with equal layouts share it, and so its compiled programs). A call
     then hashes no static argument: the dispatch is JAX's C++ fast path."""
-    return jax.jit(functools.partial(_paged_step, **static), donate_argnames="kv_cache")
+    return jax.jit(
+        functools.partial(_paged_step, **static),
+        donate_argnames="kv_cache",
+        out_shardings=_cache_out(static["paged"], 0),
+    )
+
+
+def _cache_out(paged, index: int):
+    """`out_shardings` of a program returning a pair with the cache at `index`: on a TPU the
+    cache's format there (`PagedKVCache.stacked_format`: row-major in every program),
+    else None (unconstrained)."""
+    if paged[0].platform != "tpu":
+        return None
+    return tuple(paged[0].stacked_format if i == index else None for i in range(2))
 
 
 def _context(fields: dict, *, paged, shapes, layer_to_group) -> PagedContext:
@@ -400,7 +412,6 @@ def _paged_step(
     ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     token_ids, embeds = _step_tokens(model, store, fields, prev_sampled, store_dtype)
     logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
-    kv_cache = keep_row_major(kv_cache, paged[0].platform)
     return kv_cache, _sampled_rows(logits, fields, max_num_seqs)
 
 
@@ -428,10 +439,9 @@ def _layers_step(
 ):  # fmt: skip
     ctx = _context(layout.unpack(buffer), paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     run = nnx.merge(run_graphdef, jax.tree.unflatten(run_def, run_params))
-    x, kv_cache = apply_layers(
+    return apply_layers(
         run, x, ctx.token_positions(), first_layer, paged_attend(config, ctx), kv_cache
     )
-    return x, keep_row_major(kv_cache, paged[0].platform)
 
 
 def _sample_step(
@@ -481,6 +491,7 @@ def _layer_by_layer_program(
                 _layers_step, run_graphdef=run_graphdef, run_def=run_def, config=config, **common
             ),
             donate_argnames="kv_cache",
+            out_shardings=_cache_out(paged, 1),
         ),
         jax.jit(functools.partial(_sample_step, **model, max_num_seqs=max_num_seqs, **common)),
     )
