@@ -210,7 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if images and len(prompts) > 1:
         raise ValueError("--image goes with one prompt (--prompt or --prompt-token-ids)")
     config = EngineConfig(
-        block_size=16, max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
@@ -429,7 +429,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _pod_plan(args, memory)
     if args.aot:
         raise ValueError("--aot compiles the step on a mesh: give --mesh DATAxMODEL or --topology")
-    specs = read_kv_cache_specs(args.model, args.block_size, args.dtype)
+    import jax
+
+    from jaxkv.device.attention import default_block_size
+
+    block_size = args.block_size or default_block_size(jax.default_backend())
+    specs = read_kv_cache_specs(args.model, block_size, args.dtype)
     plan = capacity_plan(
         specs, memory, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size
     )
@@ -447,6 +452,7 @@ def _topology_plan(args: argparse.Namespace, memory: int | None) -> int:
     if len(args.mesh or []) > 1:
         raise ValueError("--topology takes at most one --mesh DATAxMODEL (its model axis)")
     model_axis = parse_mesh(args.mesh[0])[1] if args.mesh else None
+    from jaxkv.device.attention import default_block_size
     from jaxkv.engine.engine import EngineConfig
     from jaxkv.engine.tpu_plan import format_topology_plan, plan_topology
     from jaxkv.models.checkpoint import read_config
@@ -454,7 +460,7 @@ def _topology_plan(args: argparse.Namespace, memory: int | None) -> int:
 
     config = parse_model_config(read_config(args.model), f"{Path(args.model) / 'config.json'}")
     engine = EngineConfig(
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size or default_block_size("tpu"), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         dtype=args.dtype,
     )  # fmt: skip
@@ -473,6 +479,7 @@ def _pod_plan(args: argparse.Namespace, memory: int) -> int:
         raise ValueError("--tensor-parallel-size goes without --mesh: MODEL of --mesh is it")
     for text in args.mesh:
         parse_mesh(text)  # bad text is reported before JAX starts
+    from jaxkv.device.attention import default_block_size
     from jaxkv.engine.pod_plan import format_plans, plan_mesh, pod_mesh
     from jaxkv.models.checkpoint import read_config
     from jaxkv.models.config import parse_model_config
@@ -489,7 +496,7 @@ def _pod_plan(args: argparse.Namespace, memory: int) -> int:
                 max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
-                block_size=args.block_size,
+                block_size=args.block_size or default_block_size(mesh.devices.flat[0].platform),
                 dtype=args.dtype,
                 aot=args.aot,
             )  # fmt: skip
@@ -582,7 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size", type=int,
+        help="tokens per KV block (default: 128 for a TPU, else 16)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument(

@@ -36,8 +36,9 @@ Dispatch:
 | TPU     | `pallas_tpu` Mosaic kernel (decode and mixed) | the same Mosaic kernel           |
 
 Where a kernel does not apply (on GPU a quantised cache, block shapes outside
-`pallas_gpu`'s constraints or a replicated KV head slice; on TPU a storage dtype
-of another width than the compute dtype) `"auto"` runs the blockwise path;
+`pallas_gpu`'s constraints or a replicated KV head slice; on TPU what
+`pallas_tpu.tpu_kernel_error` refuses) `"auto"` runs the blockwise path and logs one
+line saying why;
 `impl="reference"` always runs it. `interpret=True` (with `impl="pallas"`) runs
 the GPU kernel in Pallas interpret mode on any backend, and
 `impl="pallas_tpu_interpret"` the TPU kernel in Pallas TPU interpret mode on any
@@ -72,7 +73,7 @@ from jaxkv.device.pallas_gpu import (
     gpu_smem_limit,
     paged_attention_rows_pallas,
 )
-from jaxkv.device.pallas_tpu import paged_attention_tiles_tpu, tpu_kernel_error
+from jaxkv.device.pallas_tpu import TPU_BLOCK_SIZE, paged_attention_tiles_tpu, tpu_kernel_error
 from jaxkv.device.storage import (
     SCALE_BYTES,
     DTypeLike,
@@ -296,6 +297,12 @@ def ragged_paged_attention(
         query_chunk=min(query_chunk, num_tokens), token_chunk=min(token_chunk, num_tokens),
         pages_per_chunk=max(1, keys_per_chunk // block_size), kv_quant=kv_quant, layer=layer,
     )  # fmt: skip
+
+
+def default_block_size(platform: str) -> int:
+    """Tokens per KV block when none is given: `pallas_tpu.TPU_BLOCK_SIZE` on a TPU (its
+    kernel wants few, large pages), else vLLM's 16."""
+    return TPU_BLOCK_SIZE if platform == "tpu" else 16
 
 
 def _check_tiling(*sizes: int) -> None:

@@ -89,6 +89,11 @@ from jaxkv.device.storage import (
 )
 
 _MASKED = -1e30
+# The engine's block size on a TPU (`attention.default_block_size`), chosen with
+# `benchmarks/tpu_block_size.py`: the kernel prefetches the block tables into SMEM, where
+# 256 requests of 32,768 tokens fit only from 64-token pages on, and one DMA per page
+# makes 128-token pages the cheapest in its estimate (a third of 64's DMAs' issue cost).
+TPU_BLOCK_SIZE = 128
 TOKENS_PER_TILE = 8  # untuned; a multiple of 8 keeps tile rows sublane-aligned
 PAGES_PER_CHUNK = 4  # untuned
 

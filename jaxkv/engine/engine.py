@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxkv._checks import check_int
 from jaxkv.block_pool import check_tenant_block_quotas
 from jaxkv.device import compilation_count
+from jaxkv.device.attention import default_block_size
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.engine import multihost
@@ -121,7 +122,7 @@ class EngineConfig:
     the device pool's and the host tier's (`medium="CPU"`), for `take_kv_events()`,
     with or without an endpoint."""
 
-    block_size: int = 16
+    block_size: int | None = None  # None: 128 on a TPU, else 16 (`default_block_size`)
     num_blocks: int | None = None  # None: from the memory budget, else 128
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 64
@@ -189,7 +190,7 @@ class LLMEngine:
     ) -> None:
         self.config = c = config or EngineConfig()
         for name in (
-            "kv_cache_memory", "num_blocks", "max_model_len", "encoder_cache_size",
+            "block_size", "kv_cache_memory", "num_blocks", "max_model_len", "encoder_cache_size",
             "encoder_compute_budget",
         ):  # fmt: skip
             value = getattr(c, name)
@@ -230,6 +231,9 @@ class LLMEngine:
                 cache_size=c.encoder_cache_size or default,
             )
         mesh = self._check_mesh(mesh)
+        if c.block_size is None:
+            platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+            self.config = c = dataclasses.replace(c, block_size=default_block_size(platform))
         kv_quant = None if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
         probe, layer_to_group = group_kv_cache_specs(model.kv_cache_specs(c.block_size, c.dtype), 2)
         self.kv_cache_sizing = size_kv_cache(
