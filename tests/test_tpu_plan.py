@@ -1,0 +1,60 @@
+"""`jaxkv plan --topology` on the CPU side: what needs no TPU compiler (the compiling itself
+runs in `tests/test_tpu_aot.py`, in an environment with `jax[tpu]`), and the platform's
+default block size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxkv import cli
+from jaxkv.device.attention import default_block_size
+from jaxkv.engine import EngineConfig, LLMEngine
+from jaxkv.engine.tpu_plan import default_model_axis, topology_devices
+from jaxkv.models import tiny_configs
+from jaxkv.testing.tiny_model import TinyCausalLM
+from jaxkv.testing.tiny_model import tiny_configs as tiny_engine_configs
+
+ARGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+
+
+@pytest.mark.parametrize(
+    ("chips", "kv_heads", "model"),
+    [(4, 8, 4), (16, 8, 8), (256, 16, 16), (256, 1, 1), (8, 2, 2), (6, 4, 2), (1, 8, 1)],
+)
+def test_default_model_axis_shards_heads_never_replicates(chips, kv_heads, model) -> None:
+    assert default_model_axis(chips, kv_heads) == model
+    assert chips % model == 0 and kv_heads % model == 0
+
+
+def test_a_topology_without_libtpu_is_one_line_naming_the_flag() -> None:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("libtpu is installed here: the TPU compiler can describe topologies")
+    with pytest.raises(ValueError, match=r"--topology 'v5e:2x2'.*jax\[tpu\]"):
+        topology_devices("v5e:2x2")
+
+
+def test_topology_needs_aot_and_one_mesh(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(tiny_configs()["llama-tiny"]))
+    model = ["plan", "--model", str(tmp_path), *ARGS]
+    assert cli.main([*model, "--topology", "v5e:2x2"]) == 2
+    assert "add --aot" in capsys.readouterr().err
+    assert cli.main([*model, "--topology", "v5e:2x2", "--aot", "--mesh", "1x4",
+                     "--mesh", "2x2"]) == 2  # fmt: skip
+    assert "at most one --mesh" in capsys.readouterr().err
+    assert cli.main(model) == 2
+    assert "--memory is needed" in capsys.readouterr().err
+
+
+def test_block_size_defaults_per_platform() -> None:
+    assert default_block_size("tpu") == 128
+    assert default_block_size("cpu") == default_block_size("gpu") == 16
+    model = TinyCausalLM(tiny_engine_configs()["gemma-style-tiny"], seed=0)
+    assert LLMEngine(model, EngineConfig(num_blocks=40)).config.block_size == 16
+    with pytest.raises(ValueError, match="EngineConfig.block_size must be a positive int"):
+        LLMEngine(model, EngineConfig(block_size=0))
