@@ -462,7 +462,7 @@ def _topology_plan(args: argparse.Namespace, memory: int | None) -> int:
     engine = EngineConfig(
         block_size=args.block_size or default_block_size("tpu"), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        dtype=args.dtype,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     for topology in args.topology:
         plan = plan_topology(config, topology, engine, memory=memory, model_axis=model_axis)
@@ -614,6 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-num-seqs", type=int, default=64,
         help="with --mesh: requests per data rank (the decode step's batch)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+        help="with --topology: the KV cache's storage (auto: --dtype)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON (with --mesh: one object a mesh)")
     p.set_defaults(func=cmd_plan)

@@ -180,13 +180,15 @@ def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[Mod
     engine = dataclasses.replace(
         engine, kv_cache_memory=memory, num_blocks=None if memory else smallest
     )
+    kv_quant = None if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype
     sizing = size_kv_cache(
-        engine, probe, layer_to_group, model.config.max_position_embeddings, mesh, None
+        engine, probe, layer_to_group, model.config.max_position_embeddings, mesh, kv_quant
     )
     runner = ModelRunner(
         model, num_blocks=sizing.num_blocks, block_size=engine.block_size,
         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_model_len=engine.max_model_len, dtype=engine.dtype, mesh=mesh, allocate=False,
+        max_model_len=engine.max_model_len, dtype=engine.dtype, kv_quant=kv_quant, mesh=mesh,
+        allocate=False,
     )  # fmt: skip
     return runner, sizing.num_blocks
 
@@ -221,10 +223,10 @@ def plan_topology(
 ) -> TopologyPlan:
     """The plan of serving `config` on TPU slice `topology` (module docstring).
 
-    `engine` gives the dtype, block size, batch sizes and `max_model_len`; `memory` the KV
-    bytes per chip (None: what the chip's HBM leaves); `model_axis` the mesh's model axis
-    (None: `default_model_axis`); `context` the keys each decode request attends in the
-    roofline (None: `max_model_len`). ValueError when the model does not fit.
+    `engine` gives the dtype, KV-cache dtype, block size, batch sizes and `max_model_len`;
+    `memory` the KV bytes per chip (None: what the chip's HBM leaves); `model_axis` the
+    mesh's model axis (None: `default_model_axis`); `context` the keys each decode request
+    attends in the roofline (None: `max_model_len`). ValueError when the model does not fit.
     """
     devices = topology_devices(topology)
     kind = devices[0].device_kind
