@@ -47,6 +47,9 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    # Both tests may compile at once (xdist workers): libtpu's process lock would refuse.
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    env["TPU_SKIP_MDS_QUERY"] = "1"
     return env
 
 
