@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from test_device_attention import Case, random_case, random_spans, reference_attention, rel_error
 
+from jaxkv.device import pallas_gpu_decode
 from jaxkv.device.attention import token_intervals
 from jaxkv.device.pallas_gpu import SmemLimit, smem_limit_for
 from jaxkv.device.pallas_gpu_decode import (
@@ -101,10 +102,9 @@ def test_bf16_stored_as_uint16_returns_q_dtype() -> None:
     rng = np.random.default_rng()
     case = decode_case(rng, [9, 130], group=2, head_size=64, dtype="bfloat16")
     assert case.kv.dtype == np.uint16
+    q, tables, lo, hi = rows(case, case.block_tables)
     fn = functools.partial(paged_decode_rows_gpu, sm_scale=0.3, kv_dtype="bfloat16")
-    out = jax.jit(functools.partial(fn, interpret=True))(
-        *((case.q, case.kv) + rows(case, case.block_tables)[1:])
-    )
+    out = jax.jit(functools.partial(fn, interpret=True))(q, case.kv, tables, lo, hi)
     assert out.dtype == ml_dtypes.bfloat16
     want = reference_attention(case, sm_scale=0.3)
     assert rel_error(np.asarray(out)[:2], want[:2]) < TOL["bfloat16"]
@@ -156,6 +156,41 @@ def test_stacked_cache_reads_the_layer_in_place() -> None:
         )
         np.testing.assert_array_equal(got, single)
     assert rel_error(single[:3], reference_attention(case, sm_scale=0.3, soft_cap=5.0)[:3]) < 1e-5
+
+
+@pytest.mark.parametrize(("layer", "read"), [(1, 1), (7, 2), (-1, 0)])
+def test_page_ids_handed_to_the_kernel_lie_in_the_layer(monkeypatch, layer, read) -> None:
+    """Triton loads are unchecked (interpret mode's gathers clamp, so only a spy sees
+    this): stale and out-of-range ids are clipped into the layer's `[l * NB, (l + 1) *
+    NB)`, an out-of-range `layer` into `[0, L)`."""
+    seen, kernel = [], pallas_gpu_decode._call
+
+    def spy(qg, kv_cache, tables, *args, **kw):
+        seen.append(np.asarray(tables))
+        return kernel(qg, kv_cache, tables, *args, **kw)
+
+    rng = np.random.default_rng()
+    case = decode_case(rng, [3, 90], group=2, head_size=64)
+    tables = stale_tails(rng, case)
+    assert (tables < 0).any() and (tables >= case.cache.num_blocks).any()
+    monkeypatch.setattr(pallas_gpu_decode, "_call", spy)
+    q, rows_tables, lo, hi = rows(case, tables)
+    stack = jnp.stack([case.kv] * 3)
+    paged_decode_rows_gpu(
+        q,
+        stack,
+        rows_tables,
+        lo,
+        hi,
+        sm_scale=0.3,
+        layer=jnp.int32(layer),
+        kv_dtype=case.cache.dtype,
+        interpret=True,
+    )
+    [got] = seen
+    nb = case.cache.num_blocks
+    assert got.min() >= read * nb and got.max() < (read + 1) * nb
+    np.testing.assert_array_equal(got[:, :WIDTH] - read * nb, np.clip(rows_tables, 0, nb - 1))
 
 
 def test_token_major_rows_of_a_mixed_step() -> None:

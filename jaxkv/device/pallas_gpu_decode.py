@@ -57,18 +57,22 @@ anything. Page ids are clipped into `[0, NB)` (and `layer` into `[0, L)`) before
 Triton loads have no bounds check, and a compute block may read stale table entries
 past a row's pages. Logits outside `[lo, hi)` are replaced with `jnp.where`,
 probabilities and V rows are zeroed with `jnp.where` (`0 * NaN` is NaN), so partials
-are finite and the merge never sees a NaN. Padded query rows are never read into a
-kept result.
+are finite and the merge never sees a NaN. Padding query rows (`G .. G_pad`) get
+defined partials (`0`, `_MASKED`, `0`) on the `G < 16` route and are dropped after the
+merge on both routes; a padding token (`lo = hi = 0`, its q possibly NaN) walks no block.
 
 Storage dtypes: a cache storing another dtype's bits (bf16 as uint16, `storage.py`) is
 loaded as stored and bitcast; `kv_dtype` names the compute dtype (same width).
 
 Verified: `tests/test_pallas_gpu_decode_kernel.py` runs the kernel in Pallas interpret
-mode on CPU against the float64 reference (GQA 1/2/4/8/16, D 64/128/256, bf16 and
-f32, window, soft cap, multi-split contexts, NaN-poisoned pages, padded rows exactly 0,
-stacked caches, split merge vs one split) and cross-lowers it for CUDA on CPU (one
-Triton custom call, the Pallas Triton lowering accepts every construct). It has not
-been compiled by Triton's backend nor run on a GPU: its speed is unmeasured.
+mode on CPU against the float64 reference (GQA 1/2/3/4/8/16, D 64/128/256, bf16 and
+f32, window, soft cap, chunked-local and span masks on prefill rows, contexts over
+several splits, NaN-poisoned pages and stale table tails, padded rows exactly 0,
+stacked caches, 1 vs 2/5/16 splits), checks with a spy the page ids the kernel gets
+(interpret mode's gathers clamp, Triton's loads do not), and cross-lowers it for CUDA
+on CPU (one Triton custom call; the Pallas Triton lowering accepts every construct).
+It has not been compiled by Triton's backend nor run on a GPU: its speed, register
+use and real shared memory are unmeasured.
 """
 
 from __future__ import annotations
@@ -191,7 +195,8 @@ def _decode_kernel(
     offsets = jnp.arange(keys, dtype=jnp.int32)
 
     def tiles(i):
-        """K and V of compute block `i` as float32 `[keys, D]`, masked logits' rows."""
+        """K and V of compute block `i` as float32 `[keys, D]` (V rows outside `[lo, hi)`
+        zeroed) and the mask of the keys in `[lo, hi)`."""
         pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
         pos = i * keys + offsets
         visible = (pos >= first) & (pos < last)
@@ -339,7 +344,8 @@ def paged_decode_rows_gpu(
     `hi[n] <= W * bs` and the pages covering `[lo[n], hi[n])` are valid (ids are
     clipped, not checked). `pages_per_compute_block` / `num_splits` default to
     `decode_compute_block_pages` (this process's GPU; interpret mode: no limit) and
-    `default_num_splits`. Returns `[N, Hq, D]` in q's dtype. Raises `ValueError` when
+    `default_num_splits` (explicit values are used as given: shapes checked, not
+    shared memory). Returns `[N, Hq, D]` in q's dtype. Raises `ValueError` when
     the shapes do not fit (`decode_kernel_error`).
     """
     kv_cache, offset, num_blocks = _flat_cache(kv_cache, layer)
