@@ -251,6 +251,11 @@ def test_rejects_bad_inputs() -> None:
         call(q, kv.astype(jnp.uint16), tables, lens * 0, lens, kv_dtype="float32")
     with pytest.raises(ValueError, match="num_splits=0"):
         call(q, kv, tables, lens * 0, lens, num_splits=0)
+    with pytest.raises(ValueError, match="pages_per_compute_block=3: a power of two"):
+        call(q, kv, tables, lens * 0, lens, pages_per_compute_block=3)
+    q16 = jnp.zeros((2, 32, 64))  # group 16: the dot route needs >= 16 keys per block
+    with pytest.raises(ValueError, match=r"pages_per_compute_block=2 \* block_size=4"):
+        call(q16, kv, tables, lens * 0, lens, pages_per_compute_block=2)
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,7 @@ from jaxkv.device.pallas_gpu import (
     PAGES_PER_COMPUTE_BLOCK,
     SMEM_MARGIN_DIVISOR,
     SmemLimit,
+    block_shape_error,
     compute_block_pages,
     gpu_smem_limit,
     smem_bytes,
@@ -376,6 +377,10 @@ def paged_decode_rows_gpu(
         )
     elif not _is_pow2(pages_per_compute_block):
         raise ValueError(f"pages_per_compute_block={pages_per_compute_block}: a power of two")
+    elif uses_dot(group) and (
+        error := block_shape_error(head_size, block_size, pages_per_compute_block)
+    ):
+        raise ValueError(error)  # the dot route's operands must be >= 16 on every side
     width = block_tables.shape[1]
     splits = (
         default_num_splits(width, pages_per_compute_block) if num_splits is None else num_splits
