@@ -320,13 +320,13 @@ def paged_prefill_gpu(
     `q [T, Hq, D]`; `kv_cache [NB, bs, 2H, D]`, or `[L, NB, bs, 2H, D]` with `layer` (an
     int32 scalar, may be traced); `block_tables [R, W]`, `query_start_loc [R + 1]` and
     the scalar `num_seqs` as in `ragged_paged_attention`; `lo`/`hi [T]` each token's key
-    interval (`attention.token_intervals`). Precondition: `hi <= W * bs`, the pages
-    covering `[lo, hi)` are valid, and tokens at or past `query_start_loc[num_seqs]`
-    have `lo >= hi`. `kv_dtype` is the compute dtype when the cache stores its bits in
-    another dtype of the same width. `pages_per_chunk` and `heads_per_program` default
-    to `prefill_plan` for this process's GPU (interpret mode: the largest); explicit
-    values are used as given (block shapes checked, not memory). `interpret=True` runs
-    the kernel in Pallas interpret mode on any backend.
+    interval (`attention.token_intervals`; only served tokens' are read). Precondition:
+    `hi <= W * bs` and the pages covering `[lo, hi)` are valid. `kv_dtype` is the
+    compute dtype when the cache stores its bits in another dtype of the same width.
+    `pages_per_chunk` and `heads_per_program` default to `prefill_plan` for this
+    process's GPU (interpret mode: the largest); explicit values are used as given
+    (block shapes checked, not memory). `interpret=True` runs the kernel in Pallas
+    interpret mode on any backend.
     """
     if (kv_cache.ndim == 5) != (layer is not None) or kv_cache.ndim not in (4, 5):
         raise ValueError(
