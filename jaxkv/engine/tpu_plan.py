@@ -176,7 +176,8 @@ def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[Mod
     model = abstract_model(config, engine.dtype, mesh)
     specs = model.kv_cache_specs(engine.block_size, engine.dtype)
     probe, layer_to_group = group_kv_cache_specs(specs, 2)
-    smallest = len(layer_to_group) * (-(-engine.max_model_len // engine.block_size)) + 1
+    groups = len(probe.kv_cache_groups)
+    smallest = groups * (-(-engine.max_model_len // engine.block_size)) + 1
     engine = dataclasses.replace(
         engine, kv_cache_memory=memory, num_blocks=None if memory else smallest
     )
@@ -240,7 +241,13 @@ def plan_topology(
     runner, _ = _runner(config, mesh, engine, memory)
     weight_bytes = per_device_bytes(nnx.state(runner.model, nnx.Param))
     if memory is None:  # the temporaries follow the batch, not the pool: measured small
-        programs, _ = _compile_all(runner)
+        try:
+            programs, _ = _compile_all(runner)
+        except ValueError as e:
+            raise ValueError(
+                f"{topology}: {weight_bytes:,} weight bytes per chip and a one-request pool "
+                f"do not fit its {hbm:,} bytes of HBM ({e}); give it more chips"
+            ) from None
         need = max(p.temp_bytes for p in programs) + sum(p.code_bytes for p in programs)
         # A program that copies the cache holds it that many more times (kv_in_place False).
         copies = max(len(p.cache_copies) for p in programs)
@@ -250,6 +257,10 @@ def plan_topology(
                 f"{topology}: {weight_bytes:,} weight bytes and {need:,} bytes of compiled "
                 f"programs per chip leave nothing of its {hbm:,} bytes of HBM for the KV cache"
             )
+        # The compile-only client counts the first pass's executables against the chip's
+        # HBM (a full pool then fails to fit): drop them before the second pass.
+        del runner, programs
+        jax.clear_caches()
         runner, _ = _runner(config, mesh, engine, memory)
     programs, decode = _compile_all(runner)
     paged = runner.paged[0]
