@@ -1,12 +1,25 @@
-"""transformers' side of bench_decode (runs under the peer env's python: torch, no JAX).
+"""transformers' side of bench_decode and of gpu_check's side-by-side (torch, no JAX).
 
     python _transformers_decode.py CKPT PROMPT_LEN DECODE_TOKENS THREADS
+    python _transformers_decode.py generate SPEC_JSON
 
-Prints one JSON line: load_s, first_token_s, prefill_s (median of 3), decode_ms_per_token
-(greedy, its own KV cache), peak_rss_mib. Float32, eager attention, as the reference.
+The first form (bench_decode, CPU) prints one JSON line: load_s, first_token_s,
+prefill_s (median of 3), decode_ms_per_token (greedy, its own KV cache), peak_rss_mib.
+Float32, eager attention, as the reference.
+
+The second form (gpu_check) loads the checkpoint in bfloat16 on the GPU (the CPU when
+torch sees none) and, for each batch size of the spec, times `generate` (greedy, every
+sequence run to `new_tokens`: EOS is switched off, as the engine's `ignore_eos`) on the
+first `batch` prompts of `prompts_file` (equal-length token-id lists, so no padding):
+`max_new_tokens=1` (time to the first token, median of `repeats`) and `new_tokens`.
+Prints one JSON line: versions, device, dtype, attention implementation, load_s and
+per batch first_token_s, total_s, new_tokens (generated) and the generated token ids;
+or {"import_error": ...} where torch or transformers does not import.
+SPEC_JSON: {"ckpt", "prompts_file", "batches", "new_tokens", "repeats"}.
 """
 
 import json
+import re
 import statistics
 import sys
 import time
@@ -63,6 +76,81 @@ def main(ckpt: str, prompt_len: int, decode_tokens: int, threads: int) -> dict:
     }
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+def _time_generate(model, torch, prompts: list[list[int]], spec: dict) -> dict:
+    """`generate` on `prompts`: time to the first token, and to `new_tokens`."""
+    device = model.device
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def run(new_tokens: int) -> tuple[float, list[list[int]]]:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
+
+    run(min(4, spec["new_tokens"]))  # warm-up: kernels, allocator
+    first = statistics.median(run(1)[0] for _ in range(spec["repeats"]))
+    total, tokens = run(spec["new_tokens"])
+    return {
+        "first_token_s": first,
+        "total_s": total,
+        "new_tokens": min(len(t) for t in tokens),
+        "tokens": tokens,
+    }
+
+
+def generate_main(spec: dict) -> dict:
+    """gpu_check's side: bfloat16 `generate` timings and tokens per batch size."""
+    start = time.perf_counter()
+    try:
+        import torch
+        import transformers
+    except Exception as exc:  # the parent tries another interpreter, or reports this
+        return {"import_error": f"{type(exc).__name__}: {exc}"}
+
+    on_gpu = torch.cuda.is_available()
+    # transformers >= 4.56 names it `dtype`; older ones ignore that name silently.
+    name = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["ckpt"], **{name: torch.bfloat16}
+    ).to("cuda" if on_gpu else "cpu")
+    model.eval()
+    model.generation_config.eos_token_id = None  # every sequence runs to new_tokens
+    if on_gpu:
+        torch.cuda.synchronize()
+    report = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "dtype": str(model.dtype),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "load_s": time.perf_counter() - start,
+        "batches": {},
+    }
+    with open(spec["prompts_file"]) as f:
+        prompts = json.load(f)
+    for batch in spec["batches"]:
+        try:
+            report["batches"][str(batch)] = _time_generate(model, torch, prompts[:batch], spec)
+        except Exception as exc:  # e.g. out of memory: the other batch sizes still run
+            report["batches"][str(batch)] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return report
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "generate":
+        print(json.dumps(generate_main(json.loads(sys.argv[2]))))
+        sys.exit(0)
     ckpt, prompt_len, decode_tokens, threads = sys.argv[1:5]
     print(json.dumps(main(ckpt, int(prompt_len), int(decode_tokens), int(threads))))
