@@ -8,7 +8,9 @@ lowering: nothing here runs on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +23,11 @@ from jaxkv.device import (
     AttentionOptions,
     attention,
     paged_decode_attention,
+    pallas_gpu,
     ragged_paged_attention,
 )
-from jaxkv.device.pallas_gpu import paged_decode_attention_pallas
+from jaxkv.device.attention import token_intervals
+from jaxkv.device.pallas_gpu import paged_attention_rows_pallas, paged_decode_attention_pallas
 
 UNIT = AttentionOptions(sm_scale=1.0)
 PALLAS = AttentionOptions(sm_scale=1.0, impl="pallas")
@@ -162,6 +166,15 @@ def test_kernel_rejects_bad_inputs(shape, kw, match) -> None:
         paged_decode_attention_pallas(*_args(**shape), sm_scale=1.0, interpret=True, **kw)
 
 
+def test_kernel_rejects_a_cache_rank_that_disagrees_with_layer() -> None:
+    q, kv, tables, lens = _args()
+    call = functools.partial(paged_decode_attention_pallas, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match=r"without `layer`, or a stack .* with `layer`"):
+        call(q, kv, tables, lens, layer=jnp.int32(0))
+    with pytest.raises(ValueError, match=r"without `layer`, or a stack .* with `layer`"):
+        call(q, kv[None], tables, lens)
+
+
 def test_dispatch_rejects_bad_options() -> None:
     q, kv, tables, lens = _args()
     with pytest.raises(ValueError, match="impl='pallas' needs a GPU .* or a TPU"):
@@ -264,3 +277,123 @@ def test_decode_matches_jax_paged_attention_in_interpret_mode() -> None:
     report = compare_with_jax_kernels(4800.0, small=True)
     assert report["decode_max_abs_diff"] < 1e-5, report
     assert report["prefill_max_abs_diff"] < 5e-2, report
+
+
+def _mixed_rows(rng: np.random.Generator, stale: bool):
+    """A mixed step (prefill, chunk, decode, padding) as token rows for the rows kernel:
+    `(case, q, each token's table row, lo, hi)`; with `stale`, table entries past each
+    request's pages are stale ids, some negative or past the layer's blocks."""
+    case = random_case(
+        rng, [11, 6, 19, 1], [7, 1, 4, 1], group=2, head_size=HEAD_SIZE, block_size=4,
+        width=WIDTH + 1, num_blocks=20, pad_tokens=2,
+    )  # fmt: skip
+    tables = case.block_tables
+    if stale:
+        used = -(-case.seq_lens // 4)
+        tail = np.arange(tables.shape[1])[None, :] >= used[:, None]
+        junk = rng.integers(-3, 2 * case.cache.num_blocks, tables.shape, dtype=np.int32)
+        junk[:2, -1] = -3, 2 * case.cache.num_blocks - 1  # always both kinds (tails: 3, 4)
+        tables = np.where(tail, junk, tables)
+    iv = token_intervals(
+        case.q.shape[0], jnp.asarray(case.seq_lens), jnp.asarray(case.query_start_loc),
+        jnp.asarray(case.num_seqs, jnp.int32), tables.shape[1] * 4,
+    )  # fmt: skip
+    return case, jnp.asarray(case.q), jnp.asarray(tables)[iv.req], iv.lo, iv.hi
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_rows_kernel_reads_a_stacked_layer_in_place(layer) -> None:
+    """Layer `layer` (traced) of a 3-layer stack gives bit for bit the 4-D call on
+    `stack[layer]`, and the float64 reference. The other layers are NaN, so a page read
+    from the wrong layer (e.g. an offset of the wrong layer, or none) shows as NaN."""
+    rng = np.random.default_rng()
+    case, q, tables, lo, hi = _mixed_rows(rng, stale=True)
+    nan = jnp.full_like(case.kv, jnp.nan)
+    stack = jnp.stack([case.kv if i == layer else nan for i in range(3)])
+    fn = jax.jit(
+        functools.partial(
+            paged_attention_rows_pallas, sm_scale=0.3, soft_cap=5.0,
+            kv_dtype=case.cache.dtype, pages_per_compute_block=4, interpret=True,
+        )
+    )  # fmt: skip
+    got = np.asarray(fn(q, stack, tables, lo, hi, layer=jnp.int32(layer)))
+    single = np.asarray(fn(q, stack[layer], tables, lo, hi))
+    np.testing.assert_array_equal(got, single)
+    num_q = int(case.q_lens.sum())
+    want = reference_attention(case, sm_scale=0.3, soft_cap=5.0)
+    assert np.isfinite(got).all()
+    assert rel_error(got[:num_q], want[:num_q]) < 1e-5
+    assert not got[num_q:].any()
+
+    from test_device_attention import run_attention  # the dispatch passes `layer` through
+
+    stacked_case = dataclasses.replace(case, kv=stack)
+    kw = {"sm_scale": 0.3, "soft_cap": 5.0, "impl": "pallas", "interpret": True}
+    via_dispatch = run_attention(stacked_case, layer=jnp.int32(layer), **kw)
+    np.testing.assert_array_equal(via_dispatch, run_attention(case, **kw))
+
+
+@pytest.mark.parametrize(("layer", "read"), [(1, 1), (7, 2), (-1, 0)])
+def test_rows_kernel_page_ids_lie_in_the_layer(monkeypatch, layer, read) -> None:
+    """Triton loads are unchecked (interpret mode's gathers clamp, so only a spy sees
+    this): the kernel gets the stack as `[L * NB, ...]` pages and page ids clipped into
+    the layer's `[l * NB, (l + 1) * NB)`, an out-of-range `layer` clipped into `[0, L)`."""
+    seen, kernel = [], pallas_gpu._call
+
+    def spy(qg, kv_cache, tables, *args, **kw):
+        seen.append((kv_cache.shape, np.asarray(tables)))
+        return kernel(qg, kv_cache, tables, *args, **kw)
+
+    rng = np.random.default_rng()
+    case, q, tables, lo, hi = _mixed_rows(rng, stale=True)
+    nb = case.cache.num_blocks
+    assert (tables < 0).any() and (tables >= nb).any()
+    monkeypatch.setattr(pallas_gpu, "_call", spy)
+    paged_attention_rows_pallas(
+        q, jnp.stack([case.kv] * 3), tables, lo, hi, sm_scale=0.3, layer=jnp.int32(layer),
+        kv_dtype=case.cache.dtype, pages_per_compute_block=4, interpret=True,
+    )  # fmt: skip
+    [(shape, got)] = seen
+    assert shape == (3 * nb, *case.kv.shape[1:])
+    width = tables.shape[1]
+    assert got.min() >= read * nb and got.max() < (read + 1) * nb
+    np.testing.assert_array_equal(got[:, :width] - read * nb, np.clip(tables, 0, nb - 1))
+
+
+def test_scanned_layers_hand_the_triton_call_the_whole_stack() -> None:
+    """The engine's shape of the step: layers under `lax.scan`, the stacked cache in the
+    carry, `layer` traced, `impl="auto"` on a GPU (cross-lowered for CUDA on CPU).
+
+    The Triton call's K and V operands must be the whole stack viewed as `[L * NB, ...]`
+    and nothing may slice the stack: a `kv_cache[layer]` slice feeding the custom call
+    is materialised by XLA, a copy of the whole KV pool per step."""
+    layers, num_blocks, block_size, heads, head_size = 3, 40, 16, 2, 128
+    stacked = f"tensor<{layers}x{num_blocks}x{block_size}x{2 * heads}x{head_size}xbf16>"
+    flat = f"tensor<{layers * num_blocks}x{block_size}x{2 * heads}x{head_size}xbf16>"
+    options = AttentionOptions(sm_scale=0.1)
+
+    def step(q, kv, tables, seq_lens, query_start_loc, num_seqs):
+        def body(carry, layer):
+            out = ragged_paged_attention(
+                q, carry, tables, seq_lens, query_start_loc, num_seqs, options,
+                platform="gpu", layer=layer,
+            )  # fmt: skip
+            return carry, out
+
+        return jax.lax.scan(body, kv, jnp.arange(layers, dtype=jnp.int32))
+
+    shapes = [
+        jax.ShapeDtypeStruct((5, 2 * heads, head_size), jnp.bfloat16),
+        jax.ShapeDtypeStruct((layers, num_blocks, block_size, 2 * heads, head_size), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3, 7), jnp.int32),
+        jax.ShapeDtypeStruct((3,), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    ]
+    text = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    [call] = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    operand_types = re.search(r"\} : \((.*)\) -> ", call).group(1).split(", ")
+    assert operand_types[-2:] == [flat, flat], operand_types
+    # The operand is the stack itself, reshaped (a bitcast), and nothing slices it.
+    assert re.search(rf"stablehlo.reshape %\S+ : \({re.escape(stacked)}\) -> {flat}", text)
+    assert not re.search(rf"(slice|gather)\b[^\n]*{re.escape(stacked)}", text)

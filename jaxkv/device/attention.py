@@ -1,4 +1,5 @@
-"""Ragged paged attention over a `[num_blocks, block_size, 2 * kv_heads, head_size]` cache.
+"""Ragged paged attention over a `[num_blocks, block_size, 2 * kv_heads, head_size]` cache
+(or layer `layer` of a stack `[L, num_blocks, ...]` of them, read in place).
 
 One call serves a mixed batch: prefill chunks and decode tokens of many
 requests, concatenated along the token axis (`query_start_loc` delimits them,
@@ -216,9 +217,12 @@ def ragged_paged_attention(
     `options.sliding_window` must then be None.
 
     `layer` (an int32 scalar, may be traced) reads layer `layer` of a stacked cache
-    `[L, blocks, bs, 2H, D]` (`PagedKVCache.allocate_stacked`): the blockwise path
-    gathers its pages straight from the stack; the kernels are handed that layer's
-    slice.
+    `[L, blocks, bs, 2H, D]` (`PagedKVCache.allocate_stacked`) in place: the blockwise
+    path gathers its pages straight from the stack and both kernels take the whole
+    stack plus `layer` (the TPU kernel's DMAs index the layer; the Triton kernel reads
+    the stack viewed as `[L * blocks, ...]` with page ids offset by `layer * blocks`).
+    No path slices `kv_cache[layer]`: XLA would materialise such a slice before a
+    kernel's custom call, a copy of the whole layer per layer per step.
 
     `block_tables [R, W]`, `seq_lens [R]`, `query_start_loc [R+1]` and the scalar
     `num_seqs` describe the requests (rows at or beyond `num_seqs` are padding).
@@ -272,8 +276,6 @@ def ragged_paged_attention(
         num_tokens, seq_lens, query_start_loc, num_seqs,
         block_tables.shape[1] * block_size, **masks,
     )  # fmt: skip
-    if kernel == "gpu" and layer is not None:
-        kv_cache = kv_cache[layer]  # the Triton kernel takes one layer's cache
     if kernel == "tpu":
         return paged_attention_tiles_tpu(
             q, kv_cache, block_tables, iv.req, iv.lo, iv.hi,
@@ -288,7 +290,7 @@ def ragged_paged_attention(
         pages = compute_block_pages(q.shape[-1], block_size, group, compute, smem)
         return paged_attention_rows_pallas(
             q, kv_cache, block_tables[iv.req], iv.lo, iv.hi,
-            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute,
+            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, layer=layer,
             pages_per_compute_block=pages, interpret=interpret,
         )  # fmt: skip
     return _blockwise(

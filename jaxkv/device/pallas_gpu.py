@@ -1,4 +1,5 @@
-"""Pallas (Triton) paged attention over the interleaved `[blocks, bs, 2*H, D]` cache.
+"""Pallas (Triton) paged attention over the interleaved `[blocks, bs, 2*H, D]` cache
+(one layer's, or layer `layer` of a stack `[L, blocks, bs, 2*H, D]`, read in place).
 
 `paged_attention_rows_pallas`: each query row (a decode token or any token of a
 prefill chunk) attends to its own key interval `[lo, hi)` through its own table
@@ -8,6 +9,14 @@ all intervals). `paged_decode_attention_pallas` is the decode special case. The
 kernel reads the cache in place: K of KV head `h` is combined head `2h`, V is
 `2h+1`, so two block specs over the same array select the K and V lanes of one
 head without any copy or relayout.
+
+Stacked caches: the engine keeps every layer in one `[L, NB, bs, 2H, D]` array and
+scans its layers with a traced `layer`. The kernel takes the whole stack viewed as
+`[L * NB, bs, 2H, D]` (merging the leading axes of a row-major array is a free
+reshape) and page ids offset by `layer * NB`, so it reads that layer's pages where they
+lie. Slicing `kv_cache[layer]` instead would make XLA materialise the slice for the
+custom call: a copy of one layer's whole cache per layer per step, i.e. of the whole
+KV pool per step.
 
 Grid `(row, kv_head)`. Program `(n, h)` takes the `G = Hq / H` query heads of KV
 head `h` (zero-padded to `G_pad = max(16, next_pow2(G))` rows, the smallest
@@ -26,8 +35,9 @@ are masked; logits are scaled, then soft-capped (`cap * tanh(s / cap)`). Rows wi
 NaN safety: the null block, free pages and the unused tail of a last page may hold
 anything. Masked logits are replaced with `jnp.where`, their probabilities and V
 rows are zeroed with `jnp.where` (0 * NaN is NaN). Page ids are clipped into
-`[0, num_blocks)` first: Triton loads have no bounds check, and the last compute
-block may read stale table entries past a request's pages (their keys are masked).
+`[0, num_blocks)` first (and a stack's `layer` into `[0, L)`): Triton loads have no
+bounds check, and the last compute block may read stale table entries past a request's
+pages (their keys are masked).
 
 Block-shape constraints (Triton tensors must have power-of-two sizes and `plgpu.dot`
 needs every dimension >= 16): `block_size`, `head_size` and
@@ -245,10 +255,10 @@ def compute_block_error(
 def _rows_kernel(
     lo_ref,  # [] int32: first visible key position of this row
     hi_ref,  # [] int32: one past the last visible key position
-    table_ref,  # [W_pad] int32: this row's page ids, clipped to valid blocks
+    table_ref,  # [W_pad] int32: this row's page ids, clipped into the layer, offset added
     q_ref,  # [G_pad, D]
-    k_ref,  # [num_blocks, block_size, D]: K lane of this KV head
-    v_ref,  # [num_blocks, block_size, D]: V lane of this KV head
+    k_ref,  # [pages, block_size, D]: K lane of this KV head (a layer or the flat stack)
+    v_ref,  # [pages, block_size, D]: V lane of this KV head
     o_ref,  # [G_pad, D]
     *,
     sm_scale: float,
@@ -305,22 +315,24 @@ def paged_decode_attention_pallas(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_dtype: DTypeLike | None = None,
+    layer: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of `q [R, Hq, D]` (one query per request); returns `[R, Hq, D]`.
 
-    `kv_cache [num_blocks, block_size, 2 * H, D]` (K/V interleaved per head),
-    `block_tables [R, W]` int page ids, `seq_lens [R]` context lengths including
-    this step's token. Precondition: the first `cdiv(seq_lens[r], block_size)`
-    entries of row `r` are valid block ids (out-of-range ids are clipped, not
-    reported). As in the reference, only the table's `W * block_size` keys exist (a
-    longer `seq_lens[r]` only moves the query position) and `Hq % H == 0` is
-    required. Rows with `seq_lens[r] == 0` return 0 (use it for padding).
-    `kv_dtype` is the compute dtype when the cache stores its bits in another
-    dtype. `interpret=True` runs the kernel in Pallas interpret mode (any backend).
-    See the module docstring for the block-shape constraints (checked here) and for
-    how `pages_per_compute_block=None` is chosen.
+    `kv_cache [num_blocks, block_size, 2 * H, D]` (K/V interleaved per head), or a
+    stack `[L, num_blocks, block_size, 2 * H, D]` with `layer` (an int32 scalar, may be
+    traced; read in place, see `paged_attention_rows_pallas`), `block_tables [R, W]`
+    int page ids, `seq_lens [R]` context lengths including this step's token.
+    Precondition: the first `cdiv(seq_lens[r], block_size)` entries of row `r` are
+    valid block ids (out-of-range ids are clipped, not reported). As in the reference,
+    only the table's `W * block_size` keys exist (a longer `seq_lens[r]` only moves the
+    query position) and `Hq % H == 0` is required. Rows with `seq_lens[r] == 0` return
+    0 (use it for padding). `kv_dtype` is the compute dtype when the cache stores its
+    bits in another dtype. `interpret=True` runs the kernel in Pallas interpret mode
+    (any backend). See the module docstring for the block-shape constraints (checked
+    here) and for how `pages_per_compute_block=None` is chosen.
     """
     if seq_lens.ndim != 1 or block_tables.ndim != 2:
         raise ValueError(
@@ -328,12 +340,38 @@ def paged_decode_attention_pallas(
         )
     check_attention_args(q.shape, kv_cache.shape, sliding_window, soft_cap)
     seq = seq_lens.astype(jnp.int32)
-    hi = jnp.clip(seq, 0, block_tables.shape[1] * kv_cache.shape[1])
+    hi = jnp.clip(seq, 0, block_tables.shape[1] * kv_cache.shape[-3])
     lo = jnp.zeros_like(hi) if sliding_window is None else jnp.clip(seq - sliding_window, 0, hi)
     return paged_attention_rows_pallas(
         q, kv_cache, block_tables, lo, hi, sm_scale=sm_scale, soft_cap=soft_cap,
-        kv_dtype=kv_dtype, pages_per_compute_block=pages_per_compute_block, interpret=interpret,
+        kv_dtype=kv_dtype, layer=layer, pages_per_compute_block=pages_per_compute_block,
+        interpret=interpret,
     )  # fmt: skip
+
+
+def layer_pages(kv_cache: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array, int]:
+    """`(pages, offset, num_blocks)`: the cache as `[pages, bs, 2H, D]`, the id of the
+    layer's first page in it, and the blocks per layer.
+
+    A 4-D cache (`layer` None) is returned as is with offset 0. A stack `[L, NB, bs, 2H,
+    D]` (`layer` an int32 scalar, may be traced) is viewed as `[L * NB, bs, 2H, D]`:
+    merging the two leading axes of a row-major array is a free reshape (a bitcast in
+    XLA), so layer `l`'s block `b` is page `l * NB + b` and no per-layer slice is
+    materialised (a slice feeding the custom call would be a copy of the whole layer
+    per call). `layer` is clipped into `[0, L)`: Triton loads are unchecked. Raises
+    `ValueError` when the rank and `layer` disagree.
+    """
+    if (kv_cache.ndim == 5) != (layer is not None) or kv_cache.ndim not in (4, 5):
+        raise ValueError(
+            f"kv_cache {kv_cache.shape}: need [blocks, block_size, 2 * H, D] without `layer`, "
+            "or a stack [L, blocks, block_size, 2 * H, D] with `layer`"
+        )
+    if layer is None:
+        return kv_cache, jnp.int32(0), kv_cache.shape[0]
+    num_layers, num_blocks = kv_cache.shape[:2]
+    pages = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
+    offset = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) * num_blocks
+    return pages, offset, num_blocks
 
 
 def paged_attention_rows_pallas(
@@ -346,28 +384,34 @@ def paged_attention_rows_pallas(
     sm_scale: float,
     soft_cap: float | None = None,
     kv_dtype: DTypeLike | None = None,
+    layer: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Row `n` of `q [N, Hq, D]` attends to key positions `[lo[n], hi[n])` of its own table row.
 
-    `block_tables [N, W]` holds each row's page ids (a query token's request row:
-    ragged prefill and decode alike). Rows with `lo >= hi` return 0. Every mask
-    of `jaxkv.device.attention` (causal, window, chunked-local, spans) is such an
+    `kv_cache [blocks, bs, 2H, D]`, or a stack `[L, blocks, bs, 2H, D]` with `layer`
+    (an int32 scalar, may be traced, clipped into `[0, L)`): the kernel then reads that
+    layer's pages in place in the whole stack (`layer_pages`), never a sliced copy, so
+    a scanned layer body costs no per-layer copy of the cache. `block_tables [N, W]`
+    holds each row's page ids within the layer (a query token's request row: ragged
+    prefill and decode alike). Rows with `lo >= hi` return 0. Every mask of
+    `jaxkv.device.attention` (causal, window, chunked-local, spans) is such an
     interval, so this one kernel serves decode and mixed steps. Precondition:
-    `hi[n] <= W * block_size` and the pages covering `[lo[n], hi[n])` are valid.
+    `hi[n] <= W * block_size` and the pages covering `[lo[n], hi[n])` are valid (ids
+    are clipped into the layer's blocks, not checked).
     `pages_per_compute_block=None` takes `compute_block_pages` for this process's GPU
     (interpret mode: `PAGES_PER_COMPUTE_BLOCK`); raises `ValueError` if none fits.
     """
-    if q.ndim != 3 or kv_cache.ndim != 4 or block_tables.ndim != 2 or lo.ndim != 1:
+    if q.ndim != 3 or block_tables.ndim != 2 or lo.ndim != 1:
         raise ValueError(
-            f"need q [N, Hq, D], kv_cache [blocks, block_size, 2 * H, D], block_tables "
-            f"[N, W], lo/hi [N]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
-            f"{lo.shape}"
+            f"need q [N, Hq, D], block_tables [N, W], lo/hi [N]; got {q.shape}, "
+            f"{block_tables.shape}, {lo.shape}"
         )
+    kv_cache, offset, num_blocks = layer_pages(kv_cache, layer)
     num_kv_heads = check_attention_args(q.shape, kv_cache.shape, None, soft_cap)
     num_rows, num_q_heads, head_size = q.shape
-    num_blocks, block_size = kv_cache.shape[:2]
+    block_size = kv_cache.shape[1]
     if block_tables.shape[0] != num_rows or lo.shape != (num_rows,) or hi.shape != (num_rows,):
         raise ValueError(
             f"block_tables {block_tables.shape} and lo/hi {lo.shape}/{hi.shape} must have "
@@ -391,34 +435,39 @@ def paged_attention_rows_pallas(
     width = block_tables.shape[1]
     padded_width = pl.cdiv(width, pages_per_compute_block) * pages_per_compute_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    tables = jnp.clip(tables, 0, num_blocks - 1)  # Triton loads are unchecked
+    # Triton loads are unchecked: ids are clipped into the layer before the offset.
+    tables = jnp.clip(tables, 0, num_blocks - 1) + offset
     qg = q.reshape(num_rows, num_kv_heads, group, head_size)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    out = _call(
+        qg, kv_cache, tables, lo.astype(jnp.int32), hi.astype(jnp.int32),
+        sm_scale=sm_scale, soft_cap=soft_cap, pages_per_block=pages_per_compute_block,
+        compute=compute, interpret=interpret,
+    )  # fmt: skip
+    return out[:, :, :group].reshape(num_rows, num_q_heads, head_size)
 
-    kernel = functools.partial(
-        _rows_kernel,
-        sm_scale=sm_scale,
-        soft_cap=soft_cap,
-        pages_per_block=pages_per_compute_block,
-        compute=compute,
-    )
-    lane = (num_blocks, block_size, None, head_size)
+
+def _call(qg, kv_cache, tables, lo, hi, *, interpret, **params) -> jax.Array:
+    """The rows kernel over grid `(row, kv_head)` on `kv_cache [pages, bs, 2H, D]` (a
+    layer, or a whole stack viewed flat with `tables` already offset into the layer)."""
+    num_rows, num_kv_heads, rows, head_size = qg.shape
+    pages, block_size = kv_cache.shape[:2]
+    lane = (pages, block_size, None, head_size)
     scalar = pl.BlockSpec((None,), lambda r, h: (r,))
-    out = pl.pallas_call(
-        kernel,
+    return pl.pallas_call(
+        functools.partial(_rows_kernel, **params),
         grid=(num_rows, num_kv_heads),
         in_specs=[
             scalar,
             scalar,
-            pl.BlockSpec((None, padded_width), lambda r, h: (r, 0)),
+            pl.BlockSpec((None, tables.shape[1]), lambda r, h: (r, 0)),
             pl.BlockSpec((None, None, rows, head_size), lambda r, h: (r, h, 0, 0)),
             pl.BlockSpec(lane, lambda r, h: (0, 0, 2 * h, 0)),  # K of head h
             pl.BlockSpec(lane, lambda r, h: (0, 0, 2 * h + 1, 0)),  # V of head h
         ],
         out_specs=pl.BlockSpec((None, None, rows, head_size), lambda r, h: (r, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(),  # Triton; without it CUDA picks Mosaic GPU
         name="jaxkv_paged_attention_rows",
-    )(lo.astype(jnp.int32), hi.astype(jnp.int32), tables, qg, kv_cache, kv_cache)
-    return out[:, :, :group].reshape(num_rows, num_q_heads, head_size)
+    )(lo, hi, tables, qg, kv_cache, kv_cache)
