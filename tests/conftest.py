@@ -29,6 +29,11 @@ SLOW_MODULES = {
 # compile-everything warm-up, or the costlier variants of a case the quick part covers.
 SLOW_TESTS = {
     "test_demo.py::test_quick_demo_serves_everything_correctly",  # the README demo, end to end
+    # the GPU kernels in Pallas interpret mode: their costlier cases (the quick part keeps
+    # one of each kind)
+    "test_pallas_gpu_prefill_kernel.py::test_min_query_len_leaves_short_requests_to_the_decode_kernel",
+    "test_pallas_gpu_prefill_kernel.py::test_prefill_only_batches[long prefill]",
+    "test_pallas_gpu_decode_kernel.py::test_merge_of_splits_equals_one_split",
     "test_demo.py::test_quick_demo_with_a_host_tier_shows_its_hits",
     "test_engine_offload.py::test_sliding_window_hybrid_over_two_data_ranks",  # 8 devices
     "test_compilation_cache.py::test_second_run_compiles_nothing_the_first_compiled",

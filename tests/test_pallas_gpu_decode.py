@@ -17,11 +17,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_device_attention import Case, random_case, reference_attention, rel_error
+from test_device_attention import (
+    Case,
+    random_case,
+    reference_attention,
+    rel_error,
+    run_attention,
+)
 
 from jaxkv.device import (
     AttentionOptions,
-    attention,
+    gpu_attention,
     paged_decode_attention,
     pallas_gpu,
     ragged_paged_attention,
@@ -192,27 +198,41 @@ def test_dispatch_rejects_bad_options() -> None:
         )  # fmt: skip
 
 
-def test_gpu_dispatch_picks_the_kernel_when_its_block_shapes_fit(monkeypatch) -> None:
-    """No GPU here: a spy stands in for the kernel to check what `auto` picks."""
+def test_gpu_dispatch_picks_the_decode_kernel(monkeypatch) -> None:
+    """No GPU here: a spy stands in for the decode kernel to check what `auto` picks (a
+    decode step holds no long request: the prefill kernel does not run)."""
     calls = []
 
     def spy(q, kv_cache, block_tables, lo, hi, **kw):
         calls.append((np.asarray(hi), kw))
         return jnp.zeros_like(q)
 
+    def no_prefill(*args, **kw):
+        raise AssertionError("a decode step ran the prefill kernel")
+
     q, kv, tables, lens = _args()  # head_size 16, block_size 4: the kernel applies
-    q8, kv8, _, _ = _args(head_size=8)  # below the kernel's minimum
-    with pytest.raises(ValueError, match="head_size=8 must be >= 16"):  # forced: no fallback
-        paged_decode_attention(q8, kv8, tables, lens, 2, PALLAS, platform="gpu")
-    monkeypatch.setattr(attention, "paged_attention_rows_pallas", spy)
+    monkeypatch.setattr(gpu_attention, "paged_decode_rows_gpu", spy)
+    monkeypatch.setattr(gpu_attention, "paged_prefill_gpu", no_prefill)
     paged_decode_attention(q, kv, tables, lens, 1, UNIT, platform="gpu")
     [(hi, kw)] = calls
     np.testing.assert_array_equal(hi, [1, 0])  # rows past num_seqs see no key
     assert kw["interpret"] is False
     reference = AttentionOptions(sm_scale=1.0, impl="reference")
     paged_decode_attention(q, kv, tables, lens, 2, reference, platform="gpu")
-    paged_decode_attention(q8, kv8, tables, lens, 2, UNIT, platform="gpu")  # reference
     assert len(calls) == 1
+
+
+def test_gpu_mixed_step_is_decode_plus_prefill_kernels() -> None:
+    """A step with a long prefill and decodes: the decode kernel serves the short
+    requests, the prefill kernel the long one, each 0 for the other's tokens; their sum
+    is the float64 reference (interpret mode)."""
+    rng = np.random.default_rng()
+    case = random_case(rng, [40, 9, 23, 5], [24, 1, 1, 1], num_kv_heads=2, group=2, width=12)
+    got = run_attention(case, sm_scale=0.3, sliding_window=17, impl="pallas", interpret=True)
+    want = reference_attention(case, sm_scale=0.3, sliding_window=17)
+    num_q = int(case.q_lens.sum())
+    assert rel_error(got[:num_q], want[:num_q]) < 1e-5
+    assert not got[num_q:].any()
 
 
 @pytest.mark.parametrize(

@@ -241,7 +241,7 @@ def test_rejects_bad_inputs() -> None:
     kv = jnp.zeros((8, 4, 4, 64))
     tables, lens = jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32)
     call = functools.partial(paged_decode_rows_gpu, sm_scale=1.0, interpret=True)
-    with pytest.raises(ValueError, match="one layer's cache: no `layer`"):
+    with pytest.raises(ValueError, match=r"need \[blocks, block_size, 2 \* H, D\] without `layer`"):
         call(q, kv, tables, lens * 0, lens, layer=jnp.int32(0))
     with pytest.raises(ValueError, match=r"with `layer`"):
         call(q, kv[None], tables, lens * 0, lens)

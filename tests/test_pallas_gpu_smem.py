@@ -17,7 +17,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxkv.device import AttentionOptions, attention, paged_decode_attention, pallas_gpu
+from jaxkv.device import (
+    AttentionOptions,
+    attention,
+    gpu_attention,
+    paged_decode_attention,
+    pallas_gpu,
+)
 from jaxkv.device.pallas_gpu import (
     PAGES_PER_COMPUTE_BLOCK,
     SMEM_MARGIN_DIVISOR,
@@ -151,35 +157,37 @@ def _decode_args(head_size: int, dtype, width: int = 3):
     return q, kv, jnp.zeros((2, width), jnp.int32), jnp.ones(2, jnp.int32)
 
 
-def test_dispatch_passes_the_fitting_compute_block_or_falls_back(monkeypatch, caplog) -> None:
-    """Head 256 f32 on a GPU: 4 pages within an H200's limit, 2 within an A100's; nothing
-    within 64 KiB, where `auto` takes the blockwise path with one line and `pallas` raises."""
+def test_dispatch_falls_back_when_no_decode_tile_fits(monkeypatch, caplog) -> None:
+    """Head 256 f32 on a GPU: the decode kernel fits an H200 and an A100; with 16 KiB of
+    shared memory nothing fits, and `auto` takes the blockwise path with one line while
+    `pallas` raises."""
     calls = []
 
-    def spy(q, kv_cache, block_tables, lo, hi, **kw):
-        calls.append(kw["pages_per_compute_block"])
+    def spy(q, *args, **kw):
+        calls.append(kw)
         return jnp.zeros_like(q)
 
-    monkeypatch.setattr(attention, "paged_attention_rows_pallas", spy)
+    monkeypatch.setattr(gpu_attention, "paged_decode_rows_gpu", spy)
     args = _decode_args(256, jnp.float32)
     unit = AttentionOptions(sm_scale=1.0)
-    for limit, pages in ((H200, 4), (A100, 2)):
-        monkeypatch.setattr(attention, "gpu_smem_limit", lambda limit=limit: limit)
+    for limit in (H200, A100):
+        monkeypatch.setattr(gpu_attention, "gpu_smem_limit", lambda limit=limit: limit)
         paged_decode_attention(*args, 2, unit, platform="gpu")
-        assert calls.pop() == pages
-    monkeypatch.setattr(attention, "gpu_smem_limit", lambda: smem_limit_for("7.5"))
+        assert len(calls) == 1 and calls.pop()["interpret"] is False
+    tiny = SmemLimit(16384, "a 16 KiB part")
+    monkeypatch.setattr(gpu_attention, "gpu_smem_limit", lambda: tiny)
     attention._say_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="jaxkv"):
         paged_decode_attention(*args, 2, unit, platform="gpu")
     assert not calls
     [record] = caplog.records
-    assert "no compute block fits shared memory" in record.getMessage()
+    assert "no decode tile fits shared memory" in record.getMessage()
     assert "using the blockwise path" in record.getMessage()
     pallas = AttentionOptions(sm_scale=1.0, impl="pallas")
-    with pytest.raises(ValueError, match="no compute block fits shared memory: head_size=256"):
+    with pytest.raises(ValueError, match="no decode tile fits shared memory: head_size=256"):
         paged_decode_attention(*args, 2, pallas, platform="gpu")
     paged_decode_attention(*args, 2, pallas, platform="cpu", interpret=True)  # no smem limit
-    assert calls == [PAGES_PER_COMPUTE_BLOCK]
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(("limit", "padded_width"), [(H200, 12), (A100, 10)])

@@ -376,3 +376,53 @@ def test_sharded_step_matches_reference() -> None:
 def sharded_results(seed: str) -> dict:
     """Under 8 devices: each sharded case's step against the reference."""
     return {name: _sharded_step(*args, int(seed)) for name, args in SHARDED.items()}
+
+
+# (storage, head size, KV heads, block size, query heads per KV head, kv_quant): every
+# head-block shape the kernel takes — one tile of combined heads out of several (f32 16
+# heads: 4 blocks of 4; bf16 16 heads: 2 of 8), all heads in one block, 8-bit words
+# holding two heads, 128- and 256-lane rows in one or two DMA columns, 128-token pages.
+HEAD_BLOCK_CASES = [
+    ("bfloat16", 128, 16, 4, 2, None),
+    ("float32", 128, 8, 16, 1, "int8"),
+    ("bfloat16", 64, 1, 128, 8, None),
+]
+SLOW_HEAD_BLOCK_CASES = [
+    ("float32", 64, 16, 4, 1, None),
+    ("bfloat16", 256, 2, 8, 4, None),
+    ("float32", 64, 4, 4, 2, "fp8"),
+    ("float32", 256, 4, 8, 2, None),
+    ("bfloat16", 64, 4, 16, 1, None),
+    ("float32", 256, 2, 4, 1, "int8"),
+    ("float32", 128, 16, 4, 1, "fp8"),
+]
+
+
+def _head_block_case(dtype, head_size, kv_heads, block_size, group, kv_quant) -> None:
+    rng = np.random.default_rng()
+    spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
+    cache = PagedKVCache(spec, 24, kv_quant=kv_quant)
+    width = -(-40 // block_size) + 1
+    case = random_case(
+        rng, [40, 3, 17], [13, 1, 5], num_kv_heads=kv_heads, group=group,
+        head_size=head_size, block_size=block_size, width=width, cache=cache,
+    )  # fmt: skip
+    masks = {"sliding_window": 21, "soft_cap": 5.0}
+    quant = {"kv_quant": kv_quant} if kv_quant else {}
+    got = run_attention(case, sm_scale=0.2, **masks, **quant, **TPU)
+    want = reference_attention(case, sm_scale=0.2, **masks)
+    bound = ATTENTION_BOUND[kv_quant] if kv_quant else 2e-2 if dtype == "bfloat16" else 1e-5
+    _check(case, got, want, bound=bound)
+
+
+@pytest.mark.parametrize("case", HEAD_BLOCK_CASES, ids=str)
+def test_head_blocks_lane_columns_and_word_packing(case) -> None:
+    """The float64 reference for the head blocks, lane columns and packed words the real TPU
+    compiler is given (`tests/test_tpu_aot.py` compiles the same kinds of shapes)."""
+    _head_block_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_HEAD_BLOCK_CASES, ids=str)
+def test_head_blocks_more_shapes(case) -> None:
+    _head_block_case(*case)

@@ -33,7 +33,7 @@ Dispatch:
 | backend | `impl="auto"` (what `PagedKVCache.step` runs) | `impl="pallas"`                  |
 |---------|-----------------------------------------------|----------------------------------|
 | CPU     | blockwise                                     | ValueError (or `interpret=True`) |
-| GPU     | `pallas_gpu` Triton kernel (decode and mixed) | the same Triton kernel           |
+| GPU     | `gpu_attention`: Triton decode + prefill kernels | the same Triton kernels          |
 | TPU     | `pallas_tpu` Mosaic kernel (decode and mixed) | the same Mosaic kernel           |
 
 Where a kernel does not apply (on GPU a quantised cache, block shapes outside
@@ -68,12 +68,7 @@ import numpy as np
 
 from jaxkv._checks import check_int
 from jaxkv.device.attention_checks import check_attention_args
-from jaxkv.device.pallas_gpu import (
-    compute_block_error,
-    compute_block_pages,
-    gpu_smem_limit,
-    paged_attention_rows_pallas,
-)
+from jaxkv.device.gpu_attention import gpu_attention, gpu_kernel_error
 from jaxkv.device.pallas_tpu import TPU_BLOCK_SIZE, paged_attention_tiles_tpu, tpu_kernel_error
 from jaxkv.device.storage import (
     SCALE_BYTES,
@@ -284,14 +279,10 @@ def ragged_paged_attention(
             pages_per_chunk=max(1, keys_per_chunk // block_size),
             interpret=impl == "pallas_tpu_interpret",
         )  # fmt: skip
-    if kernel == "gpu":  # the compute block _gpu_kernel_error found to fit shared memory
-        group = q.shape[-2] // (kv_cache.shape[-2] // 2)
-        smem = None if interpret else gpu_smem_limit()
-        pages = compute_block_pages(q.shape[-1], block_size, group, compute, smem)
-        return paged_attention_rows_pallas(
-            q, kv_cache, block_tables[iv.req], iv.lo, iv.hi,
-            sm_scale=sm_scale, soft_cap=soft_cap, kv_dtype=compute, layer=layer,
-            pages_per_compute_block=pages, interpret=interpret,
+    if kernel == "gpu":
+        return gpu_attention(
+            q, kv_cache, block_tables, query_start_loc, num_seqs, iv, sm_scale=sm_scale,
+            soft_cap=soft_cap, compute=compute, layer=layer, interpret=interpret,
         )  # fmt: skip
     return _blockwise(
         q, kv_cache, block_tables, query_start_loc, num_seqs, iv,
@@ -318,7 +309,7 @@ def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, q_shape,
     if impl == "reference":
         return "blockwise"
     tpu_error = tpu_kernel_error(kv_cache.shape[-2] // 2, kv_cache.dtype, compute, kv_quant)
-    gpu_error = _gpu_kernel_error(
+    gpu_error = gpu_kernel_error(
         kv_cache, compute, kv_head, q_shape, quantised=bool(kv_quant), interpret=interpret
     )
     if impl == "auto":
@@ -354,24 +345,6 @@ def _pick_kernel(impl, platform, interpret, kv_cache, compute, kv_head, q_shape,
 def _say_once(line: str) -> None:
     """Log `line` once per process (a dispatch is traced once per compiled program)."""
     logger.warning(line)
-
-
-def _gpu_kernel_error(kv_cache, compute, kv_head, q_shape, *, quantised, interpret) -> str | None:
-    """Why the Triton kernel cannot serve this call, or None if it can.
-
-    Besides block shapes, a compiled kernel needs a compute block whose modelled shared
-    memory fits this process's GPU (`pallas_gpu.compute_block_pages`, which the GPU call
-    then passes); interpret mode has no such limit.
-    """
-    if quantised:
-        return "a quantised cache is not supported"
-    if kv_head is not None:
-        return "a replicated KV head slice is not supported"
-    if compute.itemsize != kv_cache.dtype.itemsize:
-        return f"storage {kv_cache.dtype} does not have the width of {compute}"
-    group = q_shape[-2] // (kv_cache.shape[-2] // 2)
-    smem = None if interpret else gpu_smem_limit()
-    return compute_block_error(q_shape[-1], kv_cache.shape[-3], group, compute, smem)
 
 
 def paged_decode_attention(

@@ -106,7 +106,7 @@ from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
 _MASKED = -1e30
-_MIN_DOT = 16  # smallest M, N and K Triton's `tl.dot` accepts
+MIN_DOT = 16  # smallest M, N and K Triton's `tl.dot` accepts
 PAGES_PER_COMPUTE_BLOCK = 8  # the most pages per compute block the plan takes; untuned
 SMEM_MARGIN_DIVISOR = 16  # the plan leaves limit // 16 of the limit unused (docstring)
 _SMEM_RESIDUAL = 96  # bytes the calibration leaves beyond the modelled tensors
@@ -138,8 +138,13 @@ class SmemLimit(NamedTuple):
     source: str
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= `n` (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def block_shape_error(head_size: int, block_size: int, pages_per_compute_block: int) -> str | None:
@@ -149,22 +154,22 @@ def block_shape_error(head_size: int, block_size: int, pages_per_compute_block: 
         ("head_size", head_size),
         ("pages_per_compute_block", pages_per_compute_block),
     ):
-        if not _is_pow2(value):
+        if not is_pow2(value):
             return f"{name}={value} must be a power of two (Triton block shapes)"
-    if head_size < _MIN_DOT:
-        return f"head_size={head_size} must be >= {_MIN_DOT} (plgpu.dot on Triton)"
+    if head_size < MIN_DOT:
+        return f"head_size={head_size} must be >= {MIN_DOT} (plgpu.dot on Triton)"
     keys_per_block = pages_per_compute_block * block_size
-    if keys_per_block < _MIN_DOT:
+    if keys_per_block < MIN_DOT:
         return (
             f"pages_per_compute_block={pages_per_compute_block} * block_size={block_size} "
-            f"= {keys_per_block} keys per compute block must be >= {_MIN_DOT} (plgpu.dot on Triton)"
+            f"= {keys_per_block} keys per compute block must be >= {MIN_DOT} (plgpu.dot on Triton)"
         )
     return None
 
 
 def query_rows(group: int) -> int:
     """Query rows a program computes for a GQA group: `G_pad = max(16, next_pow2(group))`."""
-    return max(_MIN_DOT, 1 << (group - 1).bit_length())
+    return max(MIN_DOT, 1 << (group - 1).bit_length())
 
 
 def smem_bytes(head_size: int, keys_per_block: int, rows: int, itemsize: int) -> int:

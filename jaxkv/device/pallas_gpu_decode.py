@@ -87,34 +87,29 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
+    MIN_DOT,
     PAGES_PER_COMPUTE_BLOCK,
     SMEM_MARGIN_DIVISOR,
     SmemLimit,
     block_shape_error,
     compute_block_pages,
     gpu_smem_limit,
+    is_pow2,
+    layer_pages,
+    next_pow2,
     smem_bytes,
 )
 from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0, never NaN
-_MIN_DOT = 16  # smallest M, N and K Triton's `tl.dot` accepts
 TILE_ELEMENTS = 8192  # keys * D per K (and V) tile on the G < 16 route (docstring)
 BLOCKS_PER_SPLIT = 4  # compute blocks per split for a full-width row; untuned
 MAX_SPLITS = 16  # untuned
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def uses_dot(group: int) -> bool:
     """Whether a group of `group` query heads takes the `plgpu.dot` route (>= 16 rows)."""
-    return group >= _MIN_DOT
+    return group >= MIN_DOT
 
 
 def decode_compute_block_pages(
@@ -125,7 +120,7 @@ def decode_compute_block_pages(
     Raises `ValueError` saying why when the kernel cannot serve these shapes.
     """
     for name, value in (("block_size", block_size), ("head_size", head_size)):
-        if not _is_pow2(value):
+        if not is_pow2(value):
             raise ValueError(f"{name}={value} must be a power of two (Triton block shapes)")
     if group < 1:
         raise ValueError(f"group={group} must be >= 1")
@@ -138,7 +133,7 @@ def decode_compute_block_pages(
         return pages
     itemsize = np.dtype(dtype).itemsize
     budget = smem.bytes - smem.bytes // SMEM_MARGIN_DIVISOR
-    rows = _next_pow2(group)
+    rows = next_pow2(group)
     while (need := smem_bytes(head_size, pages * block_size, rows, itemsize)) > budget:
         if pages == 1:
             raise ValueError(
@@ -305,24 +300,6 @@ def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array) -> jax.Array:
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _flat_cache(kv_cache: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array, int]:
-    """The cache as `[pages, bs, 2H, D]`, the page-id offset of `layer`, and NB per layer."""
-    if kv_cache.ndim == 4:
-        if layer is not None:
-            raise ValueError(f"kv_cache {kv_cache.shape} is one layer's cache: no `layer`")
-        return kv_cache, jnp.int32(0), kv_cache.shape[0]
-    if kv_cache.ndim != 5 or layer is None:
-        raise ValueError(
-            f"kv_cache {kv_cache.shape}: need [blocks, bs, 2H, D], or [L, blocks, bs, 2H, D] "
-            "with `layer`"
-        )
-    num_layers, num_blocks = kv_cache.shape[:2]
-    # A free reshape: the stack is contiguous, layer l's block b is page l * NB + b.
-    flat = kv_cache.reshape(num_layers * num_blocks, *kv_cache.shape[2:])
-    offset = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) * num_blocks
-    return flat, offset, num_blocks
-
-
 def paged_decode_rows_gpu(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -349,7 +326,7 @@ def paged_decode_rows_gpu(
     shared memory). Returns `[N, Hq, D]` in q's dtype. Raises `ValueError` when
     the shapes do not fit (`decode_kernel_error`).
     """
-    kv_cache, offset, num_blocks = _flat_cache(kv_cache, layer)
+    kv_cache, offset, num_blocks = layer_pages(kv_cache, layer)
     if q.ndim != 3 or block_tables.ndim != 2 or lo.ndim != 1:
         raise ValueError(
             f"need q [N, Hq, D], block_tables [N, W], lo/hi [N]; got {q.shape}, "
@@ -375,7 +352,7 @@ def paged_decode_rows_gpu(
         pages_per_compute_block = decode_compute_block_pages(
             head_size, block_size, group, compute, smem
         )
-    elif not _is_pow2(pages_per_compute_block):
+    elif not is_pow2(pages_per_compute_block):
         raise ValueError(f"pages_per_compute_block={pages_per_compute_block}: a power of two")
     elif uses_dot(group) and (
         error := block_shape_error(head_size, block_size, pages_per_compute_block)
@@ -388,7 +365,7 @@ def paged_decode_rows_gpu(
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
 
-    rows = _next_pow2(group)
+    rows = next_pow2(group)
     padded_width = pl.cdiv(width, pages_per_compute_block) * pages_per_compute_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
     tables = jnp.clip(tables, 0, num_blocks - 1) + offset  # Triton loads are unchecked

@@ -91,16 +91,19 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
+    MIN_DOT,
     SMEM_MARGIN_DIVISOR,
     SmemLimit,
     block_shape_error,
     gpu_smem_limit,
+    is_pow2,
+    layer_pages,
+    next_pow2,
     smem_bytes,
 )
 from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
 _MASKED = -1e30
-_MIN_DOT = 16  # smallest M, N and K Triton's `tl.dot` accepts
 _INT_MAX = np.iinfo(np.int32).max
 KEYS_PER_CHUNK = 64  # keys per page chunk the plan asks for (flash attention's BLOCK_N); untuned
 ROW_ELEMENTS = 128 * 128  # most `rows * head_size` float32 accumulator elements; untuned
@@ -113,20 +116,12 @@ class PrefillPlan(NamedTuple):
     heads_per_program: int
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def prefill_shape_error(
     head_size: int, block_size: int, query_tile: int, pages_per_chunk: int
 ) -> str | None:
     """Why the kernel cannot take these block shapes (module docstring), or None."""
-    if not isinstance(query_tile, int) or not _is_pow2(query_tile) or query_tile < _MIN_DOT:
-        return f"query_tile={query_tile} must be a power of two >= {_MIN_DOT} (Triton dots)"
+    if not isinstance(query_tile, int) or not is_pow2(query_tile) or query_tile < MIN_DOT:
+        return f"query_tile={query_tile} must be a power of two >= {MIN_DOT} (Triton dots)"
     error = block_shape_error(head_size, block_size, pages_per_chunk)
     # The row kernel's constraints on its compute block are this kernel's on its chunk.
     return None if error is None else error.replace("pages_per_compute_block", "pages_per_chunk")
@@ -146,13 +141,13 @@ def prefill_plan(
     Raises `ValueError` saying why when no configuration qualifies.
     """
     # The fewest pages making a 16-key dot (a non-power-of-two block size fails the check).
-    min_pages = max(1, _MIN_DOT // block_size) if _is_pow2(block_size) else 1
+    min_pages = max(1, MIN_DOT // block_size) if is_pow2(block_size) else 1
     error = prefill_shape_error(head_size, block_size, query_tile, min_pages)
     if error is not None:
         raise ValueError(error)
     itemsize = np.dtype(resolve_dtype(dtype)).itemsize
     max_pages = max(min_pages, KEYS_PER_CHUNK // block_size)
-    max_heads = min(_next_pow2(group), max(1, ROW_ELEMENTS // head_size // query_tile))
+    max_heads = min(next_pow2(group), max(1, ROW_ELEMENTS // head_size // query_tile))
     if smem is None:
         return PrefillPlan(max_pages, max_heads)
     budget = smem.bytes - smem.bytes // SMEM_MARGIN_DIVISOR
@@ -361,26 +356,22 @@ def paged_prefill_gpu(
     pages_per_chunk = pages_per_chunk or plan.pages_per_chunk
     heads = heads_per_program or plan.heads_per_program
     error = prefill_shape_error(head_size, block_size, query_tile, pages_per_chunk)
-    if error is None and (not _is_pow2(heads) or heads > _next_pow2(group)):
-        error = f"heads_per_program={heads} must be a power of two <= {_next_pow2(group)}"
+    if error is None and (not is_pow2(heads) or heads > next_pow2(group)):
+        error = f"heads_per_program={heads} must be a power of two <= {next_pow2(group)}"
     if error is not None:
         raise ValueError(error)
 
-    # The stacked cache in place: [L, NB, ...] -> [L * NB, ...] is a free reshape.
-    num_blocks = kv_cache.shape[-4]
-    cache = kv_cache.reshape(-1, *kv_cache.shape[-3:])
+    cache, offset, num_blocks = layer_pages(kv_cache, layer)  # the stack read in place
     tiles = build_tiles(
         query_start_loc, num_seqs, num_tokens, query_tile=query_tile, min_query_len=min_query_len
     )
     padded_width = pl.cdiv(width, pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    tables = jnp.clip(tables[tiles.req], 0, num_blocks - 1)  # Triton loads are unchecked
-    if layer is not None:
-        tables = tables + jnp.asarray(layer, jnp.int32) * num_blocks
+    tables = jnp.clip(tables[tiles.req], 0, num_blocks - 1) + offset  # loads are unchecked
 
     # Tokens padded by one tile: a tile's dynamic slice never runs past the arrays (interpret
     # mode would clamp its start and shift the rows).
-    g_pad = _next_pow2(group)
+    g_pad = next_pow2(group)
     slots = num_kv_heads * g_pad // heads
     tok_pad = num_tokens + query_tile
     qg = q.reshape(num_tokens, num_kv_heads, group, head_size)
