@@ -982,8 +982,17 @@ class BlockPool:
         """Drop blocks from the prefix cache only (their KV turned out to be bad): every
         key of each cached one, `BlockRemoved` events in the order given; held or free,
         the blocks keep their place (ref counts, free queue). Ids outside
-        `1 .. num_gpu_blocks - 1` are refused (ValueError) before any is evicted."""
-        ids = list(block_ids)
+        `1 .. num_gpu_blocks - 1` are refused (ValueError) before any is evicted, as is
+        a `block_ids` that is not an iterable of ids (TypeError: `evict_blocks(5)`)."""
+        try:  # a str iterates, but over characters: not ids
+            ids = None if isinstance(block_ids, (str, bytes)) else list(block_ids)
+        except TypeError:
+            ids = None
+        if ids is None:
+            raise TypeError(
+                f"block_ids must be an iterable of block ids (e.g. [5] for one block), "
+                f"got {block_ids!r} ({type(block_ids).__name__})"
+            )
         for block_id in ids:
             if not (
                 isinstance(block_id, (int, np.integer))

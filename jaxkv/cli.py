@@ -135,6 +135,12 @@ def _kv_events_settings(args: argparse.Namespace) -> dict:
                 "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"
             )
         return {}
+    from jaxkv.kv_events_publisher import check_endpoint
+
+    # Before the model loads: a bad port or a taken ipc path fails at once.
+    check_endpoint(args.kv_events_endpoint, "--kv-events-endpoint")
+    if args.kv_events_replay_endpoint is not None:
+        check_endpoint(args.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
     return {
         "kv_events_endpoint": args.kv_events_endpoint,
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,

@@ -534,6 +534,7 @@ class KVCacheManager:
             and num_lookahead_tokens >= 0
             and request.num_computed_tokens + (num_new_tokens + num_lookahead_tokens)
             <= state.quiet_until
+            and request.num_computed_tokens <= request.num_tokens
             and new_computed_blocks is None
             and not full_sequence_must_fit
             and type(num_new_computed_tokens)
@@ -611,6 +612,7 @@ class KVCacheManager:
             self._check_counts(step)
         if state is None:
             self._check_new_request(request)
+        self._check_num_computed_tokens(request, state)
         hits = None
         if new_computed_blocks is not None or step.num_new_computed_tokens:
             hits = self._check_hits(request, step.num_new_computed_tokens, new_computed_blocks)
@@ -660,6 +662,30 @@ class KVCacheManager:
                 f"hashes but {num_full_blocks} full blocks of {self.hash_block_size} tokens "
                 f"to cache; give it block_hasher=get_request_block_hasher("
                 f"{self.hash_block_size}, hash_fn)"
+            )
+
+    @staticmethod
+    def _check_num_computed_tokens(request: Request, state: SlotState | None) -> None:
+        """A request's computed tokens are KV its blocks hold: at most its `num_tokens`,
+        and none while it holds no blocks here (`state` None: a new, freed or preempted
+        request restarts from 0, its prefix hits given as `num_new_computed_tokens`).
+        Otherwise its slots would start past blocks nobody wrote, and caching them would
+        key that unwritten KV under the request's real block hashes."""
+        rid = request.request_id
+        computed = check_int(
+            f"request {rid!r}: num_computed_tokens", request.num_computed_tokens, min_value=0
+        )
+        if computed > request.num_tokens:
+            raise ValueError(
+                f"request {rid!r}: num_computed_tokens={computed} exceeds its num_tokens="
+                f"{request.num_tokens} (tokens are computed only once they are in the request)"
+            )
+        if state is None and computed:
+            raise ValueError(
+                f"request {rid!r} holds no blocks here but has num_computed_tokens="
+                f"{computed} (of num_tokens={request.num_tokens}): a new, freed or "
+                "preempted request restarts from num_computed_tokens=0, its prefix hits "
+                "given as num_new_computed_tokens"
             )
 
     def _check_new_request(self, request: Request) -> None:

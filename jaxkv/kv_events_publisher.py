@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from collections import deque
@@ -50,6 +52,7 @@ __all__ = [
     "KVEventsConfig",
     "NullEventPublisher",
     "ZmqEventPublisher",
+    "check_endpoint",
     "offset_endpoint_port",
 ]
 
@@ -94,13 +97,70 @@ class KVEventsConfig:
                 raise ValueError(f"KVEventsConfig.{name} must be a positive int, got {value!r}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and "://" in value):
-                raise ValueError(
-                    f"KVEventsConfig.{name} must be a ZeroMQ address such as "
-                    f"'tcp://*:5557' or 'ipc:///tmp/kv-events', got {value!r}"
-                )
+            if value is not None:
+                # The address only: whether an ipc path is free is checked when binding.
+                check_endpoint(value, f"KVEventsConfig.{name}", probe=False)
         if not isinstance(self.topic, str):
             raise TypeError(f"KVEventsConfig.topic must be a str, got {self.topic!r}")
+
+
+MAX_PORT = 65535
+# How long the probe of an ipc path waits for a listener to accept.
+_PROBE_TIMEOUT = 1.0
+
+
+def check_endpoint(endpoint: object, name: str, *, probe: bool = True) -> None:
+    """ValueError naming `name` and `endpoint` unless it is an address the publisher can
+    use: `transport://address`; for tcp `tcp://HOST:PORT` with PORT an integer in
+    1..MAX_PORT (libzmq takes a larger port modulo 2**16 and 0 as "any free port", both
+    silent surprises; HOST may be `*`). With `probe`, an `ipc://` path must not be taken:
+    libzmq unlinks whatever is at the path before binding, so another process's live
+    socket would be taken over silently and a regular file deleted. A socket file that
+    refuses a connection (its owner is gone) is stale and may be reused. The probe is a
+    check before the bind, not a lock: two processes starting at the same moment can
+    both pass it."""
+    if not (isinstance(endpoint, str) and "://" in endpoint):
+        raise ValueError(
+            f"{name} must be a ZeroMQ address such as 'tcp://*:5557' or "
+            f"'ipc:///tmp/kv-events', got {endpoint!r}"
+        )
+    transport, _, address = endpoint.partition("://")
+    if transport == "tcp":
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
+            got = f"port {port!r}" if sep and host else "no port"
+            raise ValueError(
+                f"{name} {endpoint!r}: give tcp://HOST:PORT with PORT an integer in "
+                f"1..{MAX_PORT} (HOST may be *), got {got}"
+            )
+    elif transport == "ipc" and probe:
+        _check_ipc_path_free(address, endpoint, name)
+
+
+def _check_ipc_path_free(path: str, endpoint: str, name: str) -> None:
+    """ValueError unless nothing is at `path` or only a stale socket file is."""
+    if path in ("", "*") or path.startswith("@"):
+        return  # libzmq picks the path, or an abstract name (its bind fails when taken)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # nothing there (or unreadable: the bind reports it)
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{name} {endpoint!r}: {path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(_PROBE_TIMEOUT)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # stale: no process listens on it
+        except (TimeoutError, BlockingIOError):
+            pass  # a listener whose backlog is full: live
+        except OSError:
+            return  # cannot tell (e.g. the path is too long): the bind reports it
+    raise ValueError(
+        f"{name} {endpoint!r}: {path} is in use by a live socket (another engine's "
+        "publisher?); give another path or stop that process"
+    )
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -202,6 +262,11 @@ class ZmqEventPublisher(EventPublisher):
         super().__init__(data_parallel_rank)
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self.replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+        # Before any socket opens; the rank's offset can push a port past MAX_PORT.
+        where = f" of data parallel rank {data_parallel_rank}" if data_parallel_rank else ""
+        check_endpoint(self.endpoint, f"KV events endpoint{where}")
+        if self.replay_endpoint is not None:
+            check_endpoint(self.replay_endpoint, f"KV events replay endpoint{where}")
         self.int_block_hashes = int_block_hashes
         self.max_queue_size = max_queue_size
         self.num_dropped = 0

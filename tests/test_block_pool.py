@@ -539,6 +539,19 @@ def test_evict_blocks_out_of_range(bad):
     assert pool.get_cached_block(req.block_hashes[0], [0]) == blocks
 
 
+@pytest.mark.parametrize("bad", [5, None, "12", b"\x01"])
+def test_evict_blocks_wants_an_iterable_of_ids(bad):
+    pool = BlockPool(6)
+    req = _request(range(4))
+    blocks = pool.get_new_blocks(1)
+    _cache(pool, req, blocks)
+    num_free = pool.get_num_free_blocks()
+    with pytest.raises(TypeError, match=r"block_ids must be an iterable of block ids .*got "):
+        pool.evict_blocks(bad)
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == blocks
+    assert pool.get_num_free_blocks() == num_free
+
+
 def test_reset_prefix_cache():
     pool = BlockPool(5, enable_kv_cache_events=True)
     req = _request(range(8))

@@ -122,7 +122,13 @@ def test_prompt_encoder_matches_transformers(tmp_path) -> None:
         (["--prompt-token-ids", "1", "--kv-events-topic", "t"],
          "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"),
         (["--prompt-token-ids", "1", "--kv-events-endpoint", "localhost:5557"],
-         "KVEventsConfig.endpoint must be a ZeroMQ address"),
+         "--kv-events-endpoint must be a ZeroMQ address"),
+        (["--prompt-token-ids", "1", "--kv-events-endpoint", "tcp://127.0.0.1:99999"],
+         "--kv-events-endpoint 'tcp://127.0.0.1:99999': give tcp://HOST:PORT with PORT an "
+         "integer in 1..65535"),
+        (["--prompt-token-ids", "1", "--kv-events-endpoint", "tcp://*:5557",
+          "--kv-events-replay-endpoint", "tcp://*:0"],
+         "--kv-events-replay-endpoint 'tcp://*:0': give tcp://HOST:PORT"),
     ],
 )  # fmt: skip
 def test_generate_sizing_errors_are_one_line(checkpoint, capsys, argv, message) -> None:

@@ -107,6 +107,21 @@ def test_pack_derives_the_slots_it_is_not_given() -> None:
         packer.pack(StepInputs(np.array([[3, 0, 0, 0]]), [5], [1]))
 
 
+def test_pack_names_what_it_wants_for_no_steps_or_not_steps() -> None:
+    packer = _packer()
+    step = StepInputs(np.array([[3, 9, 0, 0]]), np.array([6]), np.array([3]))
+    with pytest.raises(ValueError, match="steps is empty; give a StepInputs or a sequence"):
+        packer.pack([])
+    with pytest.raises(TypeError, match="steps must be a StepInputs or a sequence .*got int"):
+        packer.pack(5)
+    with pytest.raises(TypeError, match=r"steps\[1\] must be a StepInputs, got dict"):
+        packer.pack([step, {"seq_lens": [6]}])
+    shape = packer.pack(step)[1]
+    out = np.zeros((0, shape.length), np.int32)
+    with pytest.raises(ValueError, match="steps is empty"):
+        packer.pack_into([], shape, out)
+
+
 def test_pack_into_a_view_of_a_larger_buffer_equals_pack() -> None:
     """`pack_into` fills a zeroed view (as the runner's step buffer holds the metadata
     among its other fields) exactly as `pack` fills a buffer of its own; the rest of the

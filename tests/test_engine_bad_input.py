@@ -46,6 +46,12 @@ PICTURE = np.zeros((3, 32, 32), np.float32)
         (dict(prompt=[3, 600]), ValueError, r"token id 600 is out of range \[0, 512\)"),
         (dict(prompt=[3, 4.5]), TypeError, "must be ints"),
         (dict(prompt="hello"), TypeError, "no tokenizer"),
+        (
+            dict(prompt=b"\x05\x06"),
+            TypeError,
+            "text \\(str\\) or a sequence of token ids, got bytes",
+        ),
+        (dict(prompt=bytearray(b"\x05")), TypeError, "got bytearray"),
         (dict(prompt=[3, 4], images=[PICTURE]), ValueError, "0 image tokens"),
         (dict(prompt=[3, 2], images=[np.zeros((3, 16, 16))]), ValueError, "shape"),
         (dict(prompt=[3], sampling=SamplingParams), TypeError, "SamplingParams"),
@@ -124,3 +130,24 @@ def test_images_to_a_text_model_are_refused() -> None:
     engine = LLMEngine(TinyCausalLM(tiny_configs()["gemma-style-tiny"]), CONFIG)
     with pytest.raises(ValueError, match="text only"):
         engine.add_request([3, 2], images=[PICTURE])
+
+
+def test_bytes_prompt_in_generate_is_rejected_not_served(engine) -> None:
+    """vLLM refuses bytes; served as ids they would be a prompt nobody meant."""
+    bad, good = engine.generate([b"\x05\x06", [5, 6]], GREEDY)
+    assert "got bytes" in bad.error and bad.prompt_token_ids == [] and not bad.output_token_ids
+    assert good.error is None and len(good.output_token_ids) == 6
+
+
+@pytest.mark.parametrize(
+    ("field", "endpoint", "match"),
+    [
+        ("kv_events_endpoint", "tcp://127.0.0.1:99999", "integer in 1..65535 .*got port '99999'"),
+        ("kv_events_replay_endpoint", "tcp://*:0", "got port '0'"),
+    ],
+)
+def test_kv_events_endpoint_port_is_checked_at_construction(model, field, endpoint, match):
+    fields = {"kv_events_endpoint": "tcp://*:5557", field: endpoint}
+    config = dataclasses.replace(CONFIG, **fields)
+    with pytest.raises(ValueError, match=f"EngineConfig.{field} '.*{match}"):
+        LLMEngine(model, config)

@@ -539,6 +539,49 @@ def test_allocate_nothing_or_negative():
     assert snapshot(m) == before
 
 
+def test_freed_request_that_keeps_its_computed_tokens_is_refused():
+    """A freed (or preempted) request holds no blocks: its slots start at token 0, so
+    a kept `num_computed_tokens` would skip blocks nobody wrote and cache them."""
+    m = make_manager()
+    req = make_request("a", range(8))
+    assert admit(m, req) == (0, [1, 2])
+    m.free(req)  # the caller forgot `req.num_computed_tokens = 0`
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"'a' holds no blocks here but has num_computed_tokens=8"):
+        m.allocate_slots(req, 1)
+    assert snapshot(m) == before and req.num_computed_tokens == 8
+    assert m.get_block_ids("a") == ([],)
+    req.num_computed_tokens = 0  # as preemption resets it: a prefix hit serves it again
+    assert admit(m, req) == (4, [3])
+
+
+def test_computed_tokens_past_the_request_are_refused():
+    m = make_manager()
+    req = make_request("a", range(8))
+    assert admit(m, req) == (0, [1, 2])
+    req.num_computed_tokens = 9  # past its 8 tokens
+    before = snapshot(m)
+    match = r"request 'a': num_computed_tokens=9 exceeds its num_tokens=8"
+    with pytest.raises(ValueError, match=match):
+        m.allocate_slots(req, 1)  # would be quiet (its blocks hold 8 slots)
+    with pytest.raises(ValueError, match=match):
+        m.allocate_slots(req, 4)  # would take a block
+    assert snapshot(m) == before and req.num_computed_tokens == 9
+    new = make_request("b", range(20, 28))
+    new.num_computed_tokens = 12  # a first allocation too
+    with pytest.raises(ValueError, match=r"'b': num_computed_tokens=12 exceeds its num_tokens=8"):
+        m.allocate_slots(new, 4)
+    new.num_computed_tokens = -1
+    with pytest.raises(ValueError, match=r"'b': num_computed_tokens must be >= 0, got -1"):
+        m.allocate_slots(new, 4)
+    assert snapshot(m) == before
+    # Lookahead slots and new tokens past the request stay allowed (its own tokens bound
+    # only what is computed): a decode step of 1 token with 3 lookahead slots.
+    req.num_computed_tokens = 8
+    req.append_output_token_ids([5])
+    assert m.allocate_slots(req, 1, num_lookahead_tokens=3).get_block_ids() == ([3],)
+
+
 def test_prompt_longer_than_max_model_len():
     m = make_manager(max_model_len=16)
     req = make_request("long", range(17))

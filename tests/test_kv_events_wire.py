@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -90,8 +92,61 @@ def test_endpoints_offset_by_data_rank_and_bad_config():
     with pytest.raises(ValueError, match="publisher must be 'zmq' or 'null'"):
         KVEventsConfig(publisher="kafka")
     assert isinstance(EventPublisherFactory.create(KVEventsConfig()), NullEventPublisher)
-    with pytest.raises(ValueError, match="KV events: cannot open 'tcp://\\*:notaport'"):
+    with pytest.raises(ValueError, match="endpoint 'tcp://\\*:notaport': give tcp://HOST:PORT"):
         ZmqEventPublisher(endpoint="tcp://*:notaport")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "got"),
+    [("tcp://127.0.0.1:99999", "port '99999'"), ("tcp://*:0", "port '0'"),
+     ("tcp://*:65536", "port '65536'"), ("tcp://*:*", "port '\\*'"), ("tcp://*:", "port ''"),
+     ("tcp://127.0.0.1", "no port"), ("tcp://:5557", "no port"), ("tcp://*:-1", "port '-1'")],
+)  # fmt: skip
+def test_tcp_port_outside_1_to_65535_is_refused(endpoint, got):
+    """libzmq would bind 99999 as 34463 (modulo 2**16) and 0 as any free port."""
+    message = f"{re.escape(endpoint)}': give tcp://HOST:PORT with PORT an integer in 1..65535"
+    with pytest.raises(ValueError, match=f"KVEventsConfig.replay_endpoint '{message}.*{got}"):
+        KVEventsConfig(replay_endpoint=endpoint)
+    with pytest.raises(ValueError, match=f"KV events endpoint '{message}"):
+        ZmqEventPublisher(endpoint=endpoint)
+
+
+def test_tcp_port_bounds_and_the_rank_offset():
+    KVEventsConfig(endpoint="tcp://*:65535", replay_endpoint="tcp://127.0.0.1:1")
+    KVEventsConfig(endpoint="tcp://[::1]:5557")
+    # Rank 2 of a port two below the top: the offset port is out of range, before binding.
+    with pytest.raises(ValueError, match="endpoint of data parallel rank 2 'tcp://\\*:65536'"):
+        ZmqEventPublisher(2, endpoint="tcp://*:65534")
+
+
+def test_ipc_path_of_a_live_socket_is_refused_a_stale_one_reused(tmp_path):
+    endpoint = f"ipc://{tmp_path}/pub"
+    first = ZmqEventPublisher(0, endpoint)
+    sub = sub_socket(endpoint, b"")
+    try:
+        with pytest.raises(ValueError, match="endpoint '.*/pub': .*is in use by a live socket"):
+            ZmqEventPublisher(0, endpoint)
+        with pytest.raises(ValueError, match="replay endpoint .*is in use by a live socket"):
+            ZmqEventPublisher(0, f"ipc://{tmp_path}/other", replay_endpoint=endpoint)
+        assert not (tmp_path / "other").exists()  # refused before any socket opened
+        time.sleep(0.5)  # the subscription reaches the publisher
+        first.publish([stored(1)])
+        assert first.flush(WAIT_MS / 1000)
+        assert sub.poll(WAIT_MS)  # the first publisher still owns the path
+    finally:
+        first.shutdown()
+        sub.close()
+    # A socket file nobody listens on (its process died without unlinking it) is stale.
+    stale = tmp_path / "stale"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(stale))
+    assert stale.is_socket()
+    ZmqEventPublisher(0, f"ipc://{stale}").shutdown()
+    # libzmq would delete a regular file at the path before binding.
+    (tmp_path / "notes").write_text("keep")
+    with pytest.raises(ValueError, match="notes exists and is not a socket"):
+        ZmqEventPublisher(0, f"ipc://{tmp_path}/notes")
+    assert (tmp_path / "notes").read_text() == "keep"
 
 
 @pytest.fixture

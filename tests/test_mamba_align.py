@@ -484,7 +484,8 @@ def test_lookahead_tokens_get_attention_slots_but_no_mamba_state_slot():
     # vLLM: draft models have no Mamba layers, so a Mamba "align" group allocates for
     # the main model's tokens only; attention groups hold the lookahead slots too.
     m = manager_for(full(32), mamba(32))
-    a = request("a", PREFIX[:60])
+    # 60 prompt tokens (PREFIX has only 48): computed tokens never pass the request's.
+    a = request("a", [(7 * i) % 5 for i in range(60)])
     new = m.allocate_slots(a, 60, num_lookahead_tokens=8)
     assert new.get_block_ids() == ([1, 2, 3], [4])  # 68 attention slots; state at 60
     assert m.get_block_ids("a") == ([1, 2, 3], [0, 4])

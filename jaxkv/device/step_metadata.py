@@ -270,6 +270,25 @@ class _Derived(NamedTuple):
     positions: np.ndarray  # [n_tokens] int32
 
 
+def _ranks(steps: StepInputs | Sequence[StepInputs]) -> list[StepInputs]:
+    """`steps` as a list of one `StepInputs` per data rank (at least one rank: a step
+    of no ranks has no rows to pack, and its bucket would be empty); TypeError naming
+    what was given otherwise."""
+    if isinstance(steps, StepInputs):
+        return [steps]
+    expected = "a StepInputs or a sequence of them, one per data rank"
+    try:
+        ranks = list(steps)
+    except TypeError:
+        raise TypeError(f"steps must be {expected}, got {type(steps).__name__}") from None
+    if not ranks:
+        raise ValueError(f"steps is empty; give {expected} (at least one)")
+    for rank, step in enumerate(ranks):
+        if not isinstance(step, StepInputs):
+            raise TypeError(f"steps[{rank}] must be a StepInputs, got {type(step).__name__}")
+    return ranks
+
+
 class StepMetadataPacker:
     """Packs steps for a cache of `num_blocks` blocks of `block_size`, table width `W`.
 
@@ -396,17 +415,16 @@ class StepMetadataPacker:
         `shape`: the bucket shape to pack into (one of `all_shapes()`, holding every
         rank's tokens and requests); None: the smallest that does.
         """
-        ranks = [steps] if isinstance(steps, StepInputs) else list(steps)
-        derived = [self._derive(s, i) for i, s in enumerate(ranks)]
+        derived = [self._derive(s, i) for i, s in enumerate(_ranks(steps))]
         shape = self._check_shape(derived, shape)
-        out = np.zeros((len(ranks), shape.length), np.int32)
+        out = np.zeros((len(derived), shape.length), np.int32)
         self._write(derived, shape, out)
         return out, shape
 
     def pack_into(self, steps: Sequence[StepInputs], shape: StepShape, out: np.ndarray) -> None:
         """`pack` into `out`, zero-filled `[dp, shape.length]` int32 (e.g. a view of a
         larger step buffer), for `shape` chosen by the caller (`shape_for`)."""
-        derived = [self._derive(s, i) for i, s in enumerate(steps)]
+        derived = [self._derive(s, i) for i, s in enumerate(_ranks(steps))]
         self._write(derived, self._check_shape(derived, shape), out)
 
     def _check_shape(self, derived: Sequence[_Derived], shape: StepShape | None) -> StepShape:

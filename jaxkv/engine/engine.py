@@ -61,7 +61,12 @@ from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.host_tier import combined_stats
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_events import DeferredKVCacheEvent, KVCacheEvent, build_events
-from jaxkv.kv_events_publisher import EventPublisher, EventPublisherFactory, KVEventsConfig
+from jaxkv.kv_events_publisher import (
+    EventPublisher,
+    EventPublisherFactory,
+    KVEventsConfig,
+    check_endpoint,
+)
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
 from jaxkv.request_hashing import get_request_block_hasher
@@ -152,6 +157,10 @@ class EngineConfig:
     enable_kv_cache_events: bool = False
 
 
+# Prompts that iterate as ints but are not token ids (`_token_ids` refuses them).
+_BYTES_TYPES = (bytes, bytearray, memoryview)
+
+
 @dataclass
 class _InFlight:
     outputs: list[SchedulerOutput]  # one per data rank
@@ -216,6 +225,9 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {c.kv_cache_dtype!r}"
             )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(c, name) is not None:  # before the device memory is allocated
+                check_endpoint(getattr(c, name), f"EngineConfig.{name}")
         self.model = model
         self.tokenizer = tokenizer
         self.compilation_cache_dir = enable_compilation_cache(c.compilation_cache_dir)
@@ -457,6 +469,14 @@ class LLMEngine:
         return count
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids: text through the tokenizer, or a non-empty sequence of
+        ids in the vocabulary. Bytes are refused as vLLM refuses them: they iterate as
+        ints, so would silently be served as token ids."""
+        if isinstance(prompt, _BYTES_TYPES):
+            raise TypeError(
+                f"prompt must be text (str) or a sequence of token ids, got "
+                f"{type(prompt).__name__}; decode bytes to str first"
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TypeError(
@@ -873,7 +893,11 @@ class LLMEngine:
             try:
                 order.append(self.add_request(prompt, imgs, params, cache_salt=cache_salt))
             except (ValueError, TypeError) as error:
-                ids = list(prompt) if not isinstance(prompt, str) else []
+                # The ids as given, where they are a sequence (not text, bytes, or junk).
+                is_ids = isinstance(prompt, Sequence | np.ndarray) and not isinstance(
+                    prompt, (str, *_BYTES_TYPES)
+                )
+                ids = list(prompt) if is_ids else []
                 order.append(RequestOutput.rejected(ids, str(error)))
         pending = {rid for rid in order if isinstance(rid, str)}
         while pending:
