@@ -139,8 +139,23 @@ class _StepKey(NamedTuple):
 _NO_WINDOW = np.iinfo(np.int32).max // 2
 
 # Block transfers to and from host memory move at most this many blocks per rank per
-# call, so a program's temporaries stay a small fraction of the cache.
-_IDS_PER_TRANSFER = 64
+# call, and block copies and zeroing scatter this many at a time, so a call's
+# temporaries are one chunk of blocks however many ids it takes (a bucket may hold as
+# many ids as the pool has blocks: one scatter would materialise a cache-sized update).
+_IDS_PER_CHUNK = 64
+
+
+def _in_chunks(update, kv: jax.Array, ids: Sequence[jax.Array], fills: Sequence[int]):
+    """`update(kv, *ids)` over `_IDS_PER_CHUNK` ids at a time (padding with `fills`)."""
+    n = ids[0].shape[0]
+    if n <= _IDS_PER_CHUNK:
+        return update(kv, *ids)
+    chunks = -(-n // _IDS_PER_CHUNK)
+    padded = [
+        jnp.pad(x, (0, chunks * _IDS_PER_CHUNK - n), constant_values=fill).reshape(chunks, -1)
+        for x, fill in zip(ids, fills, strict=True)
+    ]
+    return jax.lax.fori_loop(0, chunks, lambda i, kv: update(kv, *(x[i] for x in padded)), kv)
 
 
 def _row_major(sharding: NamedSharding, ndim: int, platform: str):
@@ -165,8 +180,9 @@ def _each_block(update, kv: jax.Array, ids: Sequence[jax.Array]) -> jax.Array:
     """`update(kv, *(x[i] for x in ids))` for each `i` whose `ids[-1][i]` is a block id
     (`< num_blocks`; larger ids pad and are skipped), one block at a time.
 
-    Each update is a dynamic-update-slice of one block: in place on every backend, where
-    a scatter of many blocks may not be (XLA's TPU scatter writes a fresh buffer).
+    The TPU's form of a block update (`per_block=True` below): each is a
+    dynamic-update-slice of one block, in place, where XLA's TPU scatter of many blocks
+    writes a fresh buffer. Elsewhere one scatter per chunk of ids is in place and cheaper.
     """
     num_blocks = kv.shape[-4]
 
@@ -177,31 +193,52 @@ def _each_block(update, kv: jax.Array, ids: Sequence[jax.Array]) -> jax.Array:
     return jax.lax.fori_loop(0, ids[0].shape[0], body, kv)
 
 
+def _every_layer(kv: jax.Array) -> tuple[slice, ...]:
+    """The index prefix that reaches the block axis of a cache, stacked (`[L, ...]`) or not."""
+    return (slice(None),) * (kv.ndim - 4)
+
+
 def _block_start(kv: jax.Array, block: jax.Array) -> tuple:
     """The start index of block `block` (in every layer of a stack)."""
     return (0,) * (kv.ndim - 4) + (block, 0, 0, 0)
 
 
-def _copy_local(kv: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+def _copy_local(
+    kv: jax.Array, src: jax.Array, dst: jax.Array, *, per_block: bool = False
+) -> jax.Array:
     """Block `src[i]` onto `dst[i]` (in every layer of a stack); sources and destinations
     are disjoint (checked on the host), so the order cannot matter. Destination
-    `num_blocks` pads (skipped)."""
-    size = kv.shape[:-4] + (1,) + kv.shape[-3:]
+    `num_blocks` pads (dropped). `per_block`: the TPU's form (`_each_block`)."""
+    if per_block:
+        size = kv.shape[:-4] + (1,) + kv.shape[-3:]
+
+        def copy_one(kv, src, dst):
+            block = jax.lax.dynamic_slice(kv, _block_start(kv, src), size)
+            return jax.lax.dynamic_update_slice(kv, block, _block_start(kv, dst))
+
+        return _each_block(copy_one, kv, (src, dst))
+    layers = _every_layer(kv)
 
     def copy(kv, src, dst):
-        block = jax.lax.dynamic_slice(kv, _block_start(kv, src), size)
-        return jax.lax.dynamic_update_slice(kv, block, _block_start(kv, dst))
+        return kv.at[(*layers, dst)].set(kv[(*layers, src)], mode="drop")
 
-    return _each_block(copy, kv, (src, dst))
+    return _in_chunks(copy, kv, (src, dst), (0, kv.shape[-4]))
 
 
-def _zero_local(kv: jax.Array, ids: jax.Array) -> jax.Array:
-    zeros = jnp.zeros(kv.shape[:-4] + (1,) + kv.shape[-3:], kv.dtype)
+def _zero_local(kv: jax.Array, ids: jax.Array, *, per_block: bool = False) -> jax.Array:
+    if per_block:
+        zeros = jnp.zeros(kv.shape[:-4] + (1,) + kv.shape[-3:], kv.dtype)
 
-    def zero(kv, block):
-        return jax.lax.dynamic_update_slice(kv, zeros, _block_start(kv, block))
+        def zero_one(kv, block):
+            return jax.lax.dynamic_update_slice(kv, zeros, _block_start(kv, block))
 
-    return _each_block(zero, kv, (ids,))
+        return _each_block(zero_one, kv, (ids,))
+    layers = _every_layer(kv)
+
+    def zero(kv, ids):
+        return kv.at[(*layers, ids)].set(jnp.zeros((), kv.dtype), mode="drop")
+
+    return _in_chunks(zero, kv, (ids,), (kv.shape[-4],))
 
 
 def _gather_local(kv: jax.Array, ids: jax.Array, layers: jax.Array) -> jax.Array:
@@ -212,18 +249,22 @@ def _gather_local(kv: jax.Array, ids: jax.Array, layers: jax.Array) -> jax.Array
 
 
 def _scatter_local(
-    kv: jax.Array, ids: jax.Array, layers: jax.Array, blocks: jax.Array
+    kv: jax.Array, ids: jax.Array, layers: jax.Array, blocks: jax.Array, *, per_block=False
 ) -> jax.Array:
     """`blocks [m, n, bs, 2H, D]` (as stored) onto layers `layers[i]` of block `ids[i]` of
-    a stacked cache; a padding id `num_blocks` or layer `L` is skipped (ids are distinct,
-    checked on the host, and so are a block's layers)."""
+    a stacked cache; a padding id `num_blocks` or layer `L` is dropped (ids are distinct,
+    checked on the host, and so are a block's layers). `per_block`: the TPU's form."""
+    if not per_block:
+        return kv.at[layers.T, ids[None, :]].set(blocks, mode="drop")
     num_layers = kv.shape[0]
 
     def one_block(kv, i, block):
         def one_layer(j, kv):
-            layer = layers[i, j]
-            update = blocks[j, i][None, None]
-            write = lambda kv: jax.lax.dynamic_update_slice(kv, update, (layer, block, 0, 0, 0))  # noqa: E731
+            layer, update = layers[i, j], blocks[j, i][None, None]
+
+            def write(kv):
+                return jax.lax.dynamic_update_slice(kv, update, (layer, block, 0, 0, 0))
+
             return jax.lax.cond(layer < num_layers, write, lambda kv: kv, kv)
 
         return jax.lax.fori_loop(0, layers.shape[1], one_layer, kv)
@@ -316,7 +357,7 @@ class PagedKVCache:
         self.cache_format = _row_major(self.sharding, 4, self.platform)
         self.stacked_format = _row_major(self.stacked_sharding, 5, self.platform)
         self.id_buckets = padding_buckets(num_blocks)
-        self.transfer_buckets = padding_buckets(min(num_blocks, _IDS_PER_TRANSFER))
+        self.transfer_buckets = padding_buckets(min(num_blocks, _IDS_PER_CHUNK))
         # The spec's own mask: a step applies it without being told again.
         self.sliding_window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         self.attention_chunk = (
@@ -332,6 +373,11 @@ class PagedKVCache:
                 fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
             )
 
+        # Block copies, zeroing and host-tier loads: per block on a TPU (`_each_block`).
+        per_block = self.platform == "tpu"
+        self._copy_blocks = functools.partial(_copy_local, per_block=per_block)
+        self._zero_blocks = functools.partial(_zero_local, per_block=per_block)
+        self._scatter_blocks = functools.partial(_scatter_local, per_block=per_block)
         c, s = self.dtype, self.storage_dtype
         self._write = jax.jit(
             sharded(
@@ -351,12 +397,12 @@ class PagedKVCache:
         # Every program returns caches with this one sharding object: a cache is then
         # the same jit-cache key whichever update produced it (no recompilation).
         self._copy = jax.jit(
-            sharded(_copy_local, (cache_spec, self._rank_spec, self._rank_spec), cache_spec),
+            sharded(self._copy_blocks, (cache_spec, self._rank_spec, self._rank_spec), cache_spec),
             donate_argnums=0,
             out_shardings=self.cache_format,
         )
         self._zero = jax.jit(
-            sharded(_zero_local, (cache_spec, self._rank_spec), cache_spec),
+            sharded(self._zero_blocks, (cache_spec, self._rank_spec), cache_spec),
             donate_argnums=0,
             out_shardings=self.cache_format,
         )
@@ -548,7 +594,7 @@ class PagedKVCache:
         padded = self._copy_ids(src, dst, allow_padding)
         if padded is None or not kvs:
             return kvs
-        return self._all_layers(_copy_local, kvs, padded)
+        return self._all_layers(self._copy_blocks, kvs, padded)
 
     def _copy_ids(
         self,
@@ -599,7 +645,7 @@ class PagedKVCache:
         arr = self._check_ids("block id", ids, 0, self.num_blocks)
         if arr.size == 0 or not kvs:
             return kvs
-        return self._all_layers(_zero_local, kvs, (self._pad_ids(arr, self.num_blocks),))
+        return self._all_layers(self._zero_blocks, kvs, (self._pad_ids(arr, self.num_blocks),))
 
     def zero_blocks_stacked(self, kv: jax.Array, ids: np.ndarray | Sequence[int]) -> jax.Array:
         """`zero_blocks` in every layer of a stacked cache, one jitted call (donates `kv`)."""
@@ -608,7 +654,7 @@ class PagedKVCache:
         if arr.size == 0:
             return kv
         ids = self.put(self._pad_ids(arr, self.num_blocks), self._rank_spec)
-        return self._stacked_fn(_zero_local, 1)(kv, ids)
+        return self._stacked_fn(self._zero_blocks, 1)(kv, ids)
 
     def copy_blocks_stacked(
         self,
@@ -625,7 +671,7 @@ class PagedKVCache:
         if padded is None:
             return kv
         src_ids, dst_ids = (self.put(ids, self._rank_spec) for ids in padded)
-        return self._stacked_fn(_copy_local, 2)(kv, src_ids, dst_ids)
+        return self._stacked_fn(self._copy_blocks, 2)(kv, src_ids, dst_ids)
 
     def gather_blocks_stacked(
         self, kv: jax.Array, ids: np.ndarray | Sequence[int], layers: np.ndarray | None = None
@@ -750,7 +796,7 @@ class PagedKVCache:
                 fn = jax.jit(local, out_shardings=self.stacked_sharding)
             else:
                 local = jax.shard_map(
-                    _scatter_local, mesh=self.mesh, in_specs=(spec, rank, rank, spec),
+                    self._scatter_blocks, mesh=self.mesh, in_specs=(spec, rank, rank, spec),
                     out_specs=spec, check_vma=False,
                 )  # fmt: skip
                 fn = jax.jit(local, donate_argnums=0, out_shardings=self.stacked_format)
@@ -799,7 +845,7 @@ class PagedKVCache:
             )  # fmt: skip
             args = (ids, table) if op == "gather" else (ids, table, blocks)
             return self._transfer_fn(op).lower(self.stacked_struct(num_layers), *args)
-        local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
+        local_fn, num_id_args = {"zero": (self._zero_blocks, 1), "copy": (self._copy_blocks, 2)}[op]
         fn = self._stacked_fn(local_fn, num_id_args)
         return fn.lower(self.stacked_struct(num_layers), *(ids,) * num_id_args)
 
@@ -836,7 +882,7 @@ class PagedKVCache:
         """The lowered `zero_blocks_all` (`op="zero"`) or `copy_blocks_all` (`op="copy"`)
         program over `num_layers` caches, for the id bucket holding `num_ids` ids per data
         rank (default: the largest bucket)."""
-        local_fn, num_id_args = {"zero": (_zero_local, 1), "copy": (_copy_local, 2)}[op]
+        local_fn, num_id_args = {"zero": (self._zero_blocks, 1), "copy": (self._copy_blocks, 2)}[op]
         size = pick_bucket(num_ids or self.id_buckets[-1], self.id_buckets)
         ids = jax.ShapeDtypeStruct(
             (self.dp_size * size,), np.int32, sharding=NamedSharding(self.mesh, self._rank_spec)
@@ -874,7 +920,7 @@ class PagedKVCache:
             kvs[0], _ = self.step(kvs[0], q, k, k, buf, shape, options)
         for size in self.id_buckets:
             ids = np.full(self.dp_size * size, self.num_blocks, np.int32)
-            kvs = self._all_layers(_zero_local, kvs, (ids,))
+            kvs = self._all_layers(self._zero_blocks, kvs, (ids,))
         return kvs
 
     def lower_write_kv(

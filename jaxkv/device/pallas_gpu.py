@@ -354,6 +354,31 @@ def paged_decode_attention_pallas(
     )  # fmt: skip
 
 
+def check_rows_call(q, pages, block_tables, lo, hi, soft_cap, kv_dtype) -> tuple[int, np.dtype]:
+    """`(num_kv_heads, compute dtype)` of a token-major GPU kernel call (this module's and
+    `pallas_gpu_decode`'s): ValueError naming the argument whose shape or dtype is wrong.
+    `pages` is the cache as `layer_pages` views it."""
+    if q.ndim != 3 or block_tables.ndim != 2 or lo.ndim != 1:
+        raise ValueError(
+            f"need q [N, Hq, D], block_tables [N, W], lo/hi [N]; got {q.shape}, "
+            f"{block_tables.shape}, {lo.shape}"
+        )
+    num_kv_heads = check_attention_args(q.shape, pages.shape, None, soft_cap)
+    num_rows = q.shape[0]
+    if block_tables.shape[0] != num_rows or lo.shape != (num_rows,) or hi.shape != (num_rows,):
+        raise ValueError(
+            f"block_tables {block_tables.shape} and lo/hi {lo.shape}/{hi.shape} must have "
+            f"one row per query ({num_rows})"
+        )
+    compute = resolve_dtype(pages.dtype if kv_dtype is None else kv_dtype)
+    if compute.itemsize != pages.dtype.itemsize:
+        raise ValueError(
+            f"kv_dtype={compute} must have the width of the cache's storage dtype "
+            f"{pages.dtype} (its bits are reinterpreted)"
+        )
+    return num_kv_heads, compute
+
+
 def layer_pages(kv_cache: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array, int]:
     """`(pages, offset, num_blocks)`: the cache as `[pages, bs, 2H, D]`, the id of the
     layer's first page in it, and the blocks per layer.
@@ -408,26 +433,10 @@ def paged_attention_rows_pallas(
     `pages_per_compute_block=None` takes `compute_block_pages` for this process's GPU
     (interpret mode: `PAGES_PER_COMPUTE_BLOCK`); raises `ValueError` if none fits.
     """
-    if q.ndim != 3 or block_tables.ndim != 2 or lo.ndim != 1:
-        raise ValueError(
-            f"need q [N, Hq, D], block_tables [N, W], lo/hi [N]; got {q.shape}, "
-            f"{block_tables.shape}, {lo.shape}"
-        )
     kv_cache, offset, num_blocks = layer_pages(kv_cache, layer)
-    num_kv_heads = check_attention_args(q.shape, kv_cache.shape, None, soft_cap)
+    num_kv_heads, compute = check_rows_call(q, kv_cache, block_tables, lo, hi, soft_cap, kv_dtype)
     num_rows, num_q_heads, head_size = q.shape
     block_size = kv_cache.shape[1]
-    if block_tables.shape[0] != num_rows or lo.shape != (num_rows,) or hi.shape != (num_rows,):
-        raise ValueError(
-            f"block_tables {block_tables.shape} and lo/hi {lo.shape}/{hi.shape} must have "
-            f"one row per query ({num_rows})"
-        )
-    compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
-    if compute.itemsize != kv_cache.dtype.itemsize:
-        raise ValueError(
-            f"kv_dtype={compute} must have the width of the cache's storage dtype "
-            f"{kv_cache.dtype} (its bits are reinterpreted)"
-        )
     group = num_q_heads // num_kv_heads
     if pages_per_compute_block is None:
         smem = None if interpret else gpu_smem_limit()

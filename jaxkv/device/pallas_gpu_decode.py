@@ -85,13 +85,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.device.attention_checks import check_attention_args
 from jaxkv.device.pallas_gpu import (
     MIN_DOT,
     PAGES_PER_COMPUTE_BLOCK,
     SMEM_MARGIN_DIVISOR,
     SmemLimit,
     block_shape_error,
+    check_rows_call,
     compute_block_pages,
     gpu_smem_limit,
     is_pow2,
@@ -99,7 +99,7 @@ from jaxkv.device.pallas_gpu import (
     next_pow2,
     smem_bytes,
 )
-from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
+from jaxkv.device.storage import DTypeLike, from_storage
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0, never NaN
 TILE_ELEMENTS = 8192  # keys * D per K (and V) tile on the G < 16 route (docstring)
@@ -327,25 +327,9 @@ def paged_decode_rows_gpu(
     the shapes do not fit (`decode_kernel_error`).
     """
     kv_cache, offset, num_blocks = layer_pages(kv_cache, layer)
-    if q.ndim != 3 or block_tables.ndim != 2 or lo.ndim != 1:
-        raise ValueError(
-            f"need q [N, Hq, D], block_tables [N, W], lo/hi [N]; got {q.shape}, "
-            f"{block_tables.shape}, {lo.shape}"
-        )
-    num_kv_heads = check_attention_args(q.shape, kv_cache.shape, None, soft_cap)
+    num_kv_heads, compute = check_rows_call(q, kv_cache, block_tables, lo, hi, soft_cap, kv_dtype)
     num_rows, num_q_heads, head_size = q.shape
     block_size = kv_cache.shape[1]
-    if block_tables.shape[0] != num_rows or lo.shape != (num_rows,) or hi.shape != (num_rows,):
-        raise ValueError(
-            f"block_tables {block_tables.shape} and lo/hi {lo.shape}/{hi.shape} must have "
-            f"one row per query ({num_rows})"
-        )
-    compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
-    if compute.itemsize != kv_cache.dtype.itemsize:
-        raise ValueError(
-            f"kv_dtype={compute} must have the width of the cache's storage dtype "
-            f"{kv_cache.dtype} (its bits are reinterpreted)"
-        )
     group = num_q_heads // num_kv_heads
     if pages_per_compute_block is None:
         smem = None if interpret else gpu_smem_limit()
