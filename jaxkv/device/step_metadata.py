@@ -4,7 +4,8 @@ Every step the host sends block tables, sequence lengths, query start offsets,
 slot mapping, positions and the live counts. Packing them into a single int32
 array makes the hand-off one `device_put`; the jitted step slices it back apart
 with static offsets. Token counts are padded to a ladder of powers of two (from
-`min_num_tokens`, default 16 as TPU serving stacks pad, the maximum always included)
+`min_num_tokens`: 16 as TPU serving stacks pad, 1 on a CPU, `default_min_num_tokens`;
+the maximum always included)
 and the request count to the power of two at `min(token bucket, max_num_reqs)`, so
 every token bucket has one request bucket: a serving run compiles at most
 `len(token_buckets)` step programs, about `log2(max_num_tokens)`. (Padding request
@@ -62,6 +63,15 @@ def padding_buckets(max_size: int, linear_start: int = 256, min_size: int = 1) -
         size += linear_start
     sizes.append(max_size)
     return tuple(sorted(set(sizes)))
+
+
+def default_min_num_tokens(platform: str) -> int:
+    """The smallest token bucket on `platform`: 16 on a TPU or GPU, where matrix units
+    and the attention kernels work in tiles of 8-16 rows (a smaller step costs the same),
+    1 elsewhere. On a CPU a dot's time grows with its rows: a one-request decode step
+    padded to 16 tokens reads every weight through a 16-row matrix product, several
+    times the time of the matrix-vector product the one token needs."""
+    return 16 if platform in ("tpu", "gpu") else 1
 
 
 def pick_bucket(n: int, buckets: Sequence[int]) -> int:

@@ -59,6 +59,7 @@ from jaxkv.device import (
     StepLayout,
     StepMetadataPacker,
     StepShape,
+    default_min_num_tokens,
 )
 from jaxkv.device.encoder_store import merge_rows
 from jaxkv.device.host_inputs import placer
@@ -586,6 +587,7 @@ class ModelRunner:
                 max_blocks_per_req=width,
                 block_size=g.kv_cache_spec.block_size,
                 num_blocks=num_blocks,
+                min_num_tokens=default_min_num_tokens(self.paged[0].platform),
             )  # fmt: skip
             for g, width in zip(groups, widths, strict=True)
         ]
