@@ -12,6 +12,8 @@ groups (blocks turning into the null block), and around a request that fails alo
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -171,3 +173,14 @@ def test_sliding_window_rows_take_the_null_block_as_the_manager_does(tmp_path_fa
     )
     assert seen.null_rows > 0, "blocks left the window"
     assert engine.num_preemptions > 0
+
+
+def test_request_rows_import_no_jax() -> None:
+    """The rows are host-only numpy: importing their module (and so everything it
+    imports) leaves JAX unloaded, in a fresh interpreter."""
+    code = (
+        "import sys; import jaxkv.engine.request_rows; "
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
