@@ -74,8 +74,7 @@ from jaxkv.engine.block_transfers import BlockTransfers, GatheredBlocks
 from jaxkv.engine.request_rows import (
     RequestRows,
     RequestStepError,
-    RowAppends,
-    RowReset,
+    RowChanges,
     RowSampling,
 )
 from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -156,8 +155,7 @@ class _RankStep:
     token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    resets: list[RowReset] = field(default_factory=list)
-    appends: RowAppends = field(default_factory=lambda: RowAppends(0))
+    changes: RowChanges = field(default_factory=RowChanges)
     placements: list[EmbedPlacement] = field(default_factory=list)
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
 
@@ -250,25 +248,45 @@ class ModelRunner:
             for _ in range(self.dp_size)
         ]
         self.hidden_size = int(model.config.hidden_size)
+        self.images = image_inputs(model)
+        self._init_encoder_store(encoder_cache_size, encoder_page_size, allocate)
+        self._init_params(model)
+        # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
+        # the step places its output (so the first step compiles the same program as the
+        # others).
+        self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
+        # Each rank's request ids of the last step, row `k * max_num_seqs + i` of
+        # `self.sampled` holding the token sampled for `_last_step_request_ids[k][i]`.
+        self._last_step_request_ids: list[list[str]] = []
+        self._sampled_row: dict[str, int] | None = {}  # their map (None: not built yet)
+        self.num_encoded = 0
+        self._step_fns: dict[tuple[StepShape, ...], object] = {}
+        self._place_step = placer(NamedSharding(self.mesh, P(self.paged[0].layout.rank_axis)))
+
+    def _init_encoder_store(self, cache_size: int, page_size: int, allocate: bool) -> None:
+        """The encoder store of an image model given an encoder cache (`cache_size`
+        embeddings in pages of `page_size`); else all three are None."""
         self.encoder_store: EncoderCacheStore | None = None
         self.encoder_pages: EncoderPageAllocator | None = None
         self.encoder_cache: jax.Array | None = None  # the store's array, donated per write
-        self.images = image_inputs(model)
-        if encoder_cache_size and self.images is not None:
+        if cache_size and self.images is not None:
             pages = max(
                 EncoderPageAllocator.pages_needed(
-                    encoder_cache_size, encoder_page_size, self.images.num_image_tokens
+                    cache_size, page_size, self.images.num_image_tokens
                 ),
                 1,
             )
             self.encoder_store = EncoderCacheStore(
-                pages, encoder_page_size, self.hidden_size, dtype=jnp.float32,
+                pages, page_size, self.hidden_size, dtype=jnp.float32,
                 mesh=self.mesh,
             )  # fmt: skip
-            self.encoder_pages = EncoderPageAllocator(pages, encoder_page_size)
+            self.encoder_pages = EncoderPageAllocator(pages, page_size)
             self.encoder_cache = (
                 self.encoder_store.allocate() if allocate else self.encoder_store.struct()
             )
+
+    def _init_params(self, model) -> None:
+        """`_params`, what the step programs take, and the static halves they bind."""
         self._graphdef, self._state = nnx.split(model)
         # A model whose layers are not scanned as one body (one stack per layer, the CPU
         # default) runs layer by layer; `_params` is what the step programs take. They
@@ -289,17 +307,6 @@ class ModelRunner:
                 run_params,
                 tuple(self._replicated(np.int32(i)) for i in first_layers),
             )
-        # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
-        # the step places its output (so the first step compiles the same program as the
-        # others).
-        self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
-        # Each rank's request ids of the last step, row `k * max_num_seqs + i` of
-        # `self.sampled` holding the token sampled for `_last_step_request_ids[k][i]`.
-        self._last_step_request_ids: list[list[str]] = []
-        self._sampled_row: dict[str, int] | None = {}  # their map (None: not built yet)
-        self.num_encoded = 0
-        self._step_fns: dict[tuple[StepShape, ...], object] = {}
-        self._place_step = placer(NamedSharding(self.mesh, P(self.paged[0].layout.rank_axis)))
 
     @property
     def programs_per_step(self) -> int:
@@ -369,14 +376,13 @@ class ModelRunner:
         """One rank's host rows and checked row changes; changes nothing. Whatever fails
         while preparing request `i`'s part is raised as its `RequestStepError`."""
         rows = self.rows[rank]
-        index, tables, encoder_pages = rows.index, rows.tables, self.encoder_pages
-        step = _RankStep(appends=RowAppends(len(tables)))
+        encoder_pages = self.encoder_pages
+        step = _RankStep(changes=RowChanges.empty(rows))
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         pending_rows: list[int] = []
         pending_src: list[int] = []
-        num_new_rows = 0
         try:
             for s in scheduled:
                 request = s.request
@@ -402,17 +408,7 @@ class ModelRunner:
                     pending_rows.append(len(token_ids))
                     pending_src.append(sampled_row)
                     token_ids.append(0)
-                row = index.get(request_id)
-                if s.resets_row:
-                    if row is None:
-                        num_new_rows += 1
-                        if num_new_rows > len(rows.free):
-                            raise RuntimeError(f"no free row: all {self.max_num_seqs} are taken")
-                    step.resets.append(RowReset.of(tables, s, sampling[request_id]))
-                elif row is None:
-                    raise RuntimeError("has no row: its first step did not send its blocks")
-                elif s.new_block_ids or s.num_null_blocks:
-                    step.appends.add(s, row)
+                rows.record(step.changes, s, sampling)
                 if encoder_pages is not None:
                     step.placements += self._placements(s, offset)
                 step.request_ids.append(request_id)
@@ -420,7 +416,7 @@ class ModelRunner:
                 seq_lens.append(end)
         except Exception as error:
             raise RequestStepError(s.request.request_id, error) from error
-        step.appends.check(tables)
+        rows.check(step.changes)
         step.query_lens = np.array(query_lens, np.int64)
         step.seq_lens = np.array(seq_lens, np.int64)
         step.token_ids = np.array(token_ids, np.int32)
@@ -593,7 +589,7 @@ class ModelRunner:
             return self.sampled
         steps = [self._prepare(k, out.scheduled, sampling) for k, out in enumerate(outs)]
         for rows, step in zip(self.rows, steps, strict=True):
-            rows.apply(step.resets, step.appends)
+            rows.apply(step.changes)
             step.rows = np.array([rows.index[i] for i in step.request_ids], np.intp)
         buffer, shapes = self._pack(steps)
         self.kv_cache, self.sampled = self._step(buffer, shapes)

@@ -3,17 +3,17 @@
 Host-only numpy (no JAX, directly or through what this module imports): the rows are
 the runner's copy of the scheduler's view of each running request (its block ids per
 KV-cache group, its sampling parameters, its prompt length), built from the block-id
-changes each `SchedulerOutput` reports. A step's changes are first checked as a whole
-(`RowReset.of`, `RowAppends.check`), then applied (`RequestRows.apply`, which cannot
-fail): a request whose change is refused fails alone (`RequestStepError`) and no row
-changes. The block ids these checks accept are the ones the step packer trusts
-(`StepMetadataPacker.pack_rows_into` checks them no more).
+changes each `SchedulerOutput` reports. A step's changes are first recorded and checked
+(`RequestRows.record`, `RequestRows.check`), then applied (`RequestRows.apply`, which
+cannot fail and checks nothing again): a request whose change is refused fails alone
+(`RequestStepError`) and no row changes. The block ids these checks accept are the ones
+the step packer trusts (`StepMetadataPacker.pack_rows_into` checks them no more).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +23,14 @@ from jaxkv.block_table import BlockTable
 if TYPE_CHECKING:
     from jaxkv.engine.scheduler import ScheduledRequest
 
-__all__ = ["RequestRows", "RequestStepError", "RowAppends", "RowReset", "RowSampling"]
+__all__ = [
+    "RequestRows",
+    "RequestStepError",
+    "RowAppends",
+    "RowChanges",
+    "RowReset",
+    "RowSampling",
+]
 
 
 class RequestStepError(Exception):
@@ -85,20 +92,45 @@ class RequestRows:
         row = self.index[request_id]
         return tuple(t.block_table[row, : t.num_blocks_per_row[row]].tolist() for t in self.tables)
 
-    def apply(self, resets: Sequence[RowReset], appends: RowAppends) -> None:
-        """Apply a prepared step's checked row changes (`ModelRunner._prepare`); cannot
-        fail."""
-        for u in resets:
+    def record(
+        self, changes: RowChanges, s: ScheduledRequest, sampling: Mapping[str, RowSampling]
+    ) -> None:
+        """Add `s`'s row change to `changes` (a reset's block ids checked now, its
+        sampling row `sampling[request_id]` typed now); changes no row. Raises what is
+        wrong with it: a reset with no free row left, a change to a request holding no
+        row, ids or a sampling value a row cannot hold."""
+        request_id = s.request.request_id
+        row = self.index.get(request_id)
+        if s.resets_row:
+            if row is None:
+                changes.num_new_rows += 1
+                if changes.num_new_rows > len(self.free):
+                    raise RuntimeError(f"no free row: all {len(self.temperature)} are taken")
+            changes.resets.append(RowReset.of(self.tables, s, sampling[request_id]))
+        elif row is None:
+            raise RuntimeError("has no row: its first step did not send its blocks")
+        elif s.new_block_ids or s.num_null_blocks:
+            changes.appends.add(s, row)
+
+    def check(self, changes: RowChanges) -> None:
+        """Check the recorded appends as a batch against the tables as they are now
+        (`RowAppends.check`: `RequestStepError` naming the first request refused)."""
+        changes.appends.check(self.tables)
+
+    def apply(self, changes: RowChanges) -> None:
+        """Apply a step's row changes, every one recorded and checked (`record`, `check`)
+        against the rows as they still are; cannot fail, checks nothing again."""
+        for u in changes.resets:
             row = self.index.get(u.request_id)
             if row is None:
                 row = self.index[u.request_id] = self.free.pop()
             for table, ids in zip(self.tables, u.block_ids, strict=True):
-                table.add_row(ids, row)
+                table.write_checked_row(ids, row)
             (
                 self.temperature[row], self.top_k[row], self.top_p[row], self.seeds[row],
                 self.num_prompt_tokens[row],
             ) = u.sampling  # fmt: skip
-        appends.apply(self.tables)
+        changes.appends.apply(self.tables)
 
 
 @dataclass(frozen=True)
@@ -182,3 +214,18 @@ class RowAppends:
                 table.write_checked_appends(
                     self.rows, self.checked_ids[g], self.counts[g], self.num_null_blocks[g]
                 )
+
+
+@dataclass
+class RowChanges:
+    """One step's row changes on one rank: the resets (new and resumed requests), the
+    appends (requests keeping their rows) and how many resets need a free row."""
+
+    resets: list[RowReset] = field(default_factory=list)
+    appends: RowAppends = field(default_factory=lambda: RowAppends(0))
+    num_new_rows: int = 0
+
+    @classmethod
+    def empty(cls, rows: RequestRows) -> RowChanges:
+        """No changes yet, for `rows`' groups."""
+        return cls(appends=RowAppends(len(rows.tables)))
