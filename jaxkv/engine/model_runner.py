@@ -62,9 +62,9 @@ from jaxkv.block_table import BlockTable
 from jaxkv.device import (
     EncoderCacheStore,
     PagedKVCache,
-    StepInputs,
     StepLayout,
     StepMetadataPacker,
+    StepRows,
     StepShape,
 )
 from jaxkv.device.host_inputs import placer
@@ -463,9 +463,9 @@ class ModelRunner:
         fields = layout.unpack(buffer)
         for g, packer in enumerate(self.packers):
             tables = [rows.tables[g].block_table for rows in self.rows]
-            packer.pack_into(
+            packer.pack_rows_into(
                 [
-                    StepInputs(table[step.rows], step.seq_lens, step.query_lens)
+                    StepRows(table, step.rows, step.seq_lens, step.query_lens)
                     for table, step in zip(tables, steps, strict=True)
                 ],
                 shapes[g],
