@@ -447,10 +447,10 @@ class StepMetadataPacker:
             max(d.slot_mapping.size for d in derived), max(d.seq_lens.size for d in derived), shape
         )
         out = np.zeros((len(derived), shape.length), np.int32)
-        tables = self._tables_of(out, shape)
+        fields = self._fields_of(out, shape, len(derived))
         for k, d in enumerate(derived):
-            tables[k, : d.seq_lens.size] = d.block_tables
-        self._write(derived, shape, out)
+            fields["block_tables"][k, : d.seq_lens.size] = d.block_tables
+        self._write(derived, self.padding_slot, fields)
         return out, shape
 
     def pack_rows_into(self, steps: Sequence[StepRows], shape: StepShape, out: np.ndarray) -> None:
@@ -467,15 +467,15 @@ class StepMetadataPacker:
         ]
         n_tokens = max((int(ql.sum()) for _, ql in lens), default=0)
         shape = self._check_shape(n_tokens, max((seq.size for seq, _ in lens), default=0), shape)
-        tables = self._tables_of(out, shape)
+        fields = self._fields_of(out, shape, len(steps))
         derived = []
         for k, (s, (seq, ql)) in enumerate(zip(steps, lens, strict=True)):
-            bt = tables[k, : seq.size]
+            bt = fields["block_tables"][k, : seq.size]
             # "clip": numpy buffers a take into `out` in its default mode (a copy); the
             # rows are the table owner's own row indices, in range.
             np.take(s.table, s.rows, axis=0, out=bt, mode="clip")
             derived.append(self._slots(bt, seq, ql, None, f" (data rank {k})"))
-        self._write(derived, shape, out)
+        self._write(derived, self.padding_slot, fields)
 
     def _check_shape(self, n_tokens: int, n_reqs: int, shape: StepShape | None) -> StepShape:
         """`shape`, or the smallest holding every rank's step (`n_tokens` tokens and
@@ -490,23 +490,25 @@ class StepMetadataPacker:
         return shape
 
     @staticmethod
-    def _tables_of(out: np.ndarray, shape: StepShape) -> np.ndarray:
-        """The block tables of the rows `out` (`[dp, R, W]`, a view), which must be
-        `[dp, shape.length]` int32."""
-        if out.ndim != 2 or out.shape[1] != shape.length or out.dtype != _INT32:
+    def _fields_of(out: np.ndarray, shape: StepShape, dp: int) -> dict[str, np.ndarray]:
+        """The fields of the rows `out` (views; `block_tables` as `[dp, R, W]`), which
+        must be `[dp, shape.length]` int32."""
+        if out.shape != (dp, shape.length) or out.dtype != _INT32:
             raise ValueError(
-                f"out has shape {out.shape} dtype {out.dtype}; {shape} needs "
-                f"(dp, {shape.length}) int32"
+                f"out has shape {out.shape} dtype {out.dtype}; {dp} rank(s) of {shape} need "
+                f"({dp}, {shape.length}) int32"
             )
-        return shape.layout.unpack(out)["block_tables"].reshape(out.shape[0], shape.num_reqs, -1)
-
-    def _write(self, derived: Sequence[_Derived], shape: StepShape, out: np.ndarray) -> None:
-        """Fill the zeroed rows `out` (`[dp, shape.length]`, its block tables already
-        written) with the rest of the checked steps: the padding rows are zero but for
-        the queries' ends (the token count) and the slots (`padding_slot`)."""
-        if out.shape[0] != len(derived):
-            raise ValueError(f"out has {out.shape[0]} rows for {len(derived)} rank(s)")
         fields = shape.layout.unpack(out)
+        fields["block_tables"] = fields["block_tables"].reshape(dp, shape.num_reqs, -1)
+        return fields
+
+    @staticmethod
+    def _write(
+        derived: Sequence[_Derived], padding_slot: int, fields: dict[str, np.ndarray]
+    ) -> None:
+        """Fill the zeroed rows' `fields` (`_fields_of`, block tables already written)
+        with the rest of the checked steps: the padding rows are zero but for the
+        queries' ends (the token count) and the slots (`padding_slot`)."""
         for k, d in enumerate(derived):
             n, m = d.seq_lens.size, d.slot_mapping.size
             fields["num_tokens"][k] = m
@@ -515,7 +517,7 @@ class StepMetadataPacker:
             fields["query_start_loc"][k, : n + 1] = d.query_start_loc
             fields["query_start_loc"][k, n + 1 :] = m
             fields["slot_mapping"][k, :m] = d.slot_mapping
-            fields["slot_mapping"][k, m:] = self.padding_slot
+            fields["slot_mapping"][k, m:] = padding_slot
             fields["positions"][k, :m] = d.positions
 
     @staticmethod
