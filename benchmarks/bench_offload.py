@@ -31,7 +31,7 @@ The step loop's time on host-tier copies is timed from here by wrapping the engi
 runner: stores, dispatching the gathers (`ModelRunner.gather_blocks`) plus reading
 them (`GatheredBlocks.read`, which waits for a copy not done; the engine reads them a
 step later, `HostOffload.complete_stores`); loads, putting the verified host blocks on
-the device (`ModelRunner._load_blocks`). "copy s" is that time in "tier on, sync
+the device (`BlockTransfers.load`). "copy s" is that time in "tier on, sync
 copies" (the device first idle, each copy then waited for); "loop waited s" is that
 time in "tier on"; hidden = 1 - waited / copy. Not seen by these timers: a step
 program that donates the KV cache may wait, at its dispatch, for a gather still
@@ -142,12 +142,12 @@ class CopyTimer:
     engine's runner: `store_s` dispatching (`dispatch_s`) and reading gathers, `load_s`
     putting loads on the device. `sync`: wait for the device to idle before each copy
     (not counted) and for the copy after it (counted), so the time is the whole copy's.
-    (`_load_blocks` is private: wrapped here only, to time the loads.)"""
+    (the loads are the runner's `transfers.load`, wrapped on this runner only.)"""
 
     def __init__(self, engine: LLMEngine, sync: bool) -> None:
         self.store_s = self.load_s = self.dispatch_s = 0.0
         runner = engine.runner
-        gather, load = runner.gather_blocks, runner._load_blocks
+        gather, load = runner.gather_blocks, runner.transfers.load
 
         def timed_gather(block_ids, layers):
             if sync:
@@ -161,18 +161,19 @@ class CopyTimer:
                     part.read()
             return parts
 
-        def timed_load(outs):
+        def timed_load(kv_cache, outs):
             if not any(len(out.kv_load_block_ids) for out in outs):
-                return load(outs)
+                return load(kv_cache, outs)
             if sync:
-                jax.block_until_ready(runner.kv_cache)
+                jax.block_until_ready(kv_cache)
             start = time.perf_counter()
-            load(outs)
+            kv_cache = load(kv_cache, outs)
             if sync:
-                jax.block_until_ready(runner.kv_cache)
+                jax.block_until_ready(kv_cache)
             self.load_s += time.perf_counter() - start
+            return kv_cache
 
-        runner.gather_blocks, runner._load_blocks = timed_gather, timed_load
+        runner.gather_blocks, runner.transfers.load = timed_gather, timed_load
 
 
 class _TimedGathered:

@@ -243,10 +243,14 @@ class BlockTable:
     def add_row(self, block_ids: Sequence[int] | np.ndarray, row_idx: int) -> None:
         """Replace row `row_idx` with exactly `block_ids`."""
         row = self._check_row(row_idx)
-        ids = self.check_row_ids(block_ids)
+        self.write_checked_row(self.check_row_ids(block_ids), row)
+
+    def write_checked_row(self, block_ids: np.ndarray, row: int) -> None:
+        """`add_row` of ids `check_row_ids` returned (no row index) and a row index
+        in range: nothing is checked again."""
         self.block_table[row] = NULL_BLOCK_ID
-        self.block_table[row, : ids.size] = ids
-        self.num_blocks_per_row[row] = ids.size
+        self.block_table[row, : block_ids.size] = block_ids
+        self.num_blocks_per_row[row] = block_ids.size
 
     def clear_row(self, row_idx: int) -> None:
         """Empty row `row_idx` (all null blocks)."""

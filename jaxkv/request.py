@@ -320,7 +320,9 @@ class Request:
         self.lora_request = lora_request
         if cache_salt is not None and type(cache_salt) is not str:
             check_str("cache_salt", cache_salt, allow_none=True)
-        self.cache_salt = cache_salt or None  # "" means no salt, as in vLLM
+        # Normalised here, once: "" means no salt, as in vLLM; later stages (the engine's
+        # streams, the block hashes) take `cache_salt` as it is.
+        self.cache_salt = cache_salt or None
         if block_hasher is not None and not _is_block_hasher(block_hasher):
             raise TypeError(
                 "block_hasher must come from get_request_block_hasher (it declares the block "

@@ -68,7 +68,7 @@ def generate_block_hash_extra_keys(
     if request.mm_features:
         mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
         keys.extend(mm_keys)
-    if request.cache_salt and start_token_idx == 0:  # "" is no salt, as in vLLM
+    if request.cache_salt is not None and start_token_idx == 0:  # `Request` made "" None
         keys.append(("cache_salt", request.cache_salt))
     if request.prompt_embeds is not None and start_token_idx < request.num_prompt_tokens:
         end = min(end_token_idx, request.num_prompt_tokens)
@@ -82,7 +82,7 @@ def needs_extra_keys(request: Request) -> bool:
     return bool(
         request.lora_request is not None
         or request.mm_features
-        or request.cache_salt
+        or request.cache_salt is not None
         or request.prompt_embeds is not None
     )
 

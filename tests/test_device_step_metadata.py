@@ -25,6 +25,7 @@ from jaxkv.device import (
     StepInputs,
     StepLayout,
     StepMetadataPacker,
+    StepRows,
     StepShape,
     compilation_count,
     no_compilation,
@@ -119,27 +120,35 @@ def test_pack_names_what_it_wants_for_no_steps_or_not_steps() -> None:
     shape = packer.pack(step)[1]
     out = np.zeros((0, shape.length), np.int32)
     with pytest.raises(ValueError, match="steps is empty"):
-        packer.pack_into([], shape, out)
+        packer.pack_rows_into([], shape, out)
 
 
-def test_pack_into_a_view_of_a_larger_buffer_equals_pack() -> None:
-    """`pack_into` fills a zeroed view (as the runner's step buffer holds the metadata
-    among its other fields) exactly as `pack` fills a buffer of its own; the rest of the
-    larger buffer is untouched."""
+def test_pack_rows_into_a_view_of_a_larger_buffer_equals_pack() -> None:
+    """The runner's path: `pack_rows_into` takes each rank's rows of a persistent table
+    (ids trusted: their table checked them) straight into a zeroed view (as the runner's
+    step buffer holds the metadata among its other fields), exactly as `pack` fills a
+    buffer of its own with those rows; the rest of the larger buffer is untouched, and
+    the lengths are still checked."""
     packer = _packer()
-    steps = [
-        StepInputs(np.array([[3, 9, 0, 0], [5, 0, 0, 0]]), np.array([6, 2]), np.array([3, 1])),
-        StepInputs(np.array([[7, 8, 11, 0]]), np.array([10]), np.array([1])),
-    ]
-    packed, shape = packer.pack(steps)
+    table = np.array([[7, 8, 11, 0], [0, 0, 0, 0], [3, 9, 0, 0], [5, 0, 0, 0]], np.int32)
+    rows, seq, ql = np.array([2, 3]), np.array([6, 2]), np.array([3, 1])
+    steps = [StepRows(table, rows, seq, ql), StepRows(table, np.array([0]), [10], [1])]
+    packed, shape = packer.pack(
+        [StepInputs(table[s.rows], s.seq_lens, s.query_lens) for s in steps]
+    )
     outer = StepLayout((StepField("before", 2), StepField("metadata", shape.length)))
     buffer = np.zeros((2, outer.length), np.int32)
     buffer[:, :2] = 5
-    packer.pack_into(steps, shape, outer.unpack(buffer)["metadata"])
+    packer.pack_rows_into(steps, shape, outer.unpack(buffer)["metadata"])
     np.testing.assert_array_equal(buffer[:, 2:], packed)
     assert (buffer[:, :2] == 5).all()
     with pytest.raises(ValueError, match=rf"need \(2, {shape.length}\) int32"):
-        packer.pack_into(steps, shape, np.zeros((2, 1), np.int32))
+        packer.pack_rows_into(steps, shape, np.zeros((2, 1), np.int32))
+    out = np.zeros((1, shape.length), np.int32)
+    with pytest.raises(ValueError, match=r"query_lens\[1\] = 3 exceeds seq_lens\[1\] = 2"):
+        packer.pack_rows_into([StepRows(table, rows, seq, [3, 3])], shape, out)
+    with pytest.raises(ValueError, match="position 4 of request 1 lies in the null block"):
+        packer.pack_rows_into([StepRows(table, rows, [6, 5], ql)], shape, out)
 
 
 def test_metadata_layout_names_every_field_once() -> None:

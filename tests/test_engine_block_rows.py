@@ -12,13 +12,18 @@ groups (blocks turning into the null block), and around a request that fails alo
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from jaxkv import models
+from jaxkv.block_table import BlockTable
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.engine.model_runner import RowSampling
+from jaxkv.engine.request_rows import RequestRows, RequestStepError, RowChanges
 from jaxkv.testing.reference import DenseReference
 from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
@@ -171,3 +176,43 @@ def test_sliding_window_rows_take_the_null_block_as_the_manager_does(tmp_path_fa
     )
     assert seen.null_rows > 0, "blocks left the window"
     assert engine.num_preemptions > 0
+
+
+def test_request_rows_import_no_jax() -> None:
+    """The rows are host-only numpy: importing their module (and so everything it
+    imports) leaves JAX unloaded, in a fresh interpreter."""
+    code = (
+        "import sys; import jaxkv.engine.request_rows; "
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_rows_refuse_bad_block_ids_before_any_row_changes() -> None:
+    """Block ids are checked once, where they enter the rows (the step packer trusts
+    them): a reset or an append naming a block past the pool is refused, with the
+    request and the id named, and no row has changed."""
+    table = BlockTable(4, 2, 3, 10)
+    rows = RequestRows([table])
+    sampling = {"a": RowSampling(0.0, 0, 1.0, 0), "b": RowSampling(0.0, 0, 1.0, 0)}
+
+    def scheduled(request_id, ids, reset):
+        request = SimpleNamespace(request_id=request_id, num_prompt_tokens=4)
+        return SimpleNamespace(
+            request=request, resets_row=reset, new_block_ids=(ids,), num_null_blocks=(0,)
+        )
+
+    changes = RowChanges.empty(rows)
+    rows.record(changes, scheduled("a", [1, 2], True), sampling)
+    rows.check(changes)
+    rows.apply(changes)
+    before = table.block_table.copy(), dict(rows.index)
+    with pytest.raises(ValueError, match="block id 12 is out of range"):
+        rows.record(RowChanges.empty(rows), scheduled("b", [3, 12], True), sampling)
+    changes = RowChanges.empty(rows)
+    rows.record(changes, scheduled("a", [10], False), sampling)
+    with pytest.raises(RequestStepError, match="request 'a'.*block id 10 is out of range"):
+        rows.check(changes)
+    np.testing.assert_array_equal(table.block_table, before[0])
+    assert rows.index == before[1] and rows.block_ids("a") == ([1, 2],)

@@ -16,11 +16,12 @@ and loading requests holding it, and nothing else is held; waiting requests hold
 block and no encoder entry; every request is in exactly one of waiting, loading,
 running (or finished); a loading request is `WAITING_FOR_REMOTE_KVS`, has one load,
 whose blocks are the only pins of the tier, and is never scheduled; outputs so far are
-exactly the expected tokens. After every step, rows rebuilt from the reported block-id
-changes (as a model runner keeps them: reset, appended, released on preemption and
-finish) are exactly the manager's block ids of the running requests (one whose load was
-just taken gets its row when first scheduled). At the end every request not aborted
-finishes with its full output, everything is returned and the tier holds no pin.
+exactly the expected tokens. After every step, the model runner's own request rows
+(`RequestRows`, host only), driven by each step's reported block-id changes (reset,
+appended, released on preemption and finish), hold exactly the manager's block ids of
+the running requests (one whose load was just taken gets its row when first scheduled).
+At the end every request not aborted finishes with its full output, everything is
+returned and the tier holds no pin.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import jaxkv
+from jaxkv.block_table import BlockTable
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.engine.offload import HostOffload, PendingStore
+from jaxkv.engine.request_rows import RequestRows, RowChanges, RowSampling
 from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
 from jaxkv.host_tier import HostKVTier
 from jaxkv.request import MultiModalFeatureSpec, RequestStatus
@@ -48,6 +51,8 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 14
 MAX_LEN = 40
 ITEMS = {"img-a": 4, "img-b": 6, "img-c": 5}
+MAX_NUM_SEQS = 3
+ROW_SAMPLING = RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
 
 def fake_token(request_id: str, index: int) -> int:
@@ -96,7 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.offload._stager.submit(self.release.wait)
         self.scheduler = Scheduler(
             self.manager,
-            SchedulerConfig(3, budget, MAX_LEN, long_prefill_token_threshold=chunk_cap),
+            SchedulerConfig(MAX_NUM_SEQS, budget, MAX_LEN, long_prefill_token_threshold=chunk_cap),
             encoder_cache_manager=self.encoder,
             encoder_budget=EncoderBudget(compute_budget=8, cache_size=12),
             offload=self.offload,
@@ -107,7 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.aborted: set[str] = set()
         self.num_added = 0
         self.systems = [list(range(100, 108)), list(range(200, 212))]
-        self.rows: dict[str, list[list[int]]] = {}  # a model runner's rows, from the changes
+        table = BlockTable(BLOCK_SIZE, MAX_NUM_SEQS, -(-MAX_LEN // BLOCK_SIZE), NUM_BLOCKS)
+        self.rows = RequestRows([table])  # a model runner's rows, from the changes
         # Running since their loads were taken, not scheduled yet: no row so far.
         self.unrowed: set[str] = set()
 
@@ -221,7 +227,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.unrowed |= loading - set(self.scheduler.loading)
         self._store()
         assert output.num_scheduled_tokens <= self.scheduler.config.max_num_batched_tokens
-        assert len(output.scheduled) <= 3
+        assert len(output.scheduled) <= MAX_NUM_SEQS
         assert not {s.request.request_id for s in output.scheduled} & set(self.scheduler.loading)
         for item in output.scheduled:
             request = item.request
@@ -242,25 +248,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._apply(done)
 
     def _apply_block_changes(self, output) -> None:
-        """Keep rows as a model runner does; then they are the running requests' blocks."""
-        for request_id in output.preempted_request_ids + output.finished_request_ids:
-            self.rows.pop(request_id, None)
+        """Update the request rows as the model runner does (release, record and check
+        every change, apply); then they are the running requests' blocks."""
+        self.rows.release(output.preempted_request_ids)
+        self.rows.release(output.finished_request_ids)
+        changes = RowChanges.empty(self.rows)
+        sampling = {item.request.request_id: ROW_SAMPLING for item in output.scheduled}
         for item in output.scheduled:
-            request_id = item.request.request_id
-            if item.resets_row:
-                self.rows[request_id] = [list(ids) for ids in item.new_block_ids]
-            else:
-                assert request_id in self.rows, "only a reset starts a row"
-                rows = self.rows[request_id]
-                for row, ids in zip(rows, item.new_block_ids, strict=False):
-                    row += ids
-                for row, num_nulls in zip(rows, item.num_null_blocks, strict=False):
-                    row[:num_nulls] = [0] * num_nulls
+            self.rows.record(changes, item, sampling)  # only a reset starts a row
+        self.rows.check(changes)
+        self.rows.apply(changes)
         running = {r.request_id for r in self.scheduler.running}
         self.unrowed &= running - {item.request.request_id for item in output.scheduled}
-        assert set(self.rows) == running - self.unrowed
-        for request_id, row in self.rows.items():
-            assert tuple(row) == self.manager.get_block_ids(request_id), request_id
+        assert set(self.rows.index) == running - self.unrowed
+        for request_id in self.rows.index:
+            assert self.rows.block_ids(request_id) == self.manager.get_block_ids(request_id)
 
     @invariant()
     def blocks_held_by_exactly_the_running_and_loading_requests(self) -> None:
@@ -289,7 +291,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not running & loading
         unfinished = {r for r, q in self.requests.items() if not q.is_finished}
         assert unfinished == set(waiting) | running | loading
-        assert len(running | loading) <= 3  # max_num_seqs
+        assert len(running | loading) <= MAX_NUM_SEQS
         for refs_of_item in self.encoder.cached.values():
             assert refs_of_item <= running
 

@@ -172,7 +172,7 @@ class StepLayout:
         """Field name -> its slice of `buffer` (`[..., length]` int32, numpy or traced),
         float32 fields bitcast back; ValueError when the row length or dtype differs. Of
         a numpy buffer the slices are writable views: a packer fills a step through them
-        (`StepMetadataPacker.pack_into`), unchecked (`pack` checks what it is given)."""
+        (`StepMetadataPacker.pack_rows_into`), unchecked (`pack` checks what it is given)."""
         if buffer.shape[-1:] != (self.length,) or buffer.dtype != _INT32:
             raise ValueError(
                 f"step buffer has shape {buffer.shape} dtype {buffer.dtype}; the layout "
@@ -270,6 +270,18 @@ class StepInputs:
     slot_mapping: np.ndarray | None = None  # [n_tokens]
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """One data rank's step on rows of a persistent block table: request `i`'s block
+    ids are row `rows[i]` of `table` (`[max_num_reqs, W]` int32, e.g. a `BlockTable`'s),
+    ids already checked where they entered the table (`pack_rows_into` trusts them)."""
+
+    table: np.ndarray  # [max_num_reqs, W] int32
+    rows: np.ndarray  # [n_reqs] row of each request
+    seq_lens: np.ndarray  # [n_reqs] context length after this step
+    query_lens: np.ndarray  # [n_reqs] tokens scheduled this step
+
+
 class _Derived(NamedTuple):
     """One rank's checked step with its per-token rows, each computed once."""
 
@@ -302,10 +314,12 @@ def _ranks(steps: StepInputs | Sequence[StepInputs]) -> list[StepInputs]:
 class StepMetadataPacker:
     """Packs steps for a cache of `num_blocks` blocks of `block_size`, table width `W`.
 
-    Invariant: every buffer it returns passed validation (block ids in
+    Invariant: every buffer it fills passed validation (block ids in
     `[0, num_blocks)`, slots outside the null block, lengths within the table),
     is laid out by its `StepShape.layout`, and uses bucket sizes from
-    `token_buckets` / `req_buckets` only.
+    `token_buckets` / `req_buckets` only. `pack` checks the block ids it is given;
+    `pack_rows_into` takes them from a table whose owner checked them as they entered
+    (`BlockTable`), once, and checks the rest.
     """
 
     def __init__(
@@ -366,27 +380,43 @@ class StepMetadataPacker:
             raise ValueError(
                 f"block_tables shape {bt.shape} must be [n_reqs, {self.max_blocks_per_req}]" + where
             )
-        for name, arr, size in (
-            ("seq_lens", s.seq_lens, n_reqs),
-            ("query_lens", s.query_lens, n_reqs),
-        ):
-            if np.shape(arr) != (size,):
-                raise ValueError(f"{name} shape {np.shape(arr)} must be ({size},){where}")
+        seq, ql = self._check_lens(s.seq_lens, s.query_lens, n_reqs, where)
         bt = check_ids("block id", bt, 0, self.num_blocks, ndim=2, where=where)
+        return self._slots(bt, seq, ql, s.slot_mapping, where)
+
+    def _check_lens(
+        self, seq_lens: np.ndarray, query_lens: np.ndarray, n_reqs: int, where: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`seq_lens` and `query_lens` of `n_reqs` requests as int32, each query within
+        its sequence and every sequence within the table width."""
+        for name, arr in (("seq_lens", seq_lens), ("query_lens", query_lens)):
+            if np.shape(arr) != (n_reqs,):
+                raise ValueError(f"{name} shape {np.shape(arr)} must be ({n_reqs},){where}")
         max_len = self.max_blocks_per_req * self.block_size
-        seq = check_ids("seq_len", s.seq_lens, 1, max_len + 1, where=where)
-        ql = check_ids("query_len", s.query_lens, 1, max_len + 1, where=where)
+        seq = check_ids("seq_len", seq_lens, 1, max_len + 1, where=where)
+        ql = check_ids("query_len", query_lens, 1, max_len + 1, where=where)
         too_long = ql > seq
         if too_long.any():
             i = int(np.argmax(too_long))
             raise ValueError(
                 f"query_lens[{i}] = {int(ql[i])} exceeds seq_lens[{i}] = "
-                f"{int(s.seq_lens[i])} (allowed [1, seq_len]){where}"
+                f"{int(seq_lens[i])} (allowed [1, seq_len]){where}"
             )
+        pick_bucket(int(ql.sum()), self.token_buckets)
+        pick_bucket(n_reqs, self.req_buckets)
+        return seq, ql
+
+    def _slots(
+        self, bt: np.ndarray, seq: np.ndarray, ql: np.ndarray, slots: np.ndarray | None,
+        where: str,
+    ) -> _Derived:  # fmt: skip
+        """The step of checked block table rows `bt` and lengths: its query offsets, and
+        each token's position and slot (its own position in a block its request holds;
+        `slots` given: checked to equal that)."""
+        n_reqs = seq.size
         cu = np.zeros(n_reqs + 1, np.int32)
         cu[1:] = ql.cumsum()
         n_tokens = int(cu[-1])
-        slots = s.slot_mapping
         if slots is not None:
             slots = np.asarray(slots)
             if slots.shape != (n_tokens,):
@@ -395,9 +425,6 @@ class StepMetadataPacker:
                     f"query_lens{where}"
                 )
             slots = check_ids("slot", slots, self.block_size, self.padding_slot, where=where)
-        pick_bucket(n_tokens, self.token_buckets)
-        pick_bucket(n_reqs, self.req_buckets)
-        # Each token's slot is its own position in a block its request holds.
         if n_tokens == n_reqs:  # one token per request (a decode step): its last position
             req, pos = np.arange(n_reqs), seq - 1
         else:
@@ -426,22 +453,44 @@ class StepMetadataPacker:
         rank's tokens and requests); None: the smallest that does.
         """
         derived = [self._derive(s, i) for i, s in enumerate(_ranks(steps))]
-        shape = self._check_shape(derived, shape)
+        shape = self._check_shape(
+            max(d.slot_mapping.size for d in derived), max(d.seq_lens.size for d in derived), shape
+        )
         out = np.zeros((len(derived), shape.length), np.int32)
-        self._write(derived, shape, out)
+        fields = self._fields_of(out, shape, len(derived))
+        for k, d in enumerate(derived):
+            fields["block_tables"][k, : d.seq_lens.size] = d.block_tables
+        self._write(derived, self.padding_slot, fields)
         return out, shape
 
-    def pack_into(self, steps: Sequence[StepInputs], shape: StepShape, out: np.ndarray) -> None:
-        """`pack` into `out`, zero-filled `[dp, shape.length]` int32 (e.g. a view of a
-        larger step buffer), for `shape` chosen by the caller (`shape_for`)."""
-        derived = [self._derive(s, i) for i, s in enumerate(_ranks(steps))]
-        self._write(derived, self._check_shape(derived, shape), out)
+    def pack_rows_into(self, steps: Sequence[StepRows], shape: StepShape, out: np.ndarray) -> None:
+        """Pack one `StepRows` per data rank into `out`, zero-filled `[dp, shape.length]`
+        int32 (e.g. a view of a larger step buffer), for `shape` chosen by the caller
+        (`shape_for`). The block ids are trusted (their `BlockTable` checked them when they
+        entered it) and each rank's table rows are taken straight into `out`; the lengths
+        are checked as `pack` checks them, every token's block too (never the null one)."""
+        if not steps:
+            raise ValueError("steps is empty; give one StepRows per data rank (at least one)")
+        lens = [
+            self._check_lens(s.seq_lens, s.query_lens, len(s.rows), f" (data rank {k})")
+            for k, s in enumerate(steps)
+        ]
+        n_tokens = max((int(ql.sum()) for _, ql in lens), default=0)
+        shape = self._check_shape(n_tokens, max((seq.size for seq, _ in lens), default=0), shape)
+        fields = self._fields_of(out, shape, len(steps))
+        derived = []
+        for k, (s, (seq, ql)) in enumerate(zip(steps, lens, strict=True)):
+            bt = fields["block_tables"][k, : seq.size]
+            # "clip": numpy buffers a take into `out` in its default mode (a copy); the
+            # rows are the table owner's own row indices, in range.
+            np.take(s.table, s.rows, axis=0, out=bt, mode="clip")
+            derived.append(self._slots(bt, seq, ql, None, f" (data rank {k})"))
+        self._write(derived, self.padding_slot, fields)
 
-    def _check_shape(self, derived: Sequence[_Derived], shape: StepShape | None) -> StepShape:
-        """`shape`, or the smallest holding every rank's step; ValueError when it is not
-        one of this packer's shapes or does not hold them."""
-        n_tokens = max((d.slot_mapping.size for d in derived), default=0)
-        n_reqs = max((d.seq_lens.size for d in derived), default=0)
+    def _check_shape(self, n_tokens: int, n_reqs: int, shape: StepShape | None) -> StepShape:
+        """`shape`, or the smallest holding every rank's step (`n_tokens` tokens and
+        `n_reqs` requests at most); ValueError when it is not one of this packer's shapes
+        or does not hold them."""
         if shape is None:
             return self.shape_for(n_tokens)
         if shape not in self._all_shapes:
@@ -450,27 +499,35 @@ class StepMetadataPacker:
             raise ValueError(f"{n_tokens} tokens and {n_reqs} requests do not fit {shape}")
         return shape
 
-    def _write(self, derived: Sequence[_Derived], shape: StepShape, out: np.ndarray) -> None:
-        """Fill the zeroed rows `out` (`[dp, shape.length]`) with the checked steps: the
-        padding rows are zero but for the queries' ends (the token count) and the slots
-        (`padding_slot`)."""
-        if out.shape != (len(derived), shape.length) or out.dtype != _INT32:
+    @staticmethod
+    def _fields_of(out: np.ndarray, shape: StepShape, dp: int) -> dict[str, np.ndarray]:
+        """The fields of the rows `out` (views; `block_tables` as `[dp, R, W]`), which
+        must be `[dp, shape.length]` int32."""
+        if out.shape != (dp, shape.length) or out.dtype != _INT32:
             raise ValueError(
-                f"out has shape {out.shape} dtype {out.dtype}; {len(derived)} rank(s) of "
-                f"{shape} need ({len(derived)}, {shape.length}) int32"
+                f"out has shape {out.shape} dtype {out.dtype}; {dp} rank(s) of {shape} need "
+                f"({dp}, {shape.length}) int32"
             )
         fields = shape.layout.unpack(out)
-        block_tables = fields["block_tables"].reshape(len(derived), shape.num_reqs, -1)
+        fields["block_tables"] = fields["block_tables"].reshape(dp, shape.num_reqs, -1)
+        return fields
+
+    @staticmethod
+    def _write(
+        derived: Sequence[_Derived], padding_slot: int, fields: dict[str, np.ndarray]
+    ) -> None:
+        """Fill the zeroed rows' `fields` (`_fields_of`, block tables already written)
+        with the rest of the checked steps: the padding rows are zero but for the
+        queries' ends (the token count) and the slots (`padding_slot`)."""
         for k, d in enumerate(derived):
             n, m = d.seq_lens.size, d.slot_mapping.size
             fields["num_tokens"][k] = m
             fields["num_reqs"][k] = n
-            block_tables[k, :n] = d.block_tables
             fields["seq_lens"][k, :n] = d.seq_lens
             fields["query_start_loc"][k, : n + 1] = d.query_start_loc
             fields["query_start_loc"][k, n + 1 :] = m
             fields["slot_mapping"][k, :m] = d.slot_mapping
-            fields["slot_mapping"][k, m:] = self.padding_slot
+            fields["slot_mapping"][k, m:] = padding_slot
             fields["positions"][k, :m] = d.positions
 
     @staticmethod

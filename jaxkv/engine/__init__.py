@@ -13,7 +13,7 @@ _EXPORTS = {
     "LLMEngine": "engine",
     "choose_data_rank": "engine",
     "ModelRunner": "model_runner",
-    "RowSampling": "model_runner",
+    "RowSampling": "request_rows",
     "group_kv_cache_specs": "model_runner",
     "RequestOutput": "outputs",
     "RequestOutputKind": "sampling",

@@ -574,7 +574,7 @@ class LLMEngine:
             ids, features, pixels = self._image_features(request_id, ids, images)
         request = Request(
             request_id, ids, sampling, mm_features=features, block_hasher=self._block_hasher,
-            cache_salt=cache_salt or None,
+            cache_salt=cache_salt,
         )  # fmt: skip
         stop = stop_token_ids_for(sampling, self.eos_token_ids)
         rank = 0
@@ -587,7 +587,7 @@ class LLMEngine:
         self.schedulers[rank].add_request(request, stop)  # validates before changing anything
         self._rank_of[request_id] = rank
         self._sampling[request_id] = self._row_sampling(sampling, request_id)
-        self._streams[request_id] = OutputStream.for_kind(sampling.output_kind, cache_salt or None)
+        self._streams[request_id] = OutputStream.for_kind(sampling.output_kind, request.cache_salt)
         for feature, image in zip(features, pixels, strict=True):
             self._images.setdefault(feature.identifier, image)
             self._image_refs[feature.identifier] = self._image_refs.get(feature.identifier, 0) + 1

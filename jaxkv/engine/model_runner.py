@@ -1,23 +1,31 @@
 """Glue between the scheduler's output and a model's `forward_paged` (one device call a step).
 
-The runner owns the device state: one `PagedKVCache` per KV-cache group (layers with
-equal specs share a group and the pool's block ids), one donated array holding every
-layer's cache (`[num_layers, ...]`, which the model's scanned layer body indexes),
-and for image models the encoder store's array (`encoder_cache`; its layout and programs
-are the `EncoderCacheStore`, its pages the host `EncoderPageAllocator`); and, per data
-rank, the requests' persistent rows (`RequestRows`: block tables per group, sampling
-parameters), which the scheduler's block-id changes update. Each step it
+The runner orchestrates four parts, each its own module:
 
-1. releases the rows of preempted and finished requests, frees the store pages of
-   evicted encoder entries and zeroes freed KV pages (optional),
+* `request_rows`: per data rank, the requests' persistent rows (`RequestRows`: block
+  tables per KV-cache group, sampling parameters), updated by the scheduler's block-id
+  changes; host-only numpy.
+* `step_programs`: the step buffer's layout (`step_layout`) and the jitted programs that
+  run a step (the fused `step_program`, or `layer_by_layer_program`).
+* `block_transfers`: the host tier's block gathers and scatters (`BlockTransfers`).
+* the device state it owns: one `PagedKVCache` per KV-cache group (layers with equal
+  specs share a group and the pool's block ids), one donated array holding every
+  layer's cache (`[num_layers, ...]`, which the model's scanned layer body indexes), and
+  for image models the encoder store's array (`encoder_cache`; its layout and programs
+  are the `EncoderCacheStore`, its pages the host `EncoderPageAllocator`).
+
+Each step it
+
+1. releases the rows of preempted and finished requests, zeroes freed KV pages
+   (optional), copies and loads blocks, frees the store pages of evicted encoder entries,
 2. encodes the images the scheduler asked for (each once; shared through the store),
-3. prepares every request's host rows (tokens, pending-token sources, row updates) and
-   only then applies the row updates, so a request whose rows cannot be prepared fails
-   alone (`RequestStepError`) and leaves the rows as they were,
+3. prepares every request's host rows (tokens, pending-token sources, checked row
+   changes) and only then applies the row changes, so a request whose rows cannot be
+   prepared fails alone (`RequestStepError`) and leaves the rows as they were,
 4. packs the step into ONE int32 buffer laid out by `step_layout` (per group the
-   `StepMetadataPacker` metadata, then token ids, pending-token sources, logits rows,
-   sampling parameters and encoder-merge rows, each a named `StepField`) and sends it in
-   one transfer; the jitted step unpacks it with the same layout,
+   `StepMetadataPacker` metadata, written straight from the rows' block tables, whose
+   ids the rows checked; then token ids, pending-token sources, logits rows, sampling
+   parameters and encoder-merge rows) and sends it in one transfer,
 5. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
    device array without waiting for them. A model whose layers are not scanned as one
    body (one stack per layer: the CPU default, `jaxkv.models.default_scan_layers`) runs
@@ -40,7 +48,7 @@ ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -54,23 +62,34 @@ from jaxkv.block_table import BlockTable
 from jaxkv.device import (
     EncoderCacheStore,
     PagedKVCache,
-    StepField,
-    StepInputs,
     StepLayout,
     StepMetadataPacker,
+    StepRows,
     StepShape,
     default_min_num_tokens,
 )
-from jaxkv.device.encoder_store import merge_rows
 from jaxkv.device.host_inputs import placer
 from jaxkv.device.storage import check_kv_quant
 from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
-from jaxkv.engine.sampling import sample_tokens
+from jaxkv.engine.block_transfers import BlockTransfers, GatheredBlocks
+from jaxkv.engine.request_rows import (
+    RequestRows,
+    RequestStepError,
+    RowChanges,
+    RowSampling,
+)
 from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxkv.engine.step_programs import (
+    LayerParams,
+    encode_image,
+    layer_by_layer_program,
+    metadata_field,
+    step_layout,
+    step_program,
+)
 from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
 from jaxkv.kv_cache_planning import get_kv_cache_groups
-from jaxkv.models.base import CausalLM, PagedContext, paged_attend
-from jaxkv.models.decoder import apply_layers
+from jaxkv.models.base import CausalLM
 
 __all__ = [
     "ImageInputs",
@@ -126,205 +145,6 @@ def group_kv_cache_specs(
     return config, tuple(group_of[name] for name in specs)
 
 
-class RequestStepError(Exception):
-    """Preparing one request's part of a step failed on the host (`cause`); nothing of the
-    step has run on the device yet beyond idempotent page zeroing, copies and encoding,
-    and no request row has changed, so the step can be packed again without that
-    request."""
-
-    def __init__(self, request_id: str, cause: Exception) -> None:
-        super().__init__(f"request {request_id!r}: {type(cause).__name__}: {cause}")
-        self.request_id = request_id
-        self.cause = cause
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    """Sampling parameters of one scheduled request row."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-
-
-def _metadata_field(group: int) -> str:
-    """The `step_layout` field holding KV-cache group `group`'s packed metadata."""
-    return f"metadata{group}"
-
-
-# The sampling rows of a step, in `sample_tokens`' argument order; two are float32.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "counters")
-_FLOAT_ROWS = ("temperature", "top_p")
-
-
-@functools.cache
-def step_layout(shapes: tuple[StepShape, ...], merges_embeds: bool) -> StepLayout:
-    """One data rank's row of the step buffer for the groups' bucket `shapes` (`T` tokens,
-    `R` requests each): every KV-cache group's metadata (its `StepShape.layout`), then
-
-    * `token_ids [T]`: the host's token ids (0 where the token is pending),
-    * `token_src [T]`: the previous step's output row a pending token is read from, -1
-      for a host token,
-    * `logits_indices [R]`: each request's last token row among all ranks' `dp * T`,
-    * `temperature [R]` (float32), `top_k [R]`, `top_p [R]` (float32), `seeds [R]`,
-      `counters [R]` (the output index of the token sampled): sampling rows,
-    * with an encoder store (`merges_embeds`), `merge_src [T]` / `merge_dst [T]`: store
-      rows to merge into token rows (destination `dp * T`: none).
-    """
-    t, r = shapes[0].num_tokens, shapes[0].num_reqs
-    f32 = np.dtype(np.float32)
-    fields = [StepField(_metadata_field(g), shape.length) for g, shape in enumerate(shapes)]
-    fields += [
-        StepField("token_ids", t),
-        StepField("token_src", t),
-        StepField("logits_indices", r),
-    ]
-    fields += [
-        StepField(name, r, f32) if name in _FLOAT_ROWS else StepField(name, r)
-        for name in SAMPLING_FIELDS
-    ]
-    if merges_embeds:
-        fields += [StepField("merge_src", t), StepField("merge_dst", t)]
-    return StepLayout(tuple(fields))
-
-
-class RequestRows:
-    """One data rank's persistent request rows (vLLM's input batch, reduced to the step).
-
-    A request takes a row when the scheduler first sends it (`resets_row`) and keeps it
-    until it is reported preempted or finished; the row is then reused. Row
-    `index[request_id]` holds the request's block ids per KV-cache group (row of
-    `tables[g]`), its sampling parameters and its prompt length.
-
-    Invariants: `index` maps each request holding a row to a distinct row in
-    `[0, max_num_seqs)` and `free` lists the others; after each step every row in use
-    holds exactly the scheduler's view of its request's blocks
-    (`kv_cache_manager.get_block_ids(request_id)`), built from the reported changes.
-    """
-
-    def __init__(self, tables: list[BlockTable]) -> None:
-        self.tables = tables
-        max_num_seqs = tables[0].max_num_reqs
-        self.index: dict[str, int] = {}
-        self.free = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: low first
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_k = np.zeros(max_num_seqs, np.int32)
-        self.top_p = np.ones(max_num_seqs, np.float32)
-        self.seeds = np.zeros(max_num_seqs, np.int32)
-        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Free the rows of `request_ids` (those holding none are skipped)."""
-        for request_id in request_ids:
-            row = self.index.pop(request_id, None)
-            if row is not None:
-                self.free.append(row)
-
-    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block ids per group as its row holds them."""
-        row = self.index[request_id]
-        return tuple(t.block_table[row, : t.num_blocks_per_row[row]].tolist() for t in self.tables)
-
-    def apply(self, resets: Sequence[_RowReset], appends: _RowAppends) -> None:
-        """Apply a prepared step's checked row changes (`ModelRunner._prepare`); cannot
-        fail."""
-        for u in resets:
-            row = self.index.get(u.request_id)
-            if row is None:
-                row = self.index[u.request_id] = self.free.pop()
-            for table, ids in zip(self.tables, u.block_ids, strict=True):
-                table.add_row(ids, row)
-            (
-                self.temperature[row], self.top_k[row], self.top_p[row], self.seeds[row],
-                self.num_prompt_tokens[row],
-            ) = u.sampling  # fmt: skip
-        appends.apply(self.tables)
-
-
-@dataclass(frozen=True)
-class _RowReset:
-    """A new or resumed request's row: its whole block lists (int32, per group) and its
-    typed sampling row and prompt length."""
-
-    request_id: str
-    block_ids: tuple[np.ndarray, ...]
-    sampling: tuple[np.float32, np.int32, np.float32, np.int32, np.int32]
-
-    @classmethod
-    def of(cls, tables: Sequence[BlockTable], s: ScheduledRequest, p: RowSampling) -> _RowReset:
-        """`s`'s row set to its whole block lists, with its sampling row `p` (a value no
-        int32/float32 holds raises here)."""
-        typed = (
-            np.float32(p.temperature), np.int32(p.top_k), np.float32(p.top_p),
-            np.int32(p.seed), np.int32(s.request.num_prompt_tokens),
-        )  # fmt: skip
-        block_ids = tuple(
-            table.check_row_ids(ids) for table, ids in zip(tables, s.new_block_ids, strict=True)
-        )
-        return cls(s.request.request_id, block_ids, typed)
-
-
-class _RowAppends:
-    """The block-id changes of a step's requests that keep their rows, gathered per
-    group so that each group's table checks and applies them in one batch
-    (`BlockTable.append_rows`): append `i` adds `scheduled[i].new_block_ids[g]` to row
-    `rows[i]` of group `g`, then nulls its first `num_null_blocks[g]` blocks. Rows are
-    distinct (one request, one row)."""
-
-    def __init__(self, num_groups: int) -> None:
-        self.rows: list[int] = []
-        self.scheduled: list[ScheduledRequest] = []
-        self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
-        self.checked_ids: list[np.ndarray] = []  # per group, once `check` passed
-        self.counts: list[list[int]] = [[] for _ in range(num_groups)]
-        self.num_null_blocks: list[list[int]] = [[] for _ in range(num_groups)]
-
-    def add(self, s: ScheduledRequest, row: int) -> None:
-        groups = range(len(self.counts))
-        new_block_ids = s.new_block_ids or [()] * len(groups)
-        nulls = s.num_null_blocks or [0] * len(groups)
-        self.rows.append(row)
-        self.scheduled.append(s)
-        for g, ids, k in zip(groups, new_block_ids, nulls, strict=True):
-            self.block_ids[g] += ids
-            self.counts[g].append(len(ids))
-            self.num_null_blocks[g].append(k)
-
-    def check(self, tables: Sequence[BlockTable]) -> None:
-        """`RequestStepError` naming the first request whose change a table refuses."""
-        if not self.rows:
-            return
-        try:
-            self.checked_ids = [
-                table.check_appends(
-                    self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
-                )
-                for g, table in enumerate(tables)
-            ]
-        except (TypeError, ValueError):  # whose change is it: the first any group refuses
-            index, error = min(
-                (
-                    table.first_bad_append(
-                        self.rows, self.block_ids[g], self.counts[g], self.num_null_blocks[g]
-                    )
-                    for g, table in enumerate(tables)
-                ),
-                key=lambda found: len(self.rows) if found[0] is None else found[0],
-            )
-            if index is None:
-                raise
-            raise RequestStepError(self.scheduled[index].request.request_id, error) from error
-
-    def apply(self, tables: Sequence[BlockTable]) -> None:
-        """Write the changes `check` accepted (the tables unchanged since)."""
-        if self.rows:
-            for g, table in enumerate(tables):
-                table.write_checked_appends(
-                    self.rows, self.checked_ids[g], self.counts[g], self.num_null_blocks[g]
-                )
-
-
 @dataclass
 class _RankStep:
     """One data rank's part of a step, prepared on the host; `rows` is set once the
@@ -336,8 +156,7 @@ class _RankStep:
     token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    resets: list[_RowReset] = field(default_factory=list)
-    appends: _RowAppends = field(default_factory=lambda: _RowAppends(0))
+    changes: RowChanges = field(default_factory=RowChanges)
     placements: list[EmbedPlacement] = field(default_factory=list)
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
 
@@ -349,177 +168,6 @@ def _shared_paged_cache(
     """One `PagedKVCache` per (spec, pool size, mesh, quantisation): engines built alike
     share compiled programs."""
     return PagedKVCache(spec, num_blocks, mesh=mesh, kv_quant=kv_quant)
-
-
-@functools.lru_cache(maxsize=512)
-def _step_program(**static):
-    """The jitted step with its static arguments bound (one per engine layout and step
-    shape; engines with equal layouts share it, and so its compiled programs). A call
-    then hashes no static argument: the dispatch is JAX's C++ fast path."""
-    return jax.jit(
-        functools.partial(_paged_step, **static),
-        donate_argnames="kv_cache",
-        out_shardings=_cache_out(static["paged"], 0),
-    )
-
-
-def _cache_out(paged, index: int):
-    """`out_shardings` of a program returning a pair with the cache at `index`: on a TPU the
-    cache's format there (`PagedKVCache.stacked_format`: row-major in every program),
-    else None (unconstrained)."""
-    if paged[0].platform != "tpu":
-        return None
-    return tuple(paged[0].stacked_format if i == index else None for i in range(2))
-
-
-def _context(fields: dict, *, paged, shapes, layer_to_group) -> PagedContext:
-    """The model's view of an unpacked step buffer: every rank's rows, rank-major."""
-    return PagedContext(
-        caches=paged, shapes=shapes, layer_to_group=layer_to_group,
-        metadata=tuple(fields[_metadata_field(g)] for g in range(len(shapes))),
-        logits_indices=fields["logits_indices"].reshape(-1),
-    )  # fmt: skip
-
-
-def _step_tokens(model, store, fields: dict, prev_sampled, store_dtype):
-    """The step's token ids (pending rows take the last step's sampled token) and, with
-    an encoder store, their embeddings with the stored image rows merged (else None)."""
-    src, host_ids = fields["token_src"].reshape(-1), fields["token_ids"].reshape(-1)
-    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], host_ids)
-    if store is None:
-        return token_ids, None
-    embeds = model.embed_tokens(token_ids)
-    merge_src, merge_dst = fields["merge_src"].reshape(-1), fields["merge_dst"].reshape(-1)
-    return token_ids, merge_rows(embeds, store, merge_src, merge_dst, store_dtype)
-
-
-def _sampled_rows(logits, fields: dict, max_num_seqs: int):
-    """The tokens sampled from `logits` by the step's sampling rows, padded to
-    `max_num_seqs` per rank (`[dp * max_num_seqs]`, rank-major)."""
-    dp, r = fields["temperature"].shape
-    sampled = sample_tokens(
-        logits, *(fields[name].reshape(-1) for name in SAMPLING_FIELDS)
-    ).reshape(dp, r)
-    return jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
-
-
-def _paged_step(
-    params, kv_cache, store, buffer, prev_sampled, *, graphdef, state_def, paged, layer_to_group,
-    store_dtype, max_num_seqs, shapes, layout,
-):  # fmt: skip
-    """Forward + sampling of one packed step, unpacked by `layout` (`step_layout`)."""
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
-    fields = layout.unpack(buffer)
-    ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
-    token_ids, embeds = _step_tokens(model, store, fields, prev_sampled, store_dtype)
-    logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
-    return kv_cache, _sampled_rows(logits, fields, max_num_seqs)
-
-
-@dataclass(frozen=True)
-class LayerParams:
-    """A layer-by-layer model's parameters as its step programs take them (each a flat
-    list of arrays, as `ModelRunner` flattens them): the whole model's (`model`:
-    embeddings, final norm, head) and each run of layers' own (`runs[i]`, first layer
-    `first_layers[i]`, a device int32 scalar)."""
-
-    model: list[jax.Array]
-    runs: tuple[list[jax.Array], ...]
-    first_layers: tuple[jax.Array, ...]
-
-
-def _inputs_step(params, store, buffer, prev_sampled, *, graphdef, state_def, layout, store_dtype):
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
-    token_ids, embeds = _step_tokens(model, store, layout.unpack(buffer), prev_sampled, store_dtype)
-    return model.input_embeddings(token_ids, embeds)
-
-
-def _layers_step(
-    run_params, x, kv_cache, buffer, first_layer, *, run_graphdef, run_def, config, paged,
-    layer_to_group, shapes, layout,
-):  # fmt: skip
-    ctx = _context(layout.unpack(buffer), paged=paged, shapes=shapes, layer_to_group=layer_to_group)
-    run = nnx.merge(run_graphdef, jax.tree.unflatten(run_def, run_params))
-    return apply_layers(
-        run, x, ctx.token_positions(), first_layer, paged_attend(config, ctx), kv_cache
-    )
-
-
-def _sample_step(
-    params, x, buffer, *, graphdef, state_def, paged, layer_to_group, max_num_seqs, shapes, layout
-):  # fmt: skip
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
-    fields = layout.unpack(buffer)
-    ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
-    return _sampled_rows(model.paged_logits(x, ctx), fields, max_num_seqs)
-
-
-@dataclass(frozen=True)
-class _LayerByLayerStep:
-    """One step as programs dispatched from the host, in order: the inputs, each run of
-    layers (one program for every run: the layer number is data), the sampling. Called
-    and lowered as the fused `_step_program` is, with `LayerParams` for the parameters;
-    only the layer program updates the (donated) KV cache."""
-
-    inputs: object
-    layers: object
-    sample: object
-
-    def __call__(self, params: LayerParams, kv_cache, store, buffer, prev_sampled):
-        x = self.inputs(params.model, store, buffer, prev_sampled)
-        for run, first_layer in zip(params.runs, params.first_layers, strict=True):
-            x, kv_cache = self.layers(run, x, kv_cache, buffer, first_layer)
-        return kv_cache, self.sample(params.model, x, buffer)
-
-    def lower(self, params: LayerParams, kv_cache, store, buffer, prev_sampled):
-        """The layer program (the one that writes the cache), lowered."""
-        x = jax.eval_shape(self.inputs, params.model, store, buffer, prev_sampled)
-        return self.layers.lower(params.runs[0], x, kv_cache, buffer, params.first_layers[0])
-
-
-@functools.lru_cache(maxsize=512)
-def _layer_by_layer_program(
-    *, graphdef, state_def, run_graphdef, run_def, config, paged, layer_to_group, store_dtype,
-    max_num_seqs, shapes, layout,
-):  # fmt: skip
-    """`_step_program`'s counterpart for a model run layer by layer (`_LayerByLayerStep`)."""
-    common = dict(paged=paged, layer_to_group=layer_to_group, shapes=shapes, layout=layout)
-    model = dict(graphdef=graphdef, state_def=state_def)
-    return _LayerByLayerStep(
-        jax.jit(functools.partial(_inputs_step, **model, layout=layout, store_dtype=store_dtype)),
-        jax.jit(
-            functools.partial(
-                _layers_step, run_graphdef=run_graphdef, run_def=run_def, config=config, **common
-            ),
-            donate_argnames="kv_cache",
-            out_shardings=_cache_out(paged, 1),
-        ),
-        jax.jit(functools.partial(_sample_step, **model, max_num_seqs=max_num_seqs, **common)),
-    )
-
-
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _encode_image(state, pixel_values, *, graphdef):
-    """One image's encoder output `[num_image_tokens, hidden]` (one program)."""
-    return nnx.merge(graphdef, state).encode_images(pixel_values[None])[0]
-
-
-@dataclass(frozen=True)
-class GatheredBlocks:
-    """One data rank's blocks on their way to host memory: per transfer, `(gathered
-    array, first index of the rank's blocks on its block axis, blocks used)`."""
-
-    parts: list[tuple[jax.Array, int, int]]
-
-    def ready(self) -> bool:
-        return all(g.is_ready() for g, _, _ in self.parts)
-
-    def read(self) -> np.ndarray:
-        """The blocks `[n, m, *page_shape]` (the `m` layers gathered of each) as stored
-        (waits for the copies)."""
-        return np.concatenate(
-            [np.moveaxis(np.asarray(g)[:, i : i + n], 1, 0) for g, i, n in self.parts]
-        )
 
 
 class ModelRunner:
@@ -579,6 +227,7 @@ class ModelRunner:
             if allocate
             else self.paged[0].stacked_struct(num_layers)
         )
+        self.transfers = BlockTransfers(self.paged[0], self.dp_size, num_layers)
         widths = [-(-max_model_len // g.kv_cache_spec.block_size) for g in groups]
         self.packers = [
             StepMetadataPacker(
@@ -601,25 +250,45 @@ class ModelRunner:
             for _ in range(self.dp_size)
         ]
         self.hidden_size = int(model.config.hidden_size)
+        self.images = image_inputs(model)
+        self._init_encoder_store(encoder_cache_size, encoder_page_size, allocate)
+        self._init_params(model)
+        # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
+        # the step places its output (so the first step compiles the same program as the
+        # others).
+        self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
+        # Each rank's request ids of the last step, row `k * max_num_seqs + i` of
+        # `self.sampled` holding the token sampled for `_last_step_request_ids[k][i]`.
+        self._last_step_request_ids: list[list[str]] = []
+        self._sampled_row: dict[str, int] | None = {}  # their map (None: not built yet)
+        self.num_encoded = 0
+        self._step_fns: dict[tuple[StepShape, ...], object] = {}
+        self._place_step = placer(NamedSharding(self.mesh, P(self.paged[0].layout.rank_axis)))
+
+    def _init_encoder_store(self, cache_size: int, page_size: int, allocate: bool) -> None:
+        """The encoder store of an image model given an encoder cache (`cache_size`
+        embeddings in pages of `page_size`); else all three are None."""
         self.encoder_store: EncoderCacheStore | None = None
         self.encoder_pages: EncoderPageAllocator | None = None
         self.encoder_cache: jax.Array | None = None  # the store's array, donated per write
-        self.images = image_inputs(model)
-        if encoder_cache_size and self.images is not None:
+        if cache_size and self.images is not None:
             pages = max(
                 EncoderPageAllocator.pages_needed(
-                    encoder_cache_size, encoder_page_size, self.images.num_image_tokens
+                    cache_size, page_size, self.images.num_image_tokens
                 ),
                 1,
             )
             self.encoder_store = EncoderCacheStore(
-                pages, encoder_page_size, self.hidden_size, dtype=jnp.float32,
+                pages, page_size, self.hidden_size, dtype=jnp.float32,
                 mesh=self.mesh,
             )  # fmt: skip
-            self.encoder_pages = EncoderPageAllocator(pages, encoder_page_size)
+            self.encoder_pages = EncoderPageAllocator(pages, page_size)
             self.encoder_cache = (
                 self.encoder_store.allocate() if allocate else self.encoder_store.struct()
             )
+
+    def _init_params(self, model) -> None:
+        """`_params`, what the step programs take, and the static halves they bind."""
         self._graphdef, self._state = nnx.split(model)
         # A model whose layers are not scanned as one body (one stack per layer, the CPU
         # default) runs layer by layer; `_params` is what the step programs take. They
@@ -640,17 +309,6 @@ class ModelRunner:
                 run_params,
                 tuple(self._replicated(np.int32(i)) for i in first_layers),
             )
-        # The last step's tokens (`[dp * max_num_seqs]`, rank-major), on device, placed as
-        # the step places its output (so the first step compiles the same program as the
-        # others).
-        self.sampled = self._replicated(np.zeros(self.dp_size * max_num_seqs, np.int32))
-        # Each rank's request ids of the last step, row `k * max_num_seqs + i` of
-        # `self.sampled` holding the token sampled for `_last_step_request_ids[k][i]`.
-        self._last_step_request_ids: list[list[str]] = []
-        self._sampled_row: dict[str, int] | None = {}  # their map (None: not built yet)
-        self.num_encoded = 0
-        self._step_fns: dict[tuple[StepShape, ...], object] = {}
-        self._place_step = placer(NamedSharding(self.mesh, P(self.paged[0].layout.rank_axis)))
 
     @property
     def programs_per_step(self) -> int:
@@ -695,9 +353,9 @@ class ModelRunner:
                 store_dtype=None if store is None else store.dtype,
             )  # fmt: skip
             if self._run_graphdef is None:
-                fn = _step_program(**static)
+                fn = step_program(**static)
             else:
-                fn = _layer_by_layer_program(
+                fn = layer_by_layer_program(
                     run_graphdef=self._run_graphdef, run_def=self._run_def,
                     config=self.model.config, **static,
                 )  # fmt: skip
@@ -710,7 +368,7 @@ class ModelRunner:
         )
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
-        return _encode_image(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
+        return encode_image(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
 
     # -- host side ----------------------------------------------------------------------
 
@@ -720,14 +378,13 @@ class ModelRunner:
         """One rank's host rows and checked row changes; changes nothing. Whatever fails
         while preparing request `i`'s part is raised as its `RequestStepError`."""
         rows = self.rows[rank]
-        index, tables, encoder_pages = rows.index, rows.tables, self.encoder_pages
-        step = _RankStep(appends=_RowAppends(len(tables)))
+        encoder_pages = self.encoder_pages
+        step = _RankStep(changes=RowChanges.empty(rows))
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         pending_rows: list[int] = []
         pending_src: list[int] = []
-        num_new_rows = 0
         try:
             for s in scheduled:
                 request = s.request
@@ -753,17 +410,7 @@ class ModelRunner:
                     pending_rows.append(len(token_ids))
                     pending_src.append(sampled_row)
                     token_ids.append(0)
-                row = index.get(request_id)
-                if s.resets_row:
-                    if row is None:
-                        num_new_rows += 1
-                        if num_new_rows > len(rows.free):
-                            raise RuntimeError(f"no free row: all {self.max_num_seqs} are taken")
-                    step.resets.append(_RowReset.of(tables, s, sampling[request_id]))
-                elif row is None:
-                    raise RuntimeError("has no row: its first step did not send its blocks")
-                elif s.new_block_ids or s.num_null_blocks:
-                    step.appends.add(s, row)
+                rows.record(step.changes, s, sampling)
                 if encoder_pages is not None:
                     step.placements += self._placements(s, offset)
                 step.request_ids.append(request_id)
@@ -771,7 +418,7 @@ class ModelRunner:
                 seq_lens.append(end)
         except Exception as error:
             raise RequestStepError(s.request.request_id, error) from error
-        step.appends.check(tables)
+        rows.check(step.changes)
         step.query_lens = np.array(query_lens, np.int64)
         step.seq_lens = np.array(seq_lens, np.int64)
         step.token_ids = np.array(token_ids, np.int32)
@@ -818,13 +465,13 @@ class ModelRunner:
         fields = layout.unpack(buffer)
         for g, packer in enumerate(self.packers):
             tables = [rows.tables[g].block_table for rows in self.rows]
-            packer.pack_into(
+            packer.pack_rows_into(
                 [
-                    StepInputs(table[step.rows], step.seq_lens, step.query_lens)
+                    StepRows(table, step.rows, step.seq_lens, step.query_lens)
                     for table, step in zip(tables, steps, strict=True)
                 ],
                 shapes[g],
-                fields[_metadata_field(g)],
+                fields[metadata_field(g)],
             )
         fields["token_src"][:] = -1  # no token from the previous step
         fields["top_p"][:] = 1.0
@@ -907,70 +554,12 @@ class ModelRunner:
             self.kv_cache, src.ravel(), dst.ravel(), allow_padding=True
         )
 
-    def _transfer_chunk(
-        self, block_ids: Sequence[Sequence[int]], layers: Sequence[np.ndarray], start: int,
-        chunk: int,
-    ):  # fmt: skip
-        """Transfer chunk `[start, start + chunk)` of each rank's `block_ids[k]` and their
-        layer rows `layers[k]` (`[n_k, m]`): ids `[dp * width]` and layers `[dp * width,
-        m]` (rank-major), a rank with fewer padded with id `num_blocks` and layer `L` (a
-        gather reads zeros there, a scatter drops it); and each rank's count."""
-        num_blocks, num_layers = self.paged[0].num_blocks, self.kv_cache.shape[0]
-        m = layers[0].shape[1]
-        counts = [len(ids[start : start + chunk]) for ids in block_ids]
-        width = max(counts)
-        ids = np.full((self.dp_size, width), num_blocks, np.int32)
-        table = np.full((self.dp_size, width, m), num_layers, np.int32)
-        for rank, n in enumerate(counts):
-            ids[rank, :n] = block_ids[rank][start : start + n]
-            table[rank, :n] = layers[rank][start : start + n]
-        return ids.reshape(-1), table.reshape(-1, m), counts
-
     def gather_blocks(
         self, block_ids: Sequence[Sequence[int]], layers: Sequence[np.ndarray]
     ) -> list[GatheredBlocks]:
-        """Read the layers `layers[k][i]` (`[n_k, m]` layer indices, `L`: padding, read as
-        zeros) of device block `block_ids[k][i]` of data rank `k` out of the KV cache, all
-        ranks together: one gather program per transfer bucket, dispatched now, each
-        result's copy to host memory started at once; neither waits. What is read is the
-        cache as of this call, whatever later steps write. Returns each rank's blocks."""
-        paged = self.paged[0]
-        chunk = paged.transfer_buckets[-1]
-        parts: list[list] = [[] for _ in range(self.dp_size)]
-        for start in range(0, max(map(len, block_ids), default=0), chunk):
-            ids, table, counts = self._transfer_chunk(block_ids, layers, start, chunk)
-            gathered = paged.gather_blocks_stacked(self.kv_cache, ids, table)
-            gathered.copy_to_host_async()
-            size = gathered.shape[1] // self.dp_size  # the bucket: each rank's share
-            for rank, n in enumerate(counts):
-                if n:
-                    parts[rank].append((gathered, rank * size, n))
-        return [GatheredBlocks(p) for p in parts]
-
-    def _load_blocks(self, outs: Sequence[SchedulerOutput]) -> None:
-        """Scatter the host blocks each rank's output loads (`kv_load_blocks`, their layers
-        `kv_load_layers`) into their device blocks, in place, all ranks together: one
-        donated program per transfer bucket."""
-        if all(out.kv_load_blocks is None for out in outs):
-            return
-        ids = [out.kv_load_block_ids for out in outs]
-        m, *page = next(o.kv_load_blocks for o in outs if o.kv_load_blocks is not None).shape[1:]
-        layers = [
-            np.zeros((0, m), np.int32) if out.kv_load_layers is None else out.kv_load_layers
-            for out in outs
-        ]
-        paged = self.paged[0]
-        chunk = paged.transfer_buckets[-1]
-        for start in range(0, max(map(len, ids)), chunk):
-            padded, table, counts = self._transfer_chunk(ids, layers, start, chunk)
-            width = padded.size // self.dp_size
-            blocks = np.zeros((self.dp_size, width, m, *page), paged.storage_dtype)
-            for rank, (out, n) in enumerate(zip(outs, counts, strict=True)):
-                if n:
-                    blocks[rank, :n] = out.kv_load_blocks[start : start + n]
-            self.kv_cache = paged.scatter_blocks_stacked(
-                self.kv_cache, padded, np.moveaxis(blocks.reshape(-1, m, *page), 0, 1), table
-            )
+        """Start copying device blocks to host memory (`BlockTransfers.gather` of the
+        cache as it is now); waits for nothing."""
+        return self.transfers.gather(self.kv_cache, block_ids, layers)
 
     def execute(
         self,
@@ -995,14 +584,14 @@ class ModelRunner:
         if self.zero_freed_blocks:
             self._zero_freed(outs)
         self._copy_blocks(outs)  # after zeroing: a copy's destination may be a freed page
-        self._load_blocks(outs)  # after zeroing, too
+        self.kv_cache = self.transfers.load(self.kv_cache, outs)  # after zeroing, too
         if self.encoder_store is not None:
             self._run_encoder(outs, images or {})
         if all(out.is_empty for out in outs):
             return self.sampled
         steps = [self._prepare(k, out.scheduled, sampling) for k, out in enumerate(outs)]
         for rows, step in zip(self.rows, steps, strict=True):
-            rows.apply(step.resets, step.appends)
+            rows.apply(step.changes)
             step.rows = np.array([rows.index[i] for i in step.request_ids], np.intp)
         buffer, shapes = self._pack(steps)
         self.kv_cache, self.sampled = self._step(buffer, shapes)
@@ -1078,6 +667,5 @@ class ModelRunner:
 
     def warm_up_transfers(self, layers_per_block: int) -> None:
         """Compile the host-tier block gather and scatter of `layers_per_block` layers a
-        block for every transfer bucket (on padding only: no block changes)."""
-        self.kv_cache = self.paged[0].warmup_transfers(self.kv_cache, layers_per_block)
-        jax.block_until_ready(self.kv_cache)
+        block for every transfer bucket (`BlockTransfers.warm_up`: no block changes)."""
+        self.kv_cache = self.transfers.warm_up(self.kv_cache, layers_per_block)
