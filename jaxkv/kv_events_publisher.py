@@ -282,7 +282,6 @@ class ZmqEventPublisher(EventPublisher):
         self._thread = threading.Thread(
             target=self._run, args=(opened,), daemon=True, name="kv-events-pub"
         )
-        self._threads = [self._thread]
         self._thread.start()
         opened.wait()
         if self._open_error is not None:

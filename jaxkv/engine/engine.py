@@ -14,6 +14,12 @@ block pool, the encoder cache shared), and a new request goes to the rank holdin
 longest cached prefix among the ranks not much busier than the least loaded
 (`choose_data_rank`). All ranks step together in one device call. The tokens are the same
 on any mesh.
+
+`LLMEngine` keeps the step loop and the public API; its other jobs are parts it calls,
+one module each: `config` (the config and its checks), `build` (the runner, managers and
+schedulers), `intake` (checking requests, their host state and outputs), `events` (KV
+events to the publishers' queues), `tiers` (the host tiers' stores and loads),
+`recording` (each step's stats) and `replay` (several processes).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from jaxkv.kv_events_publisher import EventPublisher
 from jaxkv.request_hashing import get_request_block_hasher
 from jaxkv.routing import choose_data_rank
 
-__all__ = ["EngineConfig", "LLMEngine", "choose_data_rank"]
+__all__ = ["LLMEngine", "choose_data_rank"]
 
 
 @dataclass
