@@ -127,7 +127,7 @@ class LLMEngine:
         self._tiers = EngineTiers(self.offloads, self.runner, self.kv_cache_managers)
         self._events = EngineEvents(
             self.kv_cache_managers, self.offloads, make_publishers(c, len(self.kv_cache_managers)),
-            keep=c.enable_kv_cache_events,
+            recorded=events_on, keep=c.enable_kv_cache_events,
         )  # fmt: skip
         self.schedulers = build.make_schedulers(c, self.kv_cache_managers, budget, self.offloads)
         self.kv_cache_manager, self.scheduler = self.kv_cache_managers[0], self.schedulers[0]

@@ -54,9 +54,13 @@ class EngineEvents:
         managers: list[KVCacheManager],
         offloads: list[HostOffload],
         publishers: list[EventPublisher],
+        *,
+        recorded: bool,
         keep: bool,
     ) -> None:
-        self.managers, self.offloads = managers, offloads
+        """`recorded`: the managers record events (an endpoint or `keep`); `keep`: they
+        are kept for `take`."""
+        self.managers, self.offloads, self.recorded = managers, offloads, recorded
         self.publishers = publishers  # read at each `publish`: the engine's may be replaced
         # Each rank's events kept for `take` (None: not kept).
         self.kept: list[list[KVCacheEvent | DeferredKVCacheEvent]] | None = (
@@ -68,7 +72,7 @@ class EngineEvents:
         its publisher's queue and, when kept, keep them for `take`; otherwise (events
         off, or processes other than 0 without publishers) they are dropped."""
         offloads, publishers, kept = self.offloads, self.publishers, self.kept
-        if kept is None and not publishers:
+        if not self.recorded and not publishers:
             for offload in offloads:  # events off: nothing records them (dropped)
                 offload.tier.take_events()
             return
