@@ -16,7 +16,7 @@
    minus off) plus the publishing thread's CPU per step, over the same round's host step
    without publishing (too noisy here to resolve 2%); (2) by parts (`_PartTimers`): on
    the stepping thread, queueing the step's `BlockStored` records and the engine's
-   `_publish_events` (`take_events`, `publish`: a queue append and a wake-up), plus the
+   `EngineEvents.publish` (`take_events`, `publish`: a `queue.put`), plus the
    publishing thread's CPU (building, converting, encoding, sending) that ran outside the
    stepping thread's device waits; and, as an upper bound for a loop that never waits,
    with all of the publishing thread's CPU.
@@ -24,10 +24,10 @@
    (a) the scheduler and manager decoding as `decode_steps` does (256 requests of 8-token
    prompts, 16-token blocks, to 49 tokens each), CPU per step (the stepping thread's and
    the publishing thread's) with events off vs built and published each step as the
-   engine does when the host is the bottleneck (sent from the loop unless the thread is
-   sending), paired per round; (b) `bench_host`'s workload (600 requests, up to 256
-   running) with the manager's events off vs on (`enable_kv_cache_events`: the records
-   queued, built when taken after the serve), interleaved rounds; the extra CPU per
+   engine does (queued; the publishing thread sends them), paired per round; (b)
+   `bench_host`'s workload (600 requests, up to 256 running) with the manager's events
+   off vs on (`enable_kv_cache_events`: the records queued, built when taken after the
+   serve), interleaved rounds; the extra CPU per
    stored block, and that times the blocks a decode step at 256 running stores (256 / 16
    a step on average) over the engine's host step without publishing.
 4. Routing (`examples/kv_aware_routing.py`, 4 engine processes): prefix hit rate and
@@ -103,13 +103,13 @@ STEP_STATS = ("host_ms", "host_ms_mean", "main_cpu_ms", "step_ms")
 class _PartTimers:
     """Where publishing spends time, patched in for the timed runs (both modes).
 
-    On the stepping thread, per step (`per_step`: one entry per `_publish_events` call,
-    which each step makes once): `LLMEngine._publish_events` (`take_events`, `publish`;
+    On the stepping thread, per step (`per_step`: one entry per `EngineEvents.publish`
+    call, which each step makes once): that call (`take_events`, `publish`;
     CPU time, less that of the same call with publishing off: the call and the clock
     reads, system calls, cost a few microseconds of their own) and making the step's
     `DeferredBlockStored` records during its schedule (wall time, a clock read costing
     ~0.05 us against a system call's ~1 us; the call's own overhead is in it). On the
-    publishing thread: each `ZmqEventPublisher._send_queued` (build the events, convert,
+    publishing thread: each `ZmqEventPublisher._send_batch` (build the events, convert,
     encode, send) as a wall interval and its CPU time, and the stepping thread's device
     waits (`multihost.host_tokens`) as wall intervals, so the thread's CPU splits into
     what ran while the stepping thread waited for the device (it holds no GIL then:
@@ -119,12 +119,12 @@ class _PartTimers:
     def __init__(self) -> None:
         from jaxkv import block_pool
         from jaxkv.engine import multihost
-        from jaxkv.engine.engine import LLMEngine
+        from jaxkv.engine.events import EngineEvents
 
-        self.engine_cls, self.block_pool, self.multihost = LLMEngine, block_pool, multihost
-        self.publish_events = LLMEngine.__dict__["_publish_events"]
+        self.events_cls, self.block_pool, self.multihost = EngineEvents, block_pool, multihost
+        self.publish_events = EngineEvents.__dict__["publish"]
         self.record_cls = block_pool.DeferredBlockStored
-        self.send_queued = ZmqEventPublisher.__dict__["_send_queued"]
+        self.send_batch = ZmqEventPublisher.__dict__["_send_batch"]
         self.host_tokens = multihost.host_tokens
         self.per_step: list[tuple[float, float]] = []  # (publish CPU s, build wall s)
         self._build_s = 0.0  # the step's so far
@@ -133,13 +133,13 @@ class _PartTimers:
 
     def __enter__(self) -> _PartTimers:
         publish_events, record_cls = self.publish_events, self.record_cls
-        send_queued, host_tokens = self.send_queued, self.host_tokens
+        send_batch, host_tokens = self.send_batch, self.host_tokens
         thread_time, perf_counter = time.thread_time, time.perf_counter
         stepping_thread = threading.get_ident()
 
-        def timed_publish(engine, *args) -> None:
+        def timed_publish(events, *args) -> None:
             start = thread_time()
-            publish_events(engine, *args)
+            publish_events(events, *args)
             self.per_step.append((thread_time() - start, self._build_s))
             self._build_s = 0.0
 
@@ -155,24 +155,23 @@ class _PartTimers:
             self.waits.append((start, perf_counter()))
             return tokens
 
-        def timed_send_queued(publisher) -> None:
-            if threading.get_ident() == stepping_thread:  # a flush, after the timed steps
-                return send_queued(publisher)
+        def timed_send_batch(publisher, batch) -> None:
+            assert threading.get_ident() != stepping_thread, "only the thread sends"
             start, cpu = perf_counter(), thread_time()
-            send_queued(publisher)
+            send_batch(publisher, batch)
             self.sends.append((start, perf_counter(), thread_time() - cpu))
 
-        self.engine_cls._publish_events = timed_publish
+        self.events_cls.publish = timed_publish
         self.block_pool.DeferredBlockStored = timed_record
         self.multihost.host_tokens = timed_wait
-        ZmqEventPublisher._send_queued = timed_send_queued
+        ZmqEventPublisher._send_batch = timed_send_batch
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine_cls._publish_events = self.publish_events
+        self.events_cls.publish = self.publish_events
         self.block_pool.DeferredBlockStored = self.record_cls
         self.multihost.host_tokens = self.host_tokens
-        ZmqEventPublisher._send_queued = self.send_queued
+        ZmqEventPublisher._send_batch = self.send_batch
 
     def thread_cpu_beside_the_step(self) -> float:
         """CPU seconds of the publishing thread's sends that did not run wholly inside
@@ -197,7 +196,7 @@ def bench_step_cost(model, tmp: str, repeats: int, steps: int, running: int, ove
     beside_ms: list[float] = []  # the publishing thread's CPU outside the device waits
     for round_ in range(repeats):
         order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
-        publish_call_ms = {}  # per mode: `_publish_events`, which returns at once when off
+        publish_call_ms = {}  # per mode: `EngineEvents.publish`, at once when off
         for mode in order:
             fields = {} if mode == "off" else {
                 "kv_events_endpoint": f"ipc://{tmp}/step-{round_}",
@@ -296,11 +295,10 @@ def _host_decode_cpu(mode: str, endpoint: str, running: int = 256) -> float:
             out, [s.request.num_tokens * 7919 % 500 for s in out.scheduled]
         )
         if publisher is not None:
-            # As the engine does with nothing to wait for (the host is the bottleneck):
-            # sent from this thread unless the publishing thread is sending.
+            # As the engine does: queued; the publishing thread sends them.
             events = manager.take_events(deferred=True)
             if events:
-                publisher.publish(events, in_background=False)
+                publisher.publish(events)
         steps += 1
     seconds = time.thread_time() - start
     gc.unfreeze()
@@ -385,7 +383,7 @@ def print_step_cost(step: dict, args: argparse.Namespace) -> None:
     )
     by_parts, bound = step["parts_fraction"], step["parts_bound_fraction"]
     print(
-        f"cost by parts, ms per step (median of rounds): _publish_events (take_events, "
+        f"cost by parts, ms per step (median of rounds): EngineEvents.publish (take_events, "
         f"publish) {step['publish_events_ms']['median']:.4f} + queueing BlockStored "
         f"{step['block_stored_event_ms']['median']:.4f} + the publishing thread's CPU "
         f"outside the device waits {step['publisher_cpu_beside_step_ms']['median']:.4f} "

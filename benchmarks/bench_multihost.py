@@ -64,7 +64,7 @@ def child(work: str, prompts: int, max_tokens: int, distributed: list[str]) -> N
     for _ in range(2):  # warm-up: compiles every shape the batch needs (cold and warm)
         engine.generate(batch, sampling)
         engine.reset_prefix_cache()
-    first_step, stream = engine.num_steps, engine._stream
+    first_step, stream = engine.num_steps, engine._replay.stream
     exchanged = stream.seconds if stream else 0.0
     start = time.perf_counter()
     outputs = engine.generate(batch, sampling)

@@ -459,7 +459,7 @@ def _topology_plan(args: argparse.Namespace, memory: int | None) -> int:
         raise ValueError("--topology takes at most one --mesh DATAxMODEL (its model axis)")
     model_axis = parse_mesh(args.mesh[0])[1] if args.mesh else None
     from jaxkv.device.attention import default_block_size
-    from jaxkv.engine.engine import EngineConfig
+    from jaxkv.engine.config import EngineConfig
     from jaxkv.engine.tpu_plan import format_topology_plan, plan_topology
     from jaxkv.models.checkpoint import read_config
     from jaxkv.models.config import parse_model_config

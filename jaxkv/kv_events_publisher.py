@@ -9,29 +9,25 @@ at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
 `[b"", b"", (-1 as 8 signed bytes), b""]`.
 
 Publishing never blocks the caller: `publish` puts the step's events on a bounded queue
-and wakes the background thread, which builds (`DeferredKVCacheEvent`), converts,
-encodes, numbers and sends them, in order. On a full queue the oldest batch is dropped
-and counted in `num_dropped` (it never gets a sequence number, so subscribers see no gap
-for it: the drop is the publisher's, reported by its count and a warning). The PUB socket
-never blocks: it drops messages for a subscriber past the high-water mark. `flush` sends
-what is queued from the calling thread; so does `publish(..., in_background=False)`,
-unless the thread is sending.
+and does nothing else. One thread, the publishing thread, owns the sockets (it opens,
+uses and closes them: a libzmq socket must only be used by the thread that owns it): it
+takes each batch off the queue, builds (`DeferredKVCacheEvent`), converts, encodes,
+numbers and sends it, in order, and between batches answers replay requests. On a full
+queue the oldest batch is dropped and counted in `num_dropped` (it never gets a sequence
+number, so subscribers see no gap for it: the drop is the publisher's, reported by its
+count and a warning). The PUB socket never blocks: it drops messages for a subscriber
+past the high-water mark. `flush` waits for the publishing thread to send what is queued.
 
-Why a thread does the work: the engine publishes a step's events right after
-dispatching the step and wakes the thread when the step is about to wait for the device,
-which lets go of the GIL: the thread works while the step loop waits, and the loop's
-share is a queue append and a wake-up. When the loop will not wait (the host is the
-bottleneck), a woken thread would take the GIL in the middle of the loop's work, so the
-engine sends from the loop itself (`in_background=False`) unless the thread is sending. The
-wake-up is a lock released, not a byte written to a pipe: a system call lets go of the
-GIL. Replay requests have a thread of their own, asleep in `zmq_poll` (no GIL) on the
-ROUTER socket.
+This is vLLM's `ZmqEventPublisher` design: the step loop's share is one `queue.put`; the
+queue's own mutex is the only lock, and the sequence numbers, the replay buffer and both
+sockets belong to the publishing thread alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import stat
 import threading
@@ -189,23 +185,27 @@ def _is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-class _WakeUp:
-    """A wake-up one thread waits for and others give without letting go of the GIL;
-    wake-ups given while none is awaited merge into one."""
+# Put on the queue by `shutdown`: the publishing thread ends when it takes it.
+_STOP = object()
 
-    def __init__(self) -> None:
-        self._pending = threading.Lock()
-        self._pending.acquire()  # held while no wake-up is pending
 
-    def give(self) -> None:
-        try:
-            self._pending.release()
-        except RuntimeError:  # one is pending already
-            pass
+class _BatchQueue(queue.Queue):
+    """The publish queue: FIFO, at most `limit` batches; a batch put on a full queue drops
+    the oldest one, counted in `num_dropped` and marked done (so `join`-style waits for
+    the queue do not wait for it). `_STOP` is never dropped and is not counted. Every
+    `_put` runs under the queue's one mutex, which is all the locking the bound needs."""
 
-    def wait(self, timeout: float) -> None:
-        """Return once a wake-up is given (taking it), or after `timeout` seconds."""
-        self._pending.acquire(timeout=timeout)
+    def __init__(self, limit: int) -> None:
+        super().__init__()  # unbounded for `queue.Queue`: `_put` keeps the bound
+        self.limit = limit
+        self.num_dropped = 0
+
+    def _put(self, item) -> None:
+        if item is not _STOP and len(self.queue) >= self.limit:
+            self.queue.popleft()
+            self.num_dropped += 1
+            self.unfinished_tasks -= 1  # `put` counts the new one after this
+        self.queue.append(item)
 
 
 class EventPublisher:
@@ -214,14 +214,13 @@ class EventPublisher:
     def __init__(self, data_parallel_rank: int = 0) -> None:
         self.data_parallel_rank = data_parallel_rank
 
-    def publish(self, events: Events, ts: float | None = None, in_background: bool = True) -> None:
-        """Queue one step's events (`ts`: when, default now) for the background thread to
-        send; never blocks. `in_background=False`: send what is queued from the calling
-        thread instead, unless the background thread is sending (it then sends these)."""
+    def publish(self, events: Events, ts: float | None = None) -> None:
+        """Queue one step's events (`ts`: when, default now) for the publishing thread to
+        send; never blocks, never encodes or sends on the calling thread."""
 
     def flush(self, timeout: float = 1.0) -> bool:
-        """Send what is queued from the calling thread; wait until every batch published
-        so far is sent (True) or `timeout` seconds pass (False)."""
+        """Wait until every batch published so far is sent, skipped or dropped (True) or
+        `timeout` seconds pass (False)."""
         return True
 
     def shutdown(self) -> None:
@@ -235,18 +234,20 @@ class NullEventPublisher(EventPublisher):
 class ZmqEventPublisher(EventPublisher):
     """The PUB socket (and optional replay ROUTER socket) of one data-parallel rank.
 
-    Invariants: sequence numbers are consecutive from 0 over the messages sent; the
-    replay buffer holds the last `buffer_steps` of them in order; `num_dropped` counts
-    batches dropped from a full queue (never sent, never numbered); the queue holds at
-    most `max_queue_size` batches; the PUB socket is used only under the send lock, the
-    ROUTER socket only by the replay thread. A batch's events must not change once
-    published: they are read when the thread sends them.
+    Invariants: only the publishing thread ("kv-events-pub") touches the sockets, the
+    sequence and the replay buffer: it opens the sockets (the constructor waits for
+    that, raising ValueError when they cannot be opened), uses them and closes them when
+    it ends; sequence numbers are consecutive from 0 over the messages sent; the replay
+    buffer holds the last `buffer_steps` of them in order; `num_dropped` counts batches
+    dropped from a full queue (never sent, never numbered); the queue holds at most
+    `max_queue_size` batches. A batch's events must not change once published: the
+    publishing thread reads them when it sends them.
     """
 
     SHUTDOWN_TIMEOUT = 1.0
-    # The background thread is woken by `publish`; it also drains the queue at least this
-    # often, for a batch queued after a sender's last look at the queue.
-    DRAIN_INTERVAL = 1.0
+    # With a replay socket, how long the idle publishing thread waits on the queue before
+    # looking for replay requests again (vLLM's 0.1 s): the longest a replay waits.
+    REPLAY_POLL_INTERVAL = 0.1
 
     def __init__(
         self,
@@ -269,105 +270,120 @@ class ZmqEventPublisher(EventPublisher):
             check_endpoint(self.replay_endpoint, f"KV events replay endpoint{where}")
         self.int_block_hashes = int_block_hashes
         self.max_queue_size = max_queue_size
-        self.num_dropped = 0
         self.num_sent = 0
         self._topic = topic.encode()
-        self._queue: deque[tuple[float, Events]] = deque()  # (ts, events)
-        self._queue_lock = threading.Lock()  # the bounded append against the sender's pops
-        self._send_lock = threading.Lock()  # the PUB socket, the sequence, the buffer
-        self._stop = threading.Event()
-        self._wake_up = _WakeUp()
+        self._hwm, self._buffer_steps = hwm, buffer_steps
+        self._queue = _BatchQueue(max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        ctx = zmq.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
-        self._replay = None
-        try:
-            if _is_bind_endpoint(self.endpoint):
-                self._pub.bind(self.endpoint)
-            else:
-                self._pub.connect(self.endpoint)
-            if self.replay_endpoint is not None:
-                # Written at shutdown to end the replay thread's poll.
-                self._stop_read, self._stop_write = os.pipe()
-                self._replay = ctx.socket(zmq.ROUTER)
-                # A full replay plus its end marker fits even when the peer reads slowly.
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self._replay.bind(self.replay_endpoint)
-        except zmq.ZMQError as error:
-            self._close_sockets()
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self._open_error: zmq.ZMQError | None = None
+        opened = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(opened,), daemon=True, name="kv-events-pub"
+        )
+        self._thread.start()
+        opened.wait()
+        if self._open_error is not None:
+            self._thread.join()
             raise ValueError(
-                f"KV events: cannot open {self.endpoint!r} / {self.replay_endpoint!r}: {error}"
+                f"KV events: cannot open {self.endpoint!r} / {self.replay_endpoint!r}: "
+                f"{self._open_error}"
             ) from None
         self._running = True
-        self._threads = [threading.Thread(target=self._send_loop, daemon=True,
-                                          name="kv-events-pub")]  # fmt: skip
-        if self._replay is not None:
-            self._threads.append(threading.Thread(target=self._replay_loop, daemon=True,
-                                                  name="kv-events-replay"))  # fmt: skip
-        for thread in self._threads:
-            thread.start()
 
-    def publish(self, events: Events, ts: float | None = None, in_background: bool = True) -> None:
+    @property
+    def num_dropped(self) -> int:
+        """Batches dropped from a full queue so far."""
+        return self._queue.num_dropped
+
+    def publish(self, events: Events, ts: float | None = None) -> None:
         if not self._running:
             raise RuntimeError("the KV event publisher is shut down")
-        self._enqueue((time.time() if ts is None else ts, events))
-        if in_background or not self.flush(0.0):  # flush(0.0) fails while the thread sends
-            self._wake_up.give()
+        dropped = self._queue.num_dropped
+        self._queue.put((time.time() if ts is None else ts, events))
+        if self._queue.num_dropped != dropped:
+            self._warn_dropped()
 
-    def _enqueue(self, batch: tuple[float, Events]) -> None:
-        with self._queue_lock:
-            if len(self._queue) >= self.max_queue_size:
-                self._queue.popleft()
-                self.num_dropped += 1
-                if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
-                    logger.warning(
-                        "KV events: the publish queue is full (%d batches); dropped the "
-                        "oldest (%d dropped so far)",
-                        self.max_queue_size,
-                        self.num_dropped,
-                    )
-            self._queue.append(batch)
+    def _warn_dropped(self) -> None:
+        n = self._queue.num_dropped
+        if n == 1 or n % 1000 == 0:
+            logger.warning(
+                "KV events: the publish queue is full (%d batches); dropped the oldest "
+                "(%d dropped so far)",
+                self.max_queue_size,
+                n,
+            )
 
     def cpu_time(self) -> float:
-        """CPU seconds the background threads have used (those still running)."""
-        seconds = 0.0
-        for thread in self._threads:
-            try:
-                seconds += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, TypeError):  # ended
-                pass
-        return seconds
+        """CPU seconds the publishing thread has used (0 once it has ended)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (OSError, TypeError):  # ended
+            return 0.0
 
     def flush(self, timeout: float = 1.0) -> bool:
-        # Taking the send lock also waits out a send in progress elsewhere (the queue can
-        # be empty while the thread still sends the batch it took last).
-        deadline = time.monotonic() + timeout
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
+
+    # -- the publishing thread ----------------------------------------------------------
+
+    def _run(self, opened: threading.Event) -> None:
+        """The publishing thread: open the sockets, send and serve replays until `_STOP`,
+        close the sockets."""
+        try:
+            self._open_sockets()
+        except zmq.ZMQError as error:
+            self._open_error = error
+            self._close_sockets()
+            return
+        finally:
+            opened.set()
+        try:
+            self._serve()
+        finally:
+            self._close_sockets()
+
+    def _open_sockets(self) -> None:
+        ctx = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.set_hwm(self._hwm)
+        if _is_bind_endpoint(self.endpoint):
+            self._pub.bind(self.endpoint)
+        else:
+            self._pub.connect(self.endpoint)
+        if self.replay_endpoint is not None:
+            self._replay = ctx.socket(zmq.ROUTER)
+            # A full replay plus its end marker fits even when the peer reads slowly.
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
+            self._replay.bind(self.replay_endpoint)
+
+    def _serve(self) -> None:
+        """Send each queued batch in order; between batches (and at least every
+        `REPLAY_POLL_INTERVAL` when idle) answer the waiting replay requests."""
+        get, done = self._queue.get, self._queue.task_done
+        timeout = None if self._replay is None else self.REPLAY_POLL_INTERVAL
         while True:
-            if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                return False
+            if self._replay is not None:
+                self._serve_replay()
             try:
-                self._send_queued()
+                batch = get(timeout=timeout)
+            except queue.Empty:
+                continue
+            try:
+                if batch is _STOP:
+                    return
+                self._send_batch(batch)
             finally:
-                self._send_lock.release()
-            if not self._queue:
-                return True
-            if time.monotonic() >= deadline:
-                return False
+                done()
 
-    def _send_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake_up.wait(self.DRAIN_INTERVAL)
-            if self._queue:
-                with self._send_lock:
-                    self._send_queued()
-
-    def _replay_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._replay, zmq.POLLIN)
-        poller.register(self._stop_read, zmq.POLLIN)
-        while self._stop_read not in dict(poller.poll()):
-            self._serve_replay()
+    def _send_batch(self, batch: tuple[float, Events]) -> None:
+        """Build, encode, number and send one batch (one that cannot be encoded is
+        skipped)."""
+        payload = self._encode(*batch)
+        if payload is not None:
+            self._send(payload)
 
     def _encode(self, ts: float, events: Events) -> bytes | None:
         """One batch's payload (None: it cannot be encoded, and is skipped)."""
@@ -378,23 +394,10 @@ class ZmqEventPublisher(EventPublisher):
             logger.exception("KV events: could not encode a batch; it is skipped")
             return None
 
-    def _send_queued(self) -> None:
-        """Build, encode and send every queued batch, in order (the caller holds the send
-        lock)."""
-        queue, lock = self._queue, self._queue_lock
-        while queue:
-            with lock:
-                if not queue:
-                    return
-                ts, events = queue.popleft()
-            payload = self._encode(ts, events)
-            if payload is not None:
-                self._send(payload)
-
     def _send(self, payload: bytes) -> None:
-        """Number and send `payload` (the caller holds the send lock); one that cannot be
-        sent is skipped without a number. Three `send`s: a third of `send_multipart`'s
-        time, which checks each frame in Python."""
+        """Number and send `payload`; one that cannot be sent is skipped without a number.
+        Three `send`s: a third of `send_multipart`'s time, which checks each frame in
+        Python."""
         seq = self.num_sent
         send = self._pub.send
         try:  # a PUB socket never blocks (it drops at the high-water mark); NOBLOCK says so
@@ -421,43 +424,31 @@ class ZmqEventPublisher(EventPublisher):
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
+            for seq, payload in self._buffer:
                 if seq >= start_seq:
                     self._replay.send_multipart(
                         (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
                     )
             self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
+    def _close_sockets(self) -> None:
+        """Close the sockets (on the publishing thread, which owns them)."""
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
     def shutdown(self) -> None:
         if not self._running:
             return
         self._running = False
-        self._stop.set()
-        self._wake_up.give()
-        if self._replay is not None:
-            os.write(self._stop_write, b"\0")
-        for thread in self._threads:
-            thread.join(self.SHUTDOWN_TIMEOUT)
-        if any(thread.is_alive() for thread in self._threads):
-            logger.warning(
-                "KV events: the publisher threads did not finish within %.1f s",
-                self.SHUTDOWN_TIMEOUT,
-            )
-        elif not self.flush(self.SHUTDOWN_TIMEOUT):
+        self._queue.put(_STOP)
+        self._thread.join(self.SHUTDOWN_TIMEOUT)
+        if self._thread.is_alive():  # it closes the sockets when it gets to `_STOP`
             logger.warning(
                 "KV events: %d batches were not sent within %.1f s of shutdown",
-                len(self._queue),
+                self._queue.qsize() - 1,
                 self.SHUTDOWN_TIMEOUT,
             )
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._replay is not None:
-            os.close(self._stop_read)
-            os.close(self._stop_write)
 
 
 class EventPublisherFactory:

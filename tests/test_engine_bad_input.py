@@ -28,10 +28,10 @@ def engine(model):
 
 
 def state(engine: LLMEngine) -> tuple:
-    s = engine.scheduler
+    s, requests = engine.scheduler, engine._requests
     return (
         len(s.waiting), len(s.running), s.num_unfinished_requests,
-        engine.kv_cache_manager.num_free_blocks, len(engine._sampling), len(engine._images),
+        engine.kv_cache_manager.num_free_blocks, len(requests.sampling), len(requests.images),
     )  # fmt: skip
 
 

@@ -119,7 +119,7 @@ def test_a_failed_request_leaves_every_row_as_it_was(tiny):
     good = [engine.add_request(p, sampling=SamplingParams(max_tokens=5, ignore_eos=True))
             for p in prompts(2, seed=2, length=(4, 20))]  # fmt: skip
     bad = engine.add_request([5, 6, 7])
-    engine._sampling[bad] = RowSampling(0.5, 0, 1.0, 2**40)  # no int32 holds this seed
+    engine._requests.sampling[bad] = RowSampling(0.5, 0, 1.0, 2**40)  # no int32 holds this seed
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

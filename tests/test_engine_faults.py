@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.engine.engine import fold_seed
+from jaxkv.engine.intake import fold_seed
 from jaxkv.engine.model_runner import RowSampling
 from jaxkv.testing.reference import DenseReference
 from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
@@ -111,7 +111,7 @@ def test_a_request_whose_step_rows_cannot_be_prepared_fails_alone(model, referen
     engine = LLMEngine(model, CONFIG)
     good = [engine.add_request(p, sampling=GREEDY) for p in prompts(3, seed=5)]
     bad = engine.add_request(prompts(1, seed=6)[0], sampling=GREEDY)
-    engine._sampling[bad] = RowSampling(0.5, 0, 1.0, 2**40)
+    engine._requests.sampling[bad] = RowSampling(0.5, 0, 1.0, 2**40)
     finals = run_all(engine)
     assert finals[bad].finish_reason == "error"
     assert "OverflowError" in finals[bad].error and repr(bad) in finals[bad].error

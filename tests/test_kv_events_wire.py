@@ -304,18 +304,17 @@ class StallingSocket:
 
 
 def test_a_full_queue_drops_the_oldest_without_blocking(endpoints):
-    """While a send is stuck (here the background thread's), `publish` queues and returns
-    at once, and a full queue drops its oldest payloads, counted and never numbered."""
+    """While the publishing thread's send is stuck, `publish` queues and returns at once,
+    and a full queue drops its oldest payloads, counted and never numbered."""
     release = threading.Event()
     pub = ZmqEventPublisher(0, endpoints[0], max_queue_size=2)
     pub._pub = stalling = StallingSocket(pub._pub, release)
     sock = sub_socket(endpoints[0], b"")
     try:
         time.sleep(0.5)  # the subscription reaches the publisher
-        with pub._send_lock:  # a sender is busy: batch 0 waits in the queue
-            pub.publish([stored(0)])
+        pub.publish([stored(0)])
+        time.sleep(0.2)  # the thread took batch 0 and waits in its send
         assert pub.num_sent == 0
-        time.sleep(0.2)  # woken by that publish, the thread took batch 0 and waits
         assert stalling.senders == ["kv-events-pub"]
         start = time.perf_counter()
         for i in range(1, 6):
@@ -391,11 +390,26 @@ def test_the_background_thread_encodes_and_sends_what_publish_queues(endpoints):
         sock.close()
 
 
+class GatedEncode:
+    """The publisher's `_encode`, made to wait while `gate` is closed (a publishing thread
+    busy with one batch); `entered` is set when the thread has taken a batch."""
+
+    def __init__(self, pub: ZmqEventPublisher) -> None:
+        self.encode, self.gate, self.entered = pub._encode, threading.Event(), threading.Event()
+        self.gate.set()
+        pub._encode = self
+
+    def __call__(self, ts, events):
+        self.entered.set()
+        assert self.gate.wait(WAIT_MS / 1000)
+        return self.encode(ts, events)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     actions=st.lists(
         st.one_of(
-            st.tuples(st.just("publish"), st.booleans()),  # the send lock held elsewhere?
+            st.tuples(st.just("publish"), st.booleans()),  # the publishing thread busy?
             st.tuples(st.just("bad"), st.booleans()),  # a batch that cannot be encoded
             st.tuples(st.just("flush"), st.just(False)),
         ),
@@ -404,53 +418,104 @@ def test_the_background_thread_encodes_and_sends_what_publish_queues(endpoints):
     max_queue_size=st.integers(1, 4),
 )
 def test_publishing_sequences_match_a_model(tmp_path_factory, actions, max_queue_size):
-    """Any interleaving of publishes with the send lock free or taken (a sender busy
-    elsewhere, for a run of publishes), unencodable batches and flushes: the messages
-    sent are the batches published, in order, less the oldest ones a full queue dropped
-    (counted; a bad batch takes its place in the queue too) and the bad ones (skipped at
-    encoding), numbered 0, 1, 2, ... without gaps; nothing is sent while the lock is
-    taken, and `flush` returns once everything queued is sent."""
+    """Any interleaving of publishes with the publishing thread free or stuck on a batch
+    (for a run of publishes), unencodable batches and flushes: the messages sent are the
+    batches published, in order, less the oldest ones a full queue dropped (counted; a
+    bad batch takes its place in the queue too; the batch the thread is stuck on is out
+    of the queue) and the bad ones (skipped at encoding), numbered 0, 1, 2, ... without
+    gaps; nothing is sent while the thread is stuck, and `flush` returns once everything
+    queued is sent."""
     endpoint = f"ipc://{tmp_path_factory.mktemp('model')}/pub"
     pub = ZmqEventPublisher(0, endpoint, max_queue_size=max_queue_size)
-    sent, queued, dropped, holding = [], [], 0, False
+    gated = GatedEncode(pub)
+    sent, taken, queued, dropped, holding = [], [], [], 0, False
     try:
         for i, (action, held) in enumerate(actions):
-            if holding and not held:  # the other sender is done; what it left goes out
-                pub._send_lock.release()
+            if holding and not held:  # the thread goes on; what it left goes out
+                gated.gate.set()
                 holding = False
                 assert pub.flush(WAIT_MS / 1000)
-                sent, queued = sent + [b for b in queued if b is not None], []
+                sent, taken, queued = sent + [b for b in taken + queued if b is not None], [], []
             if action == "flush":
                 if not holding:
                     assert pub.flush(WAIT_MS / 1000)
-                    sent, queued = sent + [b for b in queued if b is not None], []
                 else:
-                    assert not pub.flush(0.01), "nothing can be sent past the lock"
+                    assert not pub.flush(0.01), "nothing is sent while the thread is stuck"
                 continue
-            if held and not holding:
-                pub._send_lock.acquire()
-                holding = True
-            pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
             batch = i % 256 if action == "publish" else None
-            if holding:
+            if held and not holding:  # the thread takes this batch and gets stuck on it
+                gated.gate.clear()
+                gated.entered.clear()
+                pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
+                assert gated.entered.wait(WAIT_MS / 1000)
+                holding, taken = True, [batch]
+            elif holding:
+                pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
                 queued.append(batch)
                 if len(queued) > max_queue_size:
                     queued.pop(0)
                     dropped += 1
-            else:  # the queue was empty: the thread (or this flush) sends it
+            else:  # the queue was empty: the thread sends it
+                pub.publish([stored(i % 256)] + (["bad"] if action == "bad" else []))
                 assert pub.flush(WAIT_MS / 1000)
                 if batch is not None:
                     sent.append(batch)
             assert pub.num_sent == len(sent) and pub.num_dropped == dropped
-        if holding:
-            pub._send_lock.release()
+        gated.gate.set()
         assert pub.flush(WAIT_MS / 1000)
-        sent += [b for b in queued if b is not None]
+        sent += [b for b in taken + queued if b is not None]
         assert pub.num_sent == len(sent) and pub.num_dropped == dropped
         buffered = [(seq, decode_event_batch(p).events[0].token_ids[0]) for seq, p in pub._buffer]
         assert buffered == list(enumerate(sent))
     finally:
+        gated.gate.set()
         pub.shutdown()
+
+
+def test_sockets_are_opened_used_and_closed_by_the_publishing_thread(endpoints):
+    """Every call on the PUB and ROUTER sockets (binding, sending, replaying, closing)
+    happens on the publishing thread, and shutdown closes both there."""
+    callers: dict[str, set[str]] = {}
+    real_socket = zmq.Context.socket
+
+    class Watched:
+        def __init__(self, sock: zmq.Socket) -> None:
+            self._sock = sock
+
+        def __getattr__(self, name):
+            attr = getattr(self._sock, name)
+            if not callable(attr):
+                return attr
+
+            def call(*args, **kwargs):
+                callers.setdefault(name, set()).add(threading.current_thread().name)
+                return attr(*args, **kwargs)
+
+            return call
+
+    def watched_socket(ctx, kind, *args, **kwargs):
+        callers.setdefault("socket", set()).add(threading.current_thread().name)
+        return Watched(real_socket(ctx, kind, *args, **kwargs))
+
+    zmq.Context.socket = watched_socket
+    try:
+        pub = ZmqEventPublisher(0, *endpoints, buffer_steps=10)
+    finally:
+        zmq.Context.socket = real_socket
+    index = PrefixIndex(4)
+    try:
+        pub.publish(BATCHES[0])
+        assert pub.flush(WAIT_MS / 1000)
+        subscriber = ZmqKVEventSubscriber(index, "e", *endpoints)  # replays batch 0
+        time.sleep(0.2)
+        pub.publish(BATCHES[1])
+        wait_for(subscriber, 2)
+        subscriber.close()
+    finally:
+        pub.shutdown()
+    assert not pub._thread.is_alive()
+    assert {"socket", "bind", "send", "send_multipart", "close"} <= set(callers)
+    assert all(names == {"kv-events-pub"} for names in callers.values()), callers
 
 
 @pytest.mark.slow
@@ -509,7 +574,7 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
         held = {int.from_bytes(k[-12:-4], "big") for k, _ in cached}
         assert index.block_hashes(E0) == held and len(held) > 3
         for i, prompt in enumerate(prompts + [system + [7] * 9, [1, 2, 3] * 9]):
-            request = Request(f"q{i}", prompt, block_hasher=engine._block_hasher)
+            request = Request(f"q{i}", prompt, block_hasher=engine._requests.block_hasher)
             want = manager.get_num_cached_prefix_tokens(request)
             assert index.longest_prefix(prompt) == {E0: want}
         assert engine.reset_prefix_cache()  # AllBlocksCleared goes out at once
@@ -521,59 +586,39 @@ def test_engine_publishes_what_its_managers_hold(endpoints):
         engine.shutdown()
 
 
-class _DeviceResult:
-    """Stands for the device array a step waits for: computed or not."""
-
-    def __init__(self, ready: bool) -> None:
-        self.ready = ready
-
-    def is_ready(self) -> bool:
-        return self.ready
-
-
-def test_the_engine_leaves_sending_to_the_thread_only_while_it_waits_for_the_device(
-    endpoints,
-):
-    """A step's events are built and sent by the publishing thread when the step will wait
-    for a device result not yet computed (the wait lets go of the GIL); with nothing to
-    wait for, or a result already there (the host is the bottleneck), the stepping
-    thread sends them itself before going on, unless the publishing thread is sending
-    (it then leaves them to it)."""
-    from jaxkv.engine import EngineConfig, LLMEngine
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_stepping_thread_only_queues_the_events(endpoints, async_scheduling):
+    """The engine's step loop hands each step's events to the publisher's queue and
+    nothing else: every batch is built, encoded and sent on the publishing thread."""
+    from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
     from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
 
     config = EngineConfig(
         block_size=8, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=32,
         max_model_len=128, compilation_cache_dir="none", kv_events_endpoint=endpoints[0],
+        async_scheduling=async_scheduling,
     )  # fmt: skip
     engine = LLMEngine(TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0), config)
     publisher = engine.kv_event_publishers[0]
-    senders = []
-    send = publisher._send
+    workers: list[str] = []
+    encode, send = publisher._encode, publisher._send
+
+    def recording_encode(ts, events):
+        workers.append(threading.current_thread().name)
+        return encode(ts, events)
 
     def recording_send(payload: bytes) -> None:
-        senders.append(threading.current_thread().name)
+        workers.append(threading.current_thread().name)
         send(payload)
 
-    publisher._send = recording_send
-    pool = engine.kv_cache_manager.block_pool
-    here = threading.current_thread().name
+    publisher._encode, publisher._send = recording_encode, recording_send
     try:
-        for i, (awaited, sender) in enumerate([
-            (None, here), (_DeviceResult(True), here), (_DeviceResult(False), "kv-events-pub"),
-        ]):  # fmt: skip
-            pool.kv_event_queue.append(BlockRemoved([bytes([i]) * 32]))
-            engine._publish_events(awaited)
-            if sender == here:
-                assert publisher.num_sent == i + 1, "sent before the step goes on"
-            wait_until_sent(publisher, i + 1)
-            assert senders[-1] == sender
-        with publisher._send_lock:  # the thread is sending: the step leaves this to it
-            pool.kv_event_queue.append(BlockRemoved([bytes([3]) * 32]))
-            engine._publish_events(None)
-            assert publisher.num_sent == 3
-        wait_until_sent(publisher, 4)
-        assert senders == [here, here, "kv-events-pub", "kv-events-pub"]
+        prompts = [list(range(10, 30 + 3 * i)) for i in range(4)]
+        engine.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))
+        assert engine.reset_prefix_cache()
+        assert publisher.flush(WAIT_MS / 1000)
+        assert publisher.num_sent > 2 and len(workers) == 2 * publisher.num_sent
+        assert set(workers) == {"kv-events-pub"}
     finally:
         engine.shutdown()
 

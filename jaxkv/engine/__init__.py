@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxkv._lazy import lazy_getattr
 
 _EXPORTS = {
-    "EngineConfig": "engine",
+    "EngineConfig": "config",
     "LLMEngine": "engine",
     "choose_data_rank": "engine",
     "ModelRunner": "model_runner",

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxkv.device import make_mesh
-from jaxkv.engine.engine import EngineConfig
+from jaxkv.engine.config import EngineConfig
 from jaxkv.engine.model_runner import ModelRunner, group_kv_cache_specs
 from jaxkv.engine.sizing import size_kv_cache
 from jaxkv.models.config import DecoderConfig, LlavaConfig

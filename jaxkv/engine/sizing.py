@@ -22,7 +22,7 @@ from jaxkv.device import PagedKVCache
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from jaxkv.engine.engine import EngineConfig
+    from jaxkv.engine.config import EngineConfig
     from jaxkv.kv_cache_interface import KVCacheConfig
 
 __all__ = ["KVCacheSizing", "device_kv_budget", "size_kv_cache"]

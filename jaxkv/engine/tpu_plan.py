@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxkv.device import make_mesh
 from jaxkv.device.in_place import check_in_place
-from jaxkv.engine.engine import EngineConfig
+from jaxkv.engine.config import EngineConfig
 from jaxkv.engine.model_runner import ModelRunner, group_kv_cache_specs
 from jaxkv.engine.pod_plan import per_device_bytes
 from jaxkv.engine.sizing import size_kv_cache
