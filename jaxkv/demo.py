@@ -21,7 +21,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from jaxkv.cli import parse_memory
+from jaxkv._checks import parse_memory
 from jaxkv.device import compilation_cache_hits, compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
