@@ -17,6 +17,7 @@ from jaxkv._checks import parse_memory
 
 __all__ = ["main"]
 
+
 def _check_positive(args: argparse.Namespace, *flags: str) -> None:
     """ValueError naming the first of `flags` (e.g. "--max-model-len") given a value < 1."""
     for flag in flags:
