@@ -506,7 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="serve a mixed workload on tiny built-in models")
     demo.add_arguments(p)
     p.set_defaults(func=cmd_demo)
+    _add_generate_parser(sub)
+    _add_plan_parser(sub)
+    return parser
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory")
     group = p.add_mutually_exclusive_group(required=True)
@@ -569,6 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_distributed_arguments(p)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="KV-cache capacity plan for a checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json)")
     p.add_argument(
@@ -610,7 +617,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON (with --mesh: one object a mesh)")
     p.set_defaults(func=cmd_plan)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

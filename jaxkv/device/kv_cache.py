@@ -342,13 +342,13 @@ class PagedKVCache:
 
     # ---------------------------------------------------------- token rows
     def _write_fn(self) -> Callable:
-        write = functools.partial(
-            write_local, compute=self.dtype, storage=self.storage_dtype, kv_quant=self.kv_quant,
-            dma=self.platform == "tpu",
-        )  # fmt: skip
+        """The jitted, donating `write_kv` program (K/V rows by DMA on a TPU)."""
 
         def local(kv, k, v, slots, layer):
-            return write(kv, k, v, slots, layer=layer)
+            return write_local(
+                kv, k, v, slots, self.dtype, self.storage_dtype, self.kv_quant, layer,
+                dma=self.platform == "tpu",
+            )  # fmt: skip
 
         in_specs = (self._token_spec, self._token_spec, self._rank_spec, P())
         return self._program("write", lambda: self._update(local, in_specs))
