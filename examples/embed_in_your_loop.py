@@ -4,9 +4,9 @@ jaxkv's host block manager and device paged cache.
 Two requests share a 32-token prefix; the second one reads it from the prefix cache.
 Each step: the host `KVCacheManager` allocates slots, a `BlockTable` turns block ids
 into a slot mapping, `StepMetadataPacker` packs the step into one int32 buffer (one
-transfer), and inside YOUR jit `PagedKVCache.layer_step` writes this step's K/V into the
-donated cache and runs paged attention. The last line checks the greedy tokens against a
-dense forward pass. Run: `python examples/embed_in_your_loop.py`.
+transfer), and inside YOUR jit `PagedKVCache.stacked_layer_step` writes this step's K/V
+into layer 0 of the donated cache and runs paged attention. The last line checks the
+greedy tokens against a dense forward pass. Run: `python examples/embed_in_your_loop.py`.
 """
 
 import functools
@@ -45,14 +45,14 @@ packer = StepMetadataPacker(max_num_tokens=64, max_num_reqs=1, max_blocks_per_re
 
 # 2. Device side: the paged cache and your jitted step (cache donated: updated in place).
 cache = PagedKVCache(spec, NUM_BLOCKS)
-(kv,) = cache.allocate(1)
+kv = cache.allocate_stacked(1)  # every layer in one array: [layers, *cache.shape]
 
 
 @functools.partial(jax.jit, static_argnames="shape", donate_argnames="kv")
 def step(kv, buffer, token_ids, shape):
     x = W["embed"][token_ids]  # (a real model adds RoPE at the packed positions)
     q, k, v = qkv(x)
-    kv, attn = cache.layer_step(kv, q, k, v, buffer, shape)  # write K/V, then paged attention
+    kv, attn = cache.stacked_layer_step(kv, 0, q, k, v, buffer, shape)  # write, then attend
     h = x + attn.reshape(len(x), -1) @ W["o"]
     return kv, jnp.argmax(h @ W["out"], axis=-1)
 

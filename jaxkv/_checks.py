@@ -8,6 +8,8 @@ where a value enters (constructors, admission), never per inner step.
 from __future__ import annotations
 
 import array
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,3 +127,21 @@ def check_token_ids(name: str, token_ids: Any) -> list[int]:
         if low < 0:
             raise ValueError(f"{name} must hold token ids in [0, 2**63), got {int(low)}")
     return token_ids if type(token_ids) is list else packed.tolist()
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_memory(text: str, flag: str = "--memory") -> int:
+    """Bytes in `text` such as `16GiB`, `512MiB`, `2e9` or `8GB`; ValueError naming
+    `flag` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    size = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else math.nan
+    if not math.isfinite(size):
+        raise ValueError(
+            f"{flag} {text!r} is not a size; use a finite number with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB"
+        )
+    return int(size)

@@ -9,30 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["main", "parse_memory"]
+from jaxkv._checks import parse_memory
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_memory(text: str, flag: str = "--memory") -> int:
-    """Bytes in `text` such as `16GiB`, `512MiB`, `2e9` or `8GB`; ValueError naming
-    `flag` otherwise."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    size = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else math.nan
-    if not math.isfinite(size):
-        raise ValueError(
-            f"{flag} {text!r} is not a size; use a finite number with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB"
-        )
-    return int(size)
+__all__ = ["main"]
 
 
 def _check_positive(args: argparse.Namespace, *flags: str) -> None:
@@ -523,7 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="serve a mixed workload on tiny built-in models")
     demo.add_arguments(p)
     p.set_defaults(func=cmd_demo)
+    _add_generate_parser(sub)
+    _add_plan_parser(sub)
+    return parser
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory")
     group = p.add_mutually_exclusive_group(required=True)
@@ -586,6 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_distributed_arguments(p)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="KV-cache capacity plan for a checkpoint")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json)")
     p.add_argument(
@@ -627,7 +617,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON (with --mesh: one object a mesh)")
     p.set_defaults(func=cmd_plan)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

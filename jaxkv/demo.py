@@ -21,7 +21,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from jaxkv.cli import parse_memory
+from jaxkv._checks import parse_memory
 from jaxkv.device import compilation_cache_hits, compilation_count
 from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
@@ -166,16 +166,30 @@ def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wa
         "dense_mismatched": mismatched,
         "dense_check": "OK" if finished and not mismatched else "FAILED",
         "series": {
-            "prefix_hit_rate": [s.prefix_hit_rate for s in steps],
+            "prefix_hit_rate": _running_rate(
+                [s.prefix_hits for s in steps], [s.prefix_queries for s in steps]
+            ),
+            "encoder_hit_rate": _running_rate(
+                [s.encoder_hits for s in steps],
+                [s.encoder_hits + s.encoder_misses for s in steps],
+            ),
+            "host_hit_rate": _running_rate(
+                [s.host_hit_tokens for s in steps], [s.host_queried_tokens for s in steps]
+            ),
             "kv_usage": [s.kv_usage for s in steps],
             "tokens_per_s": [
                 s.num_scheduled_tokens / max(s.host_s + s.wait_s, 1e-9) for s in steps
             ],
             "compiling": [s.compilations > 0 for s in steps],
-            "host_hit_tokens": [s.host_hit_tokens for s in steps],
-            "host_mib_moved": [(s.host_loaded_bytes + s.host_stored_bytes) / 2**20 for s in steps],
         },
     }
+
+
+def _running_rate(hits: list[int], queries: list[int]) -> list[float]:
+    """Hits over queries of every step so far (NaN before the first query)."""
+    total_hits, total_queries = np.cumsum(hits), np.cumsum(queries)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (total_hits / np.where(total_queries, total_queries, np.nan)).tolist()
 
 
 def tenant_summaries(engine: LLMEngine) -> dict[str, dict]:
@@ -269,29 +283,54 @@ def print_table(summaries: list[dict]) -> None:
 
 
 def plot(summaries: list[dict], path: str) -> None:
+    """One row per model: its cumulative hit rates and KV usage (left), its tokens/s
+    per step on a linear axis, the steps that compiled a program marked and left out
+    (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("prefix_hit_rate", "prefix-cache hit rate"), ("kv_usage", "KV usage"),
-              ("tokens_per_s", "tokens/s")]  # fmt: skip
-    if any(s["host_tier"] for s in summaries):
-        panels[2:2] = [("host_hit_tokens", "host-tier hit tokens"),
-                       ("host_mib_moved", "host-tier MiB moved")]  # fmt: skip
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.7 * len(panels)), sharex=False)
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        for s in summaries:
-            ax.plot(s["series"][key], label=s["model"], lw=1)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[-1].set_yscale("log")
-    axes[-1].set_xlabel("step")
-    axes[0].legend()
-    fig.suptitle("jaxkv demo: per-step engine stats")
+    rates = [("prefix_hit_rate", "prefix-cache hit rate (cumulative)"),
+             ("encoder_hit_rate", "encoder-cache hit rate (cumulative)"),
+             ("host_hit_rate", "host-tier hit rate (cumulative)"),
+             ("kv_usage", "KV usage")]  # fmt: skip
+    fig, axes = plt.subplots(
+        len(summaries), 2, figsize=(11, 2.8 * len(summaries)), squeeze=False,
+        gridspec_kw={"width_ratios": (3, 2)},
+    )  # fmt: skip
+    for (left, right), s in zip(axes, summaries, strict=True):
+        series = s["series"]
+        for key, label in rates:
+            if not np.isnan(series[key]).all():
+                style = ":" if key == "kv_usage" else "-"
+                left.plot(series[key], style, label=label, lw=1.4)
+        left.set_ylim(0, 1.02)
+        left.set_ylabel(s["model"])
+        left.legend(fontsize=7, loc="best")
+        _plot_throughput(right, series)
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_title("hit rates and KV usage")
+    axes[0, 1].set_title("tokens/s per step")
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _plot_throughput(ax, series: dict) -> None:
+    """Tokens/s of the steps that compiled nothing; a red line at each step that
+    compiled (its time is the compiler's, left out)."""
+    compiling = np.array(series["compiling"], bool)
+    tokens_per_s = np.where(compiling, np.nan, series["tokens_per_s"])
+    ax.plot(tokens_per_s, lw=0.8, color="tab:blue", label="steady step")
+    for i, step in enumerate(np.flatnonzero(compiling)):
+        label = "compiled (left out)" if i == 0 else None
+        ax.axvline(step, color="tab:red", alpha=0.4, lw=1.5, label=label)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def run_demo(
@@ -349,7 +388,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller run (tests use it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chats", type=int, help="chats (and image questions) per model")
-    parser.add_argument("--plot", metavar="FILE.png", help="plot per-step stats to FILE.png")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="plot hit rates, KV usage and tokens/s per step to FILE.png",
+    )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jaxkv import cli, models
+from jaxkv._checks import parse_memory
 from jaxkv.testing.reference import DenseReference
 
 
@@ -88,9 +89,9 @@ def test_plan_rejects_a_bad_memory_size(checkpoint, capsys, bad) -> None:
 
 
 def test_parse_memory_units() -> None:
-    assert cli.parse_memory("16GiB") == 16 * 2**30
-    assert cli.parse_memory("1.5 GB") == 1_500_000_000
-    assert cli.parse_memory("2e3") == 2000
+    assert parse_memory("16GiB") == 16 * 2**30
+    assert parse_memory("1.5 GB") == 1_500_000_000
+    assert parse_memory("2e3") == 2000
 
 
 def test_python_dash_m_jaxkv_help() -> None:

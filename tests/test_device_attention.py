@@ -37,14 +37,17 @@ class Case:
 
 
 def poisoned_cache(cache: PagedKVCache) -> jax.Array:
-    """A cache filled with NaN (as stored bits when the storage dtype is an integer).
+    """A one-layer stacked cache filled with NaN (as stored bits when the storage dtype
+    is an integer).
 
     A quantised cache is filled with 0xFF bytes: every scale reads as NaN.
     """
+    shape = (1, *cache.shape)
     if cache.kv_quant:
-        return jax.device_put(np.full(cache.shape, 0xFF, np.uint8).view(cache.storage_dtype))
-    nan = np.full(cache.shape, np.nan, cache.dtype)
-    return jax.device_put(nan.view(cache.storage_dtype), cache.sharding)
+        bits = np.full(shape, 0xFF, np.uint8).view(cache.storage_dtype)
+    else:
+        bits = np.full(shape, np.nan, cache.dtype).view(cache.storage_dtype)
+    return jax.device_put(bits, cache.stacked_sharding)
 
 
 def random_case(
@@ -63,7 +66,8 @@ def random_case(
     pad_tokens: int = 3,
     cache: PagedKVCache | None = None,
 ) -> Case:
-    """Random contexts written through `write_kv` into a NaN-poisoned cache.
+    """Random contexts written through `write_kv` into a NaN-poisoned cache; `kv` is its
+    one layer.
 
     Blocks are a random permutation (never block 0); free blocks, the null
     block and the unused tail of each last block stay NaN.
@@ -89,7 +93,7 @@ def random_case(
         jnp.asarray(np.concatenate(keys)),
         jnp.asarray(np.concatenate(values)),
         all_slots,
-    )
+    )[0]
     q_lens_arr = np.asarray(q_lens)
     num_q = int(q_lens_arr.sum())
     q = np.full((num_q + pad_tokens, num_kv_heads * group, head_size), np.nan, np_dtype)

@@ -1,4 +1,5 @@
-"""PagedKVCache: writes/copies/zeroing vs a dense NumPy model, donation, bad input."""
+"""PagedKVCache: writes/copies/zeroing of a stacked cache vs a dense NumPy model, donation,
+bad input."""
 
 from __future__ import annotations
 
@@ -21,37 +22,43 @@ def _as_compute(cache: PagedKVCache, kv: jax.Array) -> np.ndarray:
     return np.asarray(kv).view(cache.dtype)
 
 
+def _on_device(cache: PagedKVCache, model: np.ndarray) -> jax.Array:
+    """A stacked cache `[L, *shape]` holding `model`'s values (as stored)."""
+    return jax.device_put(model.view(cache.storage_dtype), cache.stacked_sharding)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_random_updates_match_dense_model(dtype: str) -> None:
     rng = np.random.default_rng()
     cache = _cache(dtype)
-    model = rng.standard_normal(cache.shape).astype(cache.dtype)  # never zeros
-    kv = jax.device_put(model.view(cache.storage_dtype), cache.sharding)
+    model = rng.standard_normal((2, *cache.shape)).astype(cache.dtype)  # never zeros
+    kv = _on_device(cache, model)
     nb, bs = cache.num_blocks, cache.block_size
-    for _ in range(6):
+    for step in range(6):
+        layer = step % 2
         n = int(rng.integers(1, 20))
         slots = rng.choice(np.arange(bs, nb * bs), size=n, replace=False)
         slots[rng.random(n) < 0.2] = cache.padding_slot  # padding is dropped
         k = rng.standard_normal((n, 2, 8)).astype(cache.dtype)
         v = rng.standard_normal((n, 2, 8)).astype(cache.dtype)
-        kv = cache.write_kv(kv, jnp.asarray(k), jnp.asarray(v), slots)
-        flat = model.reshape(nb * bs, 4, 8)
+        kv = cache.write_kv(kv, jnp.asarray(k), jnp.asarray(v), slots, layer)
+        flat = model[layer].reshape(nb * bs, 4, 8)
         live = slots != cache.padding_slot
         flat[slots[live], 0::2] = k[live]
         flat[slots[live], 1::2] = v[live]
 
         blocks = rng.permutation(np.arange(1, nb))
         src, dst = blocks[:3], blocks[3:6]
-        kv = cache.copy_blocks(kv, src, dst)
-        model[dst] = model[src]
+        kv = cache.copy_blocks_stacked(kv, src, dst)
+        model[:, dst] = model[:, src]
         zero = rng.choice(np.arange(nb), size=2, replace=False)
-        kv = cache.zero_blocks(kv, zero)
-        model[zero] = 0
+        kv = cache.zero_blocks_stacked(kv, zero)
+        model[:, zero] = 0
         np.testing.assert_array_equal(_as_compute(cache, kv), model)
 
     read_slots = rng.choice(np.arange(nb * bs), size=7, replace=False)
-    rk, rv = cache.read_kv(kv, read_slots)
-    flat = model.reshape(nb * bs, 4, 8)
+    rk, rv = cache.read_kv(kv, read_slots, layer=1)
+    flat = model[1].reshape(nb * bs, 4, 8)
     np.testing.assert_array_equal(np.asarray(rk), flat[read_slots, 0::2])
     np.testing.assert_array_equal(np.asarray(rv), flat[read_slots, 1::2])
 
@@ -63,10 +70,10 @@ def test_bf16_storage_keeps_bits_and_defaults_to_uint16_on_cpu() -> None:
     assert _cache("float32").storage_dtype == np.float32
     with pytest.raises(ValueError, match=r"storage dtype uint8 \(1 bytes\) must have the width"):
         _cache("bfloat16", storage_dtype="uint8")
-    (kv,) = cache.allocate()
+    kv = cache.allocate_stacked(1)
     k = jnp.asarray(np.random.default_rng().standard_normal((1, 2, 8)), jnp.bfloat16)
     kv = cache.write_kv(kv, k, -k, np.array([5]))
-    stored = np.asarray(kv)[1, 1].view(ml_dtypes.bfloat16)
+    stored = np.asarray(kv)[0, 1, 1].view(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(stored[0::2], np.asarray(k)[0])
     np.testing.assert_array_equal(stored[1::2], -np.asarray(k)[0])
 
@@ -78,8 +85,8 @@ def test_bf16_bits_input_writes_the_same_cache_with_token_sized_temporaries() ->
     rng = np.random.default_rng()
     k, v = (jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.bfloat16) for _ in range(2))
     slots = rng.choice(np.arange(4, cache.padding_slot), 6, replace=False)
-    (a,) = cache.allocate()
-    (b,) = cache.allocate()
+    a = cache.allocate_stacked(1)
+    b = cache.allocate_stacked(1)
     a = cache.write_kv(a, k, v, slots)
     bits = [to_storage(x, cache.dtype, cache.storage_dtype) for x in (k, v)]
     assert bits[0].dtype == np.uint16
@@ -93,12 +100,10 @@ def test_bf16_bits_input_writes_the_same_cache_with_token_sized_temporaries() ->
 
 def test_allocate_creates_sharded_zeroed_layers() -> None:
     cache = _cache()
-    layers = cache.allocate(num_layers=3)
-    assert len(layers) == 3
-    for kv in layers:
-        assert kv.shape == (24, 4, 4, 8) and kv.dtype == np.float32
-        assert kv.sharding.is_equivalent_to(cache.sharding, kv.ndim)
-        assert not np.asarray(kv).any()
+    kv = cache.allocate_stacked(num_layers=3)
+    assert kv.shape == (3, 24, 4, 4, 8) and kv.dtype == np.float32
+    assert kv.sharding.is_equivalent_to(cache.stacked_sharding, kv.ndim)
+    assert not np.asarray(kv).any()
     assert cache.cache_bytes == cache.bytes_per_device == 24 * 4 * 4 * 8 * 4
 
 
@@ -108,20 +113,20 @@ def test_donation_updates_in_place(dtype: str) -> None:
     temps = []
     for num_blocks in (512, 4096):
         cache = _cache(dtype, num_blocks=num_blocks)
-        stats = cache.lower_write_kv(32).compile().memory_analysis()
-        assert stats.alias_size_in_bytes == cache.cache_bytes
+        stats = cache.lower_write_kv(32, num_layers=2).compile().memory_analysis()
+        assert stats.alias_size_in_bytes == 2 * cache.cache_bytes
         assert stats.temp_size_in_bytes < 0.05 * cache.cache_bytes
         temps.append(stats.temp_size_in_bytes)
     assert temps[0] == temps[1], f"temporary bytes grew with the cache: {temps}"
 
     cache = _cache(dtype)
-    (kv,) = cache.allocate()
+    kv = cache.allocate_stacked(2)
     k = jnp.ones((2, 2, 8), cache.dtype)
-    new = cache.write_kv(kv, k, k, np.array([4, 9]))
+    new = cache.write_kv(kv, k, k, np.array([4, 9]), layer=1)
     assert kv.is_deleted(), "the input cache must be donated"
-    new2 = cache.copy_blocks(new, [1], [2])
+    new2 = cache.copy_blocks_stacked(new, [1], [2])
     assert new.is_deleted()
-    new3 = cache.zero_blocks(new2, [1])
+    new3 = cache.zero_blocks_stacked(new2, [1])
     assert new2.is_deleted() and not new3.is_deleted()
 
 
@@ -137,21 +142,22 @@ def test_donation_updates_in_place(dtype: str) -> None:
             r"dtype bfloat16; expected shape \(2, 2, 8\) dtype float32 \(compute dtype",
         ),
         (
-            lambda c, kv, k: c.write_kv(kv[:3], k, k, np.array([8, 9])),
-            r"cache has shape \(3, 4, 4, 8\)",
+            lambda c, kv, k: c.write_kv(kv[0], k, k, np.array([8, 9])),
+            r"cache has shape \(24, 4, 4, 8\)",
         ),
+        (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8, 9]), 2), r"layer must be .*got 2"),
         (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8.0, 9.0])), r"1-D integer array"),
         (lambda c, kv, k: c.write_kv(kv, k, k, np.array([8, 8])), r"slot 8 appears more than"),
-        (lambda c, kv, k: c.copy_blocks(kv, [1, 2], [3]), r"src has 2 ids but dst has 1"),
-        (lambda c, kv, k: c.copy_blocks(kv, [1, 2], [3, 3]), r"dst block id 3 appears more"),
-        (lambda c, kv, k: c.copy_blocks(kv, [1], [24]), r"dst block id value 24 .*\[1, 24\)"),
-        (lambda c, kv, k: c.copy_blocks(kv, [0], [5]), r"src block id value 0"),
-        (lambda c, kv, k: c.zero_blocks(kv, [24]), r"block id value 24 is out of range \[0, 24\)"),
+        (lambda c, kv, k: c.copy_blocks_stacked(kv, [1, 2], [3]), r"src has 2 ids but dst has 1"),
+        (lambda c, kv, k: c.copy_blocks_stacked(kv, [1, 2], [3, 3]), r"dst block id 3 appears"),
+        (lambda c, kv, k: c.copy_blocks_stacked(kv, [1], [24]), r"dst block id value 24 .*\[1,"),
+        (lambda c, kv, k: c.copy_blocks_stacked(kv, [0], [5]), r"src block id value 0"),
+        (lambda c, kv, k: c.zero_blocks_stacked(kv, [24]), r"block id value 24 is out of range"),
     ],
 )
 def test_bad_input_raises_before_the_device(call, match) -> None:
     cache = _cache()
-    (kv,) = cache.allocate()
+    kv = cache.allocate_stacked(2)
     k = jnp.ones((2, 2, 8), jnp.float32)
     with pytest.raises(ValueError, match=match):
         call(cache, kv, k)
@@ -169,54 +175,53 @@ def test_padding_slots_may_repeat_and_allocate_compiles_once() -> None:
     from jaxkv.device import compilation_count
 
     cache = _cache()
-    (kv,) = cache.allocate()
+    kv = cache.allocate_stacked(1)
     k = jnp.ones((3, 2, 8), jnp.float32)
     pad = cache.padding_slot
     kv = cache.write_kv(kv, k, k, np.array([pad, 9, pad]))  # padding twice: fine
     assert float(cache.read_kv(kv, np.array([9]))[0].sum()) == 16.0
-    cache.allocate(2)
+    cache.allocate_stacked(2)
     before = compilation_count()
     for _ in range(3):
-        cache.allocate(2)
+        cache.allocate_stacked(2)
     assert compilation_count() == before, "allocate must reuse its jitted program"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_copy_blocks_all_copies_every_layer_and_drops_padding(dtype: str) -> None:
+def test_copy_blocks_copies_every_layer_and_drops_padding(dtype: str) -> None:
     rng = np.random.default_rng(3)
     cache = _cache(dtype)
-    models = [rng.standard_normal(cache.shape).astype(cache.dtype) for _ in range(3)]
-    kvs = [jax.device_put(m.view(cache.storage_dtype), cache.sharding) for m in models]
+    model = rng.standard_normal((3, *cache.shape)).astype(cache.dtype)
+    kv = _on_device(cache, model)
     src, dst = [3, 7, 9, 0], [5, 4, 11, cache.num_blocks]  # the last entry is padding
-    new = cache.copy_blocks_all(kvs, src, dst, allow_padding=True)
-    assert all(kv.is_deleted() for kv in kvs), "the input caches must be donated"
-    for model, kv in zip(models, new, strict=True):
-        want = model.copy()
-        want[[5, 4, 11]] = model[[3, 7, 9]]
-        assert np.asarray(kv).dtype == cache.storage_dtype  # bf16 stays uint16 on CPU
-        np.testing.assert_array_equal(_as_compute(cache, kv), want)
+    new = cache.copy_blocks_stacked(kv, src, dst, allow_padding=True)
+    assert kv.is_deleted(), "the input cache must be donated"
+    want = model.copy()
+    want[:, [5, 4, 11]] = model[:, [3, 7, 9]]
+    assert np.asarray(new).dtype == cache.storage_dtype  # bf16 stays uint16 on CPU
+    np.testing.assert_array_equal(_as_compute(cache, new), want)
     with pytest.raises(ValueError, match=r"dst block id value 24"):
-        cache.copy_blocks_all(new, [1], [cache.num_blocks])  # padding only when allowed
+        cache.copy_blocks_stacked(new, [1], [cache.num_blocks])  # padding only when allowed
     with pytest.raises(ValueError, match=r"dst block id 5 appears more than once"):
-        cache.copy_blocks_all(new, [1, 2], [5, 5], allow_padding=True)
+        cache.copy_blocks_stacked(new, [1, 2], [5, 5], allow_padding=True)
     with pytest.raises(ValueError, match=r"block 3 is both a copy source and a destination"):
-        cache.copy_blocks_all(new, [3, 7], [5, 3])  # a chain: its order would matter
-    assert cache.copy_blocks_all(new, [], []) == new
+        cache.copy_blocks_stacked(new, [3, 7], [5, 3])  # a chain: its order would matter
+    assert cache.copy_blocks_stacked(new, [], []) is new
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_copies_and_zeroing_of_many_blocks_run_in_chunks_like_one_scatter(dtype: str) -> None:
-    """More ids than one chunk (`_IDS_PER_CHUNK`): the chunked loop copies and zeroes
-    exactly what one scatter would, padding included."""
+    """More ids than one chunk (`kv_blocks.IDS_PER_CHUNK`): the chunked loop copies and
+    zeroes exactly what one scatter would, padding included."""
     rng = np.random.default_rng(5)
     cache = _cache(dtype, num_blocks=400)
-    model = rng.standard_normal(cache.shape).astype(cache.dtype)
-    (kv,) = [jax.device_put(model.view(cache.storage_dtype), cache.sharding)]
+    model = rng.standard_normal((2, *cache.shape)).astype(cache.dtype)
+    kv = _on_device(cache, model)
     blocks = rng.permutation(np.arange(1, cache.num_blocks))
     src, dst = blocks[:150], blocks[150:300]
-    (kv,) = cache.copy_blocks_all([kv], src, dst)
-    model[dst] = model[src]
+    kv = cache.copy_blocks_stacked(kv, src, dst)
+    model[:, dst] = model[:, src]
     zero = blocks[200:330]
-    kv = cache.zero_blocks(kv, zero)
-    model[zero] = 0
+    kv = cache.zero_blocks_stacked(kv, zero)
+    model[:, zero] = 0
     np.testing.assert_array_equal(_as_compute(cache, kv), model)

@@ -73,7 +73,7 @@ def test_quantised_bytes_and_reads() -> None:
         assert cache.storage_dtype == dtype and cache.shape == (64, 16, 16, 132)
         assert cache.bytes_per_device == 64 * cache.bytes_per_block
         assert cache.bytes_per_device / bf16.bytes_per_device == pytest.approx(132 / 256)
-        (kv,) = cache.allocate()
+        kv = cache.allocate_stacked(1)
         k = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 128)), jnp.bfloat16)
         kv = cache.write_kv(kv, k, k, np.array([16, 17]))
         rk, _ = cache.read_kv(kv, np.array([16, 17]))

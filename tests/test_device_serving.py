@@ -1,4 +1,4 @@
-"""Serving-loop properties: warm-up compiles everything, all layers in one call."""
+"""Serving-loop properties: warm-up compiles everything, all layers in one program."""
 
 from __future__ import annotations
 
@@ -17,40 +17,38 @@ def test_no_compilation_after_warmup_over_300_random_steps_two_layers() -> None:
     rng = np.random.default_rng()
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     packer = _packer()
-    kvs = cache.allocate(2)
+    kv = cache.allocate_stacked(2)
     start = compilation_count()
-    kvs = cache.warmup(kvs, packer, num_q_heads=4, options=HALF)
+    kv = cache.warmup(kv, packer, num_q_heads=4, options=HALF)
     assert compilation_count() > start
-    models = [np.asarray(kv).reshape(-1, 4, 8).copy() for kv in kvs]
+    model = np.asarray(kv).reshape(2, -1, 4, 8).copy()
     bs = cache.block_size
     with no_compilation("300 random serving steps after warmup"):
         for _ in range(300):
             freed = rng.choice(np.arange(1, 64), size=int(rng.integers(0, 9)), replace=False)
-            kvs = cache.zero_blocks_all(kvs, freed)
-            for model in models:
-                for b in freed:
-                    model[b * bs : (b + 1) * bs] = 0
+            kv = cache.zero_blocks_stacked(kv, freed)
+            for b in freed:
+                model[:, b * bs : (b + 1) * bs] = 0
             buf, shape = packer.pack(_random_step(rng, packer))
             fields = shape.layout.unpack(buf[0])
             n = int(fields["num_tokens"][0])
             slots = fields["slot_mapping"][:n]
             put = packer.put(buf)
-            for layer, model in enumerate(models):
+            for layer in range(2):
                 t = shape.num_tokens
                 # jax.device_put: jnp.asarray of a NumPy array compiles a copy per shape.
                 q = jax.device_put(rng.standard_normal((t, 4, 8)).astype(np.float32))
                 k = rng.standard_normal((t, 2, 8)).astype(np.float32)
                 v = rng.standard_normal((t, 2, 8)).astype(np.float32)
-                kvs[layer], out = cache.step(
-                    kvs[layer], q, jax.device_put(k), jax.device_put(v), put, shape, HALF
+                kv, out = cache.step(
+                    kv, q, jax.device_put(k), jax.device_put(v), put, shape, HALF, layer=layer
                 )
-                model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
+                model[layer, slots, 0::2], model[layer, slots, 1::2] = k[:n], v[:n]
             assert np.isfinite(np.asarray(out)).all()
-    for kv, model in zip(kvs, models, strict=True):
-        np.testing.assert_array_equal(np.asarray(kv).reshape(-1, 4, 8), model)
+    np.testing.assert_array_equal(np.asarray(kv).reshape(2, -1, 4, 8), model)
 
 
-def test_layer_step_runs_every_layer_in_one_program() -> None:
+def test_stacked_layer_step_runs_every_layer_in_one_program() -> None:
     rng = np.random.default_rng()
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     packer = _packer()
@@ -60,48 +58,28 @@ def test_layer_step_runs_every_layer_in_one_program() -> None:
     ks = jnp.asarray(rng.standard_normal((3, t, 2, 8)), jnp.float32)
 
     @jax.jit
-    def forward(kvs, put):
+    def forward(kv, put):
         outs = []
-        kvs = list(kvs)
         for layer in range(3):
-            kvs[layer], out = cache.layer_step(
-                kvs[layer], qs[layer], ks[layer], ks[layer] * 2, put, shape, HALF
+            kv, out = cache.stacked_layer_step(
+                kv, layer, qs[layer], ks[layer], ks[layer] * 2, put, shape, HALF
             )
             outs.append(out)
-        return tuple(kvs), jnp.stack(outs)
+        return kv, jnp.stack(outs)
 
-    base = [jnp.asarray(rng.standard_normal(cache.shape), jnp.float32) for _ in range(3)]
-    want_kvs, want = [], []
+    base = rng.standard_normal((3, *cache.shape)).astype(np.float32)
+    want_kv, want = jnp.array(base), []
     for layer in range(3):
-        kv, out = cache.step(
-            jnp.array(base[layer]), qs[layer], ks[layer], ks[layer] * 2, packer.put(buf), shape,
-            HALF,
+        want_kv, out = cache.step(
+            want_kv, qs[layer], ks[layer], ks[layer] * 2, packer.put(buf), shape, HALF,
+            layer=layer,
         )  # fmt: skip
-        want_kvs.append(np.asarray(kv))
         want.append(np.asarray(out))
     before = compilation_count()
-    got_kvs, got = forward(tuple(jnp.array(b) for b in base), packer.put(buf))
+    got_kv, got = forward(jnp.array(base), packer.put(buf))
     assert compilation_count() - before == 1, "one program for all layers"
     np.testing.assert_allclose(np.asarray(got), np.stack(want), rtol=1e-6, atol=1e-6)
-    for g, w in zip(got_kvs, want_kvs, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), w)
-
-
-def test_zero_blocks_all_matches_per_layer_zeroing() -> None:
-    rng = np.random.default_rng()
-    cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 24)
-    data = [rng.standard_normal(cache.shape).astype(np.float32) for _ in range(3)]
-    ids = np.array([3, 7, 0, 23])
-    got = cache.zero_blocks_all([jnp.asarray(d) for d in data], ids)
-    for g, d in zip(got, data, strict=True):
-        d[ids] = 0
-        np.testing.assert_array_equal(np.asarray(g), d)
-    kvs = [jnp.asarray(d) for d in data]
-    try:
-        cache.zero_blocks_all(kvs, [24])
-    except ValueError as exc:
-        assert "block id value 24" in str(exc)
-    assert not any(kv.is_deleted() for kv in kvs), "a rejected call must not donate"
+    np.testing.assert_array_equal(np.asarray(got_kv), np.asarray(want_kv))
 
 
 def test_step_inside_a_users_jit_matches_step_outside() -> None:
@@ -112,9 +90,9 @@ def test_step_inside_a_users_jit_matches_step_outside() -> None:
     t = shape.num_tokens
     q = jax.device_put(rng.standard_normal((t, 4, 8)).astype(np.float32))
     k = jax.device_put(rng.standard_normal((t, 2, 8)).astype(np.float32))
-    base = rng.standard_normal(cache.shape).astype(np.float32)
-    want_kv, want = cache.step(jnp.asarray(base), q, k, k, packer.put(buf), shape)
-    inside = jax.jit(lambda kv, q, k, buf: cache.step(kv, q, k, k, buf, shape))
+    base = rng.standard_normal((2, *cache.shape)).astype(np.float32)
+    want_kv, want = cache.step(jnp.asarray(base), q, k, k, packer.put(buf), shape, layer=1)
+    inside = jax.jit(lambda kv, q, k, buf: cache.step(kv, q, k, k, buf, shape, layer=1))
     got_kv, got = inside(jnp.asarray(base), q, k, packer.put(buf))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got_kv), np.asarray(want_kv))

@@ -88,15 +88,15 @@ def run_layout(
     single_out, single_kv = [], []
     for d, c in enumerate(cases):
         kv, out = single.step(
-            c.kv, jnp.asarray(qs[d]), jnp.asarray(ks[d]), jnp.asarray(vs[d]),
+            c.kv[None], jnp.asarray(qs[d]), jnp.asarray(ks[d]), jnp.asarray(vs[d]),
             packer.put(buf[d : d + 1]), shape, AttentionOptions(sm_scale=0.3),
         )  # fmt: skip
-        kv = single.copy_blocks(kv, src[3 * d : 3 * d + 3], dst[3 * d : 3 * d + 3])
-        kv = single.zero_blocks(kv, zero[2 * d : 2 * d + 2])
+        kv = single.copy_blocks_stacked(kv, src[3 * d : 3 * d + 3], dst[3 * d : 3 * d + 3])
+        kv = single.zero_blocks_stacked(kv, zero[2 * d : 2 * d + 2])
         single_out.append(np.asarray(out))
-        single_kv.append(np.asarray(kv))
+        single_kv.append(np.asarray(kv)[0])
 
-    kv = sharded.put(initial, sharded.layout.cache_spec)
+    kv = sharded.put(initial[None], P(None, *sharded.layout.cache_spec))
     kv, out = sharded.step(
         kv,
         sharded.put(np.concatenate(qs)),
@@ -106,14 +106,14 @@ def run_layout(
         shape,
         AttentionOptions(sm_scale=0.3),
     )
-    kv = sharded.copy_blocks(kv, src, dst)
-    kv = sharded.zero_blocks(kv, zero)
+    kv = sharded.copy_blocks_stacked(kv, src, dst)
+    kv = sharded.zero_blocks_stacked(kv, zero)
     heads = sharded.layout.kv_heads_per_device
     for shard in kv.addressable_shards:
-        assert shard.data.shape == (num_blocks, 4, 2 * heads, 8), shard.data.shape
+        assert shard.data.shape == (1, num_blocks, 4, 2 * heads, 8), shard.data.shape
         assert shard.data.nbytes == sharded.bytes_per_device
-    assert kv.sharding.is_equivalent_to(sharded.sharding, 4)
-    out_np, kv_np = to_numpy(out), to_numpy(kv)
+    assert kv.sharding.is_equivalent_to(sharded.stacked_sharding, 5)
+    out_np, kv_np = to_numpy(out), to_numpy(kv)[0]
     errors = []
     for d, c in enumerate(cases):
         n = int(c.q_lens.sum())

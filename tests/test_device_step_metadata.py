@@ -256,7 +256,10 @@ def test_pack_rejects_bad_steps(step: StepInputs, match: str) -> None:
         (lambda: _packer().pack(StepInputs(np.zeros((1, 4), int), [4.0], [1], [4])), "seq_len"),
         (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8.5), "num_blocks .*8.5"),
         (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), True), "num_blocks .*True"),
-        (lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8).allocate(2.0), "num_lay"),
+        (
+            lambda: PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 8).allocate_stacked(2.0),
+            "num_lay",
+        ),
         (lambda: PagedKVCache("spec", 8), "spec must be an AttentionSpec"),
     ],
 )
@@ -284,10 +287,10 @@ def test_fused_step_writes_and_attends(dtype: str) -> None:
     v = np.concatenate([v, rng.standard_normal((pad, *v.shape[1:])).astype(cache.dtype)])
     before = np.asarray(case.kv)
     kv, out = cache.step(
-        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
+        case.kv[None], jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), packer.put(buf), shape,
         AttentionOptions(sm_scale=0.4),
     )  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(kv), before)  # same values rewritten, pads dropped
+    np.testing.assert_array_equal(np.asarray(kv)[0], before)  # same values rewritten, pads dropped
     out = np.asarray(out).astype(np.float64)
     want = reference_attention(case, sm_scale=0.4)
     assert np.isfinite(out).all() and not out[num_q:].any()
@@ -321,10 +324,11 @@ def _run_step(case, rng, span_ends=None, **options) -> np.ndarray:
     k, v = (np.concatenate([x, np.zeros((pad, *x.shape[1:]), cache.dtype)]) for x in query_kv(case))
     if span_ends is not None:
         span_ends = jnp.asarray(np.pad(span_ends[:num_q], (0, pad)), jnp.int32)
-    case.kv, out = cache.step(
-        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
+    stack, out = cache.step(
+        case.kv[None], jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
         AttentionOptions(sm_scale=0.4, **options), span_ends=span_ends,
     )  # fmt: skip
+    case.kv = stack[0]
     return np.asarray(out)[:num_q]
 
 
@@ -364,7 +368,7 @@ def test_step_bidirectional_spans() -> None:
 
 def test_step_rejects_mismatched_inputs() -> None:
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
-    (kv,) = cache.allocate()
+    kv = cache.allocate_stacked(1)
     packer = _packer(max_num_reqs=1, min_num_tokens=1)
     shape = StepShape(4, 1, 4)
     buf = packer.put(packer.empty(shape))
@@ -401,7 +405,7 @@ def _random_step(rng: np.random.Generator, packer: StepMetadataPacker) -> StepIn
 def test_no_compilation_after_warmup_over_200_random_steps() -> None:
     rng = np.random.default_rng()
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
-    (kv,) = cache.allocate()
+    kv = cache.allocate_stacked(1)
     packer = _packer(min_num_tokens=1)
     hq = 4
 
@@ -465,12 +469,12 @@ def test_stacked_layer_step_is_the_layer_step_on_one_layer_of_the_stack(window) 
     traced_window = None if window is None else jnp.int32(window)
     stack, out = stacked_step(stack, jnp.int32(1), traced_window)
     kv, want = cache.step(
-        case.kv, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
+        case.kv[None], jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), buf, shape,
         AttentionOptions(sm_scale=0.4, sliding_window=window),
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(out)[:num_q], np.asarray(want)[:num_q], rtol=1e-6)
     got = np.asarray(stack)
-    np.testing.assert_array_equal(got[1], np.asarray(kv))
+    np.testing.assert_array_equal(got[1], np.asarray(kv)[0])
     np.testing.assert_array_equal(got[0], layers[0])
     np.testing.assert_array_equal(got[2], layers[2])
     # Copies and zeroing reach every layer of the stack.
@@ -506,7 +510,11 @@ def test_attention_options_are_validated_once_and_hash_as_a_key() -> None:
     shape = StepShape(4, 1, 4)
     buf = packer.put(packer.empty(shape))
     q, k = jnp.zeros((4, 4, 8)), jnp.zeros((4, 2, 8))
-    with pytest.raises(ValueError, match="options.sliding_window must be None, got 3"):
-        cache.stacked_layer_step(stack, 0, q, k, k, buf, shape, AttentionOptions(sliding_window=3))
+    with pytest.raises(ValueError, match="options.sliding_window=3 both given"):
+        cache.stacked_layer_step(
+            stack, 0, q, k, k, buf, shape, AttentionOptions(sliding_window=3), window=4
+        )
+    with pytest.raises(ValueError, match=r"layer must be .*got 2"):
+        cache.step(stack, q, k, k, buf, shape, layer=2)
     with pytest.raises(TypeError, match="options must be an AttentionOptions, got dict"):
-        cache.step(stack[0], q, k, k, buf, shape, {"sm_scale": 0.5})
+        cache.step(stack, q, k, k, buf, shape, {"sm_scale": 0.5})

@@ -68,7 +68,7 @@ class HybridModel:
         self.manager = KVCacheManager(config, MAX_LEN)
         self.windows = (None, WINDOW)
         self.caches = [PagedKVCache(spec, num_blocks) for spec in (full, sliding)]
-        self.kv = [cache.allocate()[0] for cache in self.caches]
+        self.kv = [cache.allocate_stacked(1) for cache in self.caches]
         width = MAX_LEN // BS
         self.tables = [BlockTable(BS, ROWS, width, num_blocks) for _ in self.caches]
         self.packer = StepMetadataPacker(
@@ -192,5 +192,5 @@ def test_device_caches_allocate_from_the_planned_tensors():
         for layer in tensor.shared_by:
             cache = PagedKVCache(specs[layer], tensor.size // specs[layer].page_size_bytes)
             assert cache.num_blocks == config.num_blocks and cache.cache_bytes == tensor.size
-            (kv,) = cache.allocate()
-            assert kv.shape == cache.shape and kv.nbytes == tensor.size
+            kv = cache.allocate_stacked(1)
+            assert kv.shape == (1, *cache.shape) and kv.nbytes == tensor.size

@@ -249,7 +249,7 @@ def test_partial_hits_through_the_scheduler_match_a_dense_reference():
     sched = Scheduler(m, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48,
                                          max_model_len=128))  # fmt: skip
     paged = PagedKVCache(m.kv_cache_config.kv_cache_groups[0].kv_cache_spec, 24)
-    (kv,) = paged.allocate(1)
+    kv = paged.allocate_stacked(1)
     bs = paged.block_size
 
     def value(tokens, positions):
@@ -270,7 +270,7 @@ def test_partial_hits_through_the_scheduler_match_a_dense_reference():
         if out.kv_cache_block_copies:
             src = [c.src_block_id for c in out.kv_cache_block_copies]
             dst = [c.dst_block_id for c in out.kv_cache_block_copies]
-            (kv,) = paged.copy_blocks_all([kv], src, dst)
+            kv = paged.copy_blocks_stacked(kv, src, dst)
             copies_run.extend(out.kv_cache_block_copies)
         for s in out.scheduled:
             pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)

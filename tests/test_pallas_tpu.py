@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from eight_devices import call_on_8_devices
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 from test_device_attention import (
     BATCHES,
     LONG_BATCH,
@@ -346,7 +347,7 @@ def _sharded_step(num_kv_heads: int, group: int, policy: str, seed: int) -> dict
     )
     n, t = int(case.q_lens.sum()), shape.num_tokens
     q, k, v = (np.pad(x[:n], ((0, t - n), (0, 0), (0, 0))) for x in (case.q, *query_kv(case)))
-    kv = cache.put(np.asarray(case.kv), cache.layout.cache_spec)
+    kv = cache.put(np.asarray(case.kv)[None], P(None, *cache.layout.cache_spec))
     _, out = cache.step(
         kv, cache.put(q), cache.put(k), cache.put(v), packer.put(buf), shape,
         AttentionOptions(sm_scale=0.3, impl=TPU_IMPL),

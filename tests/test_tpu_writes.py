@@ -1,5 +1,5 @@
 """`jaxkv.device.tpu_writes`: the TPU's DMA row writes, in Pallas TPU interpret mode, equal
-the scatter every other backend runs (`kv_cache._write_local`), padding slots skipped."""
+the scatter every other backend runs (`kv_blocks.write_local`), padding slots skipped."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.device.kv_cache import _write_local
+from jaxkv.device.kv_blocks import write_local as _write_local
 from jaxkv.device.tpu_writes import write_rows_tpu
 
 
