@@ -100,6 +100,31 @@ def replay_boundaries(
     return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
+def _check_block_sizes(
+    kv_cache_config: KVCacheConfig,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    dcp_world_size: int,
+) -> None:
+    """`scheduler_block_size` must be a positive multiple of `hash_block_size` and of every
+    group's block size (times `dcp_world_size` for a DCP-sharded group)."""
+    block_sizes = [
+        g.kv_cache_spec.block_size * (dcp_world_size if g.kv_cache_spec.dcp_sharded else 1)
+        for g in kv_cache_config.kv_cache_groups
+    ]
+    if (
+        scheduler_block_size <= 0
+        or hash_block_size <= 0
+        or scheduler_block_size % hash_block_size
+        or any(scheduler_block_size % bs for bs in block_sizes)
+    ):
+        raise ValueError(
+            f"scheduler_block_size ({scheduler_block_size}) must be a positive multiple of "
+            f"hash_block_size ({hash_block_size}) and of every group's block size "
+            f"({block_sizes})"
+        )
+
+
 class KVCacheCoordinator:
     """Per-group managers over one pool.
 
@@ -130,21 +155,7 @@ class KVCacheCoordinator:
         `kv_cache_config.num_blocks` must be at least 2 (block 0 is the null block)."""
         num_blocks = check_num_blocks("kv_cache_config.num_blocks", kv_cache_config.num_blocks)
         groups = kv_cache_config.kv_cache_groups
-        block_sizes = [
-            g.kv_cache_spec.block_size * (dcp_world_size if g.kv_cache_spec.dcp_sharded else 1)
-            for g in groups
-        ]
-        if (
-            scheduler_block_size <= 0
-            or hash_block_size <= 0
-            or scheduler_block_size % hash_block_size
-            or any(scheduler_block_size % bs for bs in block_sizes)
-        ):
-            raise ValueError(
-                f"scheduler_block_size ({scheduler_block_size}) must be a positive multiple of "
-                f"hash_block_size ({hash_block_size}) and of every group's block size "
-                f"({block_sizes})"
-            )
+        _check_block_sizes(kv_cache_config, scheduler_block_size, hash_block_size, dcp_world_size)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -189,6 +200,10 @@ class KVCacheCoordinator:
             for manager in self.single_type_managers:
                 if isinstance(manager, MambaManager):
                     manager.drop_eagle_checkpoint_block = True
+        self._summarize_managers()
+
+    def _summarize_managers(self) -> None:
+        """What the step paths ask of all groups at once, read off the managers once."""
         managers = self.single_type_managers
         # Managers whose attention type releases blocks as a request advances.
         self.skipping_managers = tuple(m for m in managers if m.releases_blocks)

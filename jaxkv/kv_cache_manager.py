@@ -284,6 +284,15 @@ class KVCacheManager:
         )
         if tenant_block_quotas is not None:
             self.coordinator.block_pool.set_tenant_block_quotas(tenant_block_quotas)
+        self._check_scheduler_block_size(scheduler_block_size)
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint
+            and self.coordinator.enable_mamba_shared_prefix_checkpoint()
+        )
+        self._derive_state(kv_cache_config)
+
+    def _check_scheduler_block_size(self, scheduler_block_size: int | None) -> None:
+        """A given `scheduler_block_size` must be the coordinator's (the groups' LCM)."""
         if scheduler_block_size is not None and (
             check_int("scheduler_block_size", scheduler_block_size, min_value=1)
             != self.coordinator.scheduler_block_size
@@ -292,11 +301,6 @@ class KVCacheManager:
                 f"scheduler_block_size={scheduler_block_size} does not match the KV cache "
                 f"groups, whose block sizes' LCM is {self.coordinator.scheduler_block_size}"
             )
-        self.mamba_shared_prefix_checkpoint = (
-            enable_mamba_shared_prefix_checkpoint
-            and self.coordinator.enable_mamba_shared_prefix_checkpoint()
-        )
-        self._derive_state(kv_cache_config)
 
     @staticmethod
     def _check_arguments(

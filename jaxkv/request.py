@@ -210,6 +210,49 @@ class AllTokenIds(Sequence[int]):
         return f"AllTokenIds({list(self)!r})"
 
 
+def _max_tokens(max_tokens: Any, sampling_params: Any, pooling_params: Any) -> int:
+    """`max_tokens` as given, else from the params (1 for pooling, 16 without params)."""
+    if max_tokens is None:
+        if pooling_params is not None:
+            max_tokens = 1
+        elif sampling_params is not None:
+            max_tokens = sampling_params.max_tokens
+        else:
+            max_tokens = 16
+    if type(max_tokens) is not int or max_tokens < 0:
+        max_tokens = check_int("max_tokens", max_tokens, min_value=0)
+    return max_tokens
+
+
+def _skip_reading_prefix_cache(skip: Any, sampling_params: Any, pooling_params: Any) -> bool:
+    """`skip_reading_prefix_cache` as given, else the first params' that set it, else False."""
+    if skip is None:
+        for params in (sampling_params, pooling_params):
+            if params is not None and skip is None:
+                skip = getattr(params, "skip_reading_prefix_cache", None)
+    return skip is not None and check_bool("skip_reading_prefix_cache", skip)
+
+
+def _checked_mm_features(
+    request_id: str, mm_features: Sequence[MultiModalFeatureSpec] | None, num_prompt_tokens: int
+) -> list[MultiModalFeatureSpec]:
+    """The multimodal items as a list sorted by offset, each checked to lie in the prompt."""
+    features = [] if not mm_features else list(mm_features)
+    for feature in features:
+        if not isinstance(feature, MultiModalFeatureSpec):
+            raise TypeError(
+                f"request {request_id!r}: mm_features must hold MultiModalFeatureSpec "
+                f"items, got {feature!r}"
+            )
+        if feature.offset + feature.length > num_prompt_tokens:
+            raise ValueError(
+                f"request {request_id!r}: multimodal item {feature.identifier!r} "
+                f"spans [{feature.offset}, {feature.offset + feature.length}) but the "
+                f"prompt has {num_prompt_tokens} tokens"
+            )
+    return sorted(features, key=_offset) if features else features
+
+
 class Request:
     """A request as the cache managers see it.
 
@@ -255,66 +298,12 @@ class Request:
         self.pooling_params = pooling_params
         self.priority = priority
         self.arrival_time = 0.0 if arrival_time is None else arrival_time
-        if max_tokens is None:
-            if pooling_params is not None:
-                max_tokens = 1
-            elif sampling_params is not None:
-                max_tokens = sampling_params.max_tokens
-            else:
-                max_tokens = 16
-        if type(max_tokens) is not int or max_tokens < 0:
-            max_tokens = check_int("max_tokens", max_tokens, min_value=0)
-        self.max_tokens = max_tokens
-        if skip_reading_prefix_cache is None:
-            for params in (sampling_params, pooling_params):
-                if params is not None and skip_reading_prefix_cache is None:
-                    skip_reading_prefix_cache = getattr(params, "skip_reading_prefix_cache", None)
-        self.skip_reading_prefix_cache = skip_reading_prefix_cache is not None and check_bool(
-            "skip_reading_prefix_cache", skip_reading_prefix_cache
+        self.max_tokens = _max_tokens(max_tokens, sampling_params, pooling_params)
+        self.skip_reading_prefix_cache = _skip_reading_prefix_cache(
+            skip_reading_prefix_cache, sampling_params, pooling_params
         )
-        # A list is kept, not copied (as vLLM does): the request never mutates it. Its
-        # ids are checked by packing them into the array the block hasher reads:
-        # uint32 when they fit, else int64 (rejecting floats, strings, nested lists, and
-        # ids outside [0, 2**63)).
-        if type(prompt_token_ids) is not list:
-            if prompt_token_ids is None and prompt_embeds is not None:
-                # vLLM's embeddings-only prompt: one placeholder id 0 per embedding row.
-                prompt_token_ids = [0] * len(prompt_embeds)
-            prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
-        try:
-            self._prompt_packed = array.array("I", prompt_token_ids)
-        except TypeError:
-            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises, naming the id
-            raise
-        except OverflowError:
-            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises if out of range
-            self._prompt_packed = array.array("q", prompt_token_ids)
-        self.prompt_token_ids: list[int] = prompt_token_ids
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        if self.num_prompt_tokens == 0:
-            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
-        if prompt_embeds is not None:
-            prompt_embeds = np.asarray(prompt_embeds)
-            if prompt_embeds.ndim != 2 or len(prompt_embeds) != self.num_prompt_tokens:
-                raise ValueError(
-                    f"request {request_id!r}: prompt_embeds must have shape "
-                    f"({self.num_prompt_tokens}, hidden), got {prompt_embeds.shape}"
-                )
-        self.prompt_embeds = prompt_embeds
-        features = [] if not mm_features else list(mm_features)
-        for feature in features:
-            if not isinstance(feature, MultiModalFeatureSpec):
-                raise TypeError(
-                    f"request {request_id!r}: mm_features must hold MultiModalFeatureSpec "
-                    f"items, got {feature!r}"
-                )
-            if feature.offset + feature.length > self.num_prompt_tokens:
-                raise ValueError(
-                    f"request {request_id!r}: multimodal item {feature.identifier!r} "
-                    f"spans [{feature.offset}, {feature.offset + feature.length}) but the "
-                    f"prompt has {self.num_prompt_tokens} tokens"
-                )
-        self.mm_features = sorted(features, key=_offset) if features else features
+        self._set_prompt(request_id, prompt_token_ids, prompt_embeds)
+        self.mm_features = _checked_mm_features(request_id, mm_features, self.num_prompt_tokens)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
         self.lora_request = lora_request
@@ -350,6 +339,44 @@ class Request:
         self.hash_block_size: int | None = block_hasher.block_size if block_hasher else None
         self._next_hash_at = self.hash_block_size or 1 << 62
         self._update_block_hashes()
+
+    def _set_prompt(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray | None,
+        prompt_embeds: np.ndarray | None,
+    ) -> None:
+        """Sets `prompt_token_ids` (checked), its packed copy `_prompt_packed`,
+        `num_prompt_tokens` and `prompt_embeds` (checked against the prompt's length)."""
+        # A list is kept, not copied (as vLLM does): the request never mutates it. Its
+        # ids are checked by packing them into the array the block hasher reads:
+        # uint32 when they fit, else int64 (rejecting floats, strings, nested lists, and
+        # ids outside [0, 2**63)).
+        if type(prompt_token_ids) is not list:
+            if prompt_token_ids is None and prompt_embeds is not None:
+                # vLLM's embeddings-only prompt: one placeholder id 0 per embedding row.
+                prompt_token_ids = [0] * len(prompt_embeds)
+            prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids)
+        try:
+            self._prompt_packed = array.array("I", prompt_token_ids)
+        except TypeError:
+            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises, naming the id
+            raise
+        except OverflowError:
+            check_token_ids("prompt_token_ids", prompt_token_ids)  # raises if out of range
+            self._prompt_packed = array.array("q", prompt_token_ids)
+        self.prompt_token_ids: list[int] = prompt_token_ids
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.num_prompt_tokens == 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        if prompt_embeds is not None:
+            prompt_embeds = np.asarray(prompt_embeds)
+            if prompt_embeds.ndim != 2 or len(prompt_embeds) != self.num_prompt_tokens:
+                raise ValueError(
+                    f"request {request_id!r}: prompt_embeds must have shape "
+                    f"({self.num_prompt_tokens}, hidden), got {prompt_embeds.shape}"
+                )
+        self.prompt_embeds = prompt_embeds
 
     def __repr__(self) -> str:
         return (

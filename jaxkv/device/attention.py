@@ -182,6 +182,49 @@ def token_intervals(
     return TokenIntervals(req, pos, lo, hi, valid)
 
 
+def _check_call(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    options: AttentionOptions,
+    window: jax.Array | None,
+    span_ends: jax.Array | None,
+    kv_dtype: DTypeLike | None,
+    kv_head: jax.Array | None,
+    kv_quant: str | None,
+    layer: jax.Array | None,
+    interpret: bool,
+    tiling: tuple[int, int, int],
+) -> int | jax.Array | None:
+    """Checks `ragged_paged_attention`'s arguments; returns the sliding window to apply
+    (`window` when given, else `options.sliding_window`)."""
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if window is not None and options.sliding_window is not None:
+        raise ValueError(
+            f"window (data) and options.sliding_window={options.sliding_window} both given; "
+            "pass one"
+        )
+    sliding_window = options.sliding_window if window is None else window
+    impl, soft_cap = options.impl, options.soft_cap
+    num_tokens = q.shape[0]
+    check_kv_quant(kv_quant)
+    if (kv_cache.ndim == 5) != (layer is not None):
+        raise ValueError(
+            f"kv_cache has shape {kv_cache.shape}: a stacked [L, blocks, bs, 2H, D] cache "
+            "needs `layer`, a [blocks, bs, 2H, D] one must not have it"
+        )
+    value_shape = kv_cache.shape[:-1] + (kv_cache.shape[-1] - (SCALE_BYTES if kv_quant else 0),)
+    check_attention_args(q.shape, value_shape, sliding_window, soft_cap, kv_head is None)
+    _check_tiling(*tiling)
+    if interpret and impl != "pallas":
+        raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
+    if span_ends is not None and span_ends.shape != (num_tokens,):
+        raise ValueError(f"span_ends has shape {span_ends.shape}; expected ({num_tokens},)")
+    if kv_quant and kv_dtype is None:
+        raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
+    return sliding_window
+
+
 def ragged_paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -232,32 +275,13 @@ def ragged_paged_attention(
     a quantised cache (`jaxkv.device.storage`), dequantised inside the blockwise path or
     the TPU kernel; `kv_dtype` is then the dtype it dequantises to.
     """
-    if not isinstance(options, AttentionOptions):
-        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
-    if window is not None and options.sliding_window is not None:
-        raise ValueError(
-            f"window (data) and options.sliding_window={options.sliding_window} both given; "
-            "pass one"
-        )
-    sliding_window = options.sliding_window if window is None else window
+    sliding_window = _check_call(
+        q, kv_cache, options, window, span_ends, kv_dtype, kv_head, kv_quant, layer, interpret,
+        (query_chunk, token_chunk, keys_per_chunk),
+    )  # fmt: skip
     impl, soft_cap, attention_chunk = options.impl, options.soft_cap, options.attention_chunk
     sm_scale = q.shape[-1] ** -0.5 if options.sm_scale is None else options.sm_scale
     num_tokens = q.shape[0]
-    check_kv_quant(kv_quant)
-    if (kv_cache.ndim == 5) != (layer is not None):
-        raise ValueError(
-            f"kv_cache has shape {kv_cache.shape}: a stacked [L, blocks, bs, 2H, D] cache "
-            "needs `layer`, a [blocks, bs, 2H, D] one must not have it"
-        )
-    value_shape = kv_cache.shape[:-1] + (kv_cache.shape[-1] - (SCALE_BYTES if kv_quant else 0),)
-    check_attention_args(q.shape, value_shape, sliding_window, soft_cap, kv_head is None)
-    _check_tiling(query_chunk, token_chunk, keys_per_chunk)
-    if interpret and impl != "pallas":
-        raise ValueError(f"interpret=True needs impl='pallas', got impl={impl!r}")
-    if span_ends is not None and span_ends.shape != (num_tokens,):
-        raise ValueError(f"span_ends has shape {span_ends.shape}; expected ({num_tokens},)")
-    if kv_quant and kv_dtype is None:
-        raise ValueError(f"kv_quant={kv_quant!r} needs kv_dtype, the dtype to dequantise to")
     compute = resolve_dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)
     platform = platform or jax.default_backend()
     block_size = kv_cache.shape[-3]
