@@ -4,6 +4,12 @@ A spec is pure description; it never owns memory. The device allocator sizes
 arrays from it, the block pool counts pages of it, capacity planning adds it up
 (SPEC §6). Every spec validates itself on construction: a bad value is a
 `ValueError` naming the field, the value and what is allowed.
+
+Size: over 800 lines because it is one class hierarchy and the config built from it:
+the base `KVCacheSpec`, every attention kind, `MambaSpec` and `UniformTypeKVCacheSpecs`
+refer to each other (merging, page sizes, the kind helpers), and `KVCacheConfig`
+validates its groups against them. A split would either import back into this module
+(an import cycle) or move the base class away from the kinds it dispatches on.
 """
 
 from __future__ import annotations

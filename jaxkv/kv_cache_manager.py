@@ -1,9 +1,15 @@
-"""The KV cache manager: the scheduler's one entry point to KV-cache blocks (SPEC §5)."""
+"""The KV cache manager: the scheduler's one entry point to KV-cache blocks (SPEC §5).
+
+Size: over 800 lines because `KVCacheManager` is vLLM's one manager class (its whole
+API, in vLLM's shape, is methods of one object) and its `allocate_slots` step path
+(`_Step`, `SlotState` and the stages that read them) is one hot path kept in one
+place; the prefix-cache statistics are `jaxkv.prefix_cache_stats`, the per-group work
+`jaxkv.kv_cache_coordinator` and the managers under it.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,10 +26,19 @@ from jaxkv.kv_cache_interface import (
 )
 from jaxkv.kv_cache_utils import KVCacheBlockCopy, resolve_kv_cache_block_sizes
 from jaxkv.kv_events import BlockStored, DeferredKVCacheEvent, KVCacheEvent
+from jaxkv.prefix_cache_stats import CachingMetrics, PrefixCacheStats
 from jaxkv.request import Request
 from jaxkv.single_type_base import NEVER
 
 logger = logging.getLogger("jaxkv")
+
+__all__ = [
+    "CachingMetrics",  # jaxkv.prefix_cache_stats's, re-exported
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "PrefixCacheStats",  # jaxkv.prefix_cache_stats's, re-exported
+    "SlotState",
+]
 
 
 @dataclass
@@ -49,84 +64,6 @@ class KVCacheBlocks:
 
     def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in self.blocks))
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters since the last `make_prefix_cache_stats()`.
-
-    Requests that were preempted before are counted apart: their hits are
-    re-reads of their own KV, not sharing between requests.
-    """
-
-    reset: bool = False
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
-        if preempted:
-            self.preempted_requests += 1
-            self.preempted_queries += num_tokens
-            self.preempted_hits += num_hits
-        else:
-            self.requests += 1
-            self.queries += num_tokens
-            self.hits += num_hits
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class CachingMetrics:
-    """Prefix-cache hit rate over the most recent `max_recent_requests` requests (vLLM's).
-
-    `observe` takes one `PrefixCacheStats` batch (`make_prefix_cache_stats()` per step).
-    Invariants: `aggregated_*` are the sums over `query_queue` (one
-    `(requests, queries, hits)` entry per non-empty batch, oldest first); batches are
-    dropped from the old end while more than `max_recent_requests` requests are held,
-    but the newest batch always stays. A batch with `reset` starts over.
-    """
-
-    def __init__(self, max_recent_requests: int = 1000) -> None:
-        max_recent_requests = check_int("max_recent_requests", max_recent_requests, min_value=1)
-        self.max_recent_requests = max_recent_requests
-        self.query_queue: deque[tuple[int, int, int]] = deque()
-        self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
-
-    def observe(self, stats: PrefixCacheStats) -> None:
-        if stats.reset:
-            self.reset()
-        if not stats.requests:
-            return  # an empty batch would push real ones out of the window
-        self.query_queue.append((stats.requests, stats.queries, stats.hits))
-        self.aggregated_requests += stats.requests
-        self.aggregated_query_total += stats.queries
-        self.aggregated_query_hit += stats.hits
-        while len(self.query_queue) > 1 and self.aggregated_requests > self.max_recent_requests:
-            requests, queries, hits = self.query_queue.popleft()
-            self.aggregated_requests -= requests
-            self.aggregated_query_total -= queries
-            self.aggregated_query_hit -= hits
-
-    def reset(self) -> None:
-        self.query_queue.clear()
-        self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
-
-    @property
-    def empty(self) -> bool:
-        return not self.query_queue
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over queried tokens in the window (0 when nothing was queried)."""
-        if not self.aggregated_query_total:
-            return 0.0
-        return self.aggregated_query_hit / self.aggregated_query_total
 
 
 @dataclass(slots=True)
