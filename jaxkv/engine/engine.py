@@ -75,6 +75,8 @@ class LLMEngine:
     `(data, model)` mesh from `jaxkv.device.make_mesh`. `schedulers[k]` and
     `kv_cache_managers[k]` serve data rank `k`, each with `config.num_blocks` blocks;
     `scheduler` and `kv_cache_manager` are rank 0's (the only ones on one data rank).
+    `kv_cache_sizing` is the one KV-cache plan (`jaxkv.engine.sizing.KVCachePlan`) the
+    runner, the managers and the host tiers are built from.
 
     Several processes (`jaxkv.engine.multihost.initialize` first, the same model, config
     and mesh on each, checked at construction): requests enter on process 0; the others
