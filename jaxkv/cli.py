@@ -357,21 +357,24 @@ def read_kv_cache_specs(model_dir: str, block_size: int, dtype: str) -> dict:
     return CausalLM.kv_cache_specs(SimpleNamespace(config=decoder), block_size, dtype)
 
 
-def capacity_plan(
-    specs: dict, memory: int, max_model_len: int, max_num_batched_tokens: int, tp: int = 1
-) -> dict:
-    """Blocks, token capacity, concurrency and bytes per device of `memory` bytes per device."""
-    from jaxkv.kv_cache_planning import (
-        get_kv_cache_capacity,
-        get_kv_cache_config,
-        kv_cache_per_device_bytes,
-    )
+def capacity_plan(specs: dict, engine, tp: int = 1) -> dict:
+    """Blocks, token capacity, concurrency and bytes per device of the KV-cache plan the
+    engine would make (`jaxkv.engine.sizing.plan_kv_cache`, on this process's first
+    device) for layers `specs` and the `EngineConfig` `engine`; with `tp` > 1 the bytes
+    per device of the layers' heads split `tp` ways (and those replicated)."""
+    from jaxkv.engine.sizing import plan_kv_cache
+    from jaxkv.kv_cache_planning import get_kv_cache_capacity, kv_cache_per_device_bytes
 
-    config = get_kv_cache_config(specs, memory, max_model_len, max_num_batched_tokens)
-    capacity = get_kv_cache_capacity(config, max_model_len, max_num_batched_tokens)
-    per_device, replicated = kv_cache_per_device_bytes(specs, config.num_blocks, tp)
+    plan = plan_kv_cache(specs, engine, None)
+    config, max_model_len = plan.kv_cache_config, plan.max_model_len
+    capacity = get_kv_cache_capacity(config, max_model_len, engine.max_num_batched_tokens)
+    per_device, replicated = (
+        kv_cache_per_device_bytes(specs, plan.num_blocks, tp)
+        if tp > 1
+        else (plan.num_blocks * plan.bytes_per_block, 0)
+    )
     return {
-        "num_blocks": config.num_blocks,
+        "num_blocks": plan.num_blocks,
         "groups": [
             {
                 "layers": len(g.layer_names),
@@ -421,12 +424,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import jax
 
     from jaxkv.device.attention import default_block_size
+    from jaxkv.engine.config import EngineConfig
 
-    block_size = args.block_size or default_block_size(jax.default_backend())
-    specs = read_kv_cache_specs(args.model, block_size, args.dtype)
-    plan = capacity_plan(
-        specs, memory, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size
-    )
+    engine = EngineConfig(
+        block_size=args.block_size or default_block_size(jax.default_backend()),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_cache_memory=memory, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
+    specs = read_kv_cache_specs(args.model, engine.block_size, args.dtype)
+    plan = capacity_plan(specs, engine, args.tensor_parallel_size)
     print(json.dumps(plan) if args.json else format_plan(plan))
     return 0
 
@@ -487,6 +493,7 @@ def _pod_plan(args: argparse.Namespace, memory: int) -> int:
                 max_num_seqs=args.max_num_seqs,
                 block_size=args.block_size or default_block_size(mesh.devices.flat[0].platform),
                 dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype,
                 aot=args.aot,
             )  # fmt: skip
         )
@@ -613,7 +620,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-        help="with --topology: the KV cache's storage (auto: --dtype)",
+        help="the KV cache's storage (auto: --dtype)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON (with --mesh: one object a mesh)")
     p.set_defaults(func=cmd_plan)

@@ -570,10 +570,13 @@ def test_sliding_window_hybrid_over_two_data_ranks(tmp_path):
 
 
 def _runner_with(*specs) -> SimpleNamespace:
+    """A runner that is also its KV-cache plan (`host_offloads(config, plan, runner)`)."""
     groups = [KVCacheGroupSpec((f"layer{i}",), spec) for i, spec in enumerate(specs)]
     return SimpleNamespace(
-        kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+        groups=groups,
         layer_to_group=tuple(range(len(specs))),
+        page_shape=(4, 4, 16),
+        storage_dtype=np.dtype(np.float32),
         kv_cache=np.zeros((len(specs), 8, 4, 4, 16), np.float32),
         dp_size=1,
     )
@@ -592,18 +595,20 @@ FULL = FullAttentionSpec(4, 2, 16, "float32")
 def test_group_kinds_the_tier_does_not_serve_are_refused_naming_them(other, kind):
     config = EngineConfig(kv_offloading_size=1 << 20)
     window = SlidingWindowSpec(4, 2, 16, "float32", sliding_window=8)
-    (offload,) = host_offloads(config, _runner_with(FULL, window))
+    runner = _runner_with(FULL, window)
+    (offload,) = host_offloads(config, runner, runner)
     assert offload.buffer.shape[1:] == (1, 4, 4, 16)  # a block: its group's one layer
     match = rf"serves KV-cache groups of kinds .*full_attention.*sliding_window.*{kind}"
     with pytest.raises(ValueError, match=match):
-        host_offloads(config, _runner_with(FULL, other))
+        runner = _runner_with(FULL, other)
+        host_offloads(config, runner, runner)
 
 
 def test_a_kv_cache_on_other_processes_devices_is_refused():
     runner = _runner_with(FULL)
     runner.kv_cache = SimpleNamespace(is_fully_addressable=False)
     with pytest.raises(ValueError, match="spans devices of other processes"):
-        host_offloads(EngineConfig(kv_offloading_size=1 << 20), runner)
+        host_offloads(EngineConfig(kv_offloading_size=1 << 20), runner, runner)
 
 
 def _blocks(group: int, request, num_blocks: int, cached: range, first_id: int, nulls: int = 0):

@@ -116,8 +116,8 @@ class _StepKey(NamedTuple):
     jitted: bool
 
 
-def _check_spec(spec: AttentionSpec, num_blocks: int) -> int:
-    """`num_blocks`, checked against a spec the device attention serves."""
+def _check_served(spec: AttentionSpec) -> None:
+    """TypeError / ValueError unless the device attention serves `spec`."""
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     for unserved, keys in _UNSERVED_MASKS.items():
@@ -127,6 +127,10 @@ def _check_spec(spec: AttentionSpec, num_blocks: int) -> int:
                 f"{keys}, which the device attention does not implement (host-side "
                 "block management only; docs/vllm-differences.md)"
             )
+
+
+def _check_num_blocks(spec: AttentionSpec, num_blocks: int) -> int:
+    """`num_blocks`, checked: at least 2, and every slot an int32."""
     num_blocks = check_int("num_blocks", num_blocks)
     if num_blocks < 2:
         raise ValueError(
@@ -153,6 +157,53 @@ def _storage_dtype(
     return KV_QUANT[kv_quant][0]
 
 
+@dataclasses.dataclass(frozen=True)
+class PageGeometry:
+    """How one block of one layer of a spec is stored: its layout on the mesh, storage
+    dtype and page shape `(block_size, 2 * kv_heads, head_size [+ scale bytes])` (all
+    heads, all devices). Pure arithmetic: building one allocates nothing.
+
+    Invariant: `bytes_per_block` is what each device holds of one block of one layer,
+    the one number both `PagedKVCache` and the engine's sizing use.
+    """
+
+    layout: KVLayout
+    platform: str
+    storage_dtype: np.dtype
+    page_shape: tuple[int, int, int]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of one layer on each device (quantisation scales included;
+        on a TPU the padding of its row-major tiles too: head size 64 takes 128 lanes)."""
+        block_size, _, lanes = self.page_shape
+        rows = 2 * self.layout.kv_heads_per_device
+        if self.platform == "tpu":
+            rows, lanes = tpu_tiled(rows, lanes, self.storage_dtype.itemsize)
+        return block_size * rows * lanes * self.storage_dtype.itemsize
+
+
+def page_geometry(
+    spec: AttentionSpec,
+    mesh: Mesh | None = None,
+    *,
+    head_policy: str = "auto",
+    storage_dtype: DTypeLike | None = "auto",
+    kv_quant: str | None = None,
+) -> PageGeometry:
+    """The `PageGeometry` of `spec` on `mesh` (None: this process's first device);
+    TypeError / ValueError for a spec the device attention does not serve, a bad head
+    policy, storage dtype or quantisation."""
+    _check_served(spec)
+    mesh = mesh if mesh is not None else make_mesh(1, 1, jax.local_devices()[:1])
+    layout = KVLayout.plan(mesh, spec.num_kv_heads, head_policy)
+    platform = layout.mesh.devices.flat[0].platform
+    kv_quant = check_kv_quant(kv_quant)
+    storage = _storage_dtype(resolve_dtype(spec.dtype), storage_dtype, kv_quant, platform)
+    lanes = spec.head_size + (SCALE_BYTES if kv_quant else 0)
+    return PageGeometry(layout, platform, storage, (spec.block_size, 2 * spec.num_kv_heads, lanes))
+
+
 class PagedKVCache:
     """Allocator and jitted updates for stacked paged KV caches of one attention spec.
 
@@ -172,11 +223,13 @@ class PagedKVCache:
         storage_dtype: DTypeLike | None = "auto",
         kv_quant: str | None = None,
     ) -> None:
-        num_blocks = _check_spec(spec, num_blocks)
-        mesh = mesh if mesh is not None else make_mesh(1, 1, jax.local_devices()[:1])
-        self.layout = KVLayout.plan(mesh, spec.num_kv_heads, head_policy)
+        self.geometry = page_geometry(
+            spec, mesh, head_policy=head_policy, storage_dtype=storage_dtype, kv_quant=kv_quant
+        )
+        num_blocks = _check_num_blocks(spec, num_blocks)
+        self.layout = self.geometry.layout
         self.mesh = self.layout.mesh
-        self.platform = self.mesh.devices.flat[0].platform
+        self.platform = self.geometry.platform
         self.spec = spec
         self.block_size = spec.block_size
         self.num_kv_heads = spec.num_kv_heads
@@ -185,15 +238,10 @@ class PagedKVCache:
         self.dp_size = self.layout.dp_size
         self.dtype = resolve_dtype(spec.dtype)
         self.kv_quant = check_kv_quant(kv_quant)
-        self.storage_dtype = _storage_dtype(self.dtype, storage_dtype, kv_quant, self.platform)
+        self.storage_dtype = self.geometry.storage_dtype
         self.padding_slot = num_blocks * spec.block_size
         # One layer's shape; a cache is `[L, *shape]`.
-        self.shape = (
-            self.dp_size * num_blocks,
-            spec.block_size,
-            2 * spec.num_kv_heads,
-            spec.head_size + (SCALE_BYTES if kv_quant else 0),
-        )
+        self.shape = (self.dp_size * num_blocks, *self.geometry.page_shape)
         self._stacked_spec = P(None, *self.layout.cache_spec)
         self.stacked_sharding = NamedSharding(self.mesh, self._stacked_spec)
         # On a TPU every program keeps the cache row-major (`stacked_format`): the Mosaic
@@ -224,15 +272,11 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block of one layer on each device (quantisation scales included;
-        on a TPU the padding of its row-major tiles too: head size 64 takes 128 lanes).
+        """Bytes of one block of one layer on each device (`PageGeometry.bytes_per_block`).
 
         Capacity planning: `device_budget // (num_layers * bytes_per_block)` blocks fit.
         """
-        rows, lanes = 2 * self.layout.kv_heads_per_device, self.shape[-1]
-        if self.platform == "tpu":
-            rows, lanes = tpu_tiled(rows, lanes, self.storage_dtype.itemsize)
-        return self.block_size * rows * lanes * self.storage_dtype.itemsize
+        return self.geometry.bytes_per_block
 
     @property
     def bytes_per_device(self) -> int:

@@ -18,10 +18,10 @@ from jax.sharding import Mesh, NamedSharding
 from jaxkv.device.attention import default_block_size
 from jaxkv.encoder_cache_manager import EncoderBudget, EncoderCacheManager
 from jaxkv.engine.config import EngineConfig
-from jaxkv.engine.model_runner import ImageInputs, ModelRunner, group_kv_cache_specs
+from jaxkv.engine.model_runner import ImageInputs, ModelRunner
 from jaxkv.engine.offload import HostOffload
 from jaxkv.engine.scheduler import Scheduler, SchedulerConfig
-from jaxkv.engine.sizing import KVCacheSizing, size_kv_cache
+from jaxkv.engine.sizing import KVCachePlan, plan_kv_cache
 from jaxkv.kv_cache_manager import KVCacheManager
 
 __all__ = [
@@ -74,36 +74,31 @@ def encoder_budget(c: EngineConfig, images: ImageInputs | None) -> EncoderBudget
     )
 
 
-def resolve_sizes(
-    c: EngineConfig, model, mesh: Mesh | None
-) -> tuple[EngineConfig, KVCacheSizing, str | None]:
-    """The config with `block_size`, `num_blocks` and `max_model_len` resolved
-    (`jaxkv.engine.sizing`), the sizing, and the KV quantisation (None: stored in
-    `dtype`)."""
+def resolve_sizes(c: EngineConfig, model, mesh: Mesh | None) -> tuple[EngineConfig, KVCachePlan]:
+    """The config with `block_size`, `num_blocks` and `max_model_len` resolved, and the
+    KV-cache plan they come from (`jaxkv.engine.sizing.plan_kv_cache`, which the runner,
+    the host tier and `jaxkv plan` share)."""
     if c.block_size is None:
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         c = dataclasses.replace(c, block_size=default_block_size(platform))
-    kv_quant = None if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
-    probe, layer_to_group = group_kv_cache_specs(model.kv_cache_specs(c.block_size, c.dtype), 2)
-    sizing = size_kv_cache(
-        c, probe, layer_to_group, getattr(model.config, "max_position_embeddings", None), mesh,
-        kv_quant,
+    plan = plan_kv_cache(
+        model.kv_cache_specs(c.block_size, c.dtype), c, mesh,
+        getattr(model.config, "max_position_embeddings", None),
     )  # fmt: skip
-    c = dataclasses.replace(c, num_blocks=sizing.num_blocks, max_model_len=sizing.max_model_len)
-    return c, sizing, kv_quant
+    c = dataclasses.replace(c, num_blocks=plan.num_blocks, max_model_len=plan.max_model_len)
+    return c, plan
 
 
 def make_runner(
-    model, c: EngineConfig, kv_quant: str | None, budget: EncoderBudget | None, mesh
+    model, c: EngineConfig, plan: KVCachePlan, budget: EncoderBudget | None
 ) -> ModelRunner:
-    """The model runner of the resolved config `c` (it allocates the KV cache)."""
+    """The model runner of the resolved config `c` and its KV-cache `plan` (it allocates
+    the KV cache)."""
     return ModelRunner(
-        model, num_blocks=c.num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-        max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-        dtype=c.dtype, kv_quant=kv_quant,
+        model, plan, max_num_seqs=c.max_num_seqs,
+        max_num_batched_tokens=c.max_num_batched_tokens,
         zero_freed_blocks=c.zero_freed_blocks,
         encoder_cache_size=budget.cache_size if budget else 0,
-        mesh=mesh,
     )  # fmt: skip
 
 

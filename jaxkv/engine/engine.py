@@ -75,6 +75,8 @@ class LLMEngine:
     `(data, model)` mesh from `jaxkv.device.make_mesh`. `schedulers[k]` and
     `kv_cache_managers[k]` serve data rank `k`, each with `config.num_blocks` blocks;
     `scheduler` and `kv_cache_manager` are rank 0's (the only ones on one data rank).
+    `kv_cache_sizing` is the one KV-cache plan (`jaxkv.engine.sizing.KVCachePlan`) the
+    runner, the managers and the host tiers are built from.
 
     Several processes (`jaxkv.engine.multihost.initialize` first, the same model, config
     and mesh on each, checked at construction): requests enter on process 0; the others
@@ -95,8 +97,8 @@ class LLMEngine:
         self.images = image_inputs(model)
         budget = build.encoder_budget(config, self.images)
         mesh = build.check_mesh(model, mesh)
-        self.config, self.kv_cache_sizing, kv_quant = build.resolve_sizes(config, model, mesh)
-        self.runner = build.make_runner(model, self.config, kv_quant, budget, mesh)
+        self.config, self.kv_cache_sizing = build.resolve_sizes(config, model, mesh)
+        self.runner = build.make_runner(model, self.config, self.kv_cache_sizing, budget)
         self.mesh = self.runner.mesh
         self._build_ranks(device_quotas, budget)
         self._replay = ProcessReplay(lambda: engine_settings(self.config, self.model, self.mesh))
@@ -122,7 +124,8 @@ class LLMEngine:
         c = self.config
         events_on = c.kv_events_endpoint is not None or c.enable_kv_cache_events
         self.kv_cache_managers = build.make_managers(c, self.runner, device_quotas, events_on)
-        self.offloads = host_offloads(c, self.runner)  # one per data rank (none: off)
+        # One host tier per data rank (none: off), laid out as the runner's KV-cache plan.
+        self.offloads = host_offloads(c, self.kv_cache_sizing, self.runner)
         self.offload = self.offloads[0] if self.offloads else None
         self._tiers = EngineTiers(self.offloads, self.runner, self.kv_cache_managers)
         self._events = EngineEvents(

@@ -69,7 +69,6 @@ from jaxkv.device import (
     default_min_num_tokens,
 )
 from jaxkv.device.host_inputs import placer
-from jaxkv.device.storage import check_kv_quant
 from jaxkv.encoder_pages import EmbedPlacement, EncoderPageAllocator
 from jaxkv.engine.block_transfers import BlockTransfers, GatheredBlocks
 from jaxkv.engine.request_rows import (
@@ -79,6 +78,7 @@ from jaxkv.engine.request_rows import (
     RowSampling,
 )
 from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxkv.engine.sizing import KVCachePlan
 from jaxkv.engine.step_programs import (
     LayerParams,
     encode_image,
@@ -87,8 +87,7 @@ from jaxkv.engine.step_programs import (
     step_layout,
     step_program,
 )
-from jaxkv.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, KVCacheTensor
-from jaxkv.kv_cache_planning import get_kv_cache_groups
+from jaxkv.kv_cache_interface import KVCacheSpec
 from jaxkv.models.base import CausalLM
 
 __all__ = [
@@ -96,7 +95,6 @@ __all__ = [
     "ModelRunner",
     "RequestStepError",
     "RowSampling",
-    "group_kv_cache_specs",
     "image_inputs",
 ]
 
@@ -116,33 +114,6 @@ def image_inputs(model) -> ImageInputs | None:
     if token_id is None or not hasattr(model, "encode_images"):
         return None
     return ImageInputs(int(token_id), int(model.num_image_tokens), tuple(model.image_input_shape))
-
-
-def group_kv_cache_specs(
-    specs: Mapping[str, KVCacheSpec], num_blocks: int
-) -> tuple[KVCacheConfig, tuple[int, ...]]:
-    """vLLM's KV-cache groups of the model's layers (`get_kv_cache_groups`: one group when
-    all layers agree; a hybrid model's sliding and full layers in groups of equal size), on
-    one pool of `num_blocks` blocks, every layer its own tensor.
-
-    Returns the config and `layer_to_group` (layer `i` is the `i`-th entry of `specs`).
-    """
-    if not specs:
-        raise ValueError("the model declares no KV-cache layers")
-    groups = get_kv_cache_groups(specs)
-    for group in groups:
-        if not isinstance(group.kv_cache_spec, AttentionSpec):
-            raise ValueError(
-                f"layers {group.layer_names} have {type(group.kv_cache_spec).__name__}; the "
-                "engine serves attention layers of one shape per group"
-            )
-    group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
-    layer_spec = {name: groups[group_of[name]].kv_cache_spec for name in specs}
-    tensors = tuple(
-        KVCacheTensor(layer_spec[name].page_size_bytes * num_blocks, (name,)) for name in specs
-    )
-    config = KVCacheConfig(num_blocks, tensors, tuple(groups))
-    return config, tuple(group_of[name] for name in specs)
 
 
 @dataclass
@@ -180,6 +151,10 @@ class ModelRunner:
     `execute` compiles after `warm_up()`; a call of `execute` that raises
     `RequestStepError` left every request row as it was.
 
+    The KV cache is `plan`'s (`jaxkv.engine.sizing.plan_kv_cache`): its groups, pool size,
+    `max_model_len`, mesh and quantisation, taken as they are (the engine, its host tier
+    and `jaxkv plan` share the same plan).
+
     `allocate=False` allocates no KV cache (`kv_cache` is its abstract value) and takes
     a model whose parameters may be abstract too (`jaxkv.models.loading.abstract_model`):
     such a runner lowers its programs (`lower_step`, `lowered_programs`) for ahead-of-time
@@ -189,28 +164,23 @@ class ModelRunner:
     def __init__(
         self,
         model,
+        plan: KVCachePlan,
         *,
-        num_blocks: int,
-        block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_model_len: int,
-        dtype: str = "float32",
-        kv_quant: str | None = None,
         zero_freed_blocks: bool = False,
         encoder_cache_size: int = 0,
         encoder_page_size: int = 16,
-        mesh: Mesh | None = None,
         allocate: bool = True,
     ) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.zero_freed_blocks = zero_freed_blocks
-        specs = model.kv_cache_specs(block_size, dtype)
-        self.kv_cache_config, self.layer_to_group = group_kv_cache_specs(specs, num_blocks)
+        self.kv_cache_config, self.layer_to_group = plan.kv_cache_config, plan.layer_to_group
+        num_blocks, max_model_len = plan.num_blocks, plan.max_model_len
         groups = self.kv_cache_config.kv_cache_groups
         self.paged = tuple(
-            _shared_paged_cache(g.kv_cache_spec, num_blocks, mesh, check_kv_quant(kv_quant))
+            _shared_paged_cache(g.kv_cache_spec, num_blocks, plan.mesh, plan.kv_quant)
             for g in groups
         )
         self.mesh = self.paged[0].mesh

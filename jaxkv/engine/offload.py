@@ -573,14 +573,15 @@ def wait_for_a_staging(offloads: Sequence[HostOffload]) -> None:
         wait(stagings, return_when=FIRST_COMPLETED)
 
 
-def host_offloads(config, runner) -> list[HostOffload]:
+def host_offloads(config, plan, runner) -> list[HostOffload]:
     """The host tiers an `EngineConfig`'s `kv_offloading_size` asks for, one per data rank
     of the `ModelRunner` (none: off), each of that many bytes, its blocks laid out as
-    `HostOffload` says. ValueError/TypeError naming the setting and what is allowed
-    when the budget, policy, store moment or quotas are bad, the model has a KV-cache
-    group of a kind the tier does not serve, or the KV cache is on other processes'
-    devices too. With `kv_offloading_store="evicted"` the caller sets each rank's block
-    pool's `on_evict` to its `HostOffload.blocks_evicted`."""
+    `HostOffload` says: the groups, layers and page shape of the KV-cache `plan` the
+    runner allocated (`jaxkv.engine.sizing.KVCachePlan`). ValueError/TypeError naming
+    the setting and what is allowed when the budget, policy, store moment or quotas are
+    bad, the model has a KV-cache group of a kind the tier does not serve, or the KV
+    cache is on other processes' devices too. With `kv_offloading_store="evicted"` the
+    caller sets each rank's block pool's `on_evict` to its `HostOffload.blocks_evicted`."""
     store_at = config.kv_offloading_store
     if store_at not in STORE_MOMENTS:
         raise ValueError(
@@ -595,7 +596,7 @@ def host_offloads(config, runner) -> list[HostOffload]:
         raise TypeError(
             f"EngineConfig.kv_offloading_size must be an int (bytes) or None, got {size!r}"
         )
-    groups = runner.kv_cache_config.kv_cache_groups
+    groups = plan.groups
     kinds = [get_kv_cache_spec_kind(g.kv_cache_spec) for g in groups]
     if any(kind not in SERVED_KINDS for kind in kinds):
         raise ValueError(
@@ -614,7 +615,7 @@ def host_offloads(config, runner) -> list[HostOffload]:
     ]
     block_size = groups[0].kv_cache_spec.block_size
     num_layers = max(len(layers) for layers in group_layers)
-    block_bytes = num_layers * int(np.prod(kv.shape[2:])) * np.dtype(kv.dtype).itemsize
+    block_bytes = num_layers * int(np.prod(plan.page_shape)) * plan.storage_dtype.itemsize
     if size < block_bytes:
         raise ValueError(
             f"EngineConfig.kv_offloading_size must hold at least one block ({block_bytes} "
@@ -639,8 +640,8 @@ def host_offloads(config, runner) -> list[HostOffload]:
             HostOffload(
                 tier,
                 group_layers,
-                tuple(kv.shape[2:]),
-                np.dtype(kv.dtype),
+                plan.page_shape,
+                plan.storage_dtype,
                 block_size,
                 store_at=store_at,
             )

@@ -3,8 +3,8 @@
 
 For each mesh the plan builds the model with abstract parameters
 (`jaxkv.models.loading.abstract_model`: shapes and shardings, no memory), sizes the KV
-cache as the engine does (`jaxkv.engine.sizing.size_kv_cache`: as many blocks per data
-rank as the per-device budget holds), and builds the engine's `ModelRunner` without
+cache with the engine's own plan (`jaxkv.engine.sizing.plan_kv_cache`: as many blocks per
+data rank as the per-device budget holds), and builds the engine's `ModelRunner` without
 allocating anything (`allocate=False`). With `aot`, it lowers and compiles the runner's
 own step program (`ModelRunner.lower_step`) for one decode step (`max_num_seqs` requests
 of one token per data rank) and one prefill step (`max_num_batched_tokens` tokens per
@@ -36,8 +36,8 @@ from jax.sharding import Mesh
 
 from jaxkv.device import make_mesh
 from jaxkv.engine.config import EngineConfig
-from jaxkv.engine.model_runner import ModelRunner, group_kv_cache_specs
-from jaxkv.engine.sizing import size_kv_cache
+from jaxkv.engine.model_runner import ModelRunner
+from jaxkv.engine.sizing import plan_kv_cache
 from jaxkv.models.config import DecoderConfig, LlavaConfig
 from jaxkv.models.loading import abstract_model
 
@@ -140,26 +140,25 @@ def plan_mesh(
     max_num_seqs: int,
     block_size: int = 16,
     dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
     aot: bool = True,
 ) -> MeshPlan:
     """The plan of serving `config`'s model on `mesh` with `kv_cache_memory` KV-cache bytes
     per device (module docstring); ValueError (from the sizing) when one request of
     `max_model_len` tokens does not fit."""
     model = abstract_model(config, dtype, mesh)
-    specs = model.kv_cache_specs(block_size, dtype)
-    probe, layer_to_group = group_kv_cache_specs(specs, 2)
     engine_config = EngineConfig(
         block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        kv_cache_memory=kv_cache_memory, dtype=dtype,
+        kv_cache_memory=kv_cache_memory, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
-    sizing = size_kv_cache(
-        engine_config, probe, layer_to_group, model.config.max_position_embeddings, mesh, None
-    )
+    kv_plan = plan_kv_cache(
+        model.kv_cache_specs(block_size, dtype), engine_config, mesh,
+        model.config.max_position_embeddings,
+    )  # fmt: skip
     runner = ModelRunner(
-        model, num_blocks=sizing.num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        dtype=dtype, mesh=mesh, allocate=False,
+        model, kv_plan, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        allocate=False,
     )  # fmt: skip
     data, model_size = (int(n) for n in mesh.devices.shape)
     return MeshPlan(
@@ -167,7 +166,7 @@ def plan_mesh(
         model=model_size,
         data_ranks=runner.dp_size,
         weight_bytes=per_device_bytes(nnx.state(model, nnx.Param)),
-        num_blocks=sizing.num_blocks,
+        num_blocks=kv_plan.num_blocks,
         kv_bytes=per_device_bytes(runner.kv_cache),
         max_model_len=max_model_len,
         decode=_compile_step(runner, max_num_seqs) if aot else None,

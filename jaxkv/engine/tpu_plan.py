@@ -42,9 +42,9 @@ from flax import nnx
 from jaxkv.device import make_mesh
 from jaxkv.device.in_place import check_in_place
 from jaxkv.engine.config import EngineConfig
-from jaxkv.engine.model_runner import ModelRunner, group_kv_cache_specs
+from jaxkv.engine.model_runner import ModelRunner
 from jaxkv.engine.pod_plan import per_device_bytes
-from jaxkv.engine.sizing import size_kv_cache
+from jaxkv.engine.sizing import kv_cache_groups, plan_kv_cache
 from jaxkv.models.config import DecoderConfig, LlavaConfig
 from jaxkv.models.loading import abstract_model
 
@@ -175,23 +175,17 @@ def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[Mod
     also its pool's blocks."""
     model = abstract_model(config, engine.dtype, mesh)
     specs = model.kv_cache_specs(engine.block_size, engine.dtype)
-    probe, layer_to_group = group_kv_cache_specs(specs, 2)
-    groups = len(probe.kv_cache_groups)
+    groups = len(kv_cache_groups(specs)[0])
     smallest = groups * (-(-engine.max_model_len // engine.block_size)) + 1
     engine = dataclasses.replace(
         engine, kv_cache_memory=memory, num_blocks=None if memory else smallest
     )
-    kv_quant = None if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype
-    sizing = size_kv_cache(
-        engine, probe, layer_to_group, model.config.max_position_embeddings, mesh, kv_quant
-    )
+    plan = plan_kv_cache(specs, engine, mesh, model.config.max_position_embeddings)
     runner = ModelRunner(
-        model, num_blocks=sizing.num_blocks, block_size=engine.block_size,
-        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_model_len=engine.max_model_len, dtype=engine.dtype, kv_quant=kv_quant, mesh=mesh,
-        allocate=False,
+        model, plan, max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens, allocate=False,
     )  # fmt: skip
-    return runner, sizing.num_blocks
+    return runner, plan.num_blocks
 
 
 def _decoder(config: DecoderConfig | LlavaConfig) -> DecoderConfig:
