@@ -15,7 +15,7 @@ from models_util import family_configs
 
 from jaxkv import cli, models
 from jaxkv.device import PagedKVCache, make_mesh
-from jaxkv.device.kv_cache import page_geometry
+from jaxkv.device.page_geometry import page_geometry
 from jaxkv.engine import EngineConfig, LLMEngine
 from jaxkv.engine.sizing import plan_kv_cache
 from jaxkv.testing import tiny_model

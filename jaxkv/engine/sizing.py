@@ -8,7 +8,7 @@ without `--mesh` / `--topology`) all take this plan; nothing is allocated to mak
 Every layer keeps its own cache of `num_blocks` blocks, all KV-cache groups draw from
 one pool, and block 0 is the null block. So a budget of `B` bytes per device holds
 `B // bytes_per_block` blocks, `bytes_per_block` summed over the layers as stored on one
-device (`jaxkv.device.kv_cache.page_geometry`: storage dtype, quantisation scales, the
+device (`jaxkv.device.page_geometry`: storage dtype, quantisation scales, the
 mesh's head split and a TPU's tile padding, the arithmetic `PagedKVCache` itself uses),
 and one request of `L` tokens takes its peak blocks from every group, which must fit in
 the `num_blocks - 1` usable blocks.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxkv.device.kv_cache import page_geometry
+from jaxkv.device.page_geometry import page_geometry
 from jaxkv.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
