@@ -190,6 +190,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert freed.dtype.name == "int32" and list(freed) == sorted(set(freed.tolist()))
         assert 0 not in freed
         self.clean_pages.update(freed.tolist())
+        # A block reported freed lost every holder: if it is held again (a preemption
+        # freed it and this very step handed it out fresh), its new holder may cache it.
+        self.unhashed_held.difference_update(freed.tolist())
         if out.preempted_request_ids:
             event("step: preempted")
         running = self.running
@@ -509,3 +512,45 @@ TenantCapMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestTenantCapStateful = TenantCapMachine.TestCase
+
+
+def test_evicted_held_block_reused_in_the_same_step_may_be_cached(monkeypatch) -> None:
+    """Regression (model, not library): `evict_blocks` unhashes a block r1 holds; the
+    next step preempts r1 to grow r0, which gets that very block at a fresh index (freed
+    and handed out within one `schedule()`), and caches it once full. The model must drop
+    the block from `unhashed_held` when the step reports it freed, not only when an
+    invariant sees it free."""
+    monkeypatch.setitem(globals(), "event", lambda *args, **kwargs: None)  # no hypothesis run
+    state = TenantCapMachine()
+    invariants = (
+        state.events_mirror_cache, state.pool_consistent, state.queues_consistent,
+        state.reused_pages_were_reported, state.tenants_within_caps,
+    )  # fmt: skip
+
+    def step(rule, **kwargs) -> None:
+        getattr(state, rule)(**kwargs)
+        for check in invariants:
+            check()
+
+    # 4 usable blocks: r0's prompt takes 3 (all full), r1's 1 (full).
+    step("setup", block_size=3, num_blocks=5, cap_a=0, cap_b=7, max_num_seqs=4,
+         token_budget=24, lookahead=0)  # fmt: skip
+    step("add_request", base=0, prefix_len=9, suffix=[], salt=None, max_tokens=8)
+    step("add_request", base=1, prefix_len=3, suffix=[], salt=None, max_tokens=8)
+    step("schedule_step", tokens=[0, 0, 0, 0])
+    pool = state.manager.block_pool
+    stm = state.manager.coordinator.single_type_managers[0]
+    (r1_block,) = stm.req_to_blocks["r1"]
+    assert r1_block.block_hash is not None and pool.get_num_free_blocks() == 0
+    step("evict_blocks", block_ids=[r1_block.block_id])
+    assert state.unhashed_held == {r1_block.block_id}
+    step("schedule_step", tokens=[0, 0, 0, 0])  # r0 needs a 4th block: r1 is preempted
+    assert "r1" not in state.running and stm.req_to_blocks["r0"][3] is r1_block
+    assert r1_block.block_id not in state.unhashed_held
+    step("schedule_step", tokens=[0, 0, 0, 0])
+    step("schedule_step", tokens=[0, 0, 0, 0])  # r0's 4th block is full: cached
+    assert state.running["r0"].num_computed_tokens == 12
+    assert r1_block.block_hash == make_block_hash_with_group_id(
+        state.running["r0"].block_hashes[3], 0
+    )
+    state.teardown()
