@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -145,3 +146,19 @@ def parse_memory(text: str, flag: str = "--memory") -> int:
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB"
         )
     return int(size)
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(name: str, size: int) -> None:
+    """ValueError naming `name` when `size` bytes exceed this host's physical memory
+    (an allocation that large would fail, or push the host into swap, mid-build)."""
+    total = host_memory_bytes()
+    if size > total:
+        raise ValueError(
+            f"{name} is {size} bytes, more than this host's memory ({total} bytes); "
+            "give at most what the host can hold beside the rest of the process"
+        )

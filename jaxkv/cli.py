@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxkv._checks import parse_memory
+from jaxkv._checks import check_host_memory, parse_memory
+from jaxkv.prompts_file import read_prompts
 
 __all__ = ["main"]
 
@@ -51,37 +52,6 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 DEFAULT_KV_CACHE_MEMORY = 2**30
 
 
-def _read_prompts(path: str) -> list[tuple[str, int | None]]:
-    """`--prompts FILE`: one prompt a line, or JSONL `{"prompt": ..., "max_tokens": N}`."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"--prompts {path}: cannot read it ({error})") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not line.lstrip().startswith("{"):
-            prompts.append((line, None))
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--prompts {path}:{number}: not a JSON object ({error})") from None
-        text, max_tokens = item.get("prompt"), item.get("max_tokens")
-        if not isinstance(text, str) or (
-            max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1)
-        ):
-            raise ValueError(
-                f'--prompts {path}:{number}: needs "prompt" (text) and optionally '
-                '"max_tokens" (a positive integer)'
-            )
-        prompts.append((text, max_tokens))
-    if not prompts:
-        raise ValueError(f"--prompts {path}: no prompts in it")
-    return prompts
-
-
 def _memory_settings(args: argparse.Namespace, mesh) -> dict:
     """The EngineConfig fields that size the KV cache, from the flags (module defaults)."""
     if args.num_blocks is not None:
@@ -106,7 +76,9 @@ def _offloading_settings(args: argparse.Namespace) -> dict:
     """The EngineConfig field of `--kv-offloading-size` (the host tier is off without it)."""
     if args.kv_offloading_size is None:
         return {}
-    return {"kv_offloading_size": parse_memory(args.kv_offloading_size, "--kv-offloading-size")}
+    size = parse_memory(args.kv_offloading_size, "--kv-offloading-size")
+    check_host_memory("--kv-offloading-size", size)
+    return {"kv_offloading_size": size}
 
 
 def _kv_events_settings(args: argparse.Namespace) -> dict:
@@ -182,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = models.load_tokenizer(args.model)
     texts = [(args.prompt, None)] if args.prompt is not None else None
     if args.prompts is not None:
-        texts = _read_prompts(args.prompts)
+        texts = read_prompts(args.prompts)
     if texts is not None and tokenizer is None:
         raise ValueError(
             f"text prompts need {args.model}/tokenizer.json; give --prompt-token-ids instead"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxkv import cli, models
+from jaxkv._checks import host_memory_bytes
 from jaxkv.models.prompting import PromptEncoder
 from jaxkv.models.testing import save_word_tokenizer
 from jaxkv.testing.reference import DenseReference
@@ -48,11 +49,12 @@ def generate(checkpoint, capsys, *argv: str) -> tuple[list[dict], str]:
 
 def test_prompts_file_serves_a_batch_with_prefix_hits(checkpoint, capsys, tmp_path) -> None:
     shared = " ".join(f"w{i}" for i in range(10, 50))
-    lines = [f"{shared} w7", json.dumps({"prompt": f"{shared} w8", "max_tokens": 3}),
-             "", f"{shared} w9"]  # fmt: skip
-    (tmp_path / "prompts.txt").write_text("\n".join(lines))
+    lines = [{"prompt": f"{shared} w7"}, {"prompt": f"{shared} w8", "max_tokens": 3}, None,
+             {"prompt": f"{shared} w9"}]  # fmt: skip
+    text = "\r\n".join("" if line is None else json.dumps(line) for line in lines)
+    (tmp_path / "prompts.jsonl").write_text(text)
     results, err = generate(
-        checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "5",
+        checkpoint, capsys, "--prompts", str(tmp_path / "prompts.jsonl"), "--max-tokens", "5",
         "--max-num-seqs", "1", "--kv-cache-memory", "4MiB",
     )  # fmt: skip
     assert len(results) == 3
@@ -129,12 +131,29 @@ def test_prompt_encoder_matches_transformers(tmp_path) -> None:
         (["--prompt-token-ids", "1", "--kv-events-endpoint", "tcp://*:5557",
           "--kv-events-replay-endpoint", "tcp://*:0"],
          "--kv-events-replay-endpoint 'tcp://*:0': give tcp://HOST:PORT"),
+        (["--prompts", "/dev/zero"], "--prompts /dev/zero: larger than 67108864 bytes"),
+        (["--prompt-token-ids", "1", "--kv-offloading-size", "1e30"],
+         "--kv-offloading-size is 1000000000000000019884624838656 bytes, more than this host's"),
+        (["--prompt-token-ids", "1", "--kv-offloading-size", f"{2 * host_memory_bytes()}B"],
+         f"--kv-offloading-size is {2 * host_memory_bytes()} bytes, more than this host's"),
     ],
 )  # fmt: skip
 def test_generate_sizing_errors_are_one_line(checkpoint, capsys, argv, message) -> None:
     assert cli.main(["generate", "--model", str(checkpoint), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_chat_template_doing_too_much_work_is_one_line(checkpoint, capsys, tmp_path) -> None:
+    for file in checkpoint.iterdir():  # the weights and config; a tokenizer of its own
+        if not file.name.startswith("tokenizer"):
+            (tmp_path / file.name).symlink_to(file)
+    write_tokenizer(tmp_path, chat_template="{% for i in range(10**9) %}x{% endfor %}")
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "w1", "--chat"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxkv: error: chat template: its ranges span more than 100000")
+    assert err.count("\n") == 1
 
 
 def test_huge_seed_from_the_command_line(checkpoint) -> None:

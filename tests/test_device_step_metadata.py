@@ -31,6 +31,7 @@ from jaxkv.device import (
     no_compilation,
     padding_buckets,
     pick_bucket,
+    token_buckets,
     unpack_step,
 )
 from jaxkv.kv_cache_interface import (
@@ -58,6 +59,25 @@ def _packer(**kw) -> StepMetadataPacker:
     return StepMetadataPacker(num_blocks=64, **args)
 
 
+@pytest.mark.parametrize(
+    ("max_num_tokens", "min_num_tokens", "expected"),
+    [
+        (64, 16, (16, 32, 64)),
+        (64, 1, (1, 16, 32, 64)),  # a CPU's one-token bucket, not a ladder 1, 2, 4, 8
+        (64, 4, (4, 16, 32, 64)),
+        (64, 32, (32, 64)),
+        (8, 1, (1, 8)),
+        (6, 16, (6,)),
+    ],
+)
+def test_token_buckets_double_from_the_tile_with_one_smaller_bucket(
+    max_num_tokens: int, min_num_tokens: int, expected: tuple[int, ...]
+) -> None:
+    assert token_buckets(max_num_tokens, min_num_tokens) == expected
+    packer = _packer(max_num_tokens=max_num_tokens, min_num_tokens=min_num_tokens)
+    assert packer.token_buckets == expected
+
+
 def test_bucket_ladder_is_logarithmic_one_request_bucket_per_token_bucket() -> None:
     packer = _packer(max_num_tokens=1000, max_num_reqs=24)
     assert packer.token_buckets == (16, 32, 64, 128, 256, 512, 1000)
@@ -82,7 +102,7 @@ def test_bucket_ladder_is_logarithmic_one_request_bucket_per_token_bucket() -> N
 
 
 def test_pack_unpack_round_trip() -> None:
-    packer = _packer(min_num_tokens=1)
+    packer = _packer(min_num_tokens=8)
     bt = np.array([[3, 9, 0, 0], [5, 0, 0, 0], [7, 8, 11, 0]])
     slots = np.array([15, 36, 37, 21, 44, 45])  # positions 3-5 of row 0, 1 of row 1, 8-9 of row 2
     step = StepInputs(bt, np.array([6, 2, 10]), np.array([3, 1, 2]), slots)
@@ -369,7 +389,7 @@ def test_step_bidirectional_spans() -> None:
 def test_step_rejects_mismatched_inputs() -> None:
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     kv = cache.allocate_stacked(1)
-    packer = _packer(max_num_reqs=1, min_num_tokens=1)
+    packer = _packer(max_num_reqs=1, min_num_tokens=4)
     shape = StepShape(4, 1, 4)
     buf = packer.put(packer.empty(shape))
     q = jnp.zeros((4, 4, 8))
@@ -406,7 +426,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
     rng = np.random.default_rng()
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     kv = cache.allocate_stacked(1)
-    packer = _packer(min_num_tokens=1)
+    packer = _packer(min_num_tokens=8)
     hq = 4
 
     def run(kv, buf, shape):
@@ -506,7 +526,7 @@ def test_attention_options_are_validated_once_and_hash_as_a_key() -> None:
             AttentionOptions(**{field: value})
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     stack = cache.allocate_stacked(2)
-    packer = _packer(max_num_reqs=1, min_num_tokens=1)
+    packer = _packer(max_num_reqs=1, min_num_tokens=4)
     shape = StepShape(4, 1, 4)
     buf = packer.put(packer.empty(shape))
     q, k = jnp.zeros((4, 4, 8)), jnp.zeros((4, 2, 8))

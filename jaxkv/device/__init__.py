@@ -30,6 +30,7 @@ from jaxkv.device.step_metadata import (
     default_min_num_tokens,
     padding_buckets,
     pick_bucket,
+    token_buckets,
     unpack_step,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "no_compilation",
     "default_min_num_tokens",
     "padding_buckets",
+    "token_buckets",
     "paged_decode_attention",
     "pick_bucket",
     "ragged_paged_attention",

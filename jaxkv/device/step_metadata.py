@@ -3,9 +3,9 @@
 Every step the host sends block tables, sequence lengths, query start offsets,
 slot mapping, positions and the live counts. Packing them into a single int32
 array makes the hand-off one `device_put`; the jitted step slices it back apart
-with static offsets. Token counts are padded to a ladder of powers of two (from
-`min_num_tokens`: 16 as TPU serving stacks pad, 1 on a CPU, `default_min_num_tokens`;
-the maximum always included)
+with static offsets. Token counts are padded to a ladder of powers of two from 16, as
+TPU serving stacks pad (`token_buckets`; the maximum always included; on a CPU one
+more bucket of 1 token, `default_min_num_tokens`)
 and the request count to the power of two at `min(token bucket, max_num_reqs)`, so
 every token bucket has one request bucket: a serving run compiles at most
 `len(token_buckets)` step programs, about `log2(max_num_tokens)`. (Padding request
@@ -65,13 +65,27 @@ def padding_buckets(max_size: int, linear_start: int = 256, min_size: int = 1) -
     return tuple(sorted(set(sizes)))
 
 
+TILE_TOKENS = 16  # rows matrix units and the attention kernels work in
+
+
+def token_buckets(max_num_tokens: int, min_num_tokens: int = TILE_TOKENS) -> tuple[int, ...]:
+    """Token-count buckets: powers of two from `max(min_num_tokens, TILE_TOKENS)` (fewer
+    tokens cost a tile's time on an accelerator) up to `max_num_tokens`, which is always
+    the last; a `min_num_tokens` below the tile adds that one smaller bucket (one
+    request's decode step on a CPU), not a ladder of them: each bucket is one more
+    compiled step program."""
+    start = min(max(min_num_tokens, TILE_TOKENS), max_num_tokens)
+    ladder = padding_buckets(max_num_tokens, max_num_tokens, start)
+    return tuple(sorted({min(min_num_tokens, max_num_tokens), *ladder}))
+
+
 def default_min_num_tokens(platform: str) -> int:
     """The smallest token bucket on `platform`: 16 on a TPU or GPU, where matrix units
     and the attention kernels work in tiles of 8-16 rows (a smaller step costs the same),
     1 elsewhere. On a CPU a dot's time grows with its rows: a one-request decode step
     padded to 16 tokens reads every weight through a 16-row matrix product, several
     times the time of the matrix-vector product the one token needs."""
-    return 16 if platform in ("tpu", "gpu") else 1
+    return TILE_TOKENS if platform in ("tpu", "gpu") else 1
 
 
 def pick_bucket(n: int, buckets: Sequence[int]) -> int:
@@ -330,7 +344,7 @@ class StepMetadataPacker:
         max_blocks_per_req: int,
         block_size: int,
         num_blocks: int,
-        min_num_tokens: int = 16,
+        min_num_tokens: int = TILE_TOKENS,
     ) -> None:
         max_num_tokens = check_int("max_num_tokens", max_num_tokens, min_value=1)
         max_num_reqs = check_int("max_num_reqs", max_num_reqs, min_value=1)
@@ -344,9 +358,7 @@ class StepMetadataPacker:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.padding_slot = num_blocks * block_size
-        self.token_buckets = padding_buckets(
-            max_num_tokens, max_num_tokens, min(min_num_tokens, max_num_tokens)
-        )
+        self.token_buckets = token_buckets(max_num_tokens, min_num_tokens)
         self.req_buckets = padding_buckets(max_num_reqs, max_num_reqs)
         # Each token bucket's one request bucket (every packed request has a token).
         self._req_bucket_of = {

@@ -92,6 +92,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from jaxkv._checks import check_host_memory
 from jaxkv.blocks import KVCacheBlock
 from jaxkv.hashing import BlockHashWithGroupId, get_group_id, make_block_hash_with_group_id
 from jaxkv.host_tier import HostKVTier
@@ -596,6 +597,10 @@ def host_offloads(config, plan, runner) -> list[HostOffload]:
         raise TypeError(
             f"EngineConfig.kv_offloading_size must be an int (bytes) or None, got {size!r}"
         )
+    check_host_memory(
+        f"EngineConfig.kv_offloading_size ({runner.dp_size} data ranks' tiers)",
+        int(size) * runner.dp_size,
+    )
     groups = plan.groups
     kinds = [get_kv_cache_spec_kind(g.kv_cache_spec) for g in groups]
     if any(kind not in SERVED_KINDS for kind in kinds):

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxkv.models.chat_sandbox import render_chat_template
+
 __all__ = ["PromptEncoder"]
 
 # The tokenizer classes whose post-processor transformers builds from the two flags.
@@ -99,20 +101,10 @@ class PromptEncoder:
                 "--chat needs a chat template (tokenizer_config.json's chat_template or "
                 "chat_template.jinja); this checkpoint has none"
             )
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": text}],
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except jinja2.TemplateError as error:
-            raise ValueError(f"chat template: {error}") from None
+        return render_chat_template(
+            self.chat_template,
+            messages=[{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
