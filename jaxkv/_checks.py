@@ -148,6 +148,24 @@ def parse_memory(text: str, flag: str = "--memory") -> int:
     return int(size)
 
 
+# The tenant-quota key for every cache_salt a quota mapping does not list.
+DEFAULT_TENANT_QUOTA_KEY = "*"
+
+
+def check_tenant_quota_key(name: str, key: Any) -> str:
+    """A tenant-quota mapping's key: a non-empty cache_salt, or `DEFAULT_TENANT_QUOTA_KEY`
+    for every salt not listed. `""` is no salt (vLLM treats it as none): unsalted
+    requests share one cache and no tenant quota applies to them."""
+    key = check_str(f"{name} key", key)
+    if not key:
+        raise ValueError(
+            f"{name} has the key ''; '' is no salt and unsalted requests are not capped: "
+            f"give non-empty cache_salt values, or {DEFAULT_TENANT_QUOTA_KEY!r} for every "
+            "salt not listed"
+        )
+    return key
+
+
 def host_memory_bytes() -> int:
     """This host's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

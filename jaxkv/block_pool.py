@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxkv._checks import check_bool, check_int, check_num_blocks, check_str
+from jaxkv._checks import (
+    DEFAULT_TENANT_QUOTA_KEY,
+    check_bool,
+    check_int,
+    check_num_blocks,
+    check_tenant_quota_key,
+)
 from jaxkv.block_events import _NO_SPEC, DeferredBlockStored
 from jaxkv.block_hash_map import BlockHashToBlockMap
 from jaxkv.blocks import FreeKVCacheBlockQueue, KVCacheBlock
@@ -51,7 +57,7 @@ def check_tenant_block_quotas(
         )
     checked = {}
     for salt, cap in quotas.items():
-        check_str(f"{name} key", salt)
+        check_tenant_quota_key(name, salt)
         checked[salt] = check_int(f"{name}[{salt!r}]", cap, min_value=0)
     return checked
 
@@ -134,6 +140,7 @@ class BlockPool:
         self._secondary_keys: dict[int, list[tuple[BlockHash, int]]] = {}
         # Per-tenant caps (`tenant_block_quotas`; None: off, nothing below is touched).
         self._tenant_caps: dict[str, int] | None = None
+        self._default_tenant_cap: int | None = None  # the caps' DEFAULT_TENANT_QUOTA_KEY
         self._tenant_of: dict[int, str] = {}  # block id -> salt, for cached salted blocks
         self._tenant_cached: dict[str, int] = {}  # salt -> its cached blocks
         # salt -> its cached free blocks, in free-queue order (least recently freed first)
@@ -156,6 +163,7 @@ class BlockPool:
         if any(block._block_hash is not None for block in self.blocks):
             raise ValueError(f"{name} can be set only while no block is cached")
         self._tenant_caps = quotas
+        self._default_tenant_cap = None if quotas is None else quotas.get(DEFAULT_TENANT_QUOTA_KEY)
         self._tenant_of.clear()
         self._tenant_cached.clear()
         self._tenant_free.clear()
@@ -163,6 +171,12 @@ class BlockPool:
     @property
     def tenant_block_quotas(self) -> dict[str, int] | None:
         return None if self._tenant_caps is None else dict(self._tenant_caps)
+
+    def tenant_block_quota(self, salt: str) -> int | None:
+        """The cap on `salt`'s cached blocks: its own, else the default key's (None: none)."""
+        if self._tenant_caps is None:
+            return None
+        return self._tenant_caps.get(salt, self._default_tenant_cap)
 
     def tenant_cached_blocks(self) -> dict[str, int]:
         """Salt -> blocks it holds in the prefix cache (held or free); empty when
@@ -173,7 +187,7 @@ class BlockPool:
         """Count `blocks`, just stamped for `salt`, against its cap: its least recently
         freed cached free blocks are evicted to make room; the blocks past what fits are
         unstamped. Returns the blocks kept (a prefix of `blocks`)."""
-        cap = self._tenant_caps.get(salt)  # type: ignore[union-attr]
+        cap = self._tenant_caps.get(salt, self._default_tenant_cap)  # type: ignore[union-attr]
         count = self._tenant_cached.get(salt, 0)
         if cap is not None and count + len(blocks) > cap:
             free = self._tenant_free.get(salt)

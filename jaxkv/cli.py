@@ -85,9 +85,14 @@ def _kv_events_settings(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of the `--kv-events-*` flags (publishing is off without
     `--kv-events-endpoint`)."""
     if args.kv_events_endpoint is None:
-        if args.kv_events_replay_endpoint is not None or args.kv_events_topic:
+        if (
+            args.kv_events_replay_endpoint is not None
+            or args.kv_events_topic
+            or args.kv_events_redact_prompts
+        ):
             raise ValueError(
-                "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"
+                "--kv-events-replay-endpoint, --kv-events-topic and --kv-events-redact-prompts "
+                "need --kv-events-endpoint"
             )
         return {}
     from jaxkv.kv_events_publisher import check_endpoint
@@ -100,6 +105,7 @@ def _kv_events_settings(args: argparse.Namespace) -> dict:
         "kv_events_endpoint": args.kv_events_endpoint,
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
         "kv_events_topic": args.kv_events_topic,
+        "kv_events_redact_prompts": args.kv_events_redact_prompts,
     }
 
 
@@ -116,6 +122,11 @@ def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
         help="ZeroMQ ROUTER address answering replay requests, e.g. tcp://*:5558",
     )  # fmt: skip
     p.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
+    p.add_argument(
+        "--kv-events-redact-prompts", action="store_true",
+        help="publish BlockStored without token ids and extra keys (prompts, cache salts); "
+        "block hashes still route",
+    )  # fmt: skip
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Literal
 
-from jaxkv._checks import check_int, check_str
+from jaxkv._checks import DEFAULT_TENANT_QUOTA_KEY, check_int, check_str, check_tenant_quota_key
 from jaxkv.hashing import BlockHashWithGroupId, get_block_hash, get_group_id
 from jaxkv.kv_cache_interface import (
     KVCacheSpec,
@@ -198,7 +198,7 @@ class HostKVTier:
                     f"got {tenant_quota_bytes!r}"
                 )
             for tenant, quota in tenant_quota_bytes.items():
-                check_str("tenant_quota_bytes key", tenant)
+                check_tenant_quota_key("tenant_quota_bytes", tenant)
                 quotas[tenant] = check_int(
                     f"tenant_quota_bytes[{tenant!r}]",
                     quota,
@@ -222,7 +222,7 @@ class HostKVTier:
         self.capacity_bytes = capacity_bytes
         self.policy = policy
         self.num_slots = capacity_bytes // block_bytes
-        self._quota_blocks = {t: q // block_bytes for t, q in quotas.items()}
+        self._quotas = quotas  # bytes; DEFAULT_TENANT_QUOTA_KEY: every salt not listed
         self._entries: dict[BlockHashWithGroupId, _Entry] = {}
         # Least recently touched first: the "lru" order and each tenant's quota order.
         self._recency: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
@@ -238,7 +238,8 @@ class HostKVTier:
         self._events: list[KVCacheEvent] = []
         self._stats = HostTierStats(capacity_bytes=capacity_bytes)
         for tenant, quota in quotas.items():
-            self._stats.tenants[tenant] = TenantStats(quota_bytes=quota)
+            if tenant != DEFAULT_TENANT_QUOTA_KEY:
+                self._stats.tenants[tenant] = TenantStats(quota_bytes=quota)
 
     # -- inspection ----------------------------------------------------------
 
@@ -250,11 +251,19 @@ class HostKVTier:
     def tenant_bytes_used(self, tenant: str | None) -> int:
         return self._tenant_blocks.get(tenant, 0) * self.block_bytes
 
+    def _quota_bytes(self, tenant: str | None) -> int | None:
+        """`tenant`'s byte quota: its own, else the default key's; None (no cap) for
+        unsalted blocks and when neither is given."""
+        if tenant is None:
+            return None
+        return self._quotas.get(tenant, self._quotas.get(DEFAULT_TENANT_QUOTA_KEY))
+
     def max_store_blocks(self, tenant: str | None = None) -> int:
         """The most new blocks one `prepare_store` of `tenant` can take (its quota in
         blocks, else every slot); a larger batch is refused whole."""
         tenant = check_str("tenant", tenant, allow_none=True)
-        return self._quota_blocks.get(tenant, self.num_slots)
+        quota = self._quota_bytes(tenant)
+        return self.num_slots if quota is None else quota // self.block_bytes
 
     def block_state(self, key: BlockHashWithGroupId) -> str | None:
         """ "pending", "ready" or "dropped"; None for a key the tier does not hold."""
@@ -412,8 +421,9 @@ class HostKVTier:
         if not new_keys:
             return PrepareStoreOutput(keys_to_store=[], slots=[], evicted_keys=[])
         victims: list[BlockHashWithGroupId] = []
-        quota = self._quota_blocks.get(tenant)
+        quota = self._quota_bytes(tenant)
         if quota is not None:
+            quota //= self.block_bytes
             over = self._tenant_blocks.get(tenant, 0) + len(new_keys) - quota
             if over > 0:
                 candidates = (
@@ -569,7 +579,7 @@ class HostKVTier:
     def _tenant_stats(self, tenant: str | None) -> TenantStats:
         stats = self._stats.tenants.get(tenant)
         if stats is None:
-            stats = self._stats.tenants[tenant] = TenantStats(quota_bytes=None)
+            stats = self._stats.tenants[tenant] = TenantStats(quota_bytes=self._quota_bytes(tenant))
         return stats
 
     def _stored_event(self, key: BlockHashWithGroupId) -> BlockStored:

@@ -81,6 +81,7 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     int_block_hashes: bool = True
+    redact_prompts: bool = False  # jaxkv's: `to_wire_events`'s redact_prompts
 
     def __post_init__(self) -> None:
         if self.publisher not in (None, "zmq", "null"):
@@ -259,6 +260,7 @@ class ZmqEventPublisher(EventPublisher):
         max_queue_size: int = 100_000,
         topic: str = "",
         int_block_hashes: bool = True,
+        redact_prompts: bool = False,
     ) -> None:
         super().__init__(data_parallel_rank)
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
@@ -269,6 +271,7 @@ class ZmqEventPublisher(EventPublisher):
         if self.replay_endpoint is not None:
             check_endpoint(self.replay_endpoint, f"KV events replay endpoint{where}")
         self.int_block_hashes = int_block_hashes
+        self.redact_prompts = redact_prompts
         self.max_queue_size = max_queue_size
         self.num_sent = 0
         self._topic = topic.encode()
@@ -388,7 +391,7 @@ class ZmqEventPublisher(EventPublisher):
     def _encode(self, ts: float, events: Events) -> bytes | None:
         """One batch's payload (None: it cannot be encoded, and is skipped)."""
         try:
-            wire = to_wire_events(events, self.int_block_hashes)
+            wire = to_wire_events(events, self.int_block_hashes, self.redact_prompts)
             return encode_event_batch(KVEventBatch(ts, wire, self.data_parallel_rank))
         except Exception:  # a bad event must not stop publishing; the step loop goes on
             logger.exception("KV events: could not encode a batch; it is skipped")
@@ -468,4 +471,5 @@ class EventPublisherFactory:
             max_queue_size=config.max_queue_size,
             topic=config.topic,
             int_block_hashes=config.int_block_hashes,
+            redact_prompts=config.redact_prompts,
         )

@@ -130,10 +130,15 @@ class _EventType(msgspec.Struct, gc=False):
 
 
 def to_wire_events(
-    events: Sequence[KVCacheEvent | DeferredKVCacheEvent], int_block_hashes: bool = True
+    events: Sequence[KVCacheEvent | DeferredKVCacheEvent],
+    int_block_hashes: bool = True,
+    redact_prompts: bool = False,
 ) -> list:
     """jaxkv's events (`take_events()`, deferred ones built here) as the wire structs;
-    hashes by `block_hash_to_wire`.
+    hashes by `block_hash_to_wire`. `redact_prompts`: `BlockStored` goes out with no
+    token ids (`[]`) and no extra keys (None), which hold prompts, cache salts and image
+    hashes; its block hashes, parent, size, LoRA and group still let a router place
+    requests by prefix.
 
     TypeError naming the event for anything but `BlockStored`, `BlockRemoved` and
     `AllBlocksCleared`.
@@ -148,7 +153,7 @@ def to_wire_events(
         kind = type(event)
         if kind is BlockStored:
             parent = event.parent_block_hash
-            tokens = event.token_ids
+            tokens = [] if redact_prompts else event.token_ids
             wire.append(
                 WireBlockStored(
                     list(map(to_wire, event.block_hashes)),
@@ -158,7 +163,7 @@ def to_wire_events(
                     event.lora_id,
                     event.medium,
                     event.lora_name,
-                    event.extra_keys,
+                    None if redact_prompts else event.extra_keys,
                     event.group_idx,
                     event.kv_cache_spec_kind,
                     event.kv_cache_spec_sliding_window,

@@ -830,6 +830,18 @@ def test_tenant_hits_take_blocks_out_of_the_salts_free_set():
     assert all(b.block_hash is not None for b in blocks)
 
 
+def test_the_default_key_caps_every_salt_not_listed_and_never_unsalted_requests():
+    pool = BlockPool(16, tenant_block_quotas={"*": 1, "big": 3})
+    for salt, expected in (("x", 1), ("y", 1), ("big", 3), ("*", 1), (None, 3)):
+        req = _request(range(12), f"r-{salt}", cache_salt=salt)
+        blocks = pool.get_new_blocks(3)
+        _cache(pool, req, blocks)
+        assert sum(b.block_hash is not None for b in blocks) == expected, salt
+        if salt is not None:
+            assert pool.tenant_block_quota(salt) == (3 if salt == "big" else 1)
+    assert pool.tenant_cached_blocks() == {"x": 1, "y": 1, "big": 3, "*": 1}
+
+
 def test_tenant_caps_off_by_default_count_nothing():
     pool = BlockPool(6)
     req = _request(range(8), cache_salt="a")
@@ -847,6 +859,7 @@ def test_tenant_caps_off_by_default_count_nothing():
         ({"a": 1.5}, TypeError, r"tenant_block_quotas\['a'\] must be an integer"),
         ({"a": True}, TypeError, r"tenant_block_quotas\['a'\] must be an integer"),
         ({1: 2}, TypeError, "tenant_block_quotas key"),
+        ({"": 2}, ValueError, r"tenant_block_quotas has the key ''; '' is no salt"),
         ([("a", 1)], TypeError, "tenant_block_quotas must map cache_salt"),
     ],
 )

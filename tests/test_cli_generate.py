@@ -122,7 +122,8 @@ def test_prompt_encoder_matches_transformers(tmp_path) -> None:
          "--gpu-memory-utilization must be in (0, 1]"),
         (["--prompt-token-ids", "1", "--chat"], "--chat needs --prompt"),
         (["--prompt-token-ids", "1", "--kv-events-topic", "t"],
-         "--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint"),
+         "--kv-events-replay-endpoint, --kv-events-topic and --kv-events-redact-prompts need "
+         "--kv-events-endpoint"),
         (["--prompt-token-ids", "1", "--kv-events-endpoint", "localhost:5557"],
          "--kv-events-endpoint must be a ZeroMQ address"),
         (["--prompt-token-ids", "1", "--kv-events-endpoint", "tcp://127.0.0.1:99999"],

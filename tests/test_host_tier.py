@@ -104,6 +104,21 @@ def test_quotas_isolate_tenants():
     assert t.tenant_bytes_used(None) == 2 * B and t.bytes_used == 6 * B
 
 
+def test_the_default_quota_covers_unlisted_salts_and_not_unsalted_blocks():
+    t = tier(8, quotas={"*": 1 * B, "a": 3 * B})
+    assert [t.max_store_blocks(s) for s in ("a", "c", "*", None)] == [3, 1, 1, 8]
+    store(t, [1], tenant="c")
+    assert store(t, [2], tenant="c").evicted_keys == [key(1)]  # c's own block, capped at 1
+    store(t, [3, 4, 5], tenant="a")
+    store(t, [6, 7], tenant=None)
+    s = t.stats()
+    assert s.tenants["c"].quota_bytes == B and s.tenants["a"].quota_bytes == 3 * B
+    assert "*" not in s.tenants and s.tenants[None].quota_bytes is None
+    assert held(t, [2, 3, 4, 5, 6, 7]) == [2, 3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"tenant_quota_bytes has the key ''"):
+        tier(8, quotas={"": B})
+
+
 def test_verified_hit_mismatch_is_dropped_counted_and_never_served():
     t = tier(4, quotas={"a": 4 * B})
     store(t, [1, 2], tenant="a", checksum=b"good")

@@ -184,6 +184,42 @@ def test_sequence_numbers_and_topic_filtering(endpoints):
         other.close()
 
 
+def test_redacted_events_carry_hashes_and_no_prompt_or_salt(endpoints):
+    """`redact_prompts`: a subscriber gets each block's hashes, parent and size (enough to
+    index prefixes) and neither its token ids nor its extra keys (the cache salt)."""
+    secret = BlockStored([HASH], HASH[::-1], [7, 8, 9, 10], 4, None, extra_keys=[("salt-a",)])
+    pub = ZmqEventPublisher(0, endpoints[0], redact_prompts=True)
+    sub = sub_socket(endpoints[0], b"")
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        pub.publish([secret, BlockRemoved([HASH])], ts=1.0)
+        assert pub.flush(WAIT_MS / 1000) and sub.poll(WAIT_MS)
+        payload = sub.recv_multipart()[-1]
+    finally:
+        pub.shutdown()
+        sub.close()
+    assert b"salt-a" not in payload
+    events = decode_event_batch(payload).events
+    assert events[0].token_ids == [] and events[0].extra_keys is None
+    assert events[0].block_hashes == [LOW_64] and events[0].block_size == 4
+    assert events[0].parent_block_hash == int.from_bytes(HASH[::-1][-8:], "big")
+    assert events[1].block_hashes == [LOW_64]
+    plain = to_wire_events([secret])[0]
+    assert plain.token_ids == [7, 8, 9, 10] and plain.extra_keys == [("salt-a",)]
+
+
+def test_the_engine_setting_reaches_its_publishers(endpoints):
+    from jaxkv.engine.config import EngineConfig, check_config
+    from jaxkv.engine.events import make_publishers
+
+    config = EngineConfig(kv_events_endpoint=endpoints[0], kv_events_redact_prompts=True)
+    (publisher,) = make_publishers(config, 1)
+    publisher.shutdown()
+    assert publisher.redact_prompts is True
+    with pytest.raises(TypeError, match="kv_events_redact_prompts must be a bool, got 'yes'"):
+        check_config(EngineConfig(kv_events_redact_prompts="yes"))
+
+
 def test_a_batch_that_cannot_be_encoded_is_skipped_and_publishing_goes_on(endpoints, caplog):
     pub = ZmqEventPublisher(0, endpoints[0])
     sub = sub_socket(endpoints[0], b"")

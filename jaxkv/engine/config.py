@@ -49,7 +49,10 @@ class EngineConfig:
     its cap gives up its own least recently freed cached block, or leaves the new block
     uncached when all of its cached blocks are in use; it never evicts another salt's
     blocks (`jaxkv.block_pool.BlockPool`). Given (even `{}`), every salt's cached blocks
-    are counted for `stats.tenants()`.
+    are counted for `stats.tenants()`. Quota keys (here and in
+    `kv_offloading_tenant_quotas`) are non-empty salts, or `"*"` for every salt not
+    listed; unsalted requests are never capped. A quota is a cap, not a reservation:
+    other tenants may still fill the free blocks a capped tenant does not hold.
     `enable_kv_cache_events` (vLLM's `KVEventsConfig` name) keeps each step's KV events,
     the device pool's and the host tier's (`medium="CPU"`), for `take_kv_events()`,
     with or without an endpoint."""
@@ -76,6 +79,7 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
     kv_events_topic: str = ""
     kv_events_int_block_hashes: bool = True
+    kv_events_redact_prompts: bool = False  # publish no token ids or salts (README: tenants)
     kv_offloading_size: int | None = None  # bytes of host memory, e.g. 8 * 2**30
     kv_offloading_policy: str = "lru"
     kv_offloading_store: str = "finished"  # or "evicted": when blocks go to the host tier
@@ -105,10 +109,9 @@ def check_config(c: EngineConfig) -> Mapping[str, int] | None:
         raise ValueError(
             f"EngineConfig.memory_utilization must be in (0, 1], got {c.memory_utilization!r}"
         )
-    if not isinstance(c.enable_kv_cache_events, bool):
-        raise TypeError(
-            f"EngineConfig.enable_kv_cache_events must be a bool, got {c.enable_kv_cache_events!r}"
-        )
+    for name in ("enable_kv_cache_events", "kv_events_redact_prompts"):
+        if not isinstance(getattr(c, name), bool):
+            raise TypeError(f"EngineConfig.{name} must be a bool, got {getattr(c, name)!r}")
     device_quotas = check_tenant_block_quotas(
         c.device_tenant_block_quotas, "EngineConfig.device_tenant_block_quotas"
     )

@@ -34,6 +34,7 @@ def make_publishers(c: EngineConfig, num_ranks: int) -> list[EventPublisher]:
         replay_endpoint=c.kv_events_replay_endpoint,
         topic=c.kv_events_topic,
         int_block_hashes=c.kv_events_int_block_hashes,
+        redact_prompts=c.kv_events_redact_prompts,
     )
     publishers: list[EventPublisher] = []
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from jaxkv._checks import DEFAULT_TENANT_QUOTA_KEY
 from jaxkv.host_tier import HostTierStats
 from jaxkv.host_tier import TenantStats as HostTenantStats
 
@@ -129,7 +130,9 @@ class EngineStats:
             out[salt] = TenantTiers(
                 prefix=self.by_salt.get(salt) or TenantStats(),
                 device_cached_blocks=device.get(salt, 0) if counted else None,  # type: ignore[union-attr, arg-type]
-                device_block_quota=None if caps is None or salt is None else caps.get(salt),
+                device_block_quota=None
+                if caps is None or salt is None
+                else caps.get(salt, caps.get(DEFAULT_TENANT_QUOTA_KEY)),
                 host=host_tenant,
             )
         return out
