@@ -383,8 +383,8 @@ class ZmqEventPublisher(EventPublisher):
         while True:
             timeout = None
             if replays is not None:
-                replays.serve(self.num_sent, time.monotonic())
-                timeout = replays.ROUND_S if replays.busy else self.REPLAY_POLL_INTERVAL
+                due = replays.serve(self.num_sent, time.monotonic())
+                timeout = self.REPLAY_POLL_INTERVAL if due is None else due
             try:
                 batch = get(timeout=timeout)
             except queue.Empty:

@@ -18,8 +18,9 @@ grow memory without bound or starve the step loop:
 - at most `MESSAGES_PER_ROUND` replayed messages go out per round and at most one round
   runs per `ROUND_S` seconds, shared round-robin by the replays in progress: replaying
   costs the process at most that rate, however many clients ask;
-- at most `MAX_ACTIVE` replays are in progress; further requests stay in the socket's
-  own receive queue (libzmq's high-water mark bounds it) until one finishes.
+- at most `MAX_ACTIVE` replays are in progress, and at most `MAX_ACTIVE` requests are
+  taken per round; further requests stay in the socket's own receive queue (libzmq's
+  high-water mark bounds it) until their turn.
 
 Invariants: only the publishing thread calls `ReplayServer` (it owns the socket); a
 client has at most one replay in progress (a new request replaces it); every replay in
@@ -71,16 +72,21 @@ class ReplayServer:
 
     @property
     def busy(self) -> bool:
-        """Replays are in progress (the caller should come back within `ROUND_S`)."""
+        """Replays are in progress."""
         return bool(self.active)
 
-    def serve(self, num_sent: int, now: float) -> None:
+    def serve(self, num_sent: int, now: float) -> float | None:
         """One round, unless the last was less than `ROUND_S` ago: take the waiting
         requests (`num_sent`: the messages sent so far, the end of their snapshot), then
-        send up to `MESSAGES_PER_ROUND` messages of the replays in progress."""
+        send up to `MESSAGES_PER_ROUND` messages of the replays in progress. Returns the
+        seconds until the next round is due while replays are in progress, else None."""
         if now < self._next_round:
-            return
+            return self._next_round - now
         self._next_round = now + self.ROUND_S
+        self._round(num_sent, now)
+        return self.ROUND_S if self.active else None
+
+    def _round(self, num_sent: int, now: float) -> None:
         self._take_requests(num_sent)
         budget = self.MESSAGES_PER_ROUND
         while budget and self.active:
@@ -91,12 +97,18 @@ class ReplayServer:
                 if self._send_next(client, self.active[client], now):
                     sent += 1
                     budget -= 1
+                    if client in self.active:  # its next turn after the others'
+                        self.active.move_to_end(client)
             if not sent:
                 return  # every queue is full: wait for the clients to read
 
     def _take_requests(self, num_sent: int) -> None:
+        """Take at most `MAX_ACTIVE` waiting requests (a flood of them cannot hold the
+        thread), while fewer than `MAX_ACTIVE` replays are in progress."""
         sock = self.sock
-        while len(self.active) < self.MAX_ACTIVE and sock.poll(0):
+        for _ in range(self.MAX_ACTIVE):
+            if len(self.active) >= self.MAX_ACTIVE or not sock.poll(0):
+                return
             frames = sock.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
                 logger.warning(
