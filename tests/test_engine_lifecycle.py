@@ -224,10 +224,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.engine.shutdown()
 
 
-def test_engine_lifecycle_state_machine(model) -> None:
+@pytest.mark.parametrize(
+    ("max_examples", "steps"),
+    [(5, 15), pytest.param(40, 40, marks=pytest.mark.slow)],
+)
+def test_engine_lifecycle_state_machine(model, max_examples, steps) -> None:
     LifecycleMachine.model = model
     LifecycleMachine.TestCase.settings = settings(
-        max_examples=8, stateful_step_count=20, deadline=None,
+        max_examples=max_examples, stateful_step_count=steps, deadline=None,
         suppress_health_check=list(HealthCheck),
     )  # fmt: skip
     LifecycleMachine.TestCase().runTest()
