@@ -117,7 +117,7 @@ def decode_steps(
     ):
         engine.step()  # prefill, then a step so every request decodes
     engine.step()
-    first = len(engine.stats.steps)
+    first = engine.num_steps
     publishers = engine.kv_event_publishers
     publisher_cpu = sum(p.cpu_time() for p in publishers)
     cpu = time.thread_time()
@@ -130,7 +130,7 @@ def decode_steps(
         publisher.flush(10.0)
     publisher_cpu = sum(p.cpu_time() for p in publishers) - publisher_cpu
     engine.shutdown()
-    measured = engine.stats.steps[first:]
+    measured = engine.stats.steps_since(first)
     assert all(s.num_scheduled_requests == num_running for s in measured)
     return {
         "step_ms": 1e3 * wall / steps,

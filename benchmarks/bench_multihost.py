@@ -69,7 +69,7 @@ def child(work: str, prompts: int, max_tokens: int, distributed: list[str]) -> N
     start = time.perf_counter()
     outputs = engine.generate(batch, sampling)
     elapsed = time.perf_counter() - start
-    steps = engine.stats.steps[first_step:]
+    steps = engine.stats.steps_since(first_step)
     result = {
         "steps": len(steps),
         "tokens": sum(len(o.output_token_ids) for o in outputs),

@@ -706,13 +706,13 @@ def step_time(ctx: Context) -> dict:
         return step(buffer, shapes)
 
     new_tokens = 8 if ctx.small else 64
-    first_stat = len(engine.stats.steps)
+    first_stat = engine.num_steps
     runner._step = capture
     try:
         engine.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     finally:
         del runner._step  # back to the class's method
-    stats = [s for s in engine.stats.steps[first_stat:] if s.num_scheduled_tokens == 1]
+    stats = [s for s in engine.stats.steps_since(first_stat) if s.num_scheduled_tokens == 1]
     report: dict = {
         "decode_steps": len(stats),
         "loop_host_ms": statistics.median(s.host_s for s in stats) * 1e3,

@@ -81,18 +81,27 @@ def _offloading_settings(args: argparse.Namespace) -> dict:
     return {"kv_offloading_size": size}
 
 
+# The EngineConfig fields of the `--kv-events-*` bounds (each flag is the field's name).
+_KV_EVENTS_BOUNDS = (
+    "kv_events_hwm", "kv_events_buffer_steps", "kv_events_max_queue_size", "kv_events_replay_hwm",
+)  # fmt: skip
+
+
 def _kv_events_settings(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of the `--kv-events-*` flags (publishing is off without
     `--kv-events-endpoint`)."""
+    _check_positive(args, *("--" + field.replace("_", "-") for field in _KV_EVENTS_BOUNDS))
+    bounds = {f: getattr(args, f) for f in _KV_EVENTS_BOUNDS if getattr(args, f) is not None}
     if args.kv_events_endpoint is None:
         if (
             args.kv_events_replay_endpoint is not None
             or args.kv_events_topic
             or args.kv_events_redact_prompts
+            or bounds
         ):
             raise ValueError(
-                "--kv-events-replay-endpoint, --kv-events-topic and --kv-events-redact-prompts "
-                "need --kv-events-endpoint"
+                "--kv-events-replay-endpoint, --kv-events-topic, --kv-events-redact-prompts "
+                "and the --kv-events-* bounds need --kv-events-endpoint"
             )
         return {}
     from jaxkv.kv_events_publisher import check_endpoint
@@ -106,6 +115,7 @@ def _kv_events_settings(args: argparse.Namespace) -> dict:
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
         "kv_events_topic": args.kv_events_topic,
         "kv_events_redact_prompts": args.kv_events_redact_prompts,
+        **bounds,
     }
 
 
@@ -127,6 +137,17 @@ def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
         help="publish BlockStored without token ids and extra keys (prompts, cache salts); "
         "block hashes still route",
     )  # fmt: skip
+    bounds = {
+        "hwm": "messages queued for each subscriber that does not read (the PUB socket's "
+        "high-water mark; default 100000)",
+        "buffer-steps": "messages kept for replay (default 10000)",
+        "max-queue-size": "batches waiting to be sent; past it the oldest is dropped "
+        "(default 100000)",
+        "replay-hwm": "replayed messages queued for each replay client; one that does not "
+        "read is dropped (default 1000)",
+    }
+    for name, help_text in bounds.items():
+        p.add_argument(f"--kv-events-{name}", type=int, metavar="N", help=help_text)
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:

@@ -132,7 +132,7 @@ def dense_check(model: TinyCausalLM, finished: dict, max_len: int) -> list[str]:
 
 
 def summarize(name: str, engine: LLMEngine, finished: dict, mismatched: list, wall_s: float):
-    steps = engine.stats.steps
+    steps = engine.stats.steps_since(0)  # the per-step series: every step of the run
     steady = [s for s in steps if s.compilations == 0]
     steady_s = sum(s.host_s + s.wait_s for s in steady)
     runner = engine.runner

@@ -6,12 +6,18 @@ big-endian, counting from 0) and the payload (`jaxkv.kv_events_wire`). An option
 ROUTER socket replays the last `buffer_steps` messages: a request `[b"", start_seq]`
 (8 bytes, big-endian) is answered with every buffered message whose sequence number is
 at least `start_seq`, as `[b"", topic, seq, payload]`, then the end marker
-`[b"", b"", (-1 as 8 signed bytes), b""]`.
+`[b"", b"", (-1 as 8 signed bytes), b""]`, a few messages at a time and at most
+`replay_hwm` queued per client (`jaxkv.kv_events_replay`).
+
+Memory is bounded: at most `max_queue_size` batches wait for the thread, `buffer_steps`
+messages are kept for replay, `hwm` messages wait for each subscriber and `replay_hwm`
+for each replay client.
 
 Publishing never blocks the caller: `publish` puts the step's events on a bounded queue
 and does nothing else. One thread, the publishing thread, owns the sockets (it opens,
-uses and closes them: a libzmq socket must only be used by the thread that owns it): it
-takes each batch off the queue, builds (`DeferredKVCacheEvent`), converts, encodes,
+uses and closes them: a libzmq socket must only be used by the thread that owns it, so
+`shutdown` stops the thread and the thread closes them): it takes each batch off the
+queue, builds (`DeferredKVCacheEvent`), converts, encodes,
 numbers and sends it, in order, and between batches answers replay requests. On a full
 queue the oldest batch is dropped and counted in `num_dropped` (it never gets a sequence
 number, so subscribers see no gap for it: the drop is the publisher's, reported by its
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 import zmq
 
 from jaxkv.kv_events import DeferredKVCacheEvent, KVCacheEvent
+from jaxkv.kv_events_replay import END_SEQ, ReplayServer
 from jaxkv.kv_events_wire import KVEventBatch, encode_event_batch, to_wire_events
 
 __all__ = [
@@ -56,8 +63,6 @@ logger = logging.getLogger("jaxkv")
 
 # One step's events; deferred ones are built by the thread that sends them.
 Events = Sequence[KVCacheEvent | DeferredKVCacheEvent]
-# The replay socket's end-of-replay sequence frame: -1 as 8 signed big-endian bytes.
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _NOBLOCK = zmq.NOBLOCK
 _SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
 
@@ -69,7 +74,9 @@ class KVEventsConfig:
 
     `endpoint` binds when it names a wildcard host (`*`, `::`) or an ipc/inproc address
     and connects otherwise; `replay_endpoint` always binds. Both are offset by the data
-    parallel rank (`offset_endpoint_port`).
+    parallel rank (`offset_endpoint_port`). The bounds (each a positive int): `hwm`
+    messages queued per subscriber, `buffer_steps` kept for replay, `max_queue_size`
+    batches waiting to be sent, and (jaxkv's) `replay_hwm` queued per replay client.
     """
 
     enable_kv_cache_events: bool = False
@@ -82,13 +89,14 @@ class KVEventsConfig:
     topic: str = ""
     int_block_hashes: bool = True
     redact_prompts: bool = False  # jaxkv's: `to_wire_events`'s redact_prompts
+    replay_hwm: int = 1_000
 
     def __post_init__(self) -> None:
         if self.publisher not in (None, "zmq", "null"):
             raise ValueError(
                 f"KVEventsConfig.publisher must be 'zmq' or 'null', got {self.publisher!r}"
             )
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
+        for name in ("buffer_steps", "hwm", "max_queue_size", "replay_hwm"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"KVEventsConfig.{name} must be a positive int, got {value!r}")
@@ -242,9 +250,11 @@ class ZmqEventPublisher(EventPublisher):
     buffer holds the last `buffer_steps` of them in order; `num_dropped` counts batches
     dropped from a full queue (never sent, never numbered); the queue holds at most
     `max_queue_size` batches. A batch's events must not change once published: the
-    publishing thread reads them when it sends them.
+    publishing thread reads them when it sends them. Once `shutdown` returns, the thread
+    has ended and closed both sockets.
     """
 
+    # How long `shutdown` lets the thread send what is queued before it drops the rest.
     SHUTDOWN_TIMEOUT = 1.0
     # With a replay socket, how long the idle publishing thread waits on the queue before
     # looking for replay requests again (vLLM's 0.1 s): the longest a replay waits.
@@ -261,6 +271,7 @@ class ZmqEventPublisher(EventPublisher):
         topic: str = "",
         int_block_hashes: bool = True,
         redact_prompts: bool = False,
+        replay_hwm: int = 1_000,
     ) -> None:
         super().__init__(data_parallel_rank)
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
@@ -275,11 +286,13 @@ class ZmqEventPublisher(EventPublisher):
         self.max_queue_size = max_queue_size
         self.num_sent = 0
         self._topic = topic.encode()
-        self._hwm, self._buffer_steps = hwm, buffer_steps
+        self._hwm, self._replay_hwm = hwm, replay_hwm
         self._queue = _BatchQueue(max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
+        self.replays: ReplayServer | None = None
+        self._abandon = threading.Event()  # set by `shutdown`: drop what is still queued
         self._open_error: zmq.ZMQError | None = None
         opened = threading.Event()
         self._thread = threading.Thread(
@@ -358,18 +371,23 @@ class ZmqEventPublisher(EventPublisher):
             self._pub.connect(self.endpoint)
         if self.replay_endpoint is not None:
             self._replay = ctx.socket(zmq.ROUTER)
-            # A full replay plus its end marker fits even when the peer reads slowly.
-            self._replay.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
+            self._replay.setsockopt(zmq.SNDHWM, self._replay_hwm)
+            # A client's full queue is reported (zmq.Again), not silently dropped from.
+            self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._replay.bind(self.replay_endpoint)
+            self.replays = ReplayServer(self._replay, self._topic, self._buffer)
 
     def _serve(self) -> None:
-        """Send each queued batch in order; between batches (and at least every
-        `REPLAY_POLL_INTERVAL` when idle) answer the waiting replay requests."""
-        get, done = self._queue.get, self._queue.task_done
-        timeout = None if self._replay is None else self.REPLAY_POLL_INTERVAL
+        """Send each queued batch in order; between batches (and every
+        `REPLAY_POLL_INTERVAL` when idle, `ReplayServer.ROUND_S` while replays are in
+        progress) answer replay requests. Ends at `_STOP`; once `shutdown` gives up
+        waiting, the batches still queued are dropped."""
+        get, done, replays = self._queue.get, self._queue.task_done, self.replays
         while True:
-            if self._replay is not None:
-                self._serve_replay()
+            timeout = None
+            if replays is not None:
+                due = replays.serve(self.num_sent, time.monotonic())
+                timeout = self.REPLAY_POLL_INTERVAL if due is None else due
             try:
                 batch = get(timeout=timeout)
             except queue.Empty:
@@ -377,7 +395,8 @@ class ZmqEventPublisher(EventPublisher):
             try:
                 if batch is _STOP:
                     return
-                self._send_batch(batch)
+                if not self._abandon.is_set():
+                    self._send_batch(batch)
             finally:
                 done()
 
@@ -413,27 +432,6 @@ class ZmqEventPublisher(EventPublisher):
         self._buffer.append((seq, payload))
         self.num_sent = seq + 1
 
-    def _serve_replay(self) -> None:
-        """Answer every waiting replay request."""
-        assert self._replay is not None
-        while self._replay.poll(0):
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                logger.warning(
-                    "KV events: ignored a replay request of %d frames; expected "
-                    "[identity, b'', start sequence (8 bytes)]",
-                    len(frames),
-                )
-                continue
-            client, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            for seq, payload in self._buffer:
-                if seq >= start_seq:
-                    self._replay.send_multipart(
-                        (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
-                    )
-            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
-
     def _close_sockets(self) -> None:
         """Close the sockets (on the publishing thread, which owns them)."""
         for sock in (self._pub, self._replay):
@@ -441,17 +439,21 @@ class ZmqEventPublisher(EventPublisher):
                 sock.close(linger=0)
 
     def shutdown(self) -> None:
+        """Stop the publishing thread (it sends what is queued within `SHUTDOWN_TIMEOUT`,
+        drops the rest, then closes its sockets) and wait for it; idempotent."""
         if not self._running:
             return
         self._running = False
         self._queue.put(_STOP)
         self._thread.join(self.SHUTDOWN_TIMEOUT)
-        if self._thread.is_alive():  # it closes the sockets when it gets to `_STOP`
+        if self._thread.is_alive():
             logger.warning(
-                "KV events: %d batches were not sent within %.1f s of shutdown",
+                "KV events: %d batches were not sent within %.1f s of shutdown; dropped",
                 self._queue.qsize() - 1,
                 self.SHUTDOWN_TIMEOUT,
             )
+            self._abandon.set()
+            self._thread.join()  # each send is non-blocking: it ends promptly
 
 
 class EventPublisherFactory:
@@ -472,4 +474,5 @@ class EventPublisherFactory:
             topic=config.topic,
             int_block_hashes=config.int_block_hashes,
             redact_prompts=config.redact_prompts,
+            replay_hwm=config.replay_hwm,
         )

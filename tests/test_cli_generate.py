@@ -122,8 +122,13 @@ def test_prompt_encoder_matches_transformers(tmp_path) -> None:
          "--gpu-memory-utilization must be in (0, 1]"),
         (["--prompt-token-ids", "1", "--chat"], "--chat needs --prompt"),
         (["--prompt-token-ids", "1", "--kv-events-topic", "t"],
-         "--kv-events-replay-endpoint, --kv-events-topic and --kv-events-redact-prompts need "
-         "--kv-events-endpoint"),
+         "--kv-events-redact-prompts and the --kv-events-* bounds need --kv-events-endpoint"),
+        (["--prompt-token-ids", "1", "--kv-events-redact-prompts"],
+         "--kv-events-redact-prompts and the --kv-events-* bounds need --kv-events-endpoint"),
+        (["--prompt-token-ids", "1", "--kv-events-buffer-steps", "5"],
+         "bounds need --kv-events-endpoint"),
+        (["--prompt-token-ids", "1", "--kv-events-endpoint", "tcp://*:5557",
+          "--kv-events-hwm", "0"], "--kv-events-hwm must be a positive integer, got 0"),
         (["--prompt-token-ids", "1", "--kv-events-endpoint", "localhost:5557"],
          "--kv-events-endpoint must be a ZeroMQ address"),
         (["--prompt-token-ids", "1", "--kv-events-endpoint", "tcp://127.0.0.1:99999"],
@@ -189,9 +194,13 @@ def test_kv_events_flags_publish_the_batch(checkpoint, capsys, tmp_path, monkeyp
         checkpoint, capsys, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2",
         "--max-num-seqs", "1", "--kv-cache-memory", "4MiB", "--kv-events-endpoint", endpoint,
         "--kv-events-replay-endpoint", f"ipc://{tmp_path}/replay", "--kv-events-topic", "kv",
+        "--kv-events-hwm", "50", "--kv-events-buffer-steps", "7", "--kv-events-max-queue-size",
+        "11", "--kv-events-replay-hwm", "9",
     )  # fmt: skip
     (publisher,) = engines[0].kv_event_publishers
     assert publisher.endpoint == endpoint and publisher.replay_endpoint.endswith("/replay")
+    assert (publisher._hwm, publisher._buffer.maxlen, publisher.max_queue_size) == (50, 7, 11)
+    assert publisher._replay_hwm == 9
     assert publisher.num_sent > 0 and publisher.num_dropped == 0
     with pytest.raises(RuntimeError, match="shut down"):
         publisher.publish([])

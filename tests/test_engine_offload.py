@@ -174,7 +174,7 @@ def test_store_at_eviction_multi_turn_tokens_equal_and_only_evicted_blocks_store
     assert stored and stored <= set().union(*evicted)
     assert all(keys <= evicted[n] for n, keys in taken)
     assert set().union(*(keys for _, keys in taken)) >= stored
-    stats = engine.stats.steps[-len(evicted) :]
+    stats = engine.stats.steps_since(engine.num_steps - len(evicted))
     grew = [n for n, s in enumerate(stats) if s.host_stored_bytes]
     assert grew and all(evicted[n] or evicted[n - 1] or evicted[n - 2] for n in grew)
     later = [o for outputs in with_tier[1:] for o in outputs]

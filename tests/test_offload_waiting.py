@@ -123,7 +123,8 @@ def test_a_request_waits_for_its_load_while_others_run(text_model, text_referenc
     # and the returning requests computed the rest.
     assert all(s["after"] == set(ids[:2]) for s in seen[:4])
     assert all(s["scheduled"] == set(ids[2:]) for s in seen[:4])
-    assert [s.num_loading for s in engine.stats.steps[-len(seen) :][:4]] == [2] * 4
+    recent = engine.stats.steps_since(engine.num_steps - len(seen))
+    assert [s.num_loading for s in recent[:4]] == [2] * 4
     assert [done[r].num_host_cached_tokens for r in ids] == [40, 40, 0, 0]
     assert engine.stats.total("host_hit_tokens") >= 80  # more: preempted ones come back
     without = LLMEngine(text_model, dataclasses.replace(TIER, kv_offloading_size=None))
@@ -203,9 +204,9 @@ def test_with_only_a_load_pending_the_engine_waits_for_its_staging(text_model, t
     computes: two empty steps, however long the staging takes, not one per poll."""
     engine = LLMEngine(text_model, TIER)
     returning = served(engine, [np.random.default_rng(6).integers(3, 512, 40).tolist()])
-    first_step = len(engine.stats.steps)
+    first_step = engine.num_steps
     (out,) = engine.generate(returning, GREEDY)
-    steps = engine.stats.steps[first_step:]
+    steps = engine.stats.steps_since(first_step)
     assert [s.num_loading for s in steps[:2]] == [1, 0]
     # (With async scheduling the last step only collects the last token.)
     assert [s.num_scheduled_requests for s in steps[:-1]] == [0, 0] + [1] * (len(steps) - 3)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv.block_pool import check_tenant_block_quotas
-from jaxkv.kv_events_publisher import check_endpoint
+from jaxkv.engine.stats import DEFAULT_WINDOW_STEPS
+from jaxkv.kv_events_publisher import KVEventsConfig, check_endpoint
 
 __all__ = ["EngineConfig", "check_config"]
 
@@ -29,6 +30,15 @@ class EngineConfig:
     (`jaxkv.kv_events_publisher`), data rank `k` on the endpoint's port + `k`;
     `kv_events_replay_endpoint` adds the replay socket; `kv_events_topic` is the topic
     frame; `kv_events_int_block_hashes=False` sends digest bytes instead of 64-bit ints.
+    What KV events may hold in memory, per data rank (vLLM's `KVEventsConfig` names):
+    `kv_events_hwm` messages queued for each subscriber that does not read (the PUB
+    socket's high-water mark; past it that subscriber misses messages),
+    `kv_events_buffer_steps` messages kept for replay, `kv_events_max_queue_size`
+    batches waiting for the publishing thread (past it the oldest is dropped), and
+    `kv_events_replay_hwm` replayed messages queued for each replay client (one that
+    does not read is dropped; `jaxkv.kv_events_replay`).
+    `stats_window_steps`: the recent steps `LLMEngine.stats.steps` keeps; the totals
+    (`stats.summary()`) cover the whole run whatever it is.
     `kv_offloading_size` (vLLM's name; bytes, None: off) keeps blocks in a host-memory
     tier behind the device pool (`jaxkv.engine.offload`), evicting by
     `kv_offloading_policy` ("lru" or "arc"), with optional per-`cache_salt` byte caps
@@ -80,12 +90,17 @@ class EngineConfig:
     kv_events_topic: str = ""
     kv_events_int_block_hashes: bool = True
     kv_events_redact_prompts: bool = False  # publish no token ids or salts (README: tenants)
+    kv_events_hwm: int = KVEventsConfig.hwm
+    kv_events_buffer_steps: int = KVEventsConfig.buffer_steps
+    kv_events_max_queue_size: int = KVEventsConfig.max_queue_size
+    kv_events_replay_hwm: int = KVEventsConfig.replay_hwm
     kv_offloading_size: int | None = None  # bytes of host memory, e.g. 8 * 2**30
     kv_offloading_policy: str = "lru"
     kv_offloading_store: str = "finished"  # or "evicted": when blocks go to the host tier
     kv_offloading_tenant_quotas: Mapping[str, int] | None = None
     device_tenant_block_quotas: Mapping[str, int] | None = None
     enable_kv_cache_events: bool = False
+    stats_window_steps: int = DEFAULT_WINDOW_STEPS
 
 
 # The fields that hold a positive int or None.
@@ -93,18 +108,24 @@ _POSITIVE_OR_NONE = (
     "block_size", "kv_cache_memory", "num_blocks", "max_model_len", "encoder_cache_size",
     "encoder_compute_budget",
 )  # fmt: skip
+# The fields that hold a positive int.
+_POSITIVE = (
+    "kv_events_hwm", "kv_events_buffer_steps", "kv_events_max_queue_size",
+    "kv_events_replay_hwm", "stats_window_steps",
+)  # fmt: skip
 
 
 def check_config(c: EngineConfig) -> Mapping[str, int] | None:
     """Raise ValueError/TypeError naming the first bad field of `c`; called before the
     device memory is allocated, so a bad config changes nothing. Returns the checked
     `device_tenant_block_quotas` (None: off)."""
-    for name in _POSITIVE_OR_NONE:
+    for name in (*_POSITIVE_OR_NONE, *_POSITIVE):
         value = getattr(c, name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
-        ):
-            raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
+        if value is None and name in _POSITIVE_OR_NONE:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            allowed = "a positive int or None" if name in _POSITIVE_OR_NONE else "a positive int"
+            raise ValueError(f"EngineConfig.{name} must be {allowed}, got {value!r}")
     if c.memory_utilization is not None and not 0 < c.memory_utilization <= 1:
         raise ValueError(
             f"EngineConfig.memory_utilization must be in (0, 1], got {c.memory_utilization!r}"

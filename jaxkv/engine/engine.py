@@ -81,6 +81,12 @@ class LLMEngine:
     Several processes (`jaxkv.engine.multihost.initialize` first, the same model, config
     and mesh on each, checked at construction): requests enter on process 0; the others
     call `follow()` until process 0's `shutdown()`. Every process holds the same host state.
+
+    Shut down is a state: after `shutdown()` (idempotent) every call that would change
+    or run the engine (`add_request`, `abort`, `step`, `generate`, `follow`,
+    `reset_prefix_cache`, `take_kv_events`, `warm_up`) raises RuntimeError before it
+    changes anything; what was running stays as it was (its blocks included), readable
+    through `stats`, `num_free_blocks`, `has_unfinished_requests()` and the managers.
     """
 
     def __init__(
@@ -105,7 +111,9 @@ class LLMEngine:
         hash_fn = get_hash_fn_by_name(self.config.hash_fn)
         init_none_hash(hash_fn)
         self._in_flight: _InFlight | None = None
-        self.stats = EngineStats(tier_snapshot=self._tiers.snapshot)
+        self.stats = EngineStats(
+            window_steps=int(self.config.stats_window_steps), tier_snapshot=self._tiers.snapshot
+        )
         self._requests = RequestTable(
             self.schedulers,
             tokenizer=tokenizer,
@@ -117,6 +125,15 @@ class LLMEngine:
             stats=self.stats,
         )
         self.num_steps = 0
+        self.is_shut_down = False
+
+    def _check_open(self, call: str) -> None:
+        """RuntimeError naming `call` once the engine is shut down (see the class)."""
+        if self.is_shut_down:
+            raise RuntimeError(
+                f"LLMEngine.{call}: the engine is shut down (shutdown() was called); "
+                "build a new LLMEngine to serve again"
+            )
 
     def _build_ranks(self, device_quotas, budget) -> None:
         """Each data rank's KV cache manager, host tier, event publisher and scheduler
@@ -149,6 +166,7 @@ class LLMEngine:
         pool's (`medium="GPU"`), then its host tier's (`medium="CPU"`), with
         `AllBlocksCleared` from `reset_prefix_cache`; the same events an endpoint
         publishes. Needs `EngineConfig(enable_kv_cache_events=True)`."""
+        self._check_open("take_kv_events")
         return self._events.take(data_rank)
 
     def reset_prefix_cache(self) -> bool:
@@ -156,6 +174,7 @@ class LLMEngine:
         nothing on the ranks still holding blocks, while requests run. The host tier is
         cleared with the device pool (its `AllBlocksCleared` has `medium="CPU"`). The
         `AllBlocksCleared` events go out now, not with the next step."""
+        self._check_open("reset_prefix_cache")
         self._replay.check("reset_prefix_cache")
         self._replay.record("reset_prefix_cache")
         reset = all([manager.reset_prefix_cache() for manager in self.kv_cache_managers])
@@ -166,7 +185,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Flush and close the KV event publishers (nothing else holds resources); on
-        process 0 of several, release the others from `follow()`."""
+        process 0 of several, release the others from `follow()`. The engine refuses
+        every further call that would change or run it (see the class); a second
+        `shutdown()` does nothing."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
         self._replay.stop()
         self._events.shutdown()
 
@@ -174,6 +198,7 @@ class LLMEngine:
 
     def warm_up(self) -> int:
         """Compile every step shape now, so serving compiles nothing; returns the count."""
+        self._check_open("warm_up")
         count = self.runner.warm_up()
         self._tiers.warm_up()
         return count
@@ -196,6 +221,7 @@ class LLMEngine:
         `lora_request`: the engine serves no LoRA adapters, so anything but None is
         refused (vLLM's behaviour without `enable_lora`).
         """
+        self._check_open("add_request")
         self._replay.check("add_request")
         new = self._requests.check(prompt, images, sampling, request_id, cache_salt, lora_request)
         rank = 0
@@ -213,6 +239,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request now; KeyError naming it when no unfinished request has that id.
         Its final output (`finish_reason="abort"`) comes with the next `step()`."""
+        self._check_open("abort")
         self._replay.check("abort")
         rank = self._requests.rank_of.get(request_id)
         if rank is None:
@@ -249,10 +276,12 @@ class LLMEngine:
         Several processes: process 0's calls since the last step are replayed on the others
         first (`multihost.RequestStream`), so every process schedules the same step.
         """
+        self._check_open("step")
         return self._replay.step(self._step, self._apply)
 
     def follow(self) -> None:
         """On a process other than 0: step with process 0 until it shuts its engine down."""
+        self._check_open("follow")
         self._replay.follow(self._step, self._apply)
 
     def _apply(self, op: multihost.Op) -> None:
@@ -358,8 +387,9 @@ class LLMEngine:
 
         A prompt the engine cannot accept gets an output with `error` set; the others
         are served. `on_step` sees each step's streamed outputs. `cache_salt`: every
-        prompt's (see `add_request`).
+        prompt's (see `add_request`). RuntimeError, serving nothing, once shut down.
         """
+        self._check_open("generate")
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if on_step is None:  # nobody sees the streamed outputs: make none (as vLLM's LLM)

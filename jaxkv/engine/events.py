@@ -35,6 +35,10 @@ def make_publishers(c: EngineConfig, num_ranks: int) -> list[EventPublisher]:
         topic=c.kv_events_topic,
         int_block_hashes=c.kv_events_int_block_hashes,
         redact_prompts=c.kv_events_redact_prompts,
+        hwm=int(c.kv_events_hwm),
+        buffer_steps=int(c.kv_events_buffer_steps),
+        max_queue_size=int(c.kv_events_max_queue_size),
+        replay_hwm=int(c.kv_events_replay_hwm),
     )
     publishers: list[EventPublisher] = []
     try:

@@ -1,16 +1,19 @@
-"""Per-step engine statistics and their running totals."""
+"""Per-step engine statistics: running totals over the whole run and a bounded window of
+the most recent steps (as vLLM's stat loggers keep intervals, not every step), so a
+server that never stops holds a fixed amount of them."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from jaxkv._checks import DEFAULT_TENANT_QUOTA_KEY
+from jaxkv._checks import DEFAULT_TENANT_QUOTA_KEY, check_int
 from jaxkv.host_tier import HostTierStats
 from jaxkv.host_tier import TenantStats as HostTenantStats
 
 
-@dataclass
+@dataclass(slots=True)
 class StepStats:
     """One `LLMEngine.step()`.
 
@@ -93,18 +96,59 @@ TierSnapshot = Callable[
 ]
 
 
+# The `StepStats` fields kept as running totals (`EngineStats.total`): all but the step's
+# number; `summary()` leaves out the gauges too (their sum means nothing).
+_TOTALLED = tuple(f.name for f in fields(StepStats) if f.name != "step")
+_GAUGES = ("kv_usage", "num_running", "num_waiting", "num_loading")
+DEFAULT_WINDOW_STEPS = 10_000
+
+
 @dataclass
 class EngineStats:
-    """Totals over every step since the engine started, and per cache
-    salt (`by_salt[None]`: requests without a salt) the prefix-cache use of its requests;
-    `tenants()` adds each salt's figures in the device pool and the host tier."""
+    """Totals over every step since the engine started, the last `window_steps` steps
+    themselves (`steps`, oldest first), and per cache salt (`by_salt[None]`: requests
+    without a salt) the prefix-cache use of its requests; `tenants()` adds each salt's
+    figures in the device pool and the host tier.
 
-    steps: list[StepStats] = field(default_factory=list)
+    Invariants: `num_steps` counts every step recorded; `totals[name]` is the sum of
+    field `name` over all of them (added in order, so the same float `sum()` over a list
+    of every step gives); `steps` holds the last `min(num_steps, window_steps)` of them;
+    memory and `summary()`'s cost do not grow with the run's length."""
+
+    window_steps: int = DEFAULT_WINDOW_STEPS
+    steps: deque[StepStats] = field(init=False)
+    num_steps: int = field(default=0, init=False)
+    totals: dict[str, float] = field(init=False)
+    max_kv_usage: float = field(default=0.0, init=False)
     by_salt: dict[str | None, TenantStats] = field(default_factory=dict)
     tier_snapshot: TierSnapshot | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.window_steps = check_int("EngineStats.window_steps", self.window_steps, min_value=1)
+        self.steps = deque(maxlen=self.window_steps)
+        self.totals = dict.fromkeys(_TOTALLED, 0)
+
     def record(self, step: StepStats) -> None:
         self.steps.append(step)
+        self.num_steps += 1
+        totals = self.totals
+        for name in _TOTALLED:
+            totals[name] += getattr(step, name)
+        self.max_kv_usage = max(self.max_kv_usage, step.kv_usage)
+
+    def steps_since(self, step: int) -> list[StepStats]:
+        """The recorded steps numbered `step` or later (`StepStats.step`, the engine's
+        `num_steps` when it ran), oldest first; ValueError when the window no longer
+        holds all of them."""
+        kept = self.steps
+        first = kept[0].step if kept else self.num_steps
+        if step < first and self.num_steps > len(kept):
+            raise ValueError(
+                f"steps from {step} on are not all kept: the window holds the last "
+                f"{self.window_steps} steps (from {first}); raise "
+                "EngineConfig.stats_window_steps to keep more"
+            )
+        return [s for s in kept if s.step >= step]
 
     def record_admission(
         self, salt: str | None, prompt_tokens: int, cached_tokens: int, host_cached_tokens: int = 0
@@ -138,7 +182,13 @@ class EngineStats:
         return out
 
     def total(self, name: str) -> float:
-        return sum(getattr(s, name) for s in self.steps)
+        """Field `name` of `StepStats` summed over every step recorded."""
+        try:
+            return self.totals[name]
+        except KeyError:
+            raise ValueError(
+                f"no running total named {name!r}; totals are kept of {', '.join(_TOTALLED)}"
+            ) from None
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -157,13 +207,14 @@ class EngineStats:
         return self.total("encoder_hits") / total if total else 0.0
 
     def summary(self) -> dict[str, float]:
-        """Totals of every counter, plus the hit rates."""
-        out: dict[str, float] = {"steps": len(self.steps)}
-        for f in fields(StepStats):
-            if f.name not in ("step", "kv_usage", "num_running", "num_waiting", "num_loading"):
-                out[f.name] = self.total(f.name)
+        """Totals of every counter over the whole run, plus the hit rates and the highest
+        KV usage; from the running totals (its cost does not grow with the run)."""
+        out: dict[str, float] = {"steps": self.num_steps}
+        for name in _TOTALLED:
+            if name not in _GAUGES:
+                out[name] = self.totals[name]
         out["prefix_hit_rate"] = self.prefix_hit_rate
         out["encoder_hit_rate"] = self.encoder_hit_rate
         out["host_hit_rate"] = self.host_hit_rate
-        out["max_kv_usage"] = max((s.kv_usage for s in self.steps), default=0.0)
+        out["max_kv_usage"] = self.max_kv_usage
         return out
