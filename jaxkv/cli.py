@@ -167,15 +167,10 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxkv.device.compilation_cache import enable_compilation_cache
-    from jaxkv.engine import EngineConfig, LLMEngine
     from jaxkv.models.prompting import PromptEncoder
 
-    _check_positive(
-        args, "--max-tokens", "--max-model-len", "--max-num-batched-tokens", "--num-blocks",
-        "--max-num-seqs", "--tensor-parallel-size", "--data-parallel-size",
-    )  # fmt: skip
-    kv_events = _kv_events_settings(args)
+    _check_positive(args, "--max-tokens")
+    kv_events = check_engine_flags(args)
     try:
         from jaxkv import models
     except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
@@ -202,21 +197,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     images = [_load_image(args.model, args.image)] if args.image else None
     if images and len(prompts) > 1:
         raise ValueError("--image goes with one prompt (--prompt or --prompt-token-ids)")
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
-        **kv_events, **_offloading_settings(args),
-    )  # fmt: skip
-    enable_compilation_cache(args.compilation_cache)  # loading compiles programs too
-    scan_layers = {"auto": None, "on": True, "off": False}[args.scan_layers]
-    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh, scan_layers=scan_layers)
+    engine, model = load_engine(args, tokenizer, mesh, kv_events)
     if images:
         image_token_id = getattr(model.config, "image_token_id", None)
         if image_token_id is not None and image_token_id not in prompts[0]:
             prompts[0] = [image_token_id] + prompts[0]  # the image goes before the text
-    engine = LLMEngine(model, config, tokenizer=tokenizer, mesh=mesh)
     try:
         if distributed and distributed.process_id != 0:
             engine.follow()  # process 0 takes the requests and prints the outputs
@@ -230,6 +215,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         multihost.shutdown()
     return status
+
+
+def check_engine_flags(args: argparse.Namespace) -> dict:
+    """The engine flags' own checks (`add_engine_arguments`), before anything loads; the
+    EngineConfig fields of the `--kv-events-*` flags."""
+    _check_positive(
+        args, "--max-model-len", "--max-num-batched-tokens", "--num-blocks", "--max-num-seqs",
+        "--tensor-parallel-size", "--data-parallel-size",
+    )  # fmt: skip
+    return _kv_events_settings(args)
+
+
+def load_engine(args: argparse.Namespace, tokenizer, mesh, kv_events: dict):
+    """The engine the engine flags ask for, on `mesh`, and its model (weights read last:
+    a bad size is reported before)."""
+    from jaxkv import models
+    from jaxkv.device.compilation_cache import enable_compilation_cache
+    from jaxkv.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
+        **kv_events, **_offloading_settings(args),
+    )  # fmt: skip
+    enable_compilation_cache(args.compilation_cache)  # loading compiles programs too
+    scan_layers = {"auto": None, "on": True, "off": False}[args.scan_layers]
+    model = models.load_model(args.model, dtype=args.dtype, mesh=mesh, scan_layers=scan_layers)
+    return LLMEngine(model, config, tokenizer=tokenizer, mesh=mesh), model
 
 
 def _join(args: argparse.Namespace):
@@ -522,24 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="text (needs tokenizer.json beside the checkpoint)")
-    group.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    group.add_argument(
-        "--prompts", metavar="FILE",
-        help='one prompt a line, or JSONL {"prompt": ..., "max_tokens": N}: served as one '
-        "batch with prefix caching; prints tokens/s",
-    )  # fmt: skip
-    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
-    p.add_argument("--image", help="a PNG/JPEG, preprocessed as preprocessor_config.json says")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that size and build the engine (`generate` and `serve` take them)."""
     p.add_argument(
         "--max-model-len", type=int,
         help="default: the longest request the KV cache holds, at most the checkpoint's",
@@ -560,7 +559,6 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
-    p.add_argument("--cache-salt", help="tenant key: prefix-cache blocks are shared only within it")
     p.add_argument(
         "--scan-layers", choices=("auto", "on", "off"), default="auto",
         help="one scanned layer body (on CPU, decode copies each layer's weights) or one "
@@ -580,8 +578,31 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
         "--data-parallel-size", type=int, default=1,
         help="devices on the mesh's data axis (requests spread over them)",
     )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print prompt and output token ids")
+
     add_kv_events_arguments(p)
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="text (needs tokenizer.json beside the checkpoint)")
+    group.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    group.add_argument(
+        "--prompts", metavar="FILE",
+        help='one prompt a line, or JSONL {"prompt": ..., "max_tokens": N}: served as one '
+        "batch with prefix caching; prints tokens/s",
+    )  # fmt: skip
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
+    p.add_argument("--image", help="a PNG/JPEG, preprocessed as preprocessor_config.json says")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--cache-salt", help="tenant key: prefix-cache blocks are shared only within it")
+    add_engine_arguments(p)
+    p.add_argument("--json", action="store_true", help="print prompt and output token ids")
     add_distributed_arguments(p)
     p.set_defaults(func=cmd_generate)
 

@@ -84,7 +84,7 @@ class PromptEncoder:
 
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         if chat:
-            return list(self.tokenizer.encode(self.render_chat(text), add_special_tokens=False).ids)
+            return self.encode_chat([{"role": "user", "content": text}])
         if self.add_bos is None and self.add_eos is None:
             return list(self.tokenizer.encode(text).ids)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -96,6 +96,11 @@ class PromptEncoder:
 
     def render_chat(self, text: str) -> str:
         """The chat template applied to one user message, with the generation prompt."""
+        return self.render_messages([{"role": "user", "content": text}])
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to `messages` (`role`, `content`), with the
+        generation prompt, as transformers' `apply_chat_template` renders it."""
         if self.chat_template is None:
             raise ValueError(
                 "--chat needs a chat template (tokenizer_config.json's chat_template or "
@@ -103,8 +108,14 @@ class PromptEncoder:
             )
         return render_chat_template(
             self.chat_template,
-            messages=[{"role": "user", "content": text}],
+            messages=messages,
             add_generation_prompt=True,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """`messages` through the chat template, tokenized without added special tokens
+        (the template writes them)."""
+        text = self.render_messages(messages)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)

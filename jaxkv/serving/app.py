@@ -1,0 +1,337 @@
+"""`jaxkv serve`'s HTTP API: the OpenAI endpoints `vllm serve` has, over one `EngineLoop`.
+
+Every handler runs on the event loop and only talks to the engine through the loop's
+queue. A client's mistake is HTTP 400 (404 for an unknown model) with OpenAI's error
+object, never a 500; a full server is 503 with `Retry-After`; a client that goes away
+aborts its requests (their blocks are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull, RequestStream
+from jaxkv.serving.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from jaxkv.serving.protocol import ClientError, GenerationRequest, parse_chat, parse_completion
+
+__all__ = ["ServedModel", "build_app"]
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServedModel:
+    """What the server needs of the model besides the engine: its name, its longest
+    sequence, its tokenizer (None: token ids only) and prompt encoder (chat templates)."""
+
+    name: str
+    max_model_len: int
+    tokenizer: object | None = None
+    encoder: object | None = None
+
+
+def _error(error: ClientError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def _json_body(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise ClientError(f"the request body is not valid JSON ({error})") from None
+
+
+def build_app(loop: EngineLoop, model: ServedModel, metrics: ServerMetrics) -> FastAPI:
+    """The FastAPI app serving `model` through `loop` (module docstring)."""
+    app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
+    generation = _Generation(loop, model, metrics)
+
+    @app.exception_handler(ClientError)
+    async def client_error(_request: Request, error: ClientError) -> JSONResponse:
+        return _error(error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if loop.failure else 200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        from importlib.metadata import version as package_version
+
+        return {"version": package_version("jaxkv")}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "jaxkv",
+            "root": model.name,
+            "max_model_len": model.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await _json_body(request)
+        tokens = _tokenize(body, model)
+        return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await _json_body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            raise ClientError("tokens must be a list of token ids", "tokens")
+        if model.tokenizer is None:
+            raise ClientError("detokenizing needs the model's tokenizer.json", "tokens")
+        return {"prompt": model.tokenizer.decode(tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        try:
+            reset = await loop.call(lambda engine: engine.reset_prefix_cache())
+        except EngineLoopClosed as error:
+            raise ClientError(str(error), status=503) from None
+        return Response(status_code=200 if reset else 409)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        parsed = parse_completion(body, model.name, model.tokenizer, model.max_model_len)
+        return await generation.respond(parsed, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _json_body(request)
+        parsed = parse_chat(body, model.name, model.encoder, model.max_model_len)
+        return await generation.respond(parsed, request)
+
+    return app
+
+
+def _tokenize(body: object, model: ServedModel) -> list[int]:
+    if not isinstance(body, dict):
+        raise ClientError("the request body must be a JSON object")
+    if model.tokenizer is None:
+        raise ClientError("tokenizing needs the model's tokenizer.json")
+    if "messages" in body:
+        parsed = parse_chat(
+            {"messages": body["messages"]}, model.name, model.encoder, model.max_model_len
+        )
+        return parsed.prompts[0]
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ClientError("prompt must be text (or give messages)", "prompt")
+    add_special = body.get("add_special_tokens", True)
+    if model.encoder is not None and add_special is True:
+        return model.encoder.encode(prompt)
+    return list(model.tokenizer.encode(prompt, add_special_tokens=bool(add_special)).ids)
+
+
+class _Generation:
+    """Runs one completions or chat call: its requests (prompt × sample) through the
+    loop, the response whole or as server-sent events."""
+
+    def __init__(self, loop: EngineLoop, model: ServedModel, metrics: ServerMetrics) -> None:
+        self.loop, self.model, self.metrics = loop, model, metrics
+
+    async def respond(self, parsed: GenerationRequest, request: Request) -> Response:
+        streams = await self._submit(parsed)
+        if parsed.stream:
+            return StreamingResponse(self._events(parsed, streams), media_type="text/event-stream")
+        watcher = asyncio.ensure_future(_disconnected(request))
+        collected = asyncio.ensure_future(self._collect(parsed, streams))
+        done, _ = await asyncio.wait({watcher, collected}, return_when=asyncio.FIRST_COMPLETED)
+        if collected not in done:  # the client went away: stop its requests
+            for stream in streams:
+                self.loop.abort(stream.request_id)
+            collected.cancel()
+            return Response(status_code=499)
+        watcher.cancel()
+        return JSONResponse(collected.result())
+
+    async def _submit(self, parsed: GenerationRequest) -> list[RequestStream]:
+        """One request per prompt and sample, in choice order; all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt in parsed.prompts:
+                for sampling in parsed.samplings:
+                    stream = await self.loop.submit(
+                        prompt, sampling=sampling, cache_salt=parsed.cache_salt
+                    )
+                    streams.append(stream)
+        except BaseException as error:
+            for stream in streams:
+                self.loop.abort(stream.request_id)
+            raise _as_client_error(error) from None
+        return streams
+
+    async def _outputs(self, parsed: GenerationRequest, streams: list[RequestStream]):
+        """(choice index, new tokens, new text, finish reason or None), as they come."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, stream: RequestStream) -> None:
+            prompt_len = len(parsed.prompts[index // parsed.n])
+            timer = RequestTimer(self.metrics, stream.arrival, prompt_len)
+            while True:
+                at, output = await stream.get()
+                timer.tokens(at, len(output.new_token_ids))
+                await merged.put((index, output))
+                if output.finished:
+                    timer.finished(at)
+                    return
+
+        tasks = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
+        unfinished = set(range(len(streams)))
+        try:
+            while unfinished:
+                index, output = await merged.get()
+                if output.finished:
+                    unfinished.discard(index)
+                yield index, output
+        finally:  # also when the consumer stops early (a client that went away)
+            for task in tasks:
+                task.cancel()
+            for index in unfinished:
+                self.loop.abort(streams[index].request_id)
+
+    async def _collect(self, parsed: GenerationRequest, streams: list[RequestStream]) -> dict:
+        choices = [{"tokens": 0, "text": [], "finish_reason": None} for _ in streams]
+        async for index, output in self._outputs(parsed, streams):
+            choice = choices[index]
+            choice["tokens"] += len(output.new_token_ids)
+            choice["text"].append(output.text or "")
+            if output.finished:
+                _check_failed(output)
+                choice["finish_reason"] = _finish_reason(output)
+        return _response(parsed, choices)
+
+    async def _events(
+        self, parsed: GenerationRequest, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
+        """Server-sent events: chunks as tokens come, the usage chunk when asked, then
+        `data: [DONE]`."""
+        tokens = [0] * len(streams)
+        if parsed.kind == "chat":
+            for index in range(len(streams)):
+                yield _sse(_chunk(parsed, index, {"role": "assistant", "content": ""}, None))
+        async for index, output in self._outputs(parsed, streams):
+            tokens[index] += len(output.new_token_ids)
+            reason = _finish_reason(output) if output.finished else None
+            if output.finished and output.finish_reason == "error":
+                yield _sse(ClientError(output.error or "the request failed", status=500).body())
+                continue
+            text = output.text or ""
+            if text or reason is not None:
+                delta = {"content": text} if parsed.kind == "chat" else text
+                yield _sse(_chunk(parsed, index, delta, reason))
+        if parsed.include_usage:
+            yield _sse(
+                {**_envelope(parsed, chunk=True), "choices": [], "usage": _usage(parsed, tokens)}
+            )
+        yield "data: [DONE]\n\n"
+
+
+def _as_client_error(error: BaseException) -> BaseException:
+    """The engine's refusal of a request (bad input) as a 400; a full or closing loop
+    as a 503; anything else unchanged."""
+    if isinstance(error, ClientError):
+        return error
+    if isinstance(error, QueueFull | EngineLoopClosed):
+        return ClientError(f"the server is busy: {error}", status=503)
+    if isinstance(error, ValueError | TypeError | KeyError):
+        return ClientError(str(error).strip("'\""), "prompt")
+    return error
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _check_failed(output) -> None:
+    if output.finish_reason == "error":
+        raise ClientError(output.error or "the request failed", status=500)
+
+
+def _finish_reason(output) -> str:
+    return output.finish_reason or "stop"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _envelope(parsed: GenerationRequest, chunk: bool) -> dict:
+    kind = {"completion": "text_completion", "chat": "chat.completion"}[parsed.kind]
+    if chunk and parsed.kind == "chat":
+        kind = "chat.completion.chunk"
+    return {"id": parsed.id, "object": kind, "created": parsed.created, "model": parsed.model}
+
+
+def _chunk(parsed: GenerationRequest, index: int, delta, reason: str | None) -> dict:
+    if parsed.kind == "chat":
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {
+            "index": index,
+            "text": delta,
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": None,
+        }
+    return {**_envelope(parsed, chunk=True), "choices": [choice]}
+
+
+def _usage(parsed: GenerationRequest, tokens: list[int]) -> dict:
+    prompt = sum(len(p) for p in parsed.prompts)
+    completion = sum(tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _response(parsed: GenerationRequest, choices: list[dict]) -> dict:
+    out = []
+    for index, choice in enumerate(choices):
+        text = "".join(choice["text"])
+        if parsed.kind == "chat":
+            out.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": choice["finish_reason"],
+                }
+            )
+        else:
+            out.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": choice["finish_reason"],
+                    "stop_reason": None,
+                }
+            )
+    usage = _usage(parsed, [c["tokens"] for c in choices])
+    return {**_envelope(parsed, chunk=False), "choices": out, "usage": usage}

@@ -1,0 +1,58 @@
+"""`jaxkv serve --model DIR [engine flags] --host 127.0.0.1 --port 8000`: the OpenAI API
+over one engine in this process (several processes: run one server each and route in
+front, `examples/kv_aware_routing.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["add_serve_parser"]
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from jaxkv.cli import add_engine_arguments
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's endpoints)")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--max-pending-requests", type=int, default=1024, metavar="N",
+        help="requests admitted at once (running and waiting); past it the server answers "
+        "503 with Retry-After",
+    )  # fmt: skip
+    p.add_argument(
+        "--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+        help="on SIGTERM, time in-flight requests get to finish before they are aborted",
+    )  # fmt: skip
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxkv import cli, models
+    from jaxkv.models.prompting import PromptEncoder
+    from jaxkv.serving.app import ServedModel
+    from jaxkv.serving.server import Server, check_port_free
+
+    kv_events = cli.check_engine_flags(args)
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    if not 0 <= args.shutdown_grace <= 86400:
+        raise ValueError(f"--shutdown-grace must be in [0, 86400] seconds, got {args.shutdown_grace}")
+    check_port_free(args.host, args.port)
+    mesh = cli.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
+    tokenizer = models.load_tokenizer(args.model)
+    encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)
+    engine, _ = cli.load_engine(args, tokenizer, mesh, kv_events)
+    name = args.served_model_name or str(Path(args.model))
+    served = ServedModel(name, engine.config.max_model_len, tokenizer, encoder)
+    server = Server(
+        engine, served, host=args.host, port=args.port,
+        max_pending=args.max_pending_requests, grace_s=args.shutdown_grace,
+    )  # fmt: skip
+    print(f"jaxkv serve: {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    return server.run()

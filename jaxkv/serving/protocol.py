@@ -1,0 +1,228 @@
+"""The OpenAI API's request bodies, checked field by field, and its response objects.
+
+A bad field is a `ClientError` naming it (`param`) and what is allowed: the server
+answers it as OpenAI does, HTTP 400 with `{"error": {"message", "type", "param",
+"code"}}`. Fields the server does not use (`user`, `frequency_penalty` left at 0, ...)
+are ignored, as vLLM ignores them; `n` samples of one prompt are `n` engine requests
+(vLLM's fan-out), seeded `seed + i` when a seed is given.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["ClientError", "GenerationRequest", "parse_chat", "parse_completion"]
+
+MAX_N = 128  # samples of one prompt (vLLM leaves it open; each is a request here)
+
+
+class ClientError(ValueError):
+    """A request the client must fix: HTTP `status` with OpenAI's error object."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {
+            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+@dataclass
+class GenerationRequest:
+    """What one completions or chat call asks: prompts (token ids), `n` samples of each,
+    each sample's `SamplingParams` (seeded per sample) and the response's shape."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[list[int]]
+    samplings: list[SamplingParams]  # one per sample of a prompt, index i: seed + i
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+
+    @property
+    def n(self) -> int:
+        return len(self.samplings)
+
+
+def _get(body: dict, name: str, kinds: tuple, default: Any = None, allowed: str = "") -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        value = object()  # a bool is not a number here
+    if not isinstance(value, kinds):
+        raise ClientError(f"{name} must be {allowed}, got {body.get(name)!r}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = _get(body, name, (int, float), default, f"a number in [{low}, {high}]")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ClientError(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
+    return float(value)
+
+
+def _prompt_ids(prompt: Any, tokenizer, name: str = "prompt") -> list[list[int]]:
+    """`prompt` as OpenAI takes it: text, a list of texts, token ids, or lists of ids."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise ClientError(f"{name} must be text, token ids or a non-empty list of them", name)
+    out = []
+    for item in prompts:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise ClientError(f"{name}: text needs the model's tokenizer.json", name)
+            out.append(tokenizer.encode(item))
+        elif isinstance(item, list) and item and all(type(t) is int and t >= 0 for t in item):
+            out.append(list(item))
+        else:
+            raise ClientError(f"{name} items must be text or non-empty lists of token ids", name)
+    return out
+
+
+def _samplings(body: dict, max_tokens: int, max_tokens_name: str) -> list[SamplingParams]:
+    n = _get(body, "n", (int,), 1, f"an int in [1, {MAX_N}]")
+    if not 1 <= n <= MAX_N:
+        raise ClientError(f"n must be an int in [1, {MAX_N}], got {n!r}", "n")
+    seed = _get(body, "seed", (int,), None, "an int")
+    top_k = _get(body, "top_k", (int,), 0, "an int >= -1")
+    stop_ids = _get(body, "stop_token_ids", (list,), [], "a list of token ids")
+    kwargs = dict(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=top_k,
+        ignore_eos=_get(body, "ignore_eos", (bool,), False, "a bool"),
+        stop_token_ids=stop_ids,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    out = []
+    for i in range(n):
+        try:
+            out.append(SamplingParams(**kwargs, seed=None if seed is None else seed + i))
+        except ValueError as error:  # "SamplingParams.<field> must be ..."
+            param = str(error).split(" ", 1)[0].removeprefix("SamplingParams.")
+            param = max_tokens_name if param == "max_tokens" else param
+            raise ClientError(str(error).removeprefix("SamplingParams."), param) from None
+    return out
+
+
+# Fields whose meaning the engine does not serve yet, and the values that ask nothing of
+# it: anything else is refused, never silently ignored.
+_NOT_SERVED = {
+    "stop": (None, "", []),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+}
+
+
+def _refuse_unserved(body: dict) -> None:
+    for name, neutral in _NOT_SERVED.items():
+        value = body.get(name)
+        if not any(value == v and type(value) is type(v) for v in neutral) and value is not None:
+            raise ClientError(f"{name}={value!r} is not supported by this server yet", name)
+
+
+def _common(body: Any, kind: str, served_model: str) -> tuple[str, bool, bool, str | None]:
+    if not isinstance(body, dict):
+        raise ClientError("the request body must be a JSON object")
+    model = _get(body, "model", (str,), served_model, "a string")
+    if model != served_model:
+        raise ClientError(
+            f"the model {model!r} does not exist; this server serves {served_model!r}",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    stream = _get(body, "stream", (bool,), False, "a bool")
+    options = _get(body, "stream_options", (dict,), {}, "an object")
+    include_usage = _get(options, "include_usage", (bool,), False, "a bool")
+    salt = _get(body, "cache_salt", (str,), None, "a string")
+    _refuse_unserved(body)
+    return model, stream, include_usage, salt
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> tuple[int, str]:
+    for name in names:
+        if body.get(name) is not None:
+            return _get(body, name, (int,), None, "an int >= 1"), name
+    return default, names[0]
+
+
+def parse_completion(body: Any, served_model: str, tokenizer, max_model_len: int):
+    """A `/v1/completions` body as a `GenerationRequest` (ClientError naming the field)."""
+    model, stream, include_usage, salt = _common(body, "completion", served_model)
+    if "prompt" not in body:
+        raise ClientError("prompt is required", "prompt")
+    prompts = _prompt_ids(body["prompt"], tokenizer)
+    max_tokens, name = _max_tokens(body, ("max_tokens",), 16)
+    return GenerationRequest(
+        "completion",
+        model,
+        prompts,
+        _samplings(body, max_tokens, name),
+        stream,
+        include_usage,
+        salt,
+        id=f"cmpl-{uuid.uuid4().hex}",
+    )
+
+
+def parse_chat(body: Any, served_model: str, encoder, max_model_len: int):
+    """A `/v1/chat/completions` body as a `GenerationRequest`: the messages through the
+    checkpoint's chat template (ClientError naming the field)."""
+    model, stream, include_usage, salt = _common(body, "chat", served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ClientError("messages must be a non-empty list of messages", "messages")
+    for i, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ClientError(
+                f"messages[{i}] must be an object with a role and text content", "messages"
+            )
+    if encoder is None or encoder.chat_template is None:
+        raise ClientError("this model has no chat template; use /v1/completions", "messages")
+    try:
+        prompt = encoder.encode_chat(
+            [{"role": m["role"], "content": m["content"]} for m in messages]
+        )
+    except ValueError as error:
+        raise ClientError(str(error), "messages") from None
+    default = max(max_model_len - len(prompt), 1)
+    max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default)
+    return GenerationRequest(
+        "chat",
+        model,
+        [prompt],
+        _samplings(body, max_tokens, name),
+        stream,
+        include_usage,
+        salt,
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+    )
