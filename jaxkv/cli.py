@@ -228,6 +228,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return status
 
 
+def _distributed_config(args: argparse.Namespace):
+    """The job's `DistributedConfig` from the flags (or the environment), None for one
+    process; ValueError naming a bad flag."""
+    from jaxkv.engine.distributed_config import DistributedConfig
+
+    timeout = {} if args.distributed_timeout is None else {"timeout_s": args.distributed_timeout}
+    return DistributedConfig.resolve(
+        args.coordinator_address, args.num_processes, args.process_id, **timeout
+    )
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """`jaxkv generate` over several processes runs in a worker process that this one
+    supervises (`jaxkv.engine.supervisor`: the runtime's aborts become the engine's
+    error); its exit status, or None to run the command here (one process, or this is
+    the worker). Process 0 checks first that it can serve the coordinator's port."""
+    if args.func is not cmd_generate:
+        return None
+    from jaxkv.engine import supervisor
+    from jaxkv.engine.distributed_config import check_port_free
+
+    if supervisor.in_worker():
+        supervisor.die_with_supervisor()
+        return None
+    distributed = _distributed_config(args)
+    if distributed is None:
+        return None
+    if distributed.process_id == 0:
+        check_port_free(distributed.bind_address)
+    return supervisor.supervise(argv, distributed)
+
+
 def _join(args: argparse.Namespace):
     """`--coordinator-address` (or `JAX_COORDINATOR_ADDRESS`...): join the job, then refuse
     to go on unless every process got the same flags, checkpoint and jaxkv version. The
@@ -237,10 +269,7 @@ def _join(args: argparse.Namespace):
     from jaxkv.engine import multihost
     from jaxkv.models.checkpoint import checkpoint_index
 
-    timeout = {} if args.distributed_timeout is None else {"timeout_s": args.distributed_timeout}
-    distributed = multihost.DistributedConfig.resolve(
-        args.coordinator_address, args.num_processes, args.process_id, **timeout
-    )
+    distributed = _distributed_config(args)
     if distributed is None:
         return None
     multihost.initialize(distributed)
@@ -628,9 +657,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        status = _supervise(args, argv)
+        return args.func(args) if status is None else status
     except (ValueError, OSError) as error:  # bad input; anything else is a bug
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2
