@@ -6,7 +6,10 @@ enough to preempt, Gemma-3-style sliding-window layers; LLaVA-style images, free
 zeroed) runs on a 4x2 `(data, model)` mesh whose data ranks live on both processes. Also:
 a process killed mid-run makes the other exit with an error naming it within the
 timeout; processes started with different settings are refused at start, naming the
-setting; `jaxkv generate` runs over 2 processes from the command line.
+setting; `jaxkv generate` runs over 2 processes from the command line. Faults through
+the command (issue 38): a duplicate `--process-id`, a killed process 0 or 1, a taken
+coordinator port, bad timeouts and ports each end every surviving process with status
+1 (2 for bad input) and one last `jaxkv: error:` line naming the process and the cause.
 
 Every process is a subprocess of the test (`python this_file.py SCENARIO ...`), bounded by
 a timeout; the multi-process runs use `--distributed-timeout`-sized bounds, never a hang.
