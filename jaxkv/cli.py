@@ -1,4 +1,4 @@
-"""The `jaxkv` command: `demo`, `generate`, `plan` (also `python -m jaxkv`).
+"""The `jaxkv` command: `demo`, `generate`, `plan`, `serve` (also `python -m jaxkv`).
 
 Bad input (a flag, a file, a checkpoint) is one line on stderr, `jaxkv: error: ...`,
 naming the flag or file, and exit status 2, as argparse reports its own errors; other
@@ -176,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ImportError as error:  # pragma: no cover - the models package ships with jaxkv
         raise SystemExit(f"jaxkv generate needs jaxkv.models: {error}") from None
     distributed = _join(args)
-    mesh = _mesh(args.data_parallel_size, args.tensor_parallel_size, distributed)
+    mesh = mesh_for(args.data_parallel_size, args.tensor_parallel_size, distributed)
     # The small inputs first, so that a bad one is reported before the weights are read.
     tokenizer = models.load_tokenizer(args.model)
     texts = [(args.prompt, None)] if args.prompt is not None else None
@@ -247,6 +247,38 @@ def load_engine(args: argparse.Namespace, tokenizer, mesh, kv_events: dict):
     return LLMEngine(model, config, tokenizer=tokenizer, mesh=mesh), model
 
 
+def _distributed_config(args: argparse.Namespace):
+    """The job's `DistributedConfig` from the flags (or the environment), None for one
+    process; ValueError naming a bad flag."""
+    from jaxkv.engine.distributed_config import DistributedConfig
+
+    timeout = {} if args.distributed_timeout is None else {"timeout_s": args.distributed_timeout}
+    return DistributedConfig.resolve(
+        args.coordinator_address, args.num_processes, args.process_id, **timeout
+    )
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """`jaxkv generate` over several processes runs in a worker process that this one
+    supervises (`jaxkv.engine.supervisor`: the runtime's aborts become the engine's
+    error); its exit status, or None to run the command here (one process, or this is
+    the worker). Process 0 checks first that it can serve the coordinator's port."""
+    if args.func is not cmd_generate:
+        return None
+    from jaxkv.engine import supervisor
+    from jaxkv.engine.distributed_config import check_port_free
+
+    if supervisor.in_worker():
+        supervisor.die_with_supervisor()
+        return None
+    distributed = _distributed_config(args)
+    if distributed is None:
+        return None
+    if distributed.process_id == 0:
+        check_port_free(distributed.bind_address)
+    return supervisor.supervise(argv, distributed)
+
+
 def _join(args: argparse.Namespace):
     """`--coordinator-address` (or `JAX_COORDINATOR_ADDRESS`...): join the job, then refuse
     to go on unless every process got the same flags, checkpoint and jaxkv version. The
@@ -256,10 +288,7 @@ def _join(args: argparse.Namespace):
     from jaxkv.engine import multihost
     from jaxkv.models.checkpoint import checkpoint_index
 
-    timeout = {} if args.distributed_timeout is None else {"timeout_s": args.distributed_timeout}
-    distributed = multihost.DistributedConfig.resolve(
-        args.coordinator_address, args.num_processes, args.process_id, **timeout
-    )
+    distributed = _distributed_config(args)
     if distributed is None:
         return None
     multihost.initialize(distributed)
@@ -324,7 +353,7 @@ def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int
     return 0
 
 
-def _mesh(data: int, model: int, distributed=None):
+def mesh_for(data: int, model: int, distributed=None):
     """The `(data, model)` mesh over the first `data * model` devices (None: one device).
     Over several processes it must take every process's devices (all of them)."""
     import jax
@@ -534,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     _add_generate_parser(sub)
     _add_plan_parser(sub)
+    from jaxkv.serving.command import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -653,9 +685,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        status = _supervise(args, argv)
+        return args.func(args) if status is None else status
     except (ValueError, OSError) as error:  # bad input; anything else is a bug
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2

@@ -6,7 +6,10 @@ enough to preempt, Gemma-3-style sliding-window layers; LLaVA-style images, free
 zeroed) runs on a 4x2 `(data, model)` mesh whose data ranks live on both processes. Also:
 a process killed mid-run makes the other exit with an error naming it within the
 timeout; processes started with different settings are refused at start, naming the
-setting; `jaxkv generate` runs over 2 processes from the command line.
+setting; `jaxkv generate` runs over 2 processes from the command line. Faults through
+the command (issue 38): a duplicate `--process-id`, a killed process 0 or 1, a taken
+coordinator port, bad timeouts and ports each end every surviving process with status
+1 (2 for bad input) and one last `jaxkv: error:` line naming the process and the cause.
 
 Every process is a subprocess of the test (`python this_file.py SCENARIO ...`), bounded by
 a timeout; the multi-process runs use `--distributed-timeout`-sized bounds, never a hang.
@@ -20,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -341,6 +345,163 @@ def test_a_process_that_never_joins_ends_the_other_with_an_error(checkpoints: Pa
     assert p0.returncode == 1, log[-3000:]
     assert "did not all join the coordinator" in log and "within 5 s" in log, log[-3000:]
     assert time.monotonic() - start < 60
+
+
+class _Output:
+    """A process's merged output, read on a thread, so that a test can wait for a line
+    with a bound; `ended` is when the output closed (the process ended)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.lines, self.ended = proc, [], None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+        self.ended = time.monotonic()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.ended is None:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.2)
+        return any(text in line for line in self.lines)
+
+    def finish(self, deadline: float) -> str:
+        """The whole output, once the process ended (killed at `deadline`, monotonic)."""
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.lines.append("\n(killed by the test: it ran past its timeout)")
+        self._thread.join(10)
+        return "".join(self.lines)
+
+
+def _error_line(log: str) -> str:
+    """The last line of a failed process's output, checked to be its only error line."""
+    lines = [line for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("jaxkv: error: ")]
+    assert errors == lines[-1:], log[-3000:]
+    return errors[0]
+
+
+def _long_run(work: Path, port: int, pid: int) -> list[str]:
+    """`jaxkv generate` as process `pid` of 2: minutes of decoding on this machine."""
+    return _generate(
+        work, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+        "--process-id", str(pid), "--distributed-timeout", str(TIMEOUT_S),
+        "--max-tokens", "480", "--max-model-len", "512", "--num-blocks", "160",
+    )  # fmt: skip
+
+
+def _running_job(work: Path, port: int) -> tuple[list[subprocess.Popen], list[_Output]]:
+    procs = [_start(_long_run(work, port, pid), 4) for pid in (0, 1)]
+    outputs = [_Output(p) for p in procs]
+    if not outputs[0].wait_for("KV cache:", 300):  # the engine is built: the job runs
+        _finish(procs, 1)
+        pytest.fail("the job never ran:\n" + "".join(outputs[0].lines)[-3000:])
+    return procs, outputs
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_duplicate_process_id_ends_every_process_naming_it(checkpoints: Path) -> None:
+    """A second `--process-id 1` while the job runs: JAX's coordination service ends every
+    process of the job (it gives no way to refuse the newcomer alone); each ends with
+    status 1 and one error line naming the duplicate, none later than the newcomer's own
+    `--distributed-timeout` bound (it was a SIGABRT with a C++ trace in process 1, a
+    missing heartbeat in process 0)."""
+    port = _free_port()
+    procs, outputs = _running_job(checkpoints, port)
+    try:
+        procs.append(_start(_long_run(checkpoints, port, 1), 4))
+        outputs.append(_Output(procs[-1]))
+        deadline = time.monotonic() + 300
+        logs = [out.finish(deadline) for out in outputs]
+    finally:
+        _finish(procs, 1)
+    lines = [_error_line(log) for log in logs]
+    assert [p.returncode for p in procs] == [1, 1, 1], lines
+    for pid, line in enumerate(lines[:2]):
+        assert line.startswith(f"jaxkv: error: process {pid}: a second process with "
+                               "--process-id 1 tried to join the running job"), line  # fmt: skip
+    assert lines[2].startswith("jaxkv: error: process 1: the 2 processes did not all join")
+    assert "--process-id 1 was already in a running job (a duplicate" in lines[2]
+    assert max(out.ended for out in outputs[:2]) < outputs[2].ended + 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_command_ends_the_other_with_an_error(checkpoints: Path, killed: int) -> None:
+    """`jaxkv generate` of process `killed` gets SIGKILL mid-run: its worker dies with it,
+    and the other process ends within `--distributed-timeout` with status 1 and one line
+    naming the lost process (with process 0 gone it was a SIGABRT and a C++ trace)."""
+    procs, outputs = _running_job(checkpoints, _free_port())
+    try:
+        time.sleep(2)
+        workers = _children(procs[killed].pid)
+        assert len(workers) == 1, workers  # the command supervises one worker
+        procs[killed].kill()
+        start = time.monotonic()
+        survivor = outputs[1 - killed]
+        log = survivor.finish(start + 6 * TIMEOUT_S)
+        elapsed = survivor.ended - start
+        time.sleep(2)
+        assert not _children(procs[killed].pid) and not Path(f"/proc/{workers[0]}").exists()
+    finally:
+        _finish(procs, 1)
+    assert procs[1 - killed].returncode == 1, log[-3000:]
+    why = "the coordinator (process 0) stopped answering" if killed == 0 else (
+        "process 1 stopped (no heartbeat)")  # fmt: skip
+    assert _error_line(log).startswith(f"jaxkv: error: process {1 - killed}: {why}"), log[-3000:]
+    assert elapsed < TIMEOUT_S + 5, elapsed
+
+
+@pytest.mark.slow
+def test_a_taken_coordinator_port_ends_process_0_with_an_error(checkpoints: Path) -> None:
+    """Another listener on the coordinator's port: exit 2 before JAX starts (it was a
+    SIGSEGV after gRPC's "Failed to add port")."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        p0 = _start(_long_run(checkpoints, port, 0), 4)
+        (log,) = _finish([p0], 120)
+    assert p0.returncode == 2, log[-3000:]
+    assert _error_line(log).startswith(
+        f"jaxkv: error: --coordinator-address '127.0.0.1:{port}': port {port} is taken"
+    )
+
+
+@pytest.mark.slow
+def test_bad_timeouts_and_ports_exit_2_naming_the_flag(checkpoints: Path) -> None:
+    """Before any process joins: exit 2 and one line naming the flag (1e12 was a TypeError
+    traceback, inf an OverflowError, ports 0 and 99999 "did not all join")."""
+    port = _free_port()
+    cases = {"--distributed-timeout": ["1e12", "inf"],  # nan, 0, < 0: the fast tests
+             "--coordinator-address": ["127.0.0.1:0", "127.0.0.1:99999"]}  # fmt: skip
+    runs = [(flag, value) for flag, values in cases.items() for value in values]
+    procs = [_start(_long_run(checkpoints, port, 1) + [flag, value], 4) for flag, value in runs]
+    logs = _finish(procs, 120)
+    for (flag, value), p, log in zip(runs, procs, logs, strict=True):
+        assert p.returncode == 2, (flag, value, log[-3000:])
+        assert _error_line(log).startswith(f"jaxkv: error: {flag}"), (value, log[-3000:])
 
 
 if __name__ == "__main__":

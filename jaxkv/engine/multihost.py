@@ -20,12 +20,17 @@ deterministic, which the schedulers and block pools are (no clock, no iteration 
 sets of strings).
 
 Faults: `initialize` bounds the join (`timeout_s`) and the heartbeat that declares a
-process dead; `Watchdog` polls the coordinator's list of live processes and ends this
-process with an error naming the dead ones (a collective waiting on a dead peer would
-otherwise never return). `check_same_everywhere` refuses processes started with
-different settings, naming the first difference.
+process dead, and on process 0 checks the coordinator's port first; `Watchdog` polls the
+coordinator's list of live processes and ends this process with an error naming the
+dead ones (a collective waiting on a dead peer would otherwise never return).
+`check_same_everywhere` refuses processes started with different settings, naming the
+first difference. What JAX's runtime ends from C++ (abort: the coordinator gone, a
+duplicate process id) Python cannot catch; the `jaxkv` command runs the engine in a
+supervised worker that reports it (`jaxkv.engine.supervisor`).
 
-Payloads are pickled: the processes of one job trust each other.
+Payloads are pickled: the processes of one job trust each other. Process 0's coordinator
+listens on the coordinator address given (not JAX's default, every interface); the
+collectives (gloo) and a non-loopback address still need a trusted network.
 """
 
 from __future__ import annotations
@@ -39,11 +44,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import jax
 import numpy as np
+
+from jaxkv.engine.distributed_config import (
+    DEFAULT_TIMEOUT_S,
+    DistributedConfig,
+    check_port_free,
+    lost_peers,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -59,76 +70,9 @@ __all__ = [
     "peers_alive",
 ]
 
-DEFAULT_TIMEOUT_S = 20.0
-_ENV = {
-    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
-    "num_processes": "JAX_NUM_PROCESSES",
-    "process_id": "JAX_PROCESS_ID",
-}
-
 
 class DistributedError(RuntimeError):
     """A process of the job is missing, dead or configured differently."""
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    """Where the processes of one job meet. Invariant: `0 <= process_id < num_processes`,
-    `coordinator_address` is `HOST:PORT` (process 0 serves it), `timeout_s > 0` bounds
-    the join, each exchange of settings and the silence of a dead process."""
-
-    coordinator_address: str
-    num_processes: int
-    process_id: int
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-    @classmethod
-    def resolve(
-        cls,
-        coordinator_address: str | None = None,
-        num_processes: int | None = None,
-        process_id: int | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        environ: Mapping[str, str] | None = None,
-    ) -> DistributedConfig | None:
-        """The settings given, else from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-        `JAX_PROCESS_ID`; None when neither names a coordinator (one process). ValueError
-        naming the setting when one is missing or out of range."""
-        env = os.environ if environ is None else environ
-        given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-                 "process_id": process_id}  # fmt: skip
-        for name, var in _ENV.items():
-            if given[name] is None and env.get(var):
-                given[name] = env[var]
-        if given["coordinator_address"] is None:
-            if given["num_processes"] is not None or given["process_id"] is not None:
-                raise ValueError(
-                    "--num-processes and --process-id need --coordinator-address HOST:PORT "
-                    "(or JAX_COORDINATOR_ADDRESS)"
-                )
-            return None
-        address = str(given["coordinator_address"])
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--coordinator-address {address!r} must be HOST:PORT")
-        ints = {}
-        for name in ("num_processes", "process_id"):
-            flag, value = "--" + name.replace("_", "-"), given[name]
-            if value is None:
-                raise ValueError(f"{flag} is required with --coordinator-address (or {_ENV[name]})")
-            try:
-                ints[name] = int(value)
-            except ValueError:
-                raise ValueError(f"{flag} must be an integer, got {value!r}") from None
-        if ints["num_processes"] < 1:
-            raise ValueError(f"--num-processes must be >= 1, got {ints['num_processes']}")
-        if not 0 <= ints["process_id"] < ints["num_processes"]:
-            raise ValueError(
-                f"--process-id must be in [0, {ints['num_processes']}), got {ints['process_id']}"
-            )
-        if not timeout_s > 0:
-            raise ValueError(f"--distributed-timeout must be > 0 seconds, got {timeout_s}")
-        return cls(address, ints["num_processes"], ints["process_id"], float(timeout_s))
 
 
 _state: dict[str, Any] = {}  # "config", "watchdog", "exchanges": this process's runtime
@@ -136,16 +80,23 @@ _state: dict[str, Any] = {}  # "config", "watchdog", "exchanges": this process's
 
 def initialize(config: DistributedConfig) -> None:
     """Join the job: `jax.distributed.initialize` with gloo CPU collectives, the heartbeat
-    bounded by `config.timeout_s`, then a `Watchdog`. Call before anything touches a
-    device. When the processes do not all join within the timeout, this process ends
-    (`exit_now`) with an error naming the coordinator: JAX's own join timeout (a few
-    seconds later) would abort the process from C++."""
+    bounded by `config.timeout_s`, process 0's coordinator listening on
+    `config.bind_address` (JAX's default is every interface), then a `Watchdog`. Call
+    before anything touches a device. ValueError on process 0 when it cannot listen there
+    (the port taken: gRPC's failed bind would crash the process). When the processes do
+    not all join within the timeout, this process ends (`exit_now`) with an error naming
+    the coordinator: JAX's own join timeout (a few seconds later) would abort the process
+    from C++."""
+    if config.process_id == 0:
+        check_port_free(config.bind_address)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = max(1, round(config.timeout_s))
     late = DistributedError(
         f"process {config.process_id}: the {config.num_processes} processes did not all join "
         f"the coordinator at {config.coordinator_address} within {timeout} s "
-        "(--distributed-timeout): one was not started, has other --num-processes or died"
+        "(--distributed-timeout): one was not started, has other --num-processes or died, "
+        f"or --process-id {config.process_id} was already in a running job (a duplicate, "
+        "which ends that job)"
     )
     timer = threading.Timer(timeout, exit_now, (late,))
     timer.daemon = True
@@ -158,6 +109,7 @@ def initialize(config: DistributedConfig) -> None:
             initialization_timeout=timeout + 10,
             heartbeat_timeout_seconds=timeout,
             shutdown_timeout_seconds=timeout,
+            coordinator_bind_address=config.bind_address,
         )
     finally:
         timer.cancel()
@@ -246,15 +198,7 @@ def _missing(num_processes: int) -> list[int] | None:
 
 
 def _lost(missing: list[int] | None, timeout_s: float) -> DistributedError:
-    why = (
-        "the coordinator (process 0) stopped answering"
-        if missing is None
-        else f"process {', '.join(map(str, missing))} stopped (no heartbeat)"
-    )
-    return DistributedError(
-        f"process {jax.process_index()}: {why} within {timeout_s:g} s (--distributed-timeout); "
-        "the engine cannot go on without every process"
-    )
+    return DistributedError(lost_peers(jax.process_index(), missing, timeout_s))
 
 
 def exit_now(error: BaseException) -> NoReturn:

@@ -36,14 +36,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxkv import cli, models
     from jaxkv.models.prompting import PromptEncoder
     from jaxkv.serving.app import ServedModel
-    from jaxkv.serving.server import Server, check_port_free
+    from jaxkv.engine.distributed_config import check_port_free
+    from jaxkv.serving.server import Server
 
     kv_events = cli.check_engine_flags(args)
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     if not 0 <= args.shutdown_grace <= 86400:
-        raise ValueError(f"--shutdown-grace must be in [0, 86400] seconds, got {args.shutdown_grace}")
-    check_port_free(args.host, args.port)
+        raise ValueError(
+            f"--shutdown-grace must be in [0, 86400] seconds, got {args.shutdown_grace}"
+        )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    check_port_free(f"{host}:{args.port}", "--host/--port")
     mesh = cli.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
     tokenizer = models.load_tokenizer(args.model)
     encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)

@@ -8,26 +8,13 @@ and `serve` returns 0.
 
 from __future__ import annotations
 
-import socket
-
 import uvicorn
 
 from jaxkv.serving.app import ServedModel, build_app
 from jaxkv.serving.engine_loop import EngineLoop
 from jaxkv.serving.metrics import ServerMetrics
 
-__all__ = ["Server", "check_port_free"]
-
-
-def check_port_free(host: str, port: int) -> None:
-    """ValueError naming `--host`/`--port` when the port is out of range or taken."""
-    if type(port) is not int or not 1 <= port <= 65535:
-        raise ValueError(f"--port must be an integer in 1..65535, got {port!r}")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise ValueError(f"--host {host} --port {port}: cannot listen there ({error})") from None
+__all__ = ["Server"]
 
 
 class Server:
