@@ -34,9 +34,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxkv import cli, models
+    from jaxkv.engine.distributed_config import check_port_free
     from jaxkv.models.prompting import PromptEncoder
     from jaxkv.serving.app import ServedModel
-    from jaxkv.engine.distributed_config import check_port_free
     from jaxkv.serving.server import Server
 
     kv_events = cli.check_engine_flags(args)
