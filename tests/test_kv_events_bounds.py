@@ -117,7 +117,8 @@ def test_a_replay_client_that_never_reads_is_dropped_holding_at_most_its_queue(m
         got = answer(reader)
         assert len(got) == 401 and got[-1][2] == END_SEQ
         deadline = time.monotonic() + WAIT_S
-        while pub.replays.num_dropped == 0 and time.monotonic() < deadline:
+        # Read from this thread while the publishing thread works: wait for both.
+        while (pub.replays.num_dropped == 0 or pub.replays.busy) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pub.replays.num_dropped == 1 and not pub.replays.busy
         assert 1 <= len(drain(silent)) <= 8 + 4
