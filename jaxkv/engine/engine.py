@@ -132,9 +132,10 @@ class LLMEngine:
         self.num_steps = 0
         self._weights = WeightUpdater(self.runner)
         self._versions = WeightVersions()
-        # Token updates applied outside a step (a weight update waits for the step in
-        # flight), with their weight versions: their outputs go with the next step.
-        self._drained: list[tuple[int | str, TokenUpdates]] = []
+        # Outputs and token updates of a step applied outside `step()` (a weight update
+        # waits for the step in flight): they go with the next step.
+        self._drained_outputs: list[RequestOutput] = []
+        self._drained_updates: list[TokenUpdates] = []
         self._token_versions: dict[str, tuple[int | str, ...]] = {}  # by unfinished request
 
     def _build_ranks(self, device_quotas, budget) -> None:
@@ -247,7 +248,7 @@ class LLMEngine:
             bool(requests.rank_of)
             or self._in_flight is not None
             or bool(requests.final_outputs)
-            or bool(self._drained)
+            or bool(self._drained_outputs)
         )
 
     @property
@@ -318,14 +319,16 @@ class LLMEngine:
         if current is None and done is None:
             # Nothing runs until a pending host-tier load is staged: wait for one.
             wait_s = self._tiers.wait_for_a_staging()
-        versioned, self._drained = self._drained, []
+        versioned = []
         if done is not None:
             t_wait = time.perf_counter()
-            versioned += self._complete(done)  # the one place the host waits
+            versioned = self._complete(done)  # the one place the host waits
             wait_s = time.perf_counter() - t_wait
         self._tiers.store_freed_blocks(self.num_steps)
-        outputs = self._outputs(versioned)
-        updates = [update for _, update in versioned]
+        outputs, self._drained_outputs = self._drained_outputs, []
+        updates, self._drained_updates = self._drained_updates, []
+        outputs += self._outputs(versioned)
+        updates += [update for _, update in versioned]
         self.stats.record(step_stats(
             self.num_steps, outs, updates, self.schedulers, self.kv_cache_managers,
             self._tiers.take_stats(), host_s=time.perf_counter() - t0 - wait_s, wait_s=wait_s,
@@ -399,7 +402,9 @@ class LLMEngine:
         update = self._weights.prepare(weights)
         if self._in_flight is not None:
             done, self._in_flight = self._in_flight, None
-            self._drained += self._complete(done)
+            versioned = self._complete(done)
+            self._drained_outputs += self._outputs(versioned)
+            self._drained_updates += [update for _, update in versioned]
         self._weights.apply(update)
         self._versions.advance(version)
         self._requests.weight_version = self._versions.key
