@@ -724,6 +724,18 @@ class BlockPool:
             if block._block_hash is not None:
                 self._evict_cached_blocks((block,))
 
+    def evict_cached_free_blocks_first(self) -> int:
+        """Move every cached free block to the front of the free queue, in queue order:
+        they stay findable (no event) but are reused before any other block. After a
+        weight update their KV is an older version's, which no new request can hit (the
+        version keys its hashes). Returns how many moved."""
+        queue = self.free_block_queue
+        cached = [b for b in queue.get_all_free_blocks() if b._block_hash is not None]
+        for block in cached:
+            queue.remove(block)
+        queue.prepend_n(cached)
+        return len(cached)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed (True) when all blocks are free."""
         if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:

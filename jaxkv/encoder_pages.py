@@ -86,6 +86,10 @@ class EncoderPageAllocator:
         """Number of stored items."""
         return len(self._entries)
 
+    def stored_hashes(self) -> list[str]:
+        """The stored items' hashes, in storing order."""
+        return list(self._entries)
+
     def pages_of(self, mm_hash: str) -> np.ndarray:
         """The pages (int32, in embedding order) holding `mm_hash`."""
         return self._entry(mm_hash)[0]

@@ -290,6 +290,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         max_tokens: int | None = None,
         skip_reading_prefix_cache: bool | None = None,
+        weight_version: int | str | None = None,
     ) -> None:
         if type(request_id) is not str:
             check_str("request_id", request_id)
@@ -337,6 +338,18 @@ class Request:
         # Tokens per hashed block (None without a hasher), and the token count at which
         # the next block is full.
         self.hash_block_size: int | None = block_hasher.block_size if block_hasher else None
+        self._next_hash_at = self.hash_block_size or 1 << 62
+        # The weights its blocks are keyed under (jaxkv's; None: the engine's initial
+        # weights, no key, so hashes and events stay vLLM's).
+        self.weight_version = weight_version
+        self._update_block_hashes()
+
+    def set_weight_version(self, weight_version: int | str | None) -> None:
+        """Key the request's blocks under `weight_version` (its hashes are recomputed):
+        a request that will compute its KV under new weights must not hit blocks
+        computed under older ones."""
+        self.weight_version = weight_version
+        self.block_hashes = []
         self._next_hash_at = self.hash_block_size or 1 << 62
         self._update_block_hashes()
 

@@ -70,6 +70,10 @@ def generate_block_hash_extra_keys(
         keys.extend(mm_keys)
     if request.cache_salt is not None and start_token_idx == 0:  # `Request` made "" None
         keys.append(("cache_salt", request.cache_salt))
+    # The first block's key reaches every block through the hash chain, as the salt's.
+    weight_version = getattr(request, "weight_version", None)
+    if weight_version is not None and start_token_idx == 0:
+        keys.append(("weight_version", weight_version))
     if request.prompt_embeds is not None and start_token_idx < request.num_prompt_tokens:
         end = min(end_token_idx, request.num_prompt_tokens)
         keys.append(("prompt_embeds", _prompt_embeds_digest(request, start_token_idx, end)))
@@ -78,12 +82,13 @@ def generate_block_hash_extra_keys(
 
 def needs_extra_keys(request: Request) -> bool:
     """Whether any of the request's blocks can have hash extra keys (LoRA, multimodal
-    inputs, a cache salt, prompt embeddings)."""
+    inputs, a cache salt, prompt embeddings, a weight version)."""
     return bool(
         request.lora_request is not None
         or request.mm_features
         or request.cache_salt is not None
         or request.prompt_embeds is not None
+        or getattr(request, "weight_version", None) is not None
     )
 
 

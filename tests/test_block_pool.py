@@ -976,3 +976,32 @@ def test_deferred_events_build_the_same_on_another_thread_while_the_request_grow
     stop.set()
     builder.join()
     assert builds and all(event == want for event in builds)
+
+
+def test_cached_free_blocks_evicted_first_stay_findable():
+    """After a weight update: cached free blocks move to the queue's front, in order,
+    still findable (no event); held and uncached blocks keep their places."""
+    pool = BlockPool(8, enable_kv_cache_events=True)
+    req = _request(range(8))
+    blocks = pool.get_new_blocks(4)
+    _cache(pool, req, blocks[:2])
+    pool.take_events()
+    pool.free_blocks(blocks[:3])  # 2 cached, 1 uncached; blocks[3] stays held
+    before = _free_ids(pool)
+    assert pool.evict_cached_free_blocks_first() == 2
+    after = _free_ids(pool)
+    cached = [i for i in before if i in _ids(blocks[:2])]
+    assert after == cached + [i for i in before if i not in cached]
+    assert pool.get_cached_block(req.block_hashes[0], [0]) == [blocks[0]]
+    assert pool.take_events() == [] and blocks[3].ref_cnt == 1
+    assert pool.get_new_blocks(2) == [pool.blocks[i] for i in cached]  # evicted first
+
+
+def test_weight_version_keys_every_block_hash_only_when_set():
+    plain = _request(range(12))
+    keyed = _request(range(12), weight_version=3)
+    assert len(keyed.block_hashes) == 3
+    assert not set(plain.block_hashes) & set(keyed.block_hashes)  # chained from block 0
+    assert _request(range(12), weight_version=None).block_hashes == plain.block_hashes
+    keyed.set_weight_version(None)
+    assert keyed.block_hashes == plain.block_hashes

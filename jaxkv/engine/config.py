@@ -12,7 +12,7 @@ from jaxkv.block_pool import check_tenant_block_quotas
 from jaxkv.engine.stats import DEFAULT_WINDOW_STEPS
 from jaxkv.kv_events_publisher import KVEventsConfig, check_endpoint
 
-__all__ = ["EngineConfig", "check_config"]
+__all__ = ["WEIGHT_UPDATE_POLICIES", "EngineConfig", "check_config"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,12 @@ class EngineConfig:
     other tenants may still fill the free blocks a capped tenant does not hold.
     `enable_kv_cache_events` (vLLM's `KVEventsConfig` name) keeps each step's KV events,
     the device pool's and the host tier's (`medium="CPU"`), for `take_kv_events()`,
-    with or without an endpoint."""
+    with or without an endpoint.
+    `weight_update_policy`: what `LLMEngine.update_weights` does with the requests
+    holding KV: "recompute" (the default) preempts them, to recompute their KV under
+    the new weights; "keep" lets them go on with their KV (partial-rollout RL), keyed
+    under their admission version (see `Scheduler.update_weights`); "abort" aborts them.
+    Waiting requests are always keyed under the new version."""
 
     block_size: int | None = None  # None: 128 on a TPU, else 16 (`default_block_size`)
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -101,7 +106,11 @@ class EngineConfig:
     device_tenant_block_quotas: Mapping[str, int] | None = None
     enable_kv_cache_events: bool = False
     stats_window_steps: int = DEFAULT_WINDOW_STEPS
+    weight_update_policy: str = "recompute"  # or "keep", "abort"
 
+
+# What `update_weights` does with requests holding KV (`EngineConfig.weight_update_policy`).
+WEIGHT_UPDATE_POLICIES = ("recompute", "keep", "abort")
 
 # The fields that hold a positive int or None.
 _POSITIVE_OR_NONE = (
@@ -136,6 +145,11 @@ def check_config(c: EngineConfig) -> Mapping[str, int] | None:
     device_quotas = check_tenant_block_quotas(
         c.device_tenant_block_quotas, "EngineConfig.device_tenant_block_quotas"
     )
+    if c.weight_update_policy not in WEIGHT_UPDATE_POLICIES:
+        raise ValueError(
+            f"EngineConfig.weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got "
+            f"{c.weight_update_policy!r}"
+        )
     if c.kv_cache_dtype not in ("auto", "int8", "fp8"):
         raise ValueError(
             f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {c.kv_cache_dtype!r}"

@@ -19,7 +19,18 @@ on any mesh.
 one module each: `config` (the config and its checks), `build` (the runner, managers and
 schedulers), `intake` (checking requests, their host state and outputs), `events` (KV
 events to the publishers' queues), `tiers` (the host tiers' stores and loads),
-`recording` (each step's stats) and `replay` (several processes).
+`recording` (each step's stats), `replay` (several processes) and `weights` (new
+weights written in place, `update_weights`).
+
+Weight versions: `weight_version` is 0 for the weights the engine was built with, and
+each `update_weights` sets a new one. A request's blocks are keyed under the version it
+was admitted (or, never having run, re-keyed) under, joined to its first block's hash
+extra keys as the cache salt is, so every later hash in its chain carries it, in the
+device prefix cache and the host tier alike; with the initial weights there is no key
+(hashes and KV events are vLLM's). So no request admitted after an update hits a block
+computed under older weights; the requests running across it follow
+`EngineConfig.weight_update_policy`. Each `RequestOutput.weight_versions` lists the
+versions that sampled its request's tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from jaxkv.engine.sampling import RequestOutputKind, SamplingParams
 from jaxkv.engine.scheduler import FinishReason, SchedulerOutput, TokenUpdates
 from jaxkv.engine.stats import EngineStats
 from jaxkv.engine.tiers import EngineTiers
+from jaxkv.engine.weights import Weights, WeightUpdater, WeightVersions
 from jaxkv.hashing import get_hash_fn_by_name, init_none_hash
 from jaxkv.kv_events import KVCacheEvent
 from jaxkv.kv_events_publisher import EventPublisher
@@ -63,6 +75,7 @@ class _InFlight:
 
     outputs: list[SchedulerOutput]  # one per data rank
     sampled: jax.Array
+    weight_version: int | str  # the weights it runs with
 
 
 class LLMEngine:
@@ -126,6 +139,13 @@ class LLMEngine:
         )
         self.num_steps = 0
         self.is_shut_down = False
+        self._weights = WeightUpdater(self.runner)
+        self._versions = WeightVersions()
+        # Outputs and token updates of a step applied outside `step()` (a weight update
+        # waits for the step in flight): they go with the next step.
+        self._drained_outputs: list[RequestOutput] = []
+        self._drained_updates: list[TokenUpdates] = []
+        self._token_versions: dict[str, tuple[int | str, ...]] = {}  # by unfinished request
 
     def _check_open(self, call: str) -> None:
         """RuntimeError naming `call` once the engine is shut down (see the class)."""
@@ -201,6 +221,7 @@ class LLMEngine:
         self._check_open("warm_up")
         count = self.runner.warm_up()
         self._tiers.warm_up()
+        self._weights.warm_up()
         return count
 
     def add_request(
@@ -250,7 +271,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         requests = self._requests
-        return bool(requests.rank_of) or self._in_flight is not None or bool(requests.final_outputs)
+        return (
+            bool(requests.rank_of)
+            or self._in_flight is not None
+            or bool(requests.final_outputs)
+            or bool(self._drained_outputs)
+        )
 
     @property
     def num_preemptions(self) -> int:
@@ -310,7 +336,9 @@ class LLMEngine:
         if self._in_flight is None and all(out.is_empty for out in outs):
             self._fail_unschedulable()
         sampled = self._execute(outs)
-        current = _InFlight(outs, sampled) if not all(out.is_empty for out in outs) else None
+        current = None
+        if not all(out.is_empty for out in outs):
+            current = _InFlight(outs, sampled, self._versions.current)
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
         # The events of the step's schedule (the blocks it caches are written by the step
@@ -320,26 +348,16 @@ class LLMEngine:
         if current is None and done is None:
             # Nothing runs until a pending host-tier load is staged: wait for one.
             wait_s = self._tiers.wait_for_a_staging()
-        updates: list[TokenUpdates] = []
+        versioned = []
         if done is not None:
             t_wait = time.perf_counter()
-            tokens = multihost.host_tokens(done.sampled)  # the one place the host waits
+            versioned = self._complete(done)  # the one place the host waits
             wait_s = time.perf_counter() - t_wait
-            width = self.runner.max_num_seqs
-            for rank, (scheduler, out) in enumerate(
-                zip(self.schedulers, done.outputs, strict=True)
-            ):
-                rows = tokens[rank * width : (rank + 1) * width]
-                updates.append(scheduler.update_from_output(out, rows))
         self._tiers.store_freed_blocks(self.num_steps)
-        outputs = self._requests.take_final_outputs()
-        for update in updates:
-            reasons = update.finish_reasons
-            for request in update.requests:
-                reason = reasons.get(request.request_id) if reasons else None
-                output = self._requests.output(request, reason)
-                if output is not None:
-                    outputs.append(output)
+        outputs, self._drained_outputs = self._drained_outputs, []
+        updates, self._drained_updates = self._drained_updates, []
+        outputs += self._outputs(versioned)
+        updates += [update for _, update in versioned]
         self.stats.record(step_stats(
             self.num_steps, outs, updates, self.schedulers, self.kv_cache_managers,
             self._tiers.take_stats(), host_s=time.perf_counter() - t0 - wait_s, wait_s=wait_s,
@@ -347,6 +365,89 @@ class LLMEngine:
         ))  # fmt: skip
         self.num_steps += 1
         return outputs
+
+    def _complete(self, done: _InFlight) -> list[tuple[int | str, TokenUpdates]]:
+        """Wait for a dispatched step's tokens and apply them, rank by rank."""
+        tokens = multihost.host_tokens(done.sampled)
+        width = self.runner.max_num_seqs
+        rows = [tokens[k * width : (k + 1) * width] for k in range(len(self.schedulers))]
+        return [
+            (done.weight_version, scheduler.update_from_output(out, rank_rows))
+            for scheduler, out, rank_rows in zip(self.schedulers, done.outputs, rows, strict=True)
+        ]
+
+    def _outputs(self, versioned: list[tuple[int | str, TokenUpdates]]) -> list[RequestOutput]:
+        """The outputs of the requests finished outside a step, then of those given
+        tokens, each with the weight versions that sampled its tokens."""
+        versions = self._token_versions
+        outputs = self._requests.take_final_outputs()
+        for output in outputs:
+            output.weight_versions = versions.pop(output.request_id, ())
+        for version, update in versioned:
+            reasons = update.finish_reasons
+            for request in update.requests:
+                request_id = request.request_id
+                seen = versions.get(request_id, ())
+                if not seen or seen[-1] != version:
+                    versions[request_id] = seen = (*seen, version)
+                reason = reasons.get(request_id) if reasons else None
+                if reason is not None:
+                    del versions[request_id]
+                output = self._requests.output(request, reason)
+                if output is not None:
+                    output.weight_versions = seen
+                    outputs.append(output)
+        return outputs
+
+    # -- weights ------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int | str:
+        """The version of the weights serving now: 0 for those the engine was built with,
+        then each `update_weights`' (ints counting up by default)."""
+        return self._versions.current
+
+    def update_weights(self, weights: Weights, *, weight_version: int | str | None = None):
+        """Serve with new weights from now on; returns the new `weight_version`.
+
+        `weights`: a checkpoint directory, a mapping of Hugging Face tensor names to
+        arrays, or the model's `nnx.State`, each with the running model's shapes, dtypes
+        and placements (`jaxkv.engine.weights`); anything else raises ValueError/TypeError
+        naming the tensor and changes nothing. `weight_version`: an int or str never used
+        before (None: the next int). The new weights are copied into the model's device
+        buffers (donated: no new allocation) by a program `warm_up` compiled.
+
+        The step in flight finishes first (its tokens, sampled by the old weights, come
+        with the next `step()`). Then the requests holding KV follow
+        `EngineConfig.weight_update_policy`, the waiting ones are keyed under the new
+        version, the cached free blocks (all computed under older weights) go to the
+        front of the free queue (evicted first), and the encoder cache is emptied (its
+        embeddings came from the old weights). One process only.
+        """
+        self._check_open("update_weights")
+        self._replay.check("update_weights")
+        if self._replay.stream is not None:
+            raise RuntimeError("update_weights is not supported on several processes")
+        version = self._versions.check_new(weight_version)
+        update = self._weights.prepare(weights)
+        if self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None
+            versioned = self._complete(done)
+            self._drained_outputs += self._outputs(versioned)
+            self._drained_updates += [update for _, update in versioned]
+        self._weights.apply(update)
+        self._versions.advance(version)
+        self._requests.weight_version = self._versions.key
+        policy = self.config.weight_update_policy
+        for scheduler in self.schedulers:
+            for request_id in scheduler.update_weights(policy, version):
+                self._requests.finish_now(scheduler.abort_request(request_id), FinishReason.ABORT)
+            scheduler.kv_cache_manager.block_pool.evict_cached_free_blocks_first()
+        encoder_cache = self.scheduler.encoder_cache_manager
+        if encoder_cache is not None:
+            encoder_cache.reset()  # no request holds an entry now
+            self.runner.flush_encoder_store()
+        return version
 
     def _fail_unschedulable(self) -> None:
         """With nothing running, loading or in flight, a waiting request that still cannot

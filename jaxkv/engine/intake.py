@@ -81,6 +81,7 @@ class RequestTable:
         self.images: dict[str, np.ndarray] = {}  # image hash -> pixels
         self.image_refs: dict[str, int] = {}  # image hash -> unfinished requests using it
         self.final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step
+        self.weight_version: int | str | None = None  # new requests' block-hash key
         self._ids = itertools.count()
 
     # -- intake -------------------------------------------------------------------------
@@ -120,7 +121,7 @@ class RequestTable:
             ids, features, pixels = self.image_features(request_id, ids, images)
         request = Request(
             request_id, ids, sampling, mm_features=features, block_hasher=self.block_hasher,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, weight_version=self.weight_version,
         )  # fmt: skip
         stop = stop_token_ids_for(sampling, self.eos_token_ids)
         return NewRequest(request, sampling, stop, features, pixels)

@@ -259,26 +259,51 @@ class ModelRunner:
 
     def _init_params(self, model) -> None:
         """`_params`, what the step programs take, and the static halves they bind."""
-        self._graphdef, self._state = nnx.split(model)
+        self._graphdef, state = nnx.split(model)
         # A model whose layers are not scanned as one body (one stack per layer, the CPU
         # default) runs layer by layer; `_params` is what the step programs take. They
         # take parameters as flat lists of arrays, their tree structures (`_state_def`,
         # `_run_def`) bound statically: JAX flattens a list of arrays in C++ on each call,
         # an `nnx.State` in Python.
-        self._params, self._state_def = jax.tree.flatten(self._state)
         self._run_graphdef = self._run_def = None
-        runs = model.decoder.layers if isinstance(model, CausalLM) else ()
-        if len(runs) > 1:
-            self._run_graphdef = nnx.graphdef(runs[0])
-            flat_runs = [jax.tree.flatten(nnx.state(run)) for run in runs]
+        self._runs = model.decoder.layers if isinstance(model, CausalLM) else ()
+        if len(self._runs) > 1:
+            self._run_graphdef = nnx.graphdef(self._runs[0])
+            first_layers = np.cumsum([0] + [run.num_layers for run in self._runs[:-1]])
+            self._first_layers = tuple(self._replicated(np.int32(i)) for i in first_layers)
+        self._set_state(state)
+
+    def _set_state(self, state: nnx.State) -> None:
+        """Take `state` (the model's, as `nnx.split` gives it) as the step's parameters."""
+        self._state = state
+        self._params, self._state_def = jax.tree.flatten(state)
+        if self._run_graphdef is not None:
+            flat_runs = [jax.tree.flatten(nnx.state(run)) for run in self._runs]
             self._run_def = flat_runs[0][1]  # every run has the first's structure (and graphdef)
             run_params = tuple(params for params, _ in flat_runs)
-            first_layers = np.cumsum([0] + [run.num_layers for run in runs[:-1]])
-            self._params = LayerParams(
-                self._params,
-                run_params,
-                tuple(self._replicated(np.int32(i)) for i in first_layers),
-            )
+            self._params = LayerParams(self._params, run_params, self._first_layers)
+
+    @property
+    def weight_leaves(self) -> list:
+        """The model's state as flat leaves (`jax.tree.flatten` order of `nnx.state`)."""
+        return jax.tree.leaves(self._state)
+
+    @property
+    def weight_treedef(self):
+        """The tree structure of the model's state (`weight_leaves` unflatten with it)."""
+        return self._state_def
+
+    def set_weight_leaves(self, leaves: Sequence) -> None:
+        """Make `leaves` (`weight_leaves`' structure, shapes and shardings) the model's
+        state: the model object's variables and the arrays the steps take."""
+        state = jax.tree.unflatten(self._state_def, leaves)
+        nnx.update(self.model, state)
+        self._set_state(state)
+
+    def flush_encoder_store(self) -> None:
+        """Free every stored encoder output (their embeddings came from old weights)."""
+        if self.encoder_pages is not None and len(self.encoder_pages):
+            self.encoder_pages.free(self.encoder_pages.stored_hashes())
 
     @property
     def programs_per_step(self) -> int:

@@ -28,7 +28,8 @@ class RequestOutput:
     step failed (`finish_reason="error"`; the other requests were served).
     `num_cached_tokens`: prompt tokens served from a cache at first admission, the
     device prefix cache or the host tier (vLLM counts a connector's tokens too);
-    `num_host_cached_tokens`: the host tier's share.
+    `num_host_cached_tokens`: the host tier's share. `weight_versions`: the weight
+    versions that sampled the request's tokens so far, oldest first.
 
     Both token lists are spans of the request's output tokens, which only ever grow: an
     output keeps that list and its span, and each read returns a new list of the span.
@@ -38,7 +39,7 @@ class RequestOutput:
     __slots__ = (
         "request_id", "prompt_token_ids", "_tokens", "_start", "_new_start", "_end",
         "finished", "finish_reason", "text", "num_preemptions", "error",
-        "num_cached_tokens", "num_host_cached_tokens",
+        "num_cached_tokens", "num_host_cached_tokens", "weight_versions",
     )  # fmt: skip
 
     def __init__(
@@ -72,6 +73,9 @@ class RequestOutput:
         self.error = error
         self.num_cached_tokens = num_cached_tokens
         self.num_host_cached_tokens = num_host_cached_tokens
+        # The weight versions (`LLMEngine.weight_version`) that sampled its tokens so far,
+        # in order; set by the engine.
+        self.weight_versions: tuple[int | str, ...] = ()
 
     @classmethod
     def rejected(cls, prompt_token_ids: list[int], error: str) -> RequestOutput:

@@ -229,6 +229,7 @@ class Scheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._num_arrivals = 0
         self._finished_ids: list[str] = []  # since the last `schedule()`
+        self._preempted_ids: list[str] = []  # preempted outside `schedule()`, since then
         self.num_preemptions = 0
         # Over all admissions (a preempted request counts again when readmitted): tokens
         # of the admitted requests, and how many of them the prefix cache or host tier served.
@@ -344,6 +345,8 @@ class Scheduler:
         freed_mm = (
             self.encoder_cache_manager.get_freed_mm_hashes() if self.encoder_cache_manager else []
         )
+        if self._preempted_ids:
+            preempted, self._preempted_ids = self._preempted_ids + preempted, []
         out = SchedulerOutput(scheduled, preempted, freed_blocks, freed_mm, *counts)
         if self._finished_ids:
             out.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -634,6 +637,35 @@ class Scheduler:
         _set_status(request, "PREEMPTED")
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def update_weights(self, policy: str, weight_version: int | str) -> list[str]:
+        """Apply a weight update to the requests, none of whose tokens may be in flight;
+        returns the ids the caller must abort ("abort": every running and loading one).
+
+        "recompute" preempts every running and loading request now (reported with the
+        next `schedule()`); "keep" leaves them on their KV, except one still holding an
+        encoder-cache entry (the encoder cache is flushed: its embeddings came from the
+        old weights), which is preempted. Every waiting request then (none holds a
+        block) is keyed under `weight_version`, so it never hits a block computed under
+        older weights; a kept request keeps its admission version's key, and so do the
+        blocks it fills later (mixed-version KV only its own lineage can hit).
+        """
+        with_kv = [*self.running, *self.loading.values()]
+        to_abort = []
+        for request in reversed(with_kv):  # newest first: the oldest ends up first in waiting
+            tracked = self._tracked[request.request_id]
+            if tracked.num_pending:
+                raise RuntimeError(f"request {request.request_id!r} has a token in flight")
+            if policy == "abort":
+                to_abort.append(request.request_id)
+            elif policy == "recompute" or tracked.held_inputs:
+                if self.loading.pop(request.request_id, None) is None:
+                    self.running.remove(request)
+                self._preempt(request)
+                self._preempted_ids.append(request.request_id)
+        for request in self.waiting:
+            request.set_weight_version(weight_version)
+        return to_abort
 
     def _free_encoder_inputs(self, tracked: _Tracked) -> None:
         if self.encoder_cache_manager is not None:
