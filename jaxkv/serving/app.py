@@ -111,7 +111,7 @@ def build_app(loop: EngineLoop, model: ServedModel, metrics: ServerMetrics) -> F
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
-        parsed = parse_completion(body, model.name, model.tokenizer, model.max_model_len)
+        parsed = parse_completion(body, model.name, model.encoder, model.max_model_len)
         return await generation.respond(parsed, request)
 
     @app.post("/v1/chat/completions")

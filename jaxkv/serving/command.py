@@ -12,7 +12,7 @@ __all__ = ["add_serve_parser"]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from jaxkv.cli import add_engine_arguments
+    from jaxkv.engine_flags import add_engine_arguments
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's endpoints)")
     p.add_argument("--model", required=True, help="checkpoint directory")
@@ -33,13 +33,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxkv import cli, models
+    from jaxkv import engine_flags, models
     from jaxkv.engine.distributed_config import check_port_free
     from jaxkv.models.prompting import PromptEncoder
     from jaxkv.serving.app import ServedModel
     from jaxkv.serving.server import Server
 
-    kv_events = cli.check_engine_flags(args)
+    kv_events = engine_flags.check_engine_flags(args)
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     if not 0 <= args.shutdown_grace <= 86400:
@@ -48,10 +48,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     host = f"[{args.host}]" if ":" in args.host else args.host
     check_port_free(f"{host}:{args.port}", "--host/--port")
-    mesh = cli.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
+    mesh = engine_flags.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
     tokenizer = models.load_tokenizer(args.model)
     encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)
-    engine, _ = cli.load_engine(args, tokenizer, mesh, kv_events)
+    engine, _ = engine_flags.load_engine(args, tokenizer, mesh, kv_events)
     name = args.served_model_name or str(Path(args.model))
     served = ServedModel(name, engine.config.max_model_len, tokenizer, encoder)
     server = Server(

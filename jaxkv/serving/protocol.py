@@ -76,7 +76,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _prompt_ids(prompt: Any, tokenizer, name: str = "prompt") -> list[list[int]]:
+def _prompt_ids(prompt: Any, encoder, name: str = "prompt") -> list[list[int]]:
     """`prompt` as OpenAI takes it: text, a list of texts, token ids, or lists of ids."""
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -89,9 +89,9 @@ def _prompt_ids(prompt: Any, tokenizer, name: str = "prompt") -> list[list[int]]
     out = []
     for item in prompts:
         if isinstance(item, str):
-            if tokenizer is None:
+            if encoder is None:
                 raise ClientError(f"{name}: text needs the model's tokenizer.json", name)
-            out.append(tokenizer.encode(item))
+            out.append(encoder.encode(item))
         elif isinstance(item, list) and item and all(type(t) is int and t >= 0 for t in item):
             out.append(list(item))
         else:
@@ -171,12 +171,13 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> tuple[int, 
     return default, names[0]
 
 
-def parse_completion(body: Any, served_model: str, tokenizer, max_model_len: int):
-    """A `/v1/completions` body as a `GenerationRequest` (ClientError naming the field)."""
+def parse_completion(body: Any, served_model: str, encoder, max_model_len: int):
+    """A `/v1/completions` body as a `GenerationRequest`; text prompts encoded by the
+    checkpoint's `PromptEncoder` (ClientError naming the field)."""
     model, stream, include_usage, salt = _common(body, "completion", served_model)
     if "prompt" not in body:
         raise ClientError("prompt is required", "prompt")
-    prompts = _prompt_ids(body["prompt"], tokenizer)
+    prompts = _prompt_ids(body["prompt"], encoder)
     max_tokens, name = _max_tokens(body, ("max_tokens",), 16)
     return GenerationRequest(
         "completion",

@@ -1,0 +1,247 @@
+"""`jaxkv serve` driven by the official `openai` client: the same tokens as
+`LLMEngine.generate`, streaming with usage, OpenAI error objects, vLLM's metrics, client
+disconnects that free their blocks, a full server answering 503."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxkv import models
+from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.models.prompting import PromptEncoder
+from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.serving.app import ServedModel
+from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
+from jaxkv.serving.server import Server
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
+    "{% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
+)
+CONFIG = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
+                      max_model_len=128)  # fmt: skip
+PROMPTS = ["w5 w6 w7 w8 w9", "w5 w6 w7 w8 w10 w11", "w20"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    models.save_random_checkpoint(path, models.tiny_configs()["llama-tiny"], seed=0)
+    save_word_tokenizer(path, 256, {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"})
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
+              "tokenizer_class": "LlamaTokenizerFast", "chat_template": TEMPLATE}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def make_engine(checkpoint) -> tuple[LLMEngine, ServedModel]:
+    tokenizer = models.load_tokenizer(checkpoint)
+    engine = LLMEngine(models.load_model(checkpoint), CONFIG, tokenizer=tokenizer)
+    encoder = PromptEncoder.from_dir(checkpoint, tokenizer)
+    return engine, ServedModel("tiny", CONFIG.max_model_len, tokenizer, encoder)
+
+
+class Running:
+    """A `Server` on a free loopback port, in a thread."""
+
+    def __init__(self, checkpoint, **kw) -> None:
+        self.engine, self.served = make_engine(checkpoint)
+        self.port = free_port()
+        self.server = Server(self.engine, self.served, port=self.port, grace_s=2.0, **kw)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def running(checkpoint):
+    server = Running(checkpoint)
+    yield server
+    server.stop()
+
+
+def reference(checkpoint, prompts, max_tokens) -> list[str]:
+    engine, served = make_engine(checkpoint)
+    ids = [served.encoder.encode(p) for p in prompts]
+    outputs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    engine.shutdown()
+    return [o.text for o in outputs]
+
+
+def test_completions_give_generates_text_and_usage(running, checkpoint) -> None:
+    response = running.client.completions.create(
+        model="tiny", prompt=PROMPTS, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.text for c in response.choices] == reference(checkpoint, PROMPTS, 6)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert {c.finish_reason for c in response.choices} == {"length"}
+    prompt_tokens = sum(len(running.served.encoder.encode(p)) for p in PROMPTS)
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 18
+
+
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(running) -> None:
+    messages = [{"role": "system", "content": "w30 w31"}, {"role": "user", "content": "w40 w41"}]
+    kw = dict(model="tiny", messages=messages, max_completion_tokens=7, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    whole = running.client.chat.completions.create(**kw)
+    chunks = list(running.client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and whole.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_n_samples_and_seeds(running) -> None:
+    response = running.client.completions.create(
+        model="tiny", prompt="w5 w6", max_tokens=5, n=3, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    again = running.client.completions.create(
+        model="tiny", prompt="w5 w6", max_tokens=5, n=3, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in response.choices}) > 1, "samples seeded seed + i differ"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "param"),
+    [
+        ({"temperature": 5}, openai.BadRequestError, "temperature"),
+        ({"max_tokens": 0}, openai.BadRequestError, "max_tokens"),
+        ({"n": 0}, openai.BadRequestError, "n"),
+        ({"stop": ["w9"]}, openai.BadRequestError, "stop"),
+        ({"prompt": []}, openai.BadRequestError, "prompt"),
+        ({"prompt": "w1 " * 200}, openai.BadRequestError, "prompt"),
+        ({"model": "other"}, openai.NotFoundError, "model"),
+    ],
+)
+def test_bad_requests_are_openai_errors_naming_the_field(running, kwargs, error, param) -> None:
+    args = {"model": "tiny", "prompt": "w5", "max_tokens": 2, **kwargs}
+    with pytest.raises(error) as raised:
+        running.client.completions.create(**args)
+    body = raised.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error", body
+    assert body["message"]
+
+
+def test_non_json_and_non_object_bodies_are_400(running) -> None:
+    for content in (b"{", b"[1, 2]", b"\xff"):
+        response = httpx.post(f"{running.url}/v1/completions", content=content)
+        assert response.status_code == 400 and "message" in response.json()["error"]
+
+
+def test_small_endpoints(running) -> None:
+    assert httpx.get(f"{running.url}/health").status_code == 200
+    assert httpx.get(f"{running.url}/version").json()["version"]
+    models_list = running.client.models.list()
+    assert [m.id for m in models_list.data] == ["tiny"]
+    tokens = httpx.post(f"{running.url}/tokenize", json={"prompt": "w5 w6"}).json()
+    assert tokens["tokens"] == running.served.encoder.encode("w5 w6") and tokens["count"] == 3
+    text = httpx.post(f"{running.url}/detokenize", json={"tokens": tokens["tokens"][1:]}).json()
+    assert text["prompt"] == "w5 w6"
+    assert httpx.post(f"{running.url}/reset_prefix_cache").status_code == 200
+    running.client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=3)
+    metrics = httpx.get(f"{running.url}/metrics").text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+        "jaxkv:host_tier_hit_tokens_total",
+    ):
+        assert f"\n{name}" in metrics, name
+    assert 'vllm:generation_tokens_total{model_name="tiny"} 0.0' not in metrics
+
+
+def test_a_client_that_disconnects_frees_its_blocks(running) -> None:
+    free = running.engine.num_free_blocks
+    with httpx.stream("POST", f"{running.url}/v1/completions", json={
+        "model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 100, "stream": True,
+        "ignore_eos": True,
+    }) as response:  # fmt: skip
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    deadline = time.monotonic() + 30
+    while running.engine.num_free_blocks != free or running.server.loop.num_pending:
+        assert time.monotonic() < deadline, "the request kept its blocks"
+        time.sleep(0.05)
+
+
+def test_a_full_server_answers_503_with_retry_after(checkpoint) -> None:
+    server = Running(checkpoint, max_pending=1)
+    step = server.engine.step
+    server.engine.step = lambda: time.sleep(0.05) or step()  # the first request stays pending
+    try:
+        body = {"model": "tiny", "prompt": "w5", "max_tokens": 100, "ignore_eos": True}
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
+        ) as r:
+            next(r.iter_lines())
+            busy = httpx.post(f"{server.url}/v1/completions", json=body)
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+            assert busy.json()["error"]["type"] == "server_error"
+    finally:
+        server.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
+
+
+def test_the_engine_loop_bounds_pending_requests_and_refuses_after_close(checkpoint) -> None:
+    engine, _ = make_engine(checkpoint)
+    loop = EngineLoop(engine, max_pending=1)
+
+    async def scenario() -> None:
+        stream = await loop.submit([5, 6], sampling=SamplingParams(max_tokens=3))
+        with pytest.raises(QueueFull):
+            await loop.submit([5, 6])
+        output = None
+        while output is None or not output.finished:
+            _, output = await stream.get()
+        assert len(output.output_token_ids) == 3
+        while loop.num_pending:  # released by the stepping thread after the put
+            await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="empty"):
+            await loop.submit([])  # the engine's refusal, and nothing stays pending
+        assert loop.num_pending == 0
+
+    asyncio.run(scenario())
+    loop.close(grace_s=1.0, timeout_s=30)
+    with pytest.raises(EngineLoopClosed):
+        asyncio.run(loop.submit([5]))
+    assert engine.is_shut_down
