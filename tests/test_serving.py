@@ -245,3 +245,19 @@ def test_the_engine_loop_bounds_pending_requests_and_refuses_after_close(checkpo
     with pytest.raises(EngineLoopClosed):
         asyncio.run(loop.submit([5]))
     assert engine.is_shut_down
+
+
+def test_the_readmes_client_example_runs_against_the_server(running) -> None:
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "OpenAI(" in b]
+    block = block.replace("http://localhost:8000/v1", f"{running.url}/v1")
+    block = block.replace("path/to/SmolLM2-135M-Instruct", "tiny")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md", "exec"), {})
+    assert out.getvalue().strip()
