@@ -18,9 +18,12 @@ import numpy as np
 
 from jaxkv._checks import as_int
 
-__all__ = ["MAX_N", "RequestOutputKind", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "MAX_MIN_TOKENS_STOPS", "MAX_N", "RequestOutputKind", "SamplingParams"]
 
 MAX_N = 16384  # vLLM's default `VLLM_MAX_N_SEQUENCES`
+MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`: the most logprobs the engine returns
+# The most stop tokens (its own and the model's EOS ids) a request with `min_tokens` bans.
+MAX_MIN_TOKENS_STOPS = 8
 _MIN_TEMPERATURE = 0.01  # vLLM's `_MAX_TEMP`: the least positive temperature it samples at
 # (name, least, greatest) of the penalties; the repetition penalty must also be > 0.
 _PENALTIES = (
@@ -147,7 +150,9 @@ class SamplingParams:
         """The stop fields (`max_tokens`, `min_tokens`, stop tokens and strings), checked."""
         max_tokens = None if self.max_tokens is None else as_int(self.max_tokens)
         if self.max_tokens is not None and (max_tokens is None or max_tokens < 1):
-            raise _bad("max_tokens", self.max_tokens, "None (up to the model length) or an int >= 1")
+            raise _bad(
+                "max_tokens", self.max_tokens, "None (up to the model length) or an int >= 1"
+            )
         min_tokens = as_int(self.min_tokens)
         if min_tokens is None or min_tokens < 0 or (max_tokens and min_tokens > max_tokens):
             raise _bad("min_tokens", self.min_tokens, "an int in [0, max_tokens]")
