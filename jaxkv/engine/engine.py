@@ -38,7 +38,9 @@ from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import build, multihost
 from jaxkv.engine.config import EngineConfig, check_config
 from jaxkv.engine.events import EngineEvents, make_publishers
+from jaxkv.engine.fanout import FanOut, child_requests
 from jaxkv.engine.intake import BYTES_TYPES, RequestTable
+from jaxkv.engine.logprobs import HostLogprobs
 from jaxkv.engine.model_runner import RequestStepError, image_inputs
 from jaxkv.engine.offload import host_offloads
 from jaxkv.engine.outputs import RequestOutput
@@ -63,6 +65,7 @@ class _InFlight:
 
     outputs: list[SchedulerOutput]  # one per data rank
     sampled: jax.Array
+    logprobs: dict  # its logprob arrays by name (`ModelRunner.step_logprobs`)
 
 
 class LLMEngine:
@@ -116,6 +119,7 @@ class LLMEngine:
             block_hasher=get_request_block_hasher(self.kv_cache_manager.hash_block_size, hash_fn),
             stats=self.stats,
         )
+        self._fanout = FanOut()  # the parents of `n > 1` requests
         self.num_steps = 0
 
     def _build_ranks(self, device_quotas, budget) -> None:
@@ -197,7 +201,38 @@ class LLMEngine:
         refused (vLLM's behaviour without `enable_lora`).
         """
         self._replay.check("add_request")
-        new = self._requests.check(prompt, images, sampling, request_id, cache_salt, lora_request)
+        args = (prompt, images, sampling, request_id, cache_salt, lora_request)
+        if isinstance(sampling, SamplingParams) and sampling.n > 1:
+            request_id = self._add_parent(*args)
+        else:
+            new = self._requests.check(*args)
+            self._admit(new)
+            request_id = new.request.request_id
+        self._replay.record("add", prompt, images, sampling, request_id, cache_salt)
+        return request_id
+
+    def _add_parent(self, prompt, images, sampling, request_id, cache_salt, lora_request) -> str:
+        """Add an `n > 1` request as its `n` children (`jaxkv.engine.fanout`), every one
+        checked before any is added; returns the parent's id."""
+        if request_id is None:
+            request_id = self._requests.new_request_id()
+        if self._fanout.is_parent(request_id) or request_id in self._requests.rank_of:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = child_requests(request_id, sampling)
+        news = [
+            self._requests.check(prompt, images, params, child_id, cache_salt, lora_request)
+            for child_id, params in children
+        ]
+        if any(child_id in self._requests.rank_of for child_id, _ in children):
+            raise ValueError(f"request id {request_id!r}: a child's id is already in use")
+        for new in news:
+            self._admit(new)
+        self._fanout.add(request_id, sampling, [child_id for child_id, _ in children])
+        return request_id
+
+    def _admit(self, new) -> None:
+        """Hand a checked request to the data rank holding most of its prefix among the
+        least busy (the scheduler checks it before changing anything)."""
         rank = 0
         if len(self.schedulers) > 1:
             rank = choose_data_rank(
@@ -205,15 +240,16 @@ class LLMEngine:
                 lambda k: self._tiers.num_cached_tokens(k, new.request),
                 max(1, self.config.max_num_seqs // 4) if self.config.enable_prefix_caching else 0,
             )
-        self._requests.admit(new, rank)  # the scheduler checks it before changing anything
-        request_id = new.request.request_id
-        self._replay.record("add", prompt, images, sampling, request_id, cache_salt)
-        return request_id
+        self._requests.admit(new, rank)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; KeyError naming it when no unfinished request has that id.
         Its final output (`finish_reason="abort"`) comes with the next `step()`."""
         self._replay.check("abort")
+        for child_id in self._fanout.children(request_id):  # a parent: all its children
+            self.abort(child_id)
+        if self._fanout.is_parent(request_id):
+            return
         rank = self._requests.rank_of.get(request_id)
         if rank is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
@@ -281,7 +317,9 @@ class LLMEngine:
         if self._in_flight is None and all(out.is_empty for out in outs):
             self._fail_unschedulable()
         sampled = self._execute(outs)
-        current = _InFlight(outs, sampled) if not all(out.is_empty for out in outs) else None
+        current = None
+        if not all(out.is_empty for out in outs):
+            current = _InFlight(outs, sampled, self.runner.step_logprobs)
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
         # The events of the step's schedule (the blocks it caches are written by the step
@@ -295,6 +333,7 @@ class LLMEngine:
         if done is not None:
             t_wait = time.perf_counter()
             tokens = multihost.host_tokens(done.sampled)  # the one place the host waits
+            logprobs = HostLogprobs.fetch(done.logprobs, multihost.host_tokens)
             wait_s = time.perf_counter() - t_wait
             width = self.runner.max_num_seqs
             for rank, (scheduler, out) in enumerate(
@@ -302,6 +341,8 @@ class LLMEngine:
             ):
                 rows = tokens[rank * width : (rank + 1) * width]
                 updates.append(scheduler.update_from_output(out, rows))
+                if logprobs is not None:
+                    self._requests.record_logprobs(out, updates[-1], logprobs, rank)
         self._tiers.store_freed_blocks(self.num_steps)
         outputs = self._requests.take_final_outputs()
         for update in updates:
@@ -317,7 +358,7 @@ class LLMEngine:
             compilations=compilation_count() - compiled,
         ))  # fmt: skip
         self.num_steps += 1
-        return outputs
+        return self._fanout.merge(outputs)
 
     def _fail_unschedulable(self) -> None:
         """With nothing running, loading or in flight, a waiting request that still cannot
