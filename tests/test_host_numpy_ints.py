@@ -435,7 +435,7 @@ def test_sampling_params_take_vllm_disabled_top_k_and_any_int_seed() -> None:
         ("top_k", 2.0, ValueError, "top_k"),
         ("seed", 1.5, ValueError, r"seed must be None or an int \(-1 means None\)"),
         ("seed", np.True_, ValueError, "seed"),
-        ("max_tokens", np.int64(0), ValueError, "max_tokens must be None \\(up to the model length\\) or an int >= 1"),
+        ("max_tokens", np.int64(0), ValueError, r"max_tokens must be None \(up to the model"),
         ("max_tokens", np.float32(3.0), ValueError, "max_tokens"),
         ("max_tokens", True, ValueError, "max_tokens"),
         ("temperature", np.float32("nan"), ValueError, "temperature must be a float in \\[0, 2\\]"),
