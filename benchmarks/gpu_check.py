@@ -701,9 +701,9 @@ def step_time(ctx: Context) -> dict:
     step = runner._step  # the jitted step of one packed buffer (ModelRunner._step)
     captured = []
 
-    def capture(buffer, shapes):
+    def capture(buffer, shapes, *features):
         captured.append((np.array(buffer, copy=True), shapes))
-        return step(buffer, shapes)
+        return step(buffer, shapes, *features)
 
     new_tokens = 8 if ctx.small else 64
     first_stat = engine.num_steps

@@ -70,9 +70,9 @@ def test_bad_request_raises_and_changes_nothing(engine, kwargs, error, match) ->
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
-        ("max_tokens", 0, "max_tokens must be an int >= 1"),
+        ("max_tokens", 0, "max_tokens must be None \\(up to the model length\\) or an int >= 1"),
         ("max_tokens", 2.5, "max_tokens"),
-        ("temperature", -1.0, "temperature must be a finite float >= 0"),
+        ("temperature", -1.0, "temperature must be a float in \\[0, 2\\]"),
         ("temperature", float("nan"), "temperature"),
         ("top_k", -2, r"top_k must be an int >= -1 \(0 and -1 disable top-k\)"),
         ("top_p", 0.0, r"top_p must be a float in \(0, 1\]"),

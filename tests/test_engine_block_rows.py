@@ -49,9 +49,9 @@ def watch(engine: LLMEngine) -> Watch:
     step, execute = runner._step, runner.execute
     had_row: set[str] = set()
 
-    def recording_step(buffer, shapes):
+    def recording_step(buffer, shapes, *features):
         packed.append((buffer, shapes))
-        return step(buffer, shapes)
+        return step(buffer, shapes, *features)
 
     def checking_execute(outs, *args):
         packed.clear()

@@ -201,7 +201,8 @@ def test_sampling_eos_token_id_stops_the_request(model, reference) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(sampling=SamplingParams(prompt_logprobs=1)), ValueError, "prompt_logprobs"),
+        (dict(sampling=SamplingParams(prompt_logprobs=21)), ValueError, "prompt_logprobs=21"),
+        (dict(sampling=SamplingParams(stop="x")), ValueError, "no tokenizer"),
         (dict(lora_request=object()), ValueError, "no LoRA adapters"),
         (dict(request_id=123), TypeError, "request_id must be a str"),
         (dict(cache_salt=5), TypeError, "cache_salt must be a str"),

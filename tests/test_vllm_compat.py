@@ -121,7 +121,7 @@ def test_one_sampling_params_for_the_managers_and_the_engine():
     assert params.skip_reading_prefix_cache is True and not params.greedy
     assert request("a", range(20), sampling_params=params).max_tokens == 4
     for field, value in [
-        ("prompt_logprobs", -1),
+        ("prompt_logprobs", -2),
         ("skip_reading_prefix_cache", 1),
         ("eos_token_id", -2),
         ("ignore_eos", "yes"),

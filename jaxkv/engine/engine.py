@@ -49,7 +49,9 @@ from jaxkv.device.compilation_cache import enable_compilation_cache
 from jaxkv.engine import build, multihost
 from jaxkv.engine.config import EngineConfig, check_config
 from jaxkv.engine.events import EngineEvents, make_publishers
+from jaxkv.engine.fanout import FanOut, child_requests
 from jaxkv.engine.intake import BYTES_TYPES, RequestTable
+from jaxkv.engine.logprobs import HostLogprobs
 from jaxkv.engine.model_runner import RequestStepError, image_inputs
 from jaxkv.engine.offload import host_offloads
 from jaxkv.engine.outputs import RequestOutput
@@ -76,6 +78,7 @@ class _InFlight:
     outputs: list[SchedulerOutput]  # one per data rank
     sampled: jax.Array
     weight_version: int | str  # the weights it runs with
+    logprobs: dict  # its logprob arrays by name (`ModelRunner.step_logprobs`)
 
 
 class LLMEngine:
@@ -137,6 +140,7 @@ class LLMEngine:
             block_hasher=get_request_block_hasher(self.kv_cache_manager.hash_block_size, hash_fn),
             stats=self.stats,
         )
+        self._fanout = FanOut()  # the parents of `n > 1` requests
         self.num_steps = 0
         self.is_shut_down = False
         self._weights = WeightUpdater(self.runner)
@@ -244,7 +248,38 @@ class LLMEngine:
         """
         self._check_open("add_request")
         self._replay.check("add_request")
-        new = self._requests.check(prompt, images, sampling, request_id, cache_salt, lora_request)
+        args = (prompt, images, sampling, request_id, cache_salt, lora_request)
+        if isinstance(sampling, SamplingParams) and sampling.n > 1:
+            request_id = self._add_parent(*args)
+        else:
+            new = self._requests.check(*args)
+            self._admit(new)
+            request_id = new.request.request_id
+        self._replay.record("add", prompt, images, sampling, request_id, cache_salt)
+        return request_id
+
+    def _add_parent(self, prompt, images, sampling, request_id, cache_salt, lora_request) -> str:
+        """Add an `n > 1` request as its `n` children (`jaxkv.engine.fanout`), every one
+        checked before any is added; returns the parent's id."""
+        if request_id is None:
+            request_id = self._requests.new_request_id()
+        if self._fanout.is_parent(request_id) or request_id in self._requests.rank_of:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = child_requests(request_id, sampling)
+        news = [
+            self._requests.check(prompt, images, params, child_id, cache_salt, lora_request)
+            for child_id, params in children
+        ]
+        if any(child_id in self._requests.rank_of for child_id, _ in children):
+            raise ValueError(f"request id {request_id!r}: a child's id is already in use")
+        for new in news:
+            self._admit(new)
+        self._fanout.add(request_id, sampling, [child_id for child_id, _ in children])
+        return request_id
+
+    def _admit(self, new) -> None:
+        """Hand a checked request to the data rank holding most of its prefix among the
+        least busy (the scheduler checks it before changing anything)."""
         rank = 0
         if len(self.schedulers) > 1:
             rank = choose_data_rank(
@@ -252,16 +287,17 @@ class LLMEngine:
                 lambda k: self._tiers.num_cached_tokens(k, new.request),
                 max(1, self.config.max_num_seqs // 4) if self.config.enable_prefix_caching else 0,
             )
-        self._requests.admit(new, rank)  # the scheduler checks it before changing anything
-        request_id = new.request.request_id
-        self._replay.record("add", prompt, images, sampling, request_id, cache_salt)
-        return request_id
+        self._requests.admit(new, rank)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; KeyError naming it when no unfinished request has that id.
         Its final output (`finish_reason="abort"`) comes with the next `step()`."""
         self._check_open("abort")
         self._replay.check("abort")
+        for child_id in self._fanout.children(request_id):  # a parent: all its children
+            self.abort(child_id)
+        if self._fanout.is_parent(request_id):
+            return
         rank = self._requests.rank_of.get(request_id)
         if rank is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
@@ -338,7 +374,9 @@ class LLMEngine:
         sampled = self._execute(outs)
         current = None
         if not all(out.is_empty for out in outs):
-            current = _InFlight(outs, sampled, self._versions.current)
+            current = _InFlight(
+                outs, sampled, self._versions.current, self.runner.step_logprobs
+            )
         done = self._in_flight if self.config.async_scheduling else current
         self._in_flight = current if self.config.async_scheduling else None
         # The events of the step's schedule (the blocks it caches are written by the step
@@ -364,17 +402,21 @@ class LLMEngine:
             compilations=compilation_count() - compiled,
         ))  # fmt: skip
         self.num_steps += 1
-        return outputs
+        return self._fanout.merge(outputs)
 
     def _complete(self, done: _InFlight) -> list[tuple[int | str, TokenUpdates]]:
-        """Wait for a dispatched step's tokens and apply them, rank by rank."""
+        """Wait for a dispatched step's tokens (and logprobs) and apply them, rank by
+        rank; each rank's updates with the weight version that sampled them."""
         tokens = multihost.host_tokens(done.sampled)
+        logprobs = HostLogprobs.fetch(done.logprobs, multihost.host_tokens)
         width = self.runner.max_num_seqs
-        rows = [tokens[k * width : (k + 1) * width] for k in range(len(self.schedulers))]
-        return [
-            (done.weight_version, scheduler.update_from_output(out, rank_rows))
-            for scheduler, out, rank_rows in zip(self.schedulers, done.outputs, rows, strict=True)
-        ]
+        versioned = []
+        for rank, (scheduler, out) in enumerate(zip(self.schedulers, done.outputs, strict=True)):
+            update = scheduler.update_from_output(out, tokens[rank * width : (rank + 1) * width])
+            if logprobs is not None:
+                self._requests.record_logprobs(out, update, logprobs, rank)
+            versioned.append((done.weight_version, update))
+        return versioned
 
     def _outputs(self, versioned: list[tuple[int | str, TokenUpdates]]) -> list[RequestOutput]:
         """The outputs of the requests finished outside a step, then of those given

@@ -19,10 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxkv.engine.logprobs import HostLogprobs
 from jaxkv.engine.model_runner import ImageInputs, RowSampling
 from jaxkv.engine.outputs import OutputStream, RequestOutput
-from jaxkv.engine.sampling import SamplingParams
-from jaxkv.engine.scheduler import FinishReason, Scheduler, stop_token_ids_for
+from jaxkv.engine.sampling import MAX_LOGPROBS, MAX_MIN_TOKENS_STOPS, SamplingParams
+from jaxkv.engine.scheduler import (
+    FinishReason,
+    Scheduler,
+    SchedulerOutput,
+    TokenUpdates,
+    stop_token_ids_for,
+)
 from jaxkv.engine.stats import EngineStats
 from jaxkv.mm_hashing import hash_mm_item
 from jaxkv.request import MultiModalFeatureSpec, Request
@@ -102,7 +109,7 @@ class RequestTable:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
+            request_id = self.new_request_id()
         elif not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.sampling:
@@ -111,20 +118,60 @@ class RequestTable:
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         if lora_request is not None:
             raise ValueError("lora_request must be None: this engine serves no LoRA adapters")
-        if sampling.prompt_logprobs is not None:
-            raise ValueError(
-                "SamplingParams.prompt_logprobs must be None: the engine returns no logprobs"
-            )
+        self.check_sampling(sampling)
         ids = self.token_ids(prompt)
         features, pixels = [], []
         if images:
             ids, features, pixels = self.image_features(request_id, ids, images)
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:  # vLLM's: up to the model length
+            max_tokens = max(1, self.schedulers[0].config.max_model_len - len(ids))
+        # The penalty state counts the tokens a request feeds: it must feed all of them.
+        skip = sampling.skip_reading_prefix_cache or sampling.uses_penalties
         request = Request(
             request_id, ids, sampling, mm_features=features, block_hasher=self.block_hasher,
-            cache_salt=cache_salt, weight_version=self.weight_version,
+            cache_salt=cache_salt, weight_version=self.weight_version, max_tokens=max_tokens,
+            skip_reading_prefix_cache=skip,
         )  # fmt: skip
         stop = stop_token_ids_for(sampling, self.eos_token_ids)
         return NewRequest(request, sampling, stop, features, pixels)
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: the logprob counts against the
+        engine's limit, stop strings against the tokenizer, the stop tokens banned
+        before `min_tokens` against a row's room. `n` must be 1 (the engine fans out)."""
+        limit = min(MAX_LOGPROBS, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(sampling, name)
+            if count is not None and (count == -1 and self.vocab_size > limit or count > limit):
+                raise ValueError(
+                    f"SamplingParams.{name}={count}: the engine returns at most {limit} "
+                    "logprobs per position (vLLM's default max_logprobs)"
+                )
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError(
+                f"SamplingParams.stop={sampling.stop!r} needs text: the engine has no tokenizer"
+            )
+        if len(self.min_tokens_stops(sampling)) > MAX_MIN_TOKENS_STOPS:
+            raise ValueError(
+                f"SamplingParams.min_tokens={sampling.min_tokens} bans "
+                f"{len(self.min_tokens_stops(sampling))} stop tokens; at most "
+                f"{MAX_MIN_TOKENS_STOPS} are supported"
+            )
+        if sampling.n != 1:
+            raise ValueError(f"SamplingParams.n={sampling.n}: a request samples once here")
+
+    def min_tokens_stops(self, sampling: SamplingParams) -> tuple[int, ...]:
+        """The tokens a request may not sample before `min_tokens` outputs: its stop
+        token ids and the EOS ids (vLLM's `all_stop_token_ids`, EOS even with
+        `ignore_eos`)."""
+        if not sampling.min_tokens:
+            return ()
+        eos = () if sampling.eos_token_id is None else (sampling.eos_token_id,)
+        return tuple(dict.fromkeys((*sampling.stop_token_ids, *self.eos_token_ids, *eos)))
 
     def admit(self, new: NewRequest, rank: int) -> None:
         """Hand `new` to data rank `rank`'s scheduler (which checks it before changing
@@ -134,7 +181,7 @@ class RequestTable:
         request_id, sampling = request.request_id, new.sampling
         self.rank_of[request_id] = rank
         self.sampling[request_id] = self.row_sampling(sampling, request_id)
-        self.streams[request_id] = OutputStream.for_kind(sampling.output_kind, request.cache_salt)
+        self.streams[request_id] = OutputStream.for_params(sampling, request.cache_salt)
         for feature, image in zip(new.features, new.pixels, strict=True):
             self.images.setdefault(feature.identifier, image)
             self.image_refs[feature.identifier] = self.image_refs.get(feature.identifier, 0) + 1
@@ -211,8 +258,60 @@ class RequestTable:
         if top_k < 0 or top_k >= self.vocab_size:
             top_k = 0
         return RowSampling(
-            float(sampling.temperature), top_k, float(sampling.top_p), fold_seed(seed)
-        )
+            float(sampling.temperature), top_k, float(sampling.top_p), fold_seed(seed),
+            min_p=sampling.min_p, presence=sampling.presence_penalty,
+            frequency=sampling.frequency_penalty, repetition=sampling.repetition_penalty,
+            min_tokens=sampling.min_tokens, stop_ids=self.min_tokens_stops(sampling),
+            logprobs=sampling.logprobs is not None,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
+        )  # fmt: skip
+
+    def record_logprobs(
+        self, out: SchedulerOutput, update: TokenUpdates, host: HostLogprobs, rank: int
+    ) -> None:
+        """Add the logprobs a step computed to data rank `rank`'s requests' streams: of
+        each token `update` appended, and of the prompt tokens each prompt-logprobs
+        request's chunk predicted (a position recomputed after preemption is not added
+        twice). Rows are rank-major: each rank has an equal share of each array."""
+        decode, num_ranks = self._decode_one, len(self.schedulers)
+        if host.sampled is not None:
+            first = rank * (host.sampled[0].shape[0] // num_ranks)
+            rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+            for request in update.requests:
+                stream = self.streams.get(request.request_id)
+                if stream is not None and stream.logprobs is not None:
+                    token = request.output_token_ids[-1]
+                    row = first + rows[request.request_id]
+                    entry = host.position(False, row, token, stream.num_logprobs, decode)
+                    stream.add_logprobs(entry, token)
+        if host.prompt is None:
+            return
+        row = rank * (host.prompt[0].shape[0] // num_ranks)
+        for s in out.scheduled:
+            stream = self.streams.get(s.request.request_id)
+            if stream is not None and stream.prompt_logprobs is not None:
+                prompt, done = s.request.prompt_token_ids, stream.prompt_logprobs
+                for position in range(
+                    s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+                ):
+                    if position + 1 == len(done) < len(prompt):  # predicts prompt[position + 1]
+                        token = prompt[position + 1]
+                        num = stream.num_prompt_logprobs
+                        done.append(
+                            host.position(
+                                True, row + position - s.num_computed_tokens, token, num, decode
+                            )
+                        )
+            row += s.num_new_tokens
+
+    def _decode_one(self, token: int) -> str | None:
+        """One token's text for a `Logprob` (None without a tokenizer or when it fails)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            return self.tokenizer.decode([token])
+        except Exception:
+            return None
 
     # -- outputs and finishing ----------------------------------------------------------
 
@@ -228,6 +327,14 @@ class RequestTable:
                 request.num_cached_tokens,
                 request.num_external_cached_tokens,
             )
+        if reason is None and stream.stop and self.tokenizer is not None:
+            if stream.match_stop(request.output_token_ids, self.tokenizer) is not None:
+                reason = FinishReason.STOP  # finished here: a token in flight is dropped
+                self.schedulers[self.rank_of[request.request_id]].finish_request(
+                    request.request_id, reason
+                )
+        elif reason is FinishReason.STOP and request.output_token_ids[-1] in stream.stop_token_ids:
+            stream.stop_reason = request.output_token_ids[-1]  # vLLM's: not for EOS
         if reason is None and stream.final_only:
             return None
         output = stream.output(request, 1, None if reason is None else str(reason), self.tokenizer)

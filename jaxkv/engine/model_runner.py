@@ -76,11 +76,13 @@ from jaxkv.engine.request_rows import (
     RequestStepError,
     RowChanges,
     RowSampling,
+    StepSampling,
 )
 from jaxkv.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxkv.engine.sizing import KVCachePlan
 from jaxkv.engine.step_programs import (
     LayerParams,
+    StepFeatures,
     encode_image,
     layer_by_layer_program,
     metadata_field,
@@ -130,6 +132,20 @@ class _RankStep:
     changes: RowChanges = field(default_factory=RowChanges)
     placements: list[EmbedPlacement] = field(default_factory=list)
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
+    # (token offset, the prompt token after each) of its prompt-logprobs requests.
+    prompt_targets: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+_NO_LOGPROBS = RowSampling(0.0, 0, 1.0, 0)
+_PLAIN = StepFeatures()  # a step computing tokens only
+
+
+def _prompt_targets(request, start: int, end: int) -> list[int]:
+    """For each of `request`'s tokens `start..end-1`, the prompt token after it (-1 past
+    the prompt): the token whose logprob that token's logits give."""
+    num_prompt = request.num_prompt_tokens
+    targets = request.all_token_ids[start + 1 : min(end + 1, num_prompt)]
+    return list(targets) + [-1] * (end - start - len(targets))
 
 
 @functools.cache
@@ -232,7 +248,12 @@ class ModelRunner:
         self._last_step_request_ids: list[list[str]] = []
         self._sampled_row: dict[str, int] | None = {}  # their map (None: not built yet)
         self.num_encoded = 0
-        self._step_fns: dict[tuple[StepShape, ...], object] = {}
+        self._step_fns: dict[tuple[tuple[StepShape, ...], StepFeatures], object] = {}
+        # Per request row, its output token counts and prompt tokens for the penalties
+        # (`update_penalty_state`); allocated when a step first uses penalties.
+        self.penalty_state: tuple[jax.Array, jax.Array] | None = None
+        # The last step's logprob arrays by name (`_sample_outputs`), on device.
+        self.step_logprobs: dict[str, tuple[jax.Array, ...]] = {}
         self._place_step = placer(NamedSharding(self.mesh, P(self.paged[0].layout.rank_axis)))
 
     def _init_encoder_store(self, cache_size: int, page_size: int, allocate: bool) -> None:
@@ -337,15 +358,15 @@ class ModelRunner:
     def _layout(self, shapes: tuple[StepShape, ...]) -> StepLayout:
         return step_layout(shapes, self.encoder_store is not None)
 
-    def _step_fn(self, shapes: tuple[StepShape, ...]):
-        fn = self._step_fns.get(shapes)
+    def _step_fn(self, shapes: tuple[StepShape, ...], features: StepFeatures = _PLAIN):
+        fn = self._step_fns.get((shapes, features))
         if fn is None:
             store = self.encoder_store
             static = dict(
                 graphdef=self._graphdef, state_def=self._state_def, paged=self.paged,
                 layer_to_group=self.layer_to_group,
                 max_num_seqs=self.max_num_seqs, shapes=shapes, layout=self._layout(shapes),
-                store_dtype=None if store is None else store.dtype,
+                store_dtype=None if store is None else store.dtype, features=features,
             )  # fmt: skip
             if self._run_graphdef is None:
                 fn = step_program(**static)
@@ -354,13 +375,31 @@ class ModelRunner:
                     run_graphdef=self._run_graphdef, run_def=self._run_def,
                     config=self.model.config, **static,
                 )  # fmt: skip
-            self._step_fns[shapes] = fn
+            self._step_fns[shapes, features] = fn
         return fn
 
-    def _step(self, buffer: np.ndarray, shapes: tuple[StepShape, ...]):
-        return self._step_fn(shapes)(
-            self._params, self.kv_cache, self.encoder_cache, self._place_step(buffer), self.sampled
-        )
+    def _step(
+        self, buffer: np.ndarray, shapes: tuple[StepShape, ...], features=_PLAIN
+    ) -> tuple[jax.Array, jax.Array]:
+        """Run the step program of `shapes` and `features` on `buffer`: the new KV cache
+        and sampled tokens (the penalty state and the logprob arrays kept here)."""
+        state = None
+        if features.penalties:
+            if self.penalty_state is None:
+                rows = (self.dp_size * self.max_num_seqs, int(self.model.config.vocab_size))
+                self.penalty_state = (
+                    self._replicated(np.zeros(rows, np.int32)),
+                    self._replicated(np.zeros(rows, bool)),
+                )
+            state = self.penalty_state
+        kv_cache, sampled, extras = self._step_fn(shapes, features)(
+            self._params, self.kv_cache, self.encoder_cache, self._place_step(buffer),
+            self.sampled, state,
+        )  # fmt: skip
+        if features.penalties:
+            self.penalty_state = extras.pop("penalty_state")
+        self.step_logprobs = extras
+        return kv_cache, sampled
 
     def _encode(self, pixel_values: np.ndarray) -> jax.Array:
         return encode_image(self._state, self._replicated(pixel_values), graphdef=self._graphdef)
@@ -406,6 +445,8 @@ class ModelRunner:
                     pending_src.append(sampled_row)
                     token_ids.append(0)
                 rows.record(step.changes, s, sampling)
+                if sampling.get(request_id, _NO_LOGPROBS).prompt_logprobs:
+                    step.prompt_targets.append((offset, _prompt_targets(request, start, end)))
                 if encoder_pages is not None:
                     step.placements += self._placements(s, offset)
                 step.request_ids.append(request_id)
@@ -449,10 +490,10 @@ class ModelRunner:
 
     def _pack(
         self, steps: Sequence[_RankStep], shapes: tuple[StepShape, ...] | None = None
-    ) -> tuple[np.ndarray, tuple[StepShape, ...]]:
+    ) -> tuple[np.ndarray, tuple[StepShape, ...], StepFeatures]:
         """The step's `[dp, length]` buffer (`step_layout`) of every rank's prepared step
-        (its row updates applied); `shapes`: the groups' bucket shapes to pack into (None:
-        the smallest that hold the step)."""
+        (its row updates applied) and what it computes beyond the tokens; `shapes`: the
+        groups' bucket shapes to pack into (None: the smallest that hold the step)."""
         if shapes is None:
             shapes = self.step_shapes(max(step.token_ids.size for step in steps))
         layout, t = self._layout(shapes), shapes[0].num_tokens
@@ -468,21 +509,27 @@ class ModelRunner:
                 shapes[g],
                 fields[metadata_field(g)],
             )
-        fields["token_src"][:] = -1  # no token from the previous step
-        fields["top_p"][:] = 1.0
+        for name in ("token_src", "stop_ids", "penalty_rows", "penalty_slots", "prompt_targets"):
+            fields[name][:] = -1  # none
+        fields["top_p"][:] = fields["repetition"][:] = 1.0
+        penalties = logprobs = False
+        num_state_rows = self.dp_size * self.max_num_seqs
         for k, (rows, step) in enumerate(zip(self.rows, steps, strict=True)):
-            n, row = len(step.request_ids), step.rows
+            n = len(step.request_ids)
             fields["token_ids"][k, : step.token_ids.size] = step.token_ids
             fields["token_src"][k, step.pending_rows] = step.pending_src
             fields["logits_indices"][k, :n] = k * t + np.cumsum(step.query_lens) - 1
-            fields["temperature"][k, :n] = rows.temperature[row]
-            fields["top_k"][k, :n] = rows.top_k[row]
-            fields["top_p"][k, :n] = rows.top_p[row]
-            fields["seeds"][k, :n] = rows.seeds[row]
-            fields["counters"][k, :n] = step.seq_lens - rows.num_prompt_tokens[row]
+            used = rows.pack_sampling(
+                fields, k, StepSampling(step.rows, step.seq_lens, step.query_lens, num_state_rows),
+                k * self.max_num_seqs,
+            )  # fmt: skip
+            penalties, logprobs = penalties or used[0], logprobs or used[1]
+            for offset, targets in step.prompt_targets:
+                fields["prompt_targets"][k, offset : offset + len(targets)] = targets
         if self.encoder_store is not None:
             fields["merge_src"][:], fields["merge_dst"][:] = self._merge_rows(steps, t)
-        return buffer, shapes
+        prompt_logprobs = any(step.prompt_targets for step in steps)
+        return buffer, shapes, StepFeatures(penalties, logprobs, prompt_logprobs)
 
     def _merge_rows(self, steps: Sequence[_RankStep], t: int) -> tuple[np.ndarray, np.ndarray]:
         """Store rows to merge into each rank's token rows; unused entries point past all
@@ -588,8 +635,8 @@ class ModelRunner:
         for rows, step in zip(self.rows, steps, strict=True):
             rows.apply(step.changes)
             step.rows = np.array([rows.index[i] for i in step.request_ids], np.intp)
-        buffer, shapes = self._pack(steps)
-        self.kv_cache, self.sampled = self._step(buffer, shapes)
+        buffer, shapes, features = self._pack(steps)
+        self.kv_cache, self.sampled = self._step(buffer, shapes, features)
         self._last_step_request_ids = [step.request_ids for step in steps]
         self._sampled_row = None
         return self.sampled
@@ -615,7 +662,7 @@ class ModelRunner:
         )
         return self._step_fn(shapes).lower(
             self._params, paged.stacked_struct(len(self.layer_to_group)), self.encoder_cache,
-            buffer, self.sampled,
+            buffer, self.sampled, None,
         )  # fmt: skip
 
     def lowered_programs(self) -> dict[str, tuple[jax.stages.Lowered, list]]:

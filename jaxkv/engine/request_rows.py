@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxkv.block_table import BlockTable
+from jaxkv.sampling_params import MAX_MIN_TOKENS_STOPS
 
 if TYPE_CHECKING:
     from jaxkv.engine.scheduler import ScheduledRequest
@@ -30,6 +31,7 @@ __all__ = [
     "RowChanges",
     "RowReset",
     "RowSampling",
+    "StepSampling",
 ]
 
 
@@ -47,12 +49,38 @@ class RequestStepError(Exception):
 
 @dataclass(frozen=True)
 class RowSampling:
-    """Sampling parameters of one scheduled request row."""
+    """Sampling parameters of one scheduled request row: the sampler's per-row values
+    (`jaxkv.engine.sampling`), the tokens banned before `min_tokens` outputs (at most
+    `MAX_MIN_TOKENS_STOPS`), whether it asks for logprobs of its outputs and of its
+    prompt. Penalties at their neutral values (0, 0, 1) are off."""
 
     temperature: float
     top_k: int
     top_p: float
     seed: int
+    min_p: float = 0.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1)
+
+
+# The per-row arrays of `RequestRows` set from a `RowSampling` field, with their dtypes.
+_ROW_VALUES = {
+    "temperature": ("temperature", np.float32), "top_k": ("top_k", np.int32),
+    "top_p": ("top_p", np.float32), "seeds": ("seed", np.int32),
+    "min_p": ("min_p", np.float32), "presence": ("presence", np.float32),
+    "frequency": ("frequency", np.float32), "repetition": ("repetition", np.float32),
+    "min_tokens": ("min_tokens", np.int32), "logprobs": ("logprobs", np.bool_),
+    "penalized": ("penalized", np.bool_),
+}  # fmt: skip
 
 
 class RequestRows:
@@ -74,10 +102,9 @@ class RequestRows:
         max_num_seqs = tables[0].max_num_reqs
         self.index: dict[str, int] = {}
         self.free = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: low first
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_k = np.zeros(max_num_seqs, np.int32)
-        self.top_p = np.ones(max_num_seqs, np.float32)
-        self.seeds = np.zeros(max_num_seqs, np.int32)
+        for name, (_, dtype) in _ROW_VALUES.items():
+            setattr(self, name, np.zeros(max_num_seqs, dtype))
+        self.stop_ids = np.full((max_num_seqs, MAX_MIN_TOKENS_STOPS), -1, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
 
     def release(self, request_ids: Iterable[str]) -> None:
@@ -126,34 +153,82 @@ class RequestRows:
                 row = self.index[u.request_id] = self.free.pop()
             for table, ids in zip(self.tables, u.block_ids, strict=True):
                 table.write_checked_row(ids, row)
-            (
-                self.temperature[row], self.top_k[row], self.top_p[row], self.seeds[row],
-                self.num_prompt_tokens[row],
-            ) = u.sampling  # fmt: skip
+            for name, value in zip(_ROW_VALUES, u.sampling, strict=True):
+                getattr(self, name)[row] = value
+            self.stop_ids[row] = u.stop_ids
+            self.num_prompt_tokens[row] = u.num_prompt_tokens
         changes.appends.apply(self.tables)
+
+    def pack_sampling(
+        self, fields: Mapping[str, np.ndarray], k: int, step: StepSampling, state_offset: int
+    ) -> tuple[bool, bool]:
+        """Write rank `k`'s sampling rows of `step` into the step buffer's `fields`
+        (`step_layout`; the padding already neutral: -1 ids, `top_p` and `repetition`
+        1); returns whether the step uses penalties and logprobs. A penalized request's
+        penalty-state row is `state_offset` + its row; its tokens go there as prompt or
+        output tokens (`update_penalty_state`, `num_state_rows` rows in all)."""
+        rows, n = step.rows, len(step.rows)
+        for name in _ROW_VALUES:
+            if name in fields:
+                fields[name][k, :n] = getattr(self, name)[rows]
+        counters = step.seq_lens - self.num_prompt_tokens[rows]
+        fields["counters"][k, :n] = counters
+        banned = counters < self.min_tokens[rows]
+        if banned.any():
+            stops = np.where(banned[:, None], self.stop_ids[rows], -1)
+            fields["stop_ids"][k, : stops.size] = stops.reshape(-1)
+        penalized = self.penalized[rows]
+        if penalized.any():
+            fields["penalty_rows"][k, :n] = np.where(penalized, state_offset + rows, -1)
+            starts = np.cumsum(step.query_lens) - step.query_lens
+            for i in np.flatnonzero(penalized):
+                q, row = step.query_lens[i], rows[i]
+                positions = step.seq_lens[i] - q + np.arange(q)
+                is_output = positions >= self.num_prompt_tokens[row]
+                slots = state_offset + row + np.where(is_output, step.num_state_rows, 0)
+                fields["penalty_slots"][k, starts[i] : starts[i] + q] = slots
+        return bool(penalized.any()), bool(self.logprobs[rows].any())
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """What `RequestRows.pack_sampling` reads of one rank's step: the requests' rows, their
+    lengths after the step and their tokens in it; the penalty state's row count."""
+
+    rows: np.ndarray
+    seq_lens: np.ndarray
+    query_lens: np.ndarray
+    num_state_rows: int
 
 
 @dataclass(frozen=True)
 class RowReset:
-    """A new or resumed request's row: its whole block lists (int32, per group) and its
-    typed sampling row and prompt length."""
+    """A new or resumed request's row: its whole block lists (int32, per group), its
+    typed sampling row (`_ROW_VALUES`' order), banned stop ids and prompt length."""
 
     request_id: str
     block_ids: tuple[np.ndarray, ...]
-    sampling: tuple[np.float32, np.int32, np.float32, np.int32, np.int32]
+    sampling: tuple
+    stop_ids: np.ndarray
+    num_prompt_tokens: np.int32
 
     @classmethod
     def of(cls, tables: Sequence[BlockTable], s: ScheduledRequest, p: RowSampling) -> RowReset:
         """`s`'s row set to its whole block lists, with its sampling row `p` (a value no
         int32/float32 holds raises here)."""
-        typed = (
-            np.float32(p.temperature), np.int32(p.top_k), np.float32(p.top_p),
-            np.int32(p.seed), np.int32(s.request.num_prompt_tokens),
-        )  # fmt: skip
+        typed = tuple(dtype(getattr(p, name)) for name, dtype in _ROW_VALUES.values())
+        if len(p.stop_ids) > MAX_MIN_TOKENS_STOPS:
+            raise ValueError(
+                f"bans {len(p.stop_ids)} stop tokens before min_tokens; at most "
+                f"{MAX_MIN_TOKENS_STOPS} fit a row"
+            )
+        stop_ids = np.full(MAX_MIN_TOKENS_STOPS, -1, np.int32)
+        stop_ids[: len(p.stop_ids)] = np.asarray(p.stop_ids, np.int32)
         block_ids = tuple(
             table.check_row_ids(ids) for table, ids in zip(tables, s.new_block_ids, strict=True)
         )
-        return cls(s.request.request_id, block_ids, typed)
+        num_prompt = np.int32(s.request.num_prompt_tokens)
+        return cls(s.request.request_id, block_ids, typed, stop_ids, num_prompt)
 
 
 class RowAppends:

@@ -1,35 +1,70 @@
 """The batched sampler (device, inside the jitted step), and `SamplingParams` (host).
 
 `SamplingParams` is jaxkv's one class (`jaxkv.sampling_params`), re-exported here for the
-engine's users. Sampling is greedy when `temperature == 0`; otherwise tokens are drawn from
-the temperature-scaled distribution restricted by top-k and top-p. A seeded request draws
-its `i`-th output token with the key `fold_in(key(seed), i)`, so its tokens do not depend on
-the batch it ran in.
+engine's users. Every request of a step is sampled at once from per-row parameter arrays
+(no host loop, no parameter is static), in vLLM v1's order:
+
+1. the raw log-probabilities (vLLM's `logprobs_mode="raw_logprobs"`), when asked for;
+2. the stop tokens of a request short of its `min_tokens` are banned;
+3. the repetition, frequency and presence penalties (`apply_penalties`), from the row's
+   token counts kept on the device (`update_penalty_state`);
+4. greedy rows (`temperature == 0`) take the argmax; the others are scaled by their
+   temperature, filtered by min-p, top-k and top-p, and drawn.
+
+A seeded request draws its `i`-th output token with the key `fold_in(key(seed), i)`, so
+its tokens do not depend on the batch it ran in.
 """
 
 from __future__ import annotations
 
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+import jax
+import jax.numpy as jnp
 
-__all__ = ["RequestOutputKind", "SamplingParams", "sample_tokens"]
+from jaxkv.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_MIN_TOKENS_STOPS,
+    RequestOutputKind,
+    SamplingParams,
+)
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_MIN_TOKENS_STOPS",
+    "RequestOutputKind",
+    "SamplingParams",
+    "apply_penalties",
+    "gather_logprobs",
+    "sample_tokens",
+    "update_penalty_state",
+]
 
 
-def sample_tokens(logits, temperature, top_k, top_p, seeds, counters):
+def sample_tokens(
+    logits, temperature, top_k, top_p, seeds, counters, min_p=None, stop_ids=None, penalties=None
+):
     """Sample one token per row of `logits [R, V]` (inside jit).
 
     Per row: `temperature [R] f32` (0 = greedy), `top_k [R] i32` (0 = off), `top_p [R] f32`,
-    `seeds [R] i32` and `counters [R] i32` (the output index the token will have). Rows
-    that are all greedy skip the sort.
+    `seeds [R] i32`, `counters [R] i32` (the output index the token will have), `min_p [R]
+    f32` (0 = off), `stop_ids [R, S] i32` (tokens banned now, -1 = none) and `penalties`
+    (`apply_penalties`' arguments after the logits, or None). Steps whose rows are all
+    greedy skip the sort; steps banning nothing skip the ban.
     """
-    import jax
-    import jax.numpy as jnp
-
     logits = logits.astype(jnp.float32)
+    if stop_ids is not None:
+        logits = jax.lax.cond(jnp.any(stop_ids >= 0), _ban, lambda x, _: x, logits, stop_ids)
+    if penalties is not None:
+        logits = apply_penalties(logits, *penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if min_p is None:
+        min_p = jnp.zeros_like(top_p)
 
     def draw(_):
         vocab = logits.shape[-1]
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        probs = jax.nn.softmax(scaled, axis=-1)
+        floor = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(probs < floor, -jnp.inf, scaled)
         order = jnp.argsort(-scaled, axis=-1)
         ranked = jnp.take_along_axis(scaled, order, axis=-1)
         rank = jnp.arange(vocab)[None, :]
@@ -44,3 +79,56 @@ def sample_tokens(logits, temperature, top_k, top_p, seeds, counters):
         return jnp.where(temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+
+
+def _ban(logits, stop_ids):
+    """`logits` with `stop_ids [R, S]` (-1: none) of each row set to -inf."""
+    rows, vocab = logits.shape
+    ids = jnp.where(stop_ids >= 0, stop_ids, vocab)  # out of range: dropped
+    banned = jnp.zeros(logits.shape, bool).at[jnp.arange(rows)[:, None], ids].set(True, mode="drop")
+    return jnp.where(banned, -jnp.inf, logits)
+
+
+def apply_penalties(logits, counts, prompt_seen, presence, frequency, repetition):
+    """vLLM's penalties on `logits [R, V]` f32, given each row's output token counts
+    `counts [R, V]` and prompt tokens `prompt_seen [R, V]` (bool): a token in the prompt or
+    the output has its positive logit divided by `repetition [R]` and its other logit
+    multiplied by it; then `frequency [R]` times its output count and `presence [R]` (once
+    it was output) are subtracted. Neutral values (1, 0, 0) change nothing."""
+    seen = prompt_seen | (counts > 0)
+    factor = jnp.where(seen, repetition[:, None], 1.0)
+    logits = logits * jnp.where(logits > 0, 1.0 / factor, factor)
+    logits = logits - frequency[:, None] * counts.astype(jnp.float32)
+    return logits - presence[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def update_penalty_state(counts, prompt_seen, slots, token_ids, positions):
+    """The penalty state (`counts [N, V]` i32 output token counts, `prompt_seen [N, V]`
+    bool prompt tokens, one row per request row) after the step's tokens: token `j`
+    (`token_ids [T]` at `positions [T]`) goes to state row `slots[j]` as a prompt token,
+    to row `slots[j] - N` as an output token, nowhere when negative. A row fed its
+    position 0 starts afresh (a new or recomputed request), so the state always counts
+    exactly the tokens the request has fed."""
+    num_rows = counts.shape[0]
+    valid = slots >= 0
+    is_output = slots >= num_rows
+    row = jnp.where(is_output, slots - num_rows, slots)
+    fresh = jnp.where(valid & (positions == 0), row, num_rows)  # out of range: dropped
+    counts = counts.at[fresh].set(0, mode="drop")
+    prompt_seen = prompt_seen.at[fresh].set(False, mode="drop")
+    counts = counts.at[jnp.where(valid & is_output, row, num_rows), token_ids].add(1, mode="drop")
+    prompt_seen = prompt_seen.at[jnp.where(valid & ~is_output, row, num_rows), token_ids].set(
+        True, mode="drop"
+    )
+    return counts, prompt_seen
+
+
+def gather_logprobs(logits, token_ids, k: int):
+    """The raw log-probabilities of `logits [N, V]`: the top `k` (ids `[N, k]`, values
+    `[N, k]`, best first), and of `token_ids [N]` its value `[N]` and rank `[N]` (vLLM's:
+    how many tokens are at least as likely, so 1 for the likeliest)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_values, top_ids = jax.lax.top_k(logprobs, k)
+    token = jnp.take_along_axis(logprobs, jnp.maximum(token_ids, 0)[:, None], axis=-1)
+    rank = jnp.sum(logprobs >= token, axis=-1).astype(jnp.int32)
+    return top_ids.astype(jnp.int32), top_values, token[:, 0], rank

@@ -381,7 +381,9 @@ class Scheduler:
             hit_blocks, num_hits, shared_prefix_boundary = manager.get_computed_blocks(request)
             request.shared_prefix_boundary = shared_prefix_boundary
             num_host = 0
-            if self.offload is not None and not tracked.skip_host_tier:
+            if self.offload is not None and not (
+                tracked.skip_host_tier or request.skip_reading_prefix_cache
+            ):
                 num_host = self.offload.lookup(request, num_hits)
             if num_host:
                 if not self._admit_loading(tracked, hit_blocks, num_hits, num_host):

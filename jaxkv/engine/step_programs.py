@@ -13,6 +13,7 @@ program that writes the KV cache takes it donated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -23,13 +24,20 @@ from flax import nnx
 
 from jaxkv.device import StepField, StepLayout, StepShape
 from jaxkv.device.encoder_store import merge_rows
-from jaxkv.engine.sampling import sample_tokens
+from jaxkv.engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_MIN_TOKENS_STOPS,
+    gather_logprobs,
+    sample_tokens,
+    update_penalty_state,
+)
 from jaxkv.models.base import PagedContext, paged_attend
 from jaxkv.models.decoder import apply_layers
 
 __all__ = [
     "SAMPLING_FIELDS",
     "LayerParams",
+    "StepFeatures",
     "encode_image",
     "layer_by_layer_program",
     "metadata_field",
@@ -43,9 +51,23 @@ def metadata_field(group: int) -> str:
     return f"metadata{group}"
 
 
-# The sampling rows of a step, in `sample_tokens`' argument order; two are float32.
+# The sampling rows of a step, in `sample_tokens`' argument order, then the rows of
+# `min_p` and the penalties; the float32 ones are `_FLOAT_ROWS`.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "counters")
-_FLOAT_ROWS = ("temperature", "top_p")
+_PENALTY_ROWS = ("presence", "frequency", "repetition")
+_FLOAT_ROWS = ("temperature", "top_p", "min_p", *_PENALTY_ROWS)
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step computes beyond forward and sampling (static: each combination is
+    its own program, so a step using none compiles nothing more): the penalties (the
+    program takes and returns the penalty state, `update_penalty_state`), the sampled
+    tokens' logprobs, the prompt tokens' logprobs (logits of every token row)."""
+
+    penalties: bool = False
+    logprobs: bool = False
+    prompt_logprobs: bool = False
 
 
 @functools.cache
@@ -58,7 +80,14 @@ def step_layout(shapes: tuple[StepShape, ...], merges_embeds: bool) -> StepLayou
       for a host token,
     * `logits_indices [R]`: each request's last token row among all ranks' `dp * T`,
     * `temperature [R]` (float32), `top_k [R]`, `top_p [R]` (float32), `seeds [R]`,
-      `counters [R]` (the output index of the token sampled): sampling rows,
+      `counters [R]` (the output index of the token sampled), `min_p [R]`, `presence [R]`,
+      `frequency [R]`, `repetition [R]` (float32): sampling rows,
+    * `stop_ids [R * MAX_MIN_TOKENS_STOPS]`: each request's tokens banned this step (a
+      request short of its `min_tokens`), -1 padded,
+    * `penalty_rows [R]`: each request's penalty-state row (-1: none) and `penalty_slots
+      [T]`: where each token goes in that state (`update_penalty_state`),
+    * `prompt_targets [T]`: for a prompt-logprobs request's token, the prompt token after
+      it (whose logprob that row gives), else -1,
     * with an encoder store (`merges_embeds`), `merge_src [T]` / `merge_dst [T]`: store
       rows to merge into token rows (destination `dp * T`: none).
     """
@@ -72,7 +101,13 @@ def step_layout(shapes: tuple[StepShape, ...], merges_embeds: bool) -> StepLayou
     ]
     fields += [
         StepField(name, r, f32) if name in _FLOAT_ROWS else StepField(name, r)
-        for name in SAMPLING_FIELDS
+        for name in (*SAMPLING_FIELDS, "min_p", *_PENALTY_ROWS)
+    ]
+    fields += [
+        StepField("stop_ids", r * MAX_MIN_TOKENS_STOPS),
+        StepField("penalty_rows", r),
+        StepField("penalty_slots", t),
+        StepField("prompt_targets", t),
     ]
     if merges_embeds:
         fields += [StepField("merge_src", t), StepField("merge_dst", t)]
@@ -86,18 +121,18 @@ def step_program(**static):
     then hashes no static argument: the dispatch is JAX's C++ fast path."""
     return jax.jit(
         functools.partial(_paged_step, **static),
-        donate_argnames="kv_cache",
-        out_shardings=_cache_out(static["paged"], 0),
+        donate_argnames=("kv_cache", "penalty_state"),
+        out_shardings=_cache_out(static["paged"], 0, 3),
     )
 
 
-def _cache_out(paged, index: int):
-    """`out_shardings` of a program returning a pair with the cache at `index`: on a TPU the
-    cache's format there (`PagedKVCache.stacked_format`: row-major in every program),
-    else None (unconstrained)."""
+def _cache_out(paged, index: int, num_outputs: int):
+    """`out_shardings` of a program returning `num_outputs` values with the cache at
+    `index`: on a TPU the cache's format there (`PagedKVCache.stacked_format`: row-major
+    in every program), else None (unconstrained)."""
     if paged[0].platform != "tpu":
         return None
-    return tuple(paged[0].stacked_format if i == index else None for i in range(2))
+    return tuple(paged[0].stacked_format if i == index else None for i in range(num_outputs))
 
 
 def _context(fields: dict, *, paged, shapes, layer_to_group) -> PagedContext:
@@ -109,11 +144,16 @@ def _context(fields: dict, *, paged, shapes, layer_to_group) -> PagedContext:
     )  # fmt: skip
 
 
-def _step_tokens(model, store, fields: dict, prev_sampled, store_dtype):
-    """The step's token ids (pending rows take the last step's sampled token) and, with
-    an encoder store, their embeddings with the stored image rows merged (else None)."""
+def _token_ids(fields: dict, prev_sampled):
+    """The step's token ids: pending rows take the last step's sampled token."""
     src, host_ids = fields["token_src"].reshape(-1), fields["token_ids"].reshape(-1)
-    token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], host_ids)
+    return jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], host_ids)
+
+
+def _step_tokens(model, store, fields: dict, prev_sampled, store_dtype):
+    """The step's token ids (`_token_ids`) and, with an encoder store, their embeddings
+    with the stored image rows merged (else None)."""
+    token_ids = _token_ids(fields, prev_sampled)
     if store is None:
         return token_ids, None
     embeds = model.embed_tokens(token_ids)
@@ -121,27 +161,68 @@ def _step_tokens(model, store, fields: dict, prev_sampled, store_dtype):
     return token_ids, merge_rows(embeds, store, merge_src, merge_dst, store_dtype)
 
 
-def _sampled_rows(logits, fields: dict, max_num_seqs: int):
-    """The tokens sampled from `logits` by the step's sampling rows, padded to
-    `max_num_seqs` per rank (`[dp * max_num_seqs]`, rank-major)."""
+def _every_row(ctx: PagedContext, features: StepFeatures) -> PagedContext:
+    """`ctx` asking for the logits of every token row when the step computes prompt
+    logprobs, else `ctx`."""
+    if not features.prompt_logprobs:
+        return ctx
+    return dataclasses.replace(ctx, logits_indices=jnp.arange(ctx.token_positions().shape[0]))
+
+
+def _sample_outputs(logits, fields: dict, ctx, token_ids, penalty_state, max_num_seqs, features):
+    """The tokens sampled from `logits` (of every token row when `features` asks for
+    prompt logprobs, else of each request's row) by the step's sampling rows, padded to
+    `max_num_seqs` per rank (`[dp * max_num_seqs]`, rank-major), and what else `features`
+    asks for, by name: the updated `penalty_state`, the sampled tokens' `logprobs` (rows
+    as the tokens) and the token rows' `prompt_logprobs` (`gather_logprobs`' four arrays)."""
     dp, r = fields["temperature"].shape
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    extras = {}
+    if features.prompt_logprobs:
+        targets = fields["prompt_targets"].reshape(-1)
+        extras["prompt_logprobs"] = gather_logprobs(logits, targets, k)
+        logits = logits[fields["logits_indices"].reshape(-1)]
+    rows = {name: fields[name].reshape(-1) for name in fields}
+    penalties = None
+    if features.penalties:
+        state = update_penalty_state(
+            *penalty_state, rows["penalty_slots"], token_ids, ctx.token_positions()
+        )
+        extras["penalty_state"] = state
+        at = jnp.maximum(rows["penalty_rows"], 0)  # -1: neutral penalties, any row
+        penalties = (state[0][at], state[1][at], *(rows[name] for name in _PENALTY_ROWS))
     sampled = sample_tokens(
-        logits, *(fields[name].reshape(-1) for name in SAMPLING_FIELDS)
-    ).reshape(dp, r)
-    return jnp.zeros((dp, max_num_seqs), jnp.int32).at[:, :r].set(sampled).reshape(-1)
+        logits, *(rows[name] for name in SAMPLING_FIELDS), min_p=rows["min_p"],
+        stop_ids=rows["stop_ids"].reshape(dp * r, -1), penalties=penalties,
+    )  # fmt: skip
+
+    def padded(values):
+        out = jnp.zeros((dp, max_num_seqs, *values.shape[1:]), values.dtype)
+        return (
+            out.at[:, :r]
+            .set(values.reshape(dp, r, *values.shape[1:]))
+            .reshape(dp * max_num_seqs, *values.shape[1:])
+        )
+
+    if features.logprobs:
+        extras["logprobs"] = tuple(padded(a) for a in gather_logprobs(logits, sampled, k))
+    return padded(sampled), extras
 
 
 def _paged_step(
-    params, kv_cache, store, buffer, prev_sampled, *, graphdef, state_def, paged, layer_to_group,
-    store_dtype, max_num_seqs, shapes, layout,
+    params, kv_cache, store, buffer, prev_sampled, penalty_state, *, graphdef, state_def, paged,
+    layer_to_group, store_dtype, max_num_seqs, shapes, layout, features,
 ):  # fmt: skip
     """Forward + sampling of one packed step, unpacked by `layout` (`step_layout`)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     fields = layout.unpack(buffer)
     ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
     token_ids, embeds = _step_tokens(model, store, fields, prev_sampled, store_dtype)
-    logits, kv_cache = model.forward_paged(token_ids, kv_cache, ctx, embeds)
-    return kv_cache, _sampled_rows(logits, fields, max_num_seqs)
+    logits, kv_cache = model.forward_paged(token_ids, kv_cache, _every_row(ctx, features), embeds)
+    sampled, extras = _sample_outputs(
+        logits, fields, ctx, token_ids, penalty_state, max_num_seqs, features
+    )
+    return kv_cache, sampled, extras
 
 
 @dataclass(frozen=True)
@@ -174,12 +255,15 @@ def _layers_step(
 
 
 def _sample_step(
-    params, x, buffer, *, graphdef, state_def, paged, layer_to_group, max_num_seqs, shapes, layout
+    params, x, buffer, prev_sampled, penalty_state, *, graphdef, state_def, paged,
+    layer_to_group, max_num_seqs, shapes, layout, features,
 ):  # fmt: skip
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     fields = layout.unpack(buffer)
     ctx = _context(fields, paged=paged, shapes=shapes, layer_to_group=layer_to_group)
-    return _sampled_rows(model.paged_logits(x, ctx), fields, max_num_seqs)
+    logits = model.paged_logits(x, _every_row(ctx, features))
+    token_ids = _token_ids(fields, prev_sampled)
+    return _sample_outputs(logits, fields, ctx, token_ids, penalty_state, max_num_seqs, features)
 
 
 @dataclass(frozen=True)
@@ -193,13 +277,13 @@ class _LayerByLayerStep:
     layers: object
     sample: object
 
-    def __call__(self, params: LayerParams, kv_cache, store, buffer, prev_sampled):
+    def __call__(self, params: LayerParams, kv_cache, store, buffer, prev_sampled, penalty_state):
         x = self.inputs(params.model, store, buffer, prev_sampled)
         for run, first_layer in zip(params.runs, params.first_layers, strict=True):
             x, kv_cache = self.layers(run, x, kv_cache, buffer, first_layer)
-        return kv_cache, self.sample(params.model, x, buffer)
+        return kv_cache, *self.sample(params.model, x, buffer, prev_sampled, penalty_state)
 
-    def lower(self, params: LayerParams, kv_cache, store, buffer, prev_sampled):
+    def lower(self, params: LayerParams, kv_cache, store, buffer, prev_sampled, penalty_state):
         """The layer program (the one that writes the cache), lowered."""
         x = jax.eval_shape(self.inputs, params.model, store, buffer, prev_sampled)
         return self.layers.lower(params.runs[0], x, kv_cache, buffer, params.first_layers[0])
@@ -208,7 +292,7 @@ class _LayerByLayerStep:
 @functools.lru_cache(maxsize=512)
 def layer_by_layer_program(
     *, graphdef, state_def, run_graphdef, run_def, config, paged, layer_to_group, store_dtype,
-    max_num_seqs, shapes, layout,
+    max_num_seqs, shapes, layout, features,
 ):  # fmt: skip
     """`step_program`'s counterpart for a model run layer by layer (`_LayerByLayerStep`)."""
     common = dict(paged=paged, layer_to_group=layer_to_group, shapes=shapes, layout=layout)
@@ -220,9 +304,14 @@ def layer_by_layer_program(
                 _layers_step, run_graphdef=run_graphdef, run_def=run_def, config=config, **common
             ),
             donate_argnames="kv_cache",
-            out_shardings=_cache_out(paged, 1),
+            out_shardings=_cache_out(paged, 1, 2),
         ),
-        jax.jit(functools.partial(_sample_step, **model, max_num_seqs=max_num_seqs, **common)),
+        jax.jit(
+            functools.partial(
+                _sample_step, **model, max_num_seqs=max_num_seqs, features=features, **common
+            ),
+            donate_argnames="penalty_state",
+        ),
     )
 
 
