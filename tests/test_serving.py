@@ -135,13 +135,44 @@ def test_n_samples_and_seeds(running) -> None:
     assert len({c.text for c in response.choices}) > 1, "samples seeded seed + i differ"
 
 
+def test_stop_strings_and_logprobs_match_the_engine(running, checkpoint) -> None:
+    engine, served = make_engine(checkpoint)
+    ids = served.encoder.encode(PROMPTS[0])
+    (full,) = engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2))
+    engine.shutdown()
+    stop = full.text.split()[3]  # a word the greedy answer writes
+    response = running.client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert full.text.startswith(choice.text) and stop not in choice.text
+    whole = running.client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    expected = [pos[t].logprob for t, pos in zip(full.output_token_ids, full.logprobs, strict=True)]
+    assert whole.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-6)
+    assert all(len(top) >= 2 for top in whole.choices[0].logprobs.top_logprobs)
+    chat = running.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "w5"}], max_completion_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) >= 2 for c in content)
+    assert all(c.logprob <= 0 for c in content)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "param"),
     [
         ({"temperature": 5}, openai.BadRequestError, "temperature"),
         ({"max_tokens": 0}, openai.BadRequestError, "max_tokens"),
         ({"n": 0}, openai.BadRequestError, "n"),
-        ({"stop": ["w9"]}, openai.BadRequestError, "stop"),
+        ({"best_of": 3}, openai.BadRequestError, "best_of"),
+        ({"stop": 5}, openai.BadRequestError, "stop"),
+        ({"logprobs": 21}, openai.BadRequestError, "logprobs"),
         ({"prompt": []}, openai.BadRequestError, "prompt"),
         ({"prompt": "w1 " * 200}, openai.BadRequestError, "prompt"),
         ({"model": "other"}, openai.NotFoundError, "model"),

@@ -260,7 +260,9 @@ class LLMEngine:
 
     def _add_parent(self, prompt, images, sampling, request_id, cache_salt, lora_request) -> str:
         """Add an `n > 1` request as its `n` children (`jaxkv.engine.fanout`), every one
-        checked before any is added; returns the parent's id."""
+        checked before any is added; returns the parent's id. When the children can read
+        the prefix cache, child 0 goes first and the others wait for its prompt's blocks
+        (one prefill for all)."""
         if request_id is None:
             request_id = self._requests.new_request_id()
         if self._fanout.is_parent(request_id) or request_id in self._requests.rank_of:
@@ -272,9 +274,11 @@ class LLMEngine:
         ]
         if any(child_id in self._requests.rank_of for child_id, _ in children):
             raise ValueError(f"request id {request_id!r}: a child's id is already in use")
-        for new in news:
+        shared = self.config.enable_prefix_caching and not news[0].request.skip_reading_prefix_cache
+        held = news[1:] if shared else []
+        for new in news[: len(news) - len(held)]:
             self._admit(new)
-        self._fanout.add(request_id, sampling, [child_id for child_id, _ in children])
+        self._fanout.add(request_id, sampling, [child_id for child_id, _ in children], held)
         return request_id
 
     def _admit(self, new) -> None:
@@ -298,6 +302,8 @@ class LLMEngine:
             self.abort(child_id)
         if self._fanout.is_parent(request_id):
             return
+        for new in self._fanout.release_siblings(request_id):  # a held child is admitted first
+            self._admit(new)
         rank = self._requests.rank_of.get(request_id)
         if rank is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
@@ -402,6 +408,8 @@ class LLMEngine:
             compilations=compilation_count() - compiled,
         ))  # fmt: skip
         self.num_steps += 1
+        for new in self._fanout.release(outputs):  # their leader's prompt is cached now
+            self._admit(new)
         return self._fanout.merge(outputs)
 
     def _complete(self, done: _InFlight) -> list[tuple[int | str, TokenUpdates]]:

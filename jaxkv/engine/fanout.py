@@ -5,12 +5,20 @@ seed `seed + i`), its id `f"{i}_{parent_id}"`. The children run as any request; 
 outputs are merged into the parent's (`FanOut.merge`): streaming, each child's output
 becomes a parent output holding that one sample; `FINAL_ONLY`, one parent output holds
 all `n` once all have finished. The parent output is finished once every child is.
+
+One prefill: when the children can read the prefix cache, child 0 (the leader) is
+admitted alone and the others are *held* until its first output, when its prompt's full
+blocks are cached; they are then admitted together and hit those blocks (shared, by
+reference count), computing only the prompt's partial last block each. A parent's
+prompt is so computed about once instead of `n` times (vLLM computes it up to `n`
+times). `release` hands back the held children due.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
@@ -34,40 +42,66 @@ class _Parent:
     index: dict[str, int]  # child id -> its sample index
     unfinished: set[str]
     finals: list[RequestOutput | None] = field(default_factory=list)
+    held: list[Any] = field(default_factory=list)  # children not admitted yet
 
 
 class FanOut:
-    """The unfinished parents, by child id. Invariant: a parent is held exactly while one
-    of its children is unfinished or its final output is not made yet."""
+    """The unfinished parents. Invariants: a parent is held (by its id and each child's)
+    exactly while one of its children is unfinished or its final output is not made
+    yet; a held child is unfinished and known to no scheduler."""
 
     def __init__(self) -> None:
-        self._parents: dict[str, _Parent] = {}
+        self._by_child: dict[str, _Parent] = {}
+        self._by_parent: dict[str, _Parent] = {}
 
-    def add(self, parent_id: str, params: SamplingParams, child_ids: list[str]) -> None:
+    def add(
+        self, parent_id: str, params: SamplingParams, child_ids: list[str], held: list
+    ) -> None:
+        """Track `parent_id`'s children; `held`: the ones (after child 0) to admit at the
+        leader's first output."""
         parent = _Parent(
             parent_id, params.output_kind is RequestOutputKind.FINAL_ONLY,
             {child: i for i, child in enumerate(child_ids)}, set(child_ids),
-            [None] * len(child_ids),
+            [None] * len(child_ids), list(held),
         )  # fmt: skip
+        self._by_parent[parent_id] = parent
         for child in child_ids:
-            self._parents[child] = parent
+            self._by_child[child] = parent
 
     def children(self, parent_id: str) -> list[str]:
         """The unfinished children of `parent_id` (empty: not a parent)."""
-        return sorted(
-            child for child, p in self._parents.items()
-            if p.request_id == parent_id and child in p.unfinished
-        )  # fmt: skip
+        parent = self._by_parent.get(parent_id)
+        return [] if parent is None else sorted(parent.unfinished)
 
     def is_parent(self, request_id: str) -> bool:
-        return any(p.request_id == request_id for p in self._parents.values())
+        return request_id in self._by_parent
+
+    def release(self, outputs: list[RequestOutput]) -> list:
+        """The held children due: those of each parent whose leader (child 0) has an
+        output in `outputs`, so its prompt is computed and its full blocks cached."""
+        due = []
+        for output in outputs:
+            parent = self._by_child.get(output.request_id)
+            if parent is not None and parent.held and parent.index[output.request_id] == 0:
+                due += parent.held
+                parent.held = []
+        return due
+
+    def release_siblings(self, child_id: str) -> list:
+        """The held children of `child_id`'s parent, all of them now (one is about to be
+        aborted: it must be known to a scheduler first)."""
+        parent = self._by_child.get(child_id)
+        if parent is None:
+            return []
+        due, parent.held = parent.held, []
+        return due
 
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs` with each child's output replaced by its parent's (or dropped while a
         `FINAL_ONLY` parent waits for its other children)."""
         merged = []
         for output in outputs:
-            parent = self._parents.get(output.request_id)
+            parent = self._by_child.get(output.request_id)
             if parent is None:
                 merged.append(output)
                 continue
@@ -77,7 +111,8 @@ class FanOut:
             finished = not parent.unfinished
             if finished:
                 for child in parent.index:
-                    self._parents.pop(child, None)
+                    self._by_child.pop(child, None)
+                self._by_parent.pop(parent.request_id, None)
             if not parent.final_only:
                 merged.append(
                     output.for_parent(parent.request_id, [output.completion(index)], finished)

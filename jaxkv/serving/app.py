@@ -210,11 +210,18 @@ class _Generation:
                 self.loop.abort(streams[index].request_id)
 
     async def _collect(self, parsed: GenerationRequest, streams: list[RequestStream]) -> dict:
-        choices = [{"tokens": 0, "text": [], "finish_reason": None} for _ in streams]
+        choices = [
+            {"tokens": 0, "text": [], "finish_reason": None, "stop_reason": None,
+             "logprobs": [] if parsed.samplings[0].logprobs is not None else None}
+            for _ in streams
+        ]  # fmt: skip
         async for index, output in self._outputs(parsed, streams):
             choice = choices[index]
             choice["tokens"] += len(output.new_token_ids)
             choice["text"].append(output.text or "")
+            if choice["logprobs"] is not None:
+                choice["logprobs"] += zip(output.new_token_ids, output.logprobs or (), strict=False)
+            choice["stop_reason"] = output.stop_reason
             if output.finished:
                 _check_failed(output)
                 choice["finish_reason"] = _finish_reason(output)
@@ -238,7 +245,11 @@ class _Generation:
             text = output.text or ""
             if text or reason is not None:
                 delta = {"content": text} if parsed.kind == "chat" else text
-                yield _sse(_chunk(parsed, index, delta, reason))
+                logprobs = None
+                if parsed.samplings[0].logprobs is not None:
+                    pairs = zip(output.new_token_ids, output.logprobs or (), strict=False)
+                    logprobs = _logprobs_object(parsed.kind, list(pairs))
+                yield _sse(_chunk(parsed, index, delta, reason, logprobs, output.stop_reason))
         if parsed.include_usage:
             yield _sse(
                 {**_envelope(parsed, chunk=True), "choices": [], "usage": _usage(parsed, tokens)}
@@ -286,17 +297,45 @@ def _envelope(parsed: GenerationRequest, chunk: bool) -> dict:
     return {"id": parsed.id, "object": kind, "created": parsed.created, "model": parsed.model}
 
 
-def _chunk(parsed: GenerationRequest, index: int, delta, reason: str | None) -> dict:
+def _token_text(token_id: int, entry) -> str:
+    text = getattr(entry, "decoded_token", None)
+    return f"token_id:{token_id}" if text is None else text
+
+
+def _logprobs_object(kind: str, pairs: list) -> dict:
+    """OpenAI's logprobs of the (token id, position dictionary) pairs: completions'
+    `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, or chat's `content`."""
+    if kind == "chat":
+        content = []
+        for token_id, position in pairs:
+            text = _token_text(token_id, position.get(token_id))
+            tops = [{"token": _token_text(t, e), "logprob": e.logprob,
+                     "bytes": list(_token_text(t, e).encode())}
+                    for t, e in position.items() if t != token_id or e.rank == 1]  # fmt: skip
+            content.append({"token": text, "logprob": position[token_id].logprob,
+                            "bytes": list(text.encode()), "top_logprobs": tops})  # fmt: skip
+        return {"content": content}
+    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    for token_id, position in pairs:
+        text = _token_text(token_id, position.get(token_id))
+        tokens.append(text)
+        values.append(position[token_id].logprob)
+        tops.append({_token_text(t, e): e.logprob for t, e in position.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def _chunk(
+    parsed: GenerationRequest, index: int, delta, reason: str | None,
+    logprobs: dict | None = None, stop_reason=None,
+) -> dict:  # fmt: skip
     if parsed.kind == "chat":
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {
-            "index": index,
-            "text": delta,
-            "logprobs": None,
-            "finish_reason": reason,
-            "stop_reason": None,
-        }
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason,
+                  "stop_reason": stop_reason}  # fmt: skip
     return {**_envelope(parsed, chunk=True), "choices": [choice]}
 
 
@@ -314,24 +353,15 @@ def _response(parsed: GenerationRequest, choices: list[dict]) -> dict:
     out = []
     for index, choice in enumerate(choices):
         text = "".join(choice["text"])
+        pairs = choice["logprobs"]
+        logprobs = None if pairs is None else _logprobs_object(parsed.kind, pairs)
+        reason = choice["finish_reason"]
         if parsed.kind == "chat":
-            out.append(
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": choice["finish_reason"],
-                }
-            )
+            message = {"role": "assistant", "content": text}
+            out.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": reason})  # fmt: skip
         else:
-            out.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": choice["finish_reason"],
-                    "stop_reason": None,
-                }
-            )
+            out.append({"index": index, "text": text, "logprobs": logprobs,
+                        "finish_reason": reason, "stop_reason": choice["stop_reason"]})  # fmt: skip
     usage = _usage(parsed, [c["tokens"] for c in choices])
     return {**_envelope(parsed, chunk=False), "choices": out, "usage": usage}

@@ -99,7 +99,31 @@ def _prompt_ids(prompt: Any, encoder, name: str = "prompt") -> list[list[int]]:
     return out
 
 
-def _samplings(body: dict, max_tokens: int, max_tokens_name: str) -> list[SamplingParams]:
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ClientError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    return [s for s in stops if s]
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The top logprobs asked per position (None: none). Completions: `logprobs` (an int);
+    chat: `logprobs` (a bool) with `top_logprobs` (an int)."""
+    if kind == "completion":
+        return _get(body, "logprobs", (int,), None, "an int >= 0")
+    if not _get(body, "logprobs", (bool,), False, "a bool"):
+        if body.get("top_logprobs") is not None:
+            raise ClientError("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return _get(body, "top_logprobs", (int,), 0, "an int >= 0")
+
+
+def _samplings(
+    body: dict, max_tokens: int, max_tokens_name: str, kind: str
+) -> list[SamplingParams]:
     n = _get(body, "n", (int,), 1, f"an int in [1, {MAX_N}]")
     if not 1 <= n <= MAX_N:
         raise ClientError(f"n must be an int in [1, {MAX_N}], got {n!r}", "n")
@@ -113,6 +137,16 @@ def _samplings(body: dict, max_tokens: int, max_tokens_name: str) -> list[Sampli
         top_k=top_k,
         ignore_eos=_get(body, "ignore_eos", (bool,), False, "a bool"),
         stop_token_ids=stop_ids,
+        stop=_stop(body),
+        include_stop_str_in_output=_get(
+            body, "include_stop_str_in_output", (bool,), False, "a bool"
+        ),
+        logprobs=_logprobs(body, kind),
+        min_tokens=_get(body, "min_tokens", (int,), 0, "an int >= 0"),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 1e9),
         output_kind=RequestOutputKind.DELTA,
     )
     out = []
@@ -129,9 +163,6 @@ def _samplings(body: dict, max_tokens: int, max_tokens_name: str) -> list[Sampli
 # Fields whose meaning the engine does not serve yet, and the values that ask nothing of
 # it: anything else is refused, never silently ignored.
 _NOT_SERVED = {
-    "stop": (None, "", []),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -183,7 +214,7 @@ def parse_completion(body: Any, served_model: str, encoder, max_model_len: int):
         "completion",
         model,
         prompts,
-        _samplings(body, max_tokens, name),
+        _samplings(body, max_tokens, name, "completion"),
         stream,
         include_usage,
         salt,
@@ -221,7 +252,7 @@ def parse_chat(body: Any, served_model: str, encoder, max_model_len: int):
         "chat",
         model,
         [prompt],
-        _samplings(body, max_tokens, name),
+        _samplings(body, max_tokens, name, "chat"),
         stream,
         include_usage,
         salt,
