@@ -28,6 +28,7 @@ TEMPLATE = (
 CONFIG = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
                       max_model_len=128)  # fmt: skip
 PROMPTS = ["w5 w6 w7 w8 w9", "w5 w6 w7 w8 w10 w11", "w20"]
+HTTP = httpx.Client(timeout=120)  # a new engine's first step compiles: allow for a slow CPU
 
 
 def free_port() -> int:
@@ -189,22 +190,22 @@ def test_bad_requests_are_openai_errors_naming_the_field(running, kwargs, error,
 
 def test_non_json_and_non_object_bodies_are_400(running) -> None:
     for content in (b"{", b"[1, 2]", b"\xff"):
-        response = httpx.post(f"{running.url}/v1/completions", content=content)
+        response = HTTP.post(f"{running.url}/v1/completions", content=content)
         assert response.status_code == 400 and "message" in response.json()["error"]
 
 
 def test_small_endpoints(running) -> None:
-    assert httpx.get(f"{running.url}/health").status_code == 200
-    assert httpx.get(f"{running.url}/version").json()["version"]
+    assert HTTP.get(f"{running.url}/health").status_code == 200
+    assert HTTP.get(f"{running.url}/version").json()["version"]
     models_list = running.client.models.list()
     assert [m.id for m in models_list.data] == ["tiny"]
-    tokens = httpx.post(f"{running.url}/tokenize", json={"prompt": "w5 w6"}).json()
+    tokens = HTTP.post(f"{running.url}/tokenize", json={"prompt": "w5 w6"}).json()
     assert tokens["tokens"] == running.served.encoder.encode("w5 w6") and tokens["count"] == 3
-    text = httpx.post(f"{running.url}/detokenize", json={"tokens": tokens["tokens"][1:]}).json()
+    text = HTTP.post(f"{running.url}/detokenize", json={"tokens": tokens["tokens"][1:]}).json()
     assert text["prompt"] == "w5 w6"
-    assert httpx.post(f"{running.url}/reset_prefix_cache").status_code == 200
+    assert HTTP.post(f"{running.url}/reset_prefix_cache").status_code == 200
     running.client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=3)
-    metrics = httpx.get(f"{running.url}/metrics").text
+    metrics = HTTP.get(f"{running.url}/metrics").text
     for name in (
         "vllm:num_requests_running",
         "vllm:kv_cache_usage_perc",
@@ -221,7 +222,7 @@ def test_small_endpoints(running) -> None:
 
 def test_a_client_that_disconnects_frees_its_blocks(running) -> None:
     free = running.engine.num_free_blocks
-    with httpx.stream("POST", f"{running.url}/v1/completions", json={
+    with HTTP.stream("POST", f"{running.url}/v1/completions", json={
         "model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 100, "stream": True,
         "ignore_eos": True,
     }) as response:  # fmt: skip
@@ -240,17 +241,17 @@ def test_a_full_server_answers_503_with_retry_after(checkpoint) -> None:
     server.engine.step = lambda: time.sleep(0.05) or step()  # the first request stays pending
     try:
         body = {"model": "tiny", "prompt": "w5", "max_tokens": 100, "ignore_eos": True}
-        with httpx.stream(
+        with HTTP.stream(
             "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
         ) as r:
             next(r.iter_lines())
-            busy = httpx.post(f"{server.url}/v1/completions", json=body)
+            busy = HTTP.post(f"{server.url}/v1/completions", json=body)
             assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
             assert busy.json()["error"]["type"] == "server_error"
     finally:
         server.stop()
     with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{server.url}/health")
+        HTTP.get(f"{server.url}/health")
 
 
 def test_the_engine_loop_bounds_pending_requests_and_refuses_after_close(checkpoint) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -265,7 +266,11 @@ def _as_client_error(error: BaseException) -> BaseException:
     if isinstance(error, QueueFull | EngineLoopClosed):
         return ClientError(f"the server is busy: {error}", status=503)
     if isinstance(error, ValueError | TypeError | KeyError):
-        return ClientError(str(error).strip("'\""), "prompt")
+        message = str(error).strip("'\"")
+        param = "prompt"
+        if message.startswith("SamplingParams."):  # "SamplingParams.<field>=... / must ..."
+            param = re.split(r"[=\s]", message.removeprefix("SamplingParams."), maxsplit=1)[0]
+        return ClientError(message, param)
     return error
 
 
