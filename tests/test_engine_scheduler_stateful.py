@@ -35,8 +35,9 @@ from types import SimpleNamespace
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from stateful_depth import quick_and_deep
 
 import jaxkv
 from jaxkv.block_table import BlockTable
@@ -340,10 +341,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 # Enough runs that requests wait for loads, are aborted there and fail verification
 # (a few seconds).
-SchedulerMachine.TestCase.settings = settings(
-    max_examples=150,
+TestScheduler, TestSchedulerDeep = quick_and_deep(
+    SchedulerMachine,
+    150,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestScheduler = SchedulerMachine.TestCase

@@ -14,9 +14,10 @@ block), and nothing is leaked when all requests end.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from stateful_depth import quick_and_deep
 from test_hybrid_managers import block_keys, check_invariants
 from test_kv_cache_manager_stateful import check_tenant_caps
 
@@ -297,9 +298,9 @@ class HybridMachine(RuleBasedStateMachine):
                 assert not manager._num_prompt_tokens and not manager._gap_end
 
 
-TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = settings(
-    max_examples=200,
+TestHybridMachine, TestHybridMachineDeep = quick_and_deep(
+    HybridMachine,
+    200,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -344,9 +345,9 @@ class HybridTenantCapMachine(HybridMachine):
             assert self.manager.block_pool.tenant_cached_blocks() == {}
 
 
-TestHybridTenantCapMachine = HybridTenantCapMachine.TestCase
-TestHybridTenantCapMachine.settings = settings(
-    max_examples=150,
+TestHybridTenantCapMachine, TestHybridTenantCapMachineDeep = quick_and_deep(
+    HybridTenantCapMachine,
+    150,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

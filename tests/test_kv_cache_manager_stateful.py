@@ -14,7 +14,7 @@ import math
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from stateful_depth import quick_and_deep
 
 from jaxkv import (
     AllBlocksCleared,
@@ -406,13 +407,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         ] == self.stats[True]
 
 
-KVCacheMachine.TestCase.settings = settings(
-    max_examples=200,
+TestKVCacheManagerStateful, TestKVCacheManagerStatefulDeep = quick_and_deep(
+    KVCacheMachine,
+    200,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestKVCacheManagerStateful = KVCacheMachine.TestCase
 
 
 def check_tenant_caps(manager: KVCacheManager, caps: dict[str, int], running) -> None:
@@ -505,13 +506,13 @@ class TenantCapMachine(KVCacheMachine):
             assert not any(pool._tenant_free.values())
 
 
-TenantCapMachine.TestCase.settings = settings(
-    max_examples=300,
+TestTenantCapStateful, TestTenantCapStatefulDeep = quick_and_deep(
+    TenantCapMachine,
+    300,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestTenantCapStateful = TenantCapMachine.TestCase
 
 
 def test_evicted_held_block_reused_in_the_same_step_may_be_cached(monkeypatch) -> None:
