@@ -408,7 +408,9 @@ class LLMEngine:
             compilations=compilation_count() - compiled,
         ))  # fmt: skip
         self.num_steps += 1
-        for new in self._fanout.release(outputs):  # their leader's prompt is cached now
+        given = [r.request_id for update in updates for r in update.requests]
+        finished = [output.request_id for output in outputs]  # e.g. failed before a token
+        for new in self._fanout.release(given + finished):  # their leader's prompt is cached
             self._admit(new)
         return self._fanout.merge(outputs)
 
