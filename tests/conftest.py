@@ -28,7 +28,7 @@ SLOW_MODULES = {
     "test_device_distributed", "test_engine_multihost",
     # against vLLM / transformers in the peer environment
     "test_vllm_differential", "test_hybrid_vllm_diff", "test_vllm_yardstick", "test_models_hf",
-    "test_scheduler_vllm",
+    "test_scheduler_vllm", "test_fanout_vllm_diff",
 }  # fmt: skip
 
 

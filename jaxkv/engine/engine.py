@@ -298,9 +298,15 @@ class LLMEngine:
         Its final output (`finish_reason="abort"`) comes with the next `step()`."""
         self._check_open("abort")
         self._replay.check("abort")
-        for child_id in self._fanout.children(request_id):  # a parent: all its children
-            self.abort(child_id)
         if self._fanout.is_parent(request_id):
+            # Every child still running or held; one aborted or failed already (its final
+            # output due with the next step) is done, as vLLM's parent forgets it.
+            children = self._fanout.children(request_id)
+            for new in self._fanout.release_siblings(children[0]):
+                self._admit(new)
+            for child_id in children:
+                if child_id in self._requests.rank_of:
+                    self.abort(child_id)
             return
         for new in self._fanout.release_siblings(request_id):  # a held child is admitted first
             self._admit(new)
@@ -408,7 +414,9 @@ class LLMEngine:
             compilations=compilation_count() - compiled,
         ))  # fmt: skip
         self.num_steps += 1
-        for new in self._fanout.release(outputs):  # their leader's prompt is cached now
+        given = [r.request_id for update in updates for r in update.requests]
+        finished = [output.request_id for output in outputs]  # e.g. failed before a token
+        for new in self._fanout.release(given + finished):  # their leader's prompt is cached
             self._admit(new)
         return self._fanout.merge(outputs)
 

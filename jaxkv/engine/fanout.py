@@ -7,16 +7,18 @@ becomes a parent output holding that one sample; `FINAL_ONLY`, one parent output
 all `n` once all have finished. The parent output is finished once every child is.
 
 One prefill: when the children can read the prefix cache, child 0 (the leader) is
-admitted alone and the others are *held* until its first output, when its prompt's full
-blocks are cached; they are then admitted together and hit those blocks (shared, by
-reference count), computing only the prompt's partial last block each. A parent's
-prompt is so computed about once instead of `n` times (vLLM computes it up to `n`
-times). `release` hands back the held children due.
+admitted alone and the others are *held* until it is given its first token (or finishes
+without one), when its prompt's full blocks are cached, whatever its output kind; they
+are then admitted together and hit those blocks (shared, by reference count), computing
+only the prompt's partial last block each. A parent's prompt is so computed about once
+instead of `n` times (vLLM computes it up to `n` times). `release` hands back the held
+children due.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +59,8 @@ class FanOut:
     def add(
         self, parent_id: str, params: SamplingParams, child_ids: list[str], held: list
     ) -> None:
-        """Track `parent_id`'s children; `held`: the ones (after child 0) to admit at the
-        leader's first output."""
+        """Track `parent_id`'s children; `held`: the ones (after child 0) to admit once
+        the leader has its first token."""
         parent = _Parent(
             parent_id, params.output_kind is RequestOutputKind.FINAL_ONLY,
             {child: i for i, child in enumerate(child_ids)}, set(child_ids),
@@ -76,13 +78,15 @@ class FanOut:
     def is_parent(self, request_id: str) -> bool:
         return request_id in self._by_parent
 
-    def release(self, outputs: list[RequestOutput]) -> list:
-        """The held children due: those of each parent whose leader (child 0) has an
-        output in `outputs`, so its prompt is computed and its full blocks cached."""
+    def release(self, request_ids: Iterable[str]) -> list:
+        """The held children due: those of each parent whose leader (child 0) is among
+        `request_ids`, the requests given a token or finished this step (a `FINAL_ONLY`
+        leader has no output until it finishes: its token says its prompt is computed
+        and its full blocks cached)."""
         due = []
-        for output in outputs:
-            parent = self._by_child.get(output.request_id)
-            if parent is not None and parent.held and parent.index[output.request_id] == 0:
+        for request_id in request_ids:
+            parent = self._by_child.get(request_id)
+            if parent is not None and parent.held and parent.index[request_id] == 0:
                 due += parent.held
                 parent.held = []
         return due
