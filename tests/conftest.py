@@ -28,6 +28,9 @@ SLOW_MODULES = {
     "test_device_distributed", "test_engine_multihost",
     # against vLLM / transformers in the peer environment
     "test_vllm_differential", "test_hybrid_vllm_diff", "test_vllm_yardstick", "test_models_hf",
+    "test_sampling_vllm_diff",
+    # n > 1 over a 1,000-token prompt (the quick part serves n through tests/test_serving.py)
+    "test_engine_parallel_sampling",
     "test_scheduler_vllm", "test_fanout_vllm_diff",
 }  # fmt: skip
 
@@ -35,6 +38,19 @@ SLOW_MODULES = {
 # Single tests in the slow part: a subprocess JAX run, a long random profile, a
 # compile-everything warm-up, or the costlier variants of a case the quick part covers.
 SLOW_TESTS = {
+    # engines of their own shapes (each compiles its programs): the quick part keeps the
+    # device-level scan check, the prompts-file command, the gemma3 in-place check and the
+    # 32-bit seeds
+    "test_engine_models.py::test_scanned_and_per_layer_stacks_serve_the_same_tokens",
+    "test_cli.py::test_generate_json_matches_the_dense_reference",
+    "test_engine_in_place.py::test_every_engine_program_updates_its_caches_in_place[tiny-float32-auto]",
+    "test_engine_faults.py::test_any_int_seed_is_served_beside_greedy_requests[2147483648]",
+    "test_engine_faults.py::test_any_int_seed_is_served_beside_greedy_requests[1099511627776]",
+    "test_engine_faults.py::test_any_int_seed_is_served_beside_greedy_requests[9223372036854775813]",
+    "test_pallas_tpu.py::test_head_blocks_lane_columns_and_word_packing"
+    "[('float32', 128, 8, 16, 1, 'int8')]",
+    "test_pallas_tpu.py::test_head_blocks_lane_columns_and_word_packing"
+    "[('bfloat16', 64, 1, 128, 8, None)]",
     "test_demo.py::test_quick_demo_serves_everything_correctly",  # the README demo, end to end
     # the GPU kernels in Pallas interpret mode: their costlier cases (the quick part keeps
     # one of each kind)
@@ -112,6 +128,7 @@ SLOW_TESTS = {
     "test_pallas_tpu.py::test_step_dispatches_the_kernel_when_forced",
     "test_pallas_gpu_decode.py::test_bf16_stored_as_uint16",
     "test_pallas_gpu_decode.py::test_dispatch_matches_reference_and_zeroes_rows_past_num_seqs",
+    "test_pallas_gpu_decode.py::test_rows_kernel_reads_a_stacked_layer_in_place[0]",
     "test_pallas_gpu_decode.py::test_rows_kernel_reads_a_stacked_layer_in_place[1]",
     "test_pallas_gpu_decode.py::test_rows_kernel_reads_a_stacked_layer_in_place[2]",
     "test_pallas_gpu_decode.py::test_matches_dense_float64_reference[2-8-2-5-None]",
