@@ -19,6 +19,7 @@ from jaxkv.models.prompting import PromptEncoder
 from jaxkv.models.testing import save_word_tokenizer
 from jaxkv.serving.app import ServedModel
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
+from jaxkv.serving.process import free_port
 from jaxkv.serving.server import Server
 
 TEMPLATE = (
@@ -28,14 +29,6 @@ TEMPLATE = (
 CONFIG = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
                       max_model_len=128)  # fmt: skip
 PROMPTS = ["w5 w6 w7 w8 w9", "w5 w6 w7 w8 w10 w11", "w20"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

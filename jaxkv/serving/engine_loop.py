@@ -10,8 +10,9 @@ Invariants:
   the server answers 503).
 - `submit` returns only once the engine accepted the request (else its `ValueError`,
   nothing changed) so a client's mistake is reported before any output.
-- After `close()` no request is accepted (`EngineLoopClosed`); requests still running
-  finish within the grace period or are aborted, then the engine shuts down.
+- After `begin_close()`/`close()` no request is accepted (`EngineLoopClosed`); requests
+  still running finish within the grace period or are aborted (a final output with
+  `finish_reason="abort"`), then the engine shuts down.
 - A step that raises (a bug, not a request's fault: the engine contains those) ends
   the loop: every pending request gets a final output with `finish_reason="error"`,
   `failure` says why, and the loop accepts nothing more.
@@ -55,8 +56,13 @@ class RequestStream:
     _loop: asyncio.AbstractEventLoop | None = None
 
     def put(self, output: RequestOutput) -> None:
-        """From the stepping thread: hand `output` to the consumer's event loop."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (time.monotonic(), output))
+        """From the stepping thread: hand `output` to the consumer's event loop (dropped
+        once that loop is closed: nobody is left to read it)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (time.monotonic(), output))
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     async def get(self) -> tuple[float, RequestOutput]:
         """The next output and when it arrived (time.monotonic)."""
@@ -140,13 +146,18 @@ class EngineLoop:
         freed at the next step. Thread-safe; a finished request is left alone."""
         self._commands.put(("abort", request_id))
 
-    def close(self, grace_s: float = 30.0, timeout_s: float | None = None) -> None:
-        """Refuse new requests; let pending ones finish for `grace_s`, abort the rest,
-        shut the engine down and join the thread (at most `timeout_s` more)."""
+    def begin_close(self, grace_s: float = 30.0) -> None:
+        """Refuse new requests from now on; pending ones get `grace_s` to finish (or the
+        earlier deadline of a previous call), then they are aborted (their streams end
+        with `finish_reason="abort"`) and the engine is shut down. Returns at once."""
         with self._lock:
-            self._grace_deadline = time.monotonic() + grace_s
+            self._grace_deadline = min(self._grace_deadline, time.monotonic() + grace_s)
             self._closing.set()
         self._commands.put(("wake",))
+
+    def close(self, grace_s: float = 30.0, timeout_s: float | None = None) -> None:
+        """`begin_close(grace_s)`, then join the thread (at most `timeout_s` more)."""
+        self.begin_close(grace_s)
         self._thread.join(timeout_s)
 
     # -- the stepping thread ----------------------------------------------------------
