@@ -5,7 +5,6 @@ disconnects that free their blocks, a full server answering 503."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -16,16 +15,12 @@ import pytest
 from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.models.prompting import PromptEncoder
-from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.models.testing import save_chat_checkpoint
 from jaxkv.serving.app import ServedModel
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
 from jaxkv.serving.process import free_port
 from jaxkv.serving.server import Server
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
-    "{% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
-)
 CONFIG = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
                       max_model_len=128)  # fmt: skip
 PROMPTS = ["w5 w6 w7 w8 w9", "w5 w6 w7 w8 w10 w11", "w20"]
@@ -33,13 +28,7 @@ PROMPTS = ["w5 w6 w7 w8 w9", "w5 w6 w7 w8 w10 w11", "w20"]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    models.save_random_checkpoint(path, models.tiny_configs()["llama-tiny"], seed=0)
-    save_word_tokenizer(path, 256, {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"})
-    config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
-              "tokenizer_class": "LlamaTokenizerFast", "chat_template": TEMPLATE}  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return save_chat_checkpoint(tmp_path_factory.mktemp("llama"))
 
 
 def make_engine(checkpoint) -> tuple[LLMEngine, ServedModel]:
