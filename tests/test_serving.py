@@ -31,18 +31,18 @@ def checkpoint(tmp_path_factory):
     return save_chat_checkpoint(tmp_path_factory.mktemp("llama"))
 
 
-def make_engine(checkpoint) -> tuple[LLMEngine, ServedModel]:
+def make_engine(checkpoint, config: EngineConfig = CONFIG) -> tuple[LLMEngine, ServedModel]:
     tokenizer = models.load_tokenizer(checkpoint)
-    engine = LLMEngine(models.load_model(checkpoint), CONFIG, tokenizer=tokenizer)
+    engine = LLMEngine(models.load_model(checkpoint), config, tokenizer=tokenizer)
     encoder = PromptEncoder.from_dir(checkpoint, tokenizer)
-    return engine, ServedModel("tiny", CONFIG.max_model_len, tokenizer, encoder)
+    return engine, ServedModel("tiny", config.max_model_len, tokenizer, encoder)
 
 
 class Running:
     """A `Server` on a free loopback port, in a thread."""
 
-    def __init__(self, checkpoint, **kw) -> None:
-        self.engine, self.served = make_engine(checkpoint)
+    def __init__(self, checkpoint, config: EngineConfig = CONFIG, **kw) -> None:
+        self.engine, self.served = make_engine(checkpoint, config)
         self.port = free_port()
         self.server = Server(self.engine, self.served, port=self.port, grace_s=2.0, **kw)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -192,9 +192,10 @@ def test_a_full_server_answers_503_with_retry_after(checkpoint) -> None:
     try:
         body = {"model": "tiny", "prompt": "w5", "max_tokens": 100, "ignore_eos": True}
         with httpx.stream(
-            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
         ) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
+            next(lines)
             busy = httpx.post(f"{server.url}/v1/completions", json=body)
             assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
             assert busy.json()["error"]["type"] == "server_error"
@@ -243,3 +244,21 @@ def test_the_readmes_client_example_runs_against_the_server(running) -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(block, "README.md", "exec"), {})
     assert out.getvalue().strip()
+
+
+def test_chat_content_may_be_a_list_of_text_parts(running) -> None:
+    kw = dict(model="tiny", max_completion_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = running.client.chat.completions.create(
+        messages=[{"role": "user", "content": "w40 w41\nw42"}], **kw
+    )
+    parts = [{"type": "text", "text": "w40 w41"}, {"type": "text", "text": "w42"}]
+    as_parts = running.client.chat.completions.create(
+        messages=[{"role": "user", "content": parts}], **kw
+    )
+    assert as_parts.choices[0].message.content == plain.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with pytest.raises(openai.BadRequestError, match="only text parts.*image_url"):
+        running.client.chat.completions.create(
+            messages=[{"role": "user", "content": [image]}], **kw
+        )

@@ -165,13 +165,15 @@ class _Generation:
         return JSONResponse(collected.result())
 
     async def _submit(self, parsed: GenerationRequest) -> list[RequestStream]:
-        """One request per prompt and sample, in choice order; all or none."""
+        """One request per prompt and sample, in choice order, their outputs on one
+        queue; all or none."""
         streams: list[RequestStream] = []
+        queue: asyncio.Queue = asyncio.Queue()
         try:
             for prompt in parsed.prompts:
                 for sampling in parsed.samplings:
                     stream = await self.loop.submit(
-                        prompt, sampling=sampling, cache_salt=parsed.cache_salt
+                        prompt, queue, sampling=sampling, cache_salt=parsed.cache_salt
                     )
                     streams.append(stream)
         except BaseException as error:
@@ -181,31 +183,23 @@ class _Generation:
         return streams
 
     async def _outputs(self, parsed: GenerationRequest, streams: list[RequestStream]):
-        """(choice index, new tokens, new text, finish reason or None), as they come."""
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def forward(index: int, stream: RequestStream) -> None:
-            prompt_len = len(parsed.prompts[index // parsed.n])
-            timer = RequestTimer(self.metrics, stream.arrival, prompt_len)
-            while True:
-                at, output = await stream.get()
-                timer.tokens(at, len(output.new_token_ids))
-                await merged.put((index, output))
-                if output.finished:
-                    timer.finished(at)
-                    return
-
-        tasks = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
+        """(choice index, output), as they come on the streams' shared queue."""
+        index_of = {stream.request_id: i for i, stream in enumerate(streams)}
+        timers = [
+            RequestTimer(self.metrics, stream.arrival, len(parsed.prompts[i // parsed.n]))
+            for i, stream in enumerate(streams)
+        ]
         unfinished = set(range(len(streams)))
         try:
             while unfinished:
-                index, output = await merged.get()
+                at, output = await streams[0].get()
+                index = index_of[output.request_id]
+                timers[index].tokens(at, len(output.new_token_ids))
                 if output.finished:
+                    timers[index].finished(at)
                     unfinished.discard(index)
                 yield index, output
         finally:  # also when the consumer stops early (a client that went away)
-            for task in tasks:
-                task.cancel()
             for index in unfinished:
                 self.loop.abort(streams[index].request_id)
 

@@ -47,26 +47,34 @@ class EngineLoopClosed(RuntimeError):
 
 @dataclass
 class RequestStream:
-    """One request's outputs as they come, for an asyncio consumer (`get`), stamped with
-    the times a server reports: arrival, each output's arrival."""
+    """Where one request's outputs go, for an asyncio consumer: `(arrival time, output)`
+    items on `queue`, in order, stamped with time.monotonic(). Several requests may share
+    a queue (`EngineLoop.submit(queue=...)`): their items interleave, told apart by
+    `output.request_id`."""
 
     request_id: str
     arrival: float
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    def put(self, output: RequestOutput) -> None:
-        """From the stepping thread: hand `output` to the consumer's event loop (dropped
-        once that loop is closed: nobody is left to read it)."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (time.monotonic(), output))
-        except RuntimeError:
-            if not self._loop.is_closed():
-                raise
+    queue: asyncio.Queue
+    _loop: asyncio.AbstractEventLoop
 
     async def get(self) -> tuple[float, RequestOutput]:
-        """The next output and when it arrived (time.monotonic)."""
-        return await self._queue.get()
+        """The next item of this stream's queue."""
+        return await self.queue.get()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple[float, RequestOutput]]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """From the stepping thread: queue `items` on `loop` with one wake-up (dropped once
+    that loop is closed: nobody is left to read them)."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 @dataclass
@@ -110,10 +118,13 @@ class EngineLoop:
     def num_pending(self) -> int:
         return self._pending
 
-    async def submit(self, prompt: Any, **kwargs: Any) -> RequestStream:
-        """Queue `engine.add_request(prompt, **kwargs)`; the request's stream once the
-        engine accepted it. `QueueFull`, `EngineLoopClosed`, or the engine's
-        ValueError/TypeError/KeyError for bad input (nothing pending then)."""
+    async def submit(
+        self, prompt: Any, queue: asyncio.Queue | None = None, **kwargs: Any
+    ) -> RequestStream:
+        """Queue `engine.add_request(prompt, **kwargs)`; the request's stream (its outputs
+        on `queue`, a new one by default) once the engine accepted it. `QueueFull`,
+        `EngineLoopClosed`, or the engine's ValueError/TypeError/KeyError for bad input
+        (nothing pending then)."""
         with self._lock:
             if self._closing.is_set():
                 raise EngineLoopClosed("the server is shutting down")
@@ -122,7 +133,10 @@ class EngineLoop:
             self._pending += 1
             self._next_id += 1
             request_id = kwargs.pop("request_id", None) or f"req-{self._next_id}"
-        stream = RequestStream(request_id, time.monotonic(), _loop=asyncio.get_running_loop())
+        stream = RequestStream(
+            request_id, time.monotonic(), asyncio.Queue() if queue is None else queue,
+            asyncio.get_running_loop(),
+        )  # fmt: skip
         accepted: Future = Future()
         self._commands.put(_Add(prompt, {**kwargs, "request_id": request_id}, stream, accepted))
         try:
@@ -177,7 +191,7 @@ class EngineLoop:
             for request_id, stream in list(self._streams.items()):
                 failed = RequestOutput.rejected([], f"the engine failed: {self.failure}")
                 failed.request_id, failed.finish_reason = request_id, "error"
-                stream.put(failed)
+                _hand_over(stream._loop, [(stream.queue, (time.monotonic(), failed))])
                 self._release()
             self._streams.clear()
             self._refuse_queued(EngineLoopClosed(f"the engine failed: {self.failure}"))
@@ -251,14 +265,23 @@ class EngineLoop:
                 pass
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand the step's outputs to their consumers: one wake-up per event loop per
+        step (not per output: each costs a syscall and a GIL hand-off)."""
         streams = self._streams
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        finished = []
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.put(output)
+            by_loop.setdefault(stream._loop, []).append((stream.queue, (now, output)))
             if output.finished:
-                del streams[output.request_id]
-                self._release()
+                finished.append(output.request_id)
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
+        for request_id in finished:
+            del streams[request_id]
+            self._release()
         if self._on_step is not None:
             self._on_step(outputs)
