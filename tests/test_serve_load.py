@@ -28,7 +28,7 @@ def workload(seed: int = 0) -> list[tuple[list[int], int, int | None]]:
         (
             rng.integers(5, 256, int(rng.integers(2, 48))).tolist(),
             int(rng.integers(4, 48)),
-            int(rng.integers(1, 4)) if rng.random() < 0.25 else None,
+            int(rng.integers(1, 12)) if rng.random() < 0.25 else None,
         )
         for _ in range(NUM_REQUESTS)
     ]
@@ -37,7 +37,8 @@ def workload(seed: int = 0) -> list[tuple[list[int], int, int | None]]:
 async def stream_one(client: httpx.AsyncClient, prompt, max_tokens, hang_up_after):
     """The streamed text, finish reason and usage; None for a client that hung up."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     text, reason, usage, chunks = [], None, None, 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jaxkv.engine.outputs import RequestOutput
@@ -49,7 +49,7 @@ class EngineLoopClosed(RuntimeError):
 class RequestStream:
     """Where one request's outputs go, for an asyncio consumer: `(arrival time, output)`
     items on `queue`, in order, stamped with time.monotonic(). Several requests may share
-    a queue (`EngineLoop.submit(queue=...)`): their items interleave, told apart by
+    a queue (`EngineLoop.submit(output_queue=...)`): their items interleave, told apart by
     `output.request_id`."""
 
     request_id: str
@@ -63,8 +63,8 @@ class RequestStream:
 
 
 def _put_all(items: list[tuple[asyncio.Queue, tuple[float, RequestOutput]]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+    for destination, item in items:
+        destination.put_nowait(item)
 
 
 def _hand_over(loop: asyncio.AbstractEventLoop, items: list) -> None:
@@ -119,10 +119,10 @@ class EngineLoop:
         return self._pending
 
     async def submit(
-        self, prompt: Any, queue: asyncio.Queue | None = None, **kwargs: Any
+        self, prompt: Any, output_queue: asyncio.Queue | None = None, **kwargs: Any
     ) -> RequestStream:
         """Queue `engine.add_request(prompt, **kwargs)`; the request's stream (its outputs
-        on `queue`, a new one by default) once the engine accepted it. `QueueFull`,
+        on `output_queue`, a new one by default) once the engine accepted it. `QueueFull`,
         `EngineLoopClosed`, or the engine's ValueError/TypeError/KeyError for bad input
         (nothing pending then)."""
         with self._lock:
@@ -134,7 +134,7 @@ class EngineLoop:
             self._next_id += 1
             request_id = kwargs.pop("request_id", None) or f"req-{self._next_id}"
         stream = RequestStream(
-            request_id, time.monotonic(), asyncio.Queue() if queue is None else queue,
+            request_id, time.monotonic(), asyncio.Queue() if output_queue is None else output_queue,
             asyncio.get_running_loop(),
         )  # fmt: skip
         accepted: Future = Future()
