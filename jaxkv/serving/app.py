@@ -183,7 +183,8 @@ class _Generation:
         return streams
 
     async def _outputs(self, parsed: GenerationRequest, streams: list[RequestStream]):
-        """(choice index, output), as they come on the streams' shared queue."""
+        """Lists of (choice index, output): what has come on the streams' shared queue
+        since the last list, in order."""
         index_of = {stream.request_id: i for i, stream in enumerate(streams)}
         timers = [
             RequestTimer(self.metrics, stream.arrival, len(parsed.prompts[i // parsed.n]))
@@ -192,52 +193,65 @@ class _Generation:
         unfinished = set(range(len(streams)))
         try:
             while unfinished:
-                at, output = await streams[0].get()
-                index = index_of[output.request_id]
-                timers[index].tokens(at, len(output.new_token_ids))
-                if output.finished:
-                    timers[index].finished(at)
-                    unfinished.discard(index)
-                yield index, output
+                batch = []
+                for at, output in await streams[0].get_ready():
+                    index = index_of[output.request_id]
+                    timers[index].tokens(at, len(output.new_token_ids))
+                    if output.finished:
+                        timers[index].finished(at)
+                        unfinished.discard(index)
+                    batch.append((index, output))
+                yield batch
         finally:  # also when the consumer stops early (a client that went away)
             for index in unfinished:
                 self.loop.abort(streams[index].request_id)
 
     async def _collect(self, parsed: GenerationRequest, streams: list[RequestStream]) -> dict:
         choices = [{"tokens": 0, "text": [], "finish_reason": None} for _ in streams]
-        async for index, output in self._outputs(parsed, streams):
-            choice = choices[index]
-            choice["tokens"] += len(output.new_token_ids)
-            choice["text"].append(output.text or "")
-            if output.finished:
-                _check_failed(output)
-                choice["finish_reason"] = _finish_reason(output)
+        async for batch in self._outputs(parsed, streams):
+            for index, output in batch:
+                choice = choices[index]
+                choice["tokens"] += len(output.new_token_ids)
+                choice["text"].append(output.text or "")
+                if output.finished:
+                    _check_failed(output)
+                    choice["finish_reason"] = _finish_reason(output)
         return _response(parsed, choices)
 
     async def _events(
         self, parsed: GenerationRequest, streams: list[RequestStream]
     ) -> AsyncIterator[str]:
-        """Server-sent events: chunks as tokens come, the usage chunk when asked, then
-        `data: [DONE]`."""
+        """Server-sent events: chunks as tokens come (the events of outputs that queued
+        up while the client's connection was busy go in one write), the usage chunk when
+        asked, then `data: [DONE]`."""
         tokens = [0] * len(streams)
         if parsed.kind == "chat":
             for index in range(len(streams)):
                 yield _sse(_chunk(parsed, index, {"role": "assistant", "content": ""}, None))
-        async for index, output in self._outputs(parsed, streams):
-            tokens[index] += len(output.new_token_ids)
-            reason = _finish_reason(output) if output.finished else None
-            if output.finished and output.finish_reason == "error":
-                yield _sse(ClientError(output.error or "the request failed", status=500).body())
-                continue
-            text = output.text or ""
-            if text or reason is not None:
-                delta = {"content": text} if parsed.kind == "chat" else text
-                yield _sse(_chunk(parsed, index, delta, reason))
+        async for batch in self._outputs(parsed, streams):
+            events = []
+            for index, output in batch:
+                tokens[index] += len(output.new_token_ids)
+                events.append(_event(parsed, index, output))
+            if text := "".join(events):
+                yield text
         if parsed.include_usage:
             yield _sse(
                 {**_envelope(parsed, chunk=True), "choices": [], "usage": _usage(parsed, tokens)}
             )
         yield "data: [DONE]\n\n"
+
+
+def _event(parsed: GenerationRequest, index: int, output) -> str:
+    """One output's server-sent event ("" for an output with nothing to say)."""
+    if output.finished and output.finish_reason == "error":
+        return _sse(ClientError(output.error or "the request failed", status=500).body())
+    reason = _finish_reason(output) if output.finished else None
+    text = output.text or ""
+    if not text and reason is None:
+        return ""
+    delta = {"content": text} if parsed.kind == "chat" else text
+    return _sse(_chunk(parsed, index, delta, reason))
 
 
 def _as_client_error(error: BaseException) -> BaseException:

@@ -61,6 +61,14 @@ class RequestStream:
         """The next item of this stream's queue."""
         return await self.queue.get()
 
+    async def get_ready(self) -> list[tuple[float, RequestOutput]]:
+        """The next item and every other one already queued (a consumer that fell behind
+        catches up in one go)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
 
 def _put_all(items: list[tuple[asyncio.Queue, tuple[float, RequestOutput]]]) -> None:
     for destination, item in items:
