@@ -209,9 +209,9 @@ async def _conversation(client, rng_seed: int, turns: int, max_tokens: int) -> l
                 if not line.startswith("data: {"):
                     continue
                 choices = json.loads(line[6:])["choices"]
-                if choices and choices[0]["delta"].get("content"):
+                if choices and "role" not in choices[0]["delta"]:  # past the opening chunk
                     first = first or time.perf_counter()
-                    answer.append(choices[0]["delta"]["content"])
+                    answer.append(choices[0]["delta"].get("content") or "")
         ttfts.append(first - sent)
         messages.append({"role": "assistant", "content": "".join(answer).strip()})
     return ttfts
