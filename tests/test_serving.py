@@ -262,3 +262,24 @@ def test_chat_content_may_be_a_list_of_text_parts(running) -> None:
         running.client.chat.completions.create(
             messages=[{"role": "user", "content": [image]}], **kw
         )
+
+
+def test_begin_close_aborts_what_outlives_the_grace_period(checkpoint) -> None:
+    engine, _ = make_engine(checkpoint)
+    loop = EngineLoop(engine)
+
+    async def scenario() -> None:
+        sampling = SamplingParams(max_tokens=120, ignore_eos=True)
+        stream = await loop.submit([5, 6], sampling=sampling)
+        await stream.get()  # running
+        loop.begin_close(grace_s=0.0)
+        with pytest.raises(EngineLoopClosed):
+            await loop.submit([5])
+        output = None
+        while output is None or not output.finished:
+            _, output = await stream.get()
+        assert output.finish_reason == "abort" and len(output.output_token_ids) < 120
+
+    asyncio.run(scenario())
+    loop.close(grace_s=0.0, timeout_s=30)
+    assert loop.num_pending == 0 and engine.is_shut_down
