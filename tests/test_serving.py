@@ -5,7 +5,6 @@ disconnects that free their blocks, a full server answering 503."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -16,52 +15,35 @@ import pytest
 from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.models.prompting import PromptEncoder
-from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.models.testing import save_chat_checkpoint
 from jaxkv.serving.app import ServedModel
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
+from jaxkv.serving.process import free_port
 from jaxkv.serving.server import Server
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
-    "{% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
-)
 CONFIG = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
                       max_model_len=128)  # fmt: skip
 PROMPTS = ["w5 w6 w7 w8 w9", "w5 w6 w7 w8 w10 w11", "w20"]
 HTTP = httpx.Client(timeout=120)  # a new engine's first step compiles: allow for a slow CPU
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    models.save_random_checkpoint(path, models.tiny_configs()["llama-tiny"], seed=0)
-    save_word_tokenizer(path, 256, {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"})
-    config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
-              "tokenizer_class": "LlamaTokenizerFast", "chat_template": TEMPLATE}  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return save_chat_checkpoint(tmp_path_factory.mktemp("llama"))
 
 
-def make_engine(checkpoint) -> tuple[LLMEngine, ServedModel]:
+def make_engine(checkpoint, config: EngineConfig = CONFIG) -> tuple[LLMEngine, ServedModel]:
     tokenizer = models.load_tokenizer(checkpoint)
-    engine = LLMEngine(models.load_model(checkpoint), CONFIG, tokenizer=tokenizer)
+    engine = LLMEngine(models.load_model(checkpoint), config, tokenizer=tokenizer)
     encoder = PromptEncoder.from_dir(checkpoint, tokenizer)
-    return engine, ServedModel("tiny", CONFIG.max_model_len, tokenizer, encoder)
+    return engine, ServedModel("tiny", config.max_model_len, tokenizer, encoder)
 
 
 class Running:
     """A `Server` on a free loopback port, in a thread."""
 
-    def __init__(self, checkpoint, **kw) -> None:
-        self.engine, self.served = make_engine(checkpoint)
+    def __init__(self, checkpoint, config: EngineConfig = CONFIG, **kw) -> None:
+        self.engine, self.served = make_engine(checkpoint, config)
         self.port = free_port()
         self.server = Server(self.engine, self.served, port=self.port, grace_s=2.0, **kw)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -244,7 +226,8 @@ def test_a_full_server_answers_503_with_retry_after(checkpoint) -> None:
         with HTTP.stream(
             "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
         ) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
+            next(lines)
             busy = HTTP.post(f"{server.url}/v1/completions", json=body)
             assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
             assert busy.json()["error"]["type"] == "server_error"
@@ -293,3 +276,42 @@ def test_the_readmes_client_example_runs_against_the_server(running) -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(block, "README.md", "exec"), {})
     assert out.getvalue().strip()
+
+
+def test_chat_content_may_be_a_list_of_text_parts(running) -> None:
+    kw = dict(model="tiny", max_completion_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = running.client.chat.completions.create(
+        messages=[{"role": "user", "content": "w40 w41\nw42"}], **kw
+    )
+    parts = [{"type": "text", "text": "w40 w41"}, {"type": "text", "text": "w42"}]
+    as_parts = running.client.chat.completions.create(
+        messages=[{"role": "user", "content": parts}], **kw
+    )
+    assert as_parts.choices[0].message.content == plain.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with pytest.raises(openai.BadRequestError, match="only text parts.*image_url"):
+        running.client.chat.completions.create(
+            messages=[{"role": "user", "content": [image]}], **kw
+        )
+
+
+def test_begin_close_aborts_what_outlives_the_grace_period(checkpoint) -> None:
+    engine, _ = make_engine(checkpoint)
+    loop = EngineLoop(engine)
+
+    async def scenario() -> None:
+        sampling = SamplingParams(max_tokens=120, ignore_eos=True)
+        stream = await loop.submit([5, 6], sampling=sampling)
+        await stream.get()  # running
+        loop.begin_close(grace_s=0.0)
+        with pytest.raises(EngineLoopClosed):
+            await loop.submit([5])
+        output = None
+        while output is None or not output.finished:
+            _, output = await stream.get()
+        assert output.finish_reason == "abort" and len(output.output_token_ids) < 120
+
+    asyncio.run(scenario())
+    loop.close(grace_s=0.0, timeout_s=30)
+    assert loop.num_pending == 0 and engine.is_shut_down

@@ -142,6 +142,41 @@ def save_word_tokenizer(path: str | Path, vocab_size: int, specials: dict[int, s
     tokenizer.save(str(Path(path) / "tokenizer.json"))
 
 
+# A chat template over `save_chat_checkpoint`'s special words.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
+    "{% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
+)
+CHAT_SPECIALS = {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"}
+
+
+def save_chat_checkpoint(path: str | Path, name: str = "llama-tiny", seed: int = 0) -> Path:
+    """A servable random checkpoint: `tiny_configs()[name]` weights, a word tokenizer
+    (`save_word_tokenizer`, `CHAT_SPECIALS`) with a `tokenizer_config.json` transformers
+    loads (bos/eos, `CHAT_TEMPLATE`), so HTTP clients that tokenize (vLLM's benchmark)
+    accept it too. Returns `path`."""
+    path = Path(path)
+    config = tiny_configs()[name]
+    save_random_checkpoint(path, config, seed=seed)
+    save_word_tokenizer(path, config["vocab_size"], CHAT_SPECIALS)
+    # The BOS comes from the tokenizer's own post-processor, which every loader applies
+    # (transformers 5 rebuilds a Llama tokenizer's pre-tokenizer, breaking the words).
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)]
+    )
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": config.get("max_position_embeddings", 2048),
+    }  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
 def _record_unread_vision_tensors(config: LlavaConfig, recorder: RandomTensors, prefix: str):
     """The vision layers after the selected feature layer and the tower's post-layernorm."""
     vision = config.vision

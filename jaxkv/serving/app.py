@@ -166,13 +166,15 @@ class _Generation:
         return JSONResponse(collected.result())
 
     async def _submit(self, parsed: GenerationRequest) -> list[RequestStream]:
-        """One request per prompt and sample, in choice order; all or none."""
+        """One request per prompt and sample, in choice order, their outputs on one
+        queue; all or none."""
         streams: list[RequestStream] = []
+        queue: asyncio.Queue = asyncio.Queue()
         try:
             for prompt in parsed.prompts:
                 for sampling in parsed.samplings:
                     stream = await self.loop.submit(
-                        prompt, sampling=sampling, cache_salt=parsed.cache_salt
+                        prompt, queue, sampling=sampling, cache_salt=parsed.cache_salt
                     )
                     streams.append(stream)
         except BaseException as error:
@@ -182,31 +184,26 @@ class _Generation:
         return streams
 
     async def _outputs(self, parsed: GenerationRequest, streams: list[RequestStream]):
-        """(choice index, new tokens, new text, finish reason or None), as they come."""
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def forward(index: int, stream: RequestStream) -> None:
-            prompt_len = len(parsed.prompts[index // parsed.n])
-            timer = RequestTimer(self.metrics, stream.arrival, prompt_len)
-            while True:
-                at, output = await stream.get()
-                timer.tokens(at, len(output.new_token_ids))
-                await merged.put((index, output))
-                if output.finished:
-                    timer.finished(at)
-                    return
-
-        tasks = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
+        """Lists of (choice index, output): what has come on the streams' shared queue
+        since the last list, in order."""
+        index_of = {stream.request_id: i for i, stream in enumerate(streams)}
+        timers = [
+            RequestTimer(self.metrics, stream.arrival, len(parsed.prompts[i // parsed.n]))
+            for i, stream in enumerate(streams)
+        ]
         unfinished = set(range(len(streams)))
         try:
             while unfinished:
-                index, output = await merged.get()
-                if output.finished:
-                    unfinished.discard(index)
-                yield index, output
+                batch = []
+                for at, output in await streams[0].get_ready():
+                    index = index_of[output.request_id]
+                    timers[index].tokens(at, len(output.new_token_ids))
+                    if output.finished:
+                        timers[index].finished(at)
+                        unfinished.discard(index)
+                    batch.append((index, output))
+                yield batch
         finally:  # also when the consumer stops early (a client that went away)
-            for task in tasks:
-                task.cancel()
             for index in unfinished:
                 self.loop.abort(streams[index].request_id)
 
@@ -216,46 +213,58 @@ class _Generation:
              "logprobs": [] if parsed.samplings[0].logprobs is not None else None}
             for _ in streams
         ]  # fmt: skip
-        async for index, output in self._outputs(parsed, streams):
-            choice = choices[index]
-            choice["tokens"] += len(output.new_token_ids)
-            choice["text"].append(output.text or "")
-            if choice["logprobs"] is not None:
-                choice["logprobs"] += zip(output.new_token_ids, output.logprobs or (), strict=False)
-            choice["stop_reason"] = output.stop_reason
-            if output.finished:
-                _check_failed(output)
-                choice["finish_reason"] = _finish_reason(output)
+        async for batch in self._outputs(parsed, streams):
+            for index, output in batch:
+                choice = choices[index]
+                choice["tokens"] += len(output.new_token_ids)
+                choice["text"].append(output.text or "")
+                if choice["logprobs"] is not None:
+                    pairs = zip(output.new_token_ids, output.logprobs or (), strict=False)
+                    choice["logprobs"] += pairs
+                choice["stop_reason"] = output.stop_reason
+                if output.finished:
+                    _check_failed(output)
+                    choice["finish_reason"] = _finish_reason(output)
         return _response(parsed, choices)
 
     async def _events(
         self, parsed: GenerationRequest, streams: list[RequestStream]
     ) -> AsyncIterator[str]:
-        """Server-sent events: chunks as tokens come, the usage chunk when asked, then
-        `data: [DONE]`."""
+        """Server-sent events: chunks as tokens come (the events of outputs that queued
+        up while the client's connection was busy go in one write), the usage chunk when
+        asked, then `data: [DONE]`."""
         tokens = [0] * len(streams)
         if parsed.kind == "chat":
             for index in range(len(streams)):
                 yield _sse(_chunk(parsed, index, {"role": "assistant", "content": ""}, None))
-        async for index, output in self._outputs(parsed, streams):
-            tokens[index] += len(output.new_token_ids)
-            reason = _finish_reason(output) if output.finished else None
-            if output.finished and output.finish_reason == "error":
-                yield _sse(ClientError(output.error or "the request failed", status=500).body())
-                continue
-            text = output.text or ""
-            if text or reason is not None:
-                delta = {"content": text} if parsed.kind == "chat" else text
-                logprobs = None
-                if parsed.samplings[0].logprobs is not None:
-                    pairs = zip(output.new_token_ids, output.logprobs or (), strict=False)
-                    logprobs = _logprobs_object(parsed.kind, list(pairs))
-                yield _sse(_chunk(parsed, index, delta, reason, logprobs, output.stop_reason))
+        async for batch in self._outputs(parsed, streams):
+            events = []
+            for index, output in batch:
+                tokens[index] += len(output.new_token_ids)
+                events.append(_event(parsed, index, output))
+            if text := "".join(events):
+                yield text
         if parsed.include_usage:
             yield _sse(
                 {**_envelope(parsed, chunk=True), "choices": [], "usage": _usage(parsed, tokens)}
             )
         yield "data: [DONE]\n\n"
+
+
+def _event(parsed: GenerationRequest, index: int, output) -> str:
+    """One output's server-sent event ("" for an output with nothing to say)."""
+    if output.finished and output.finish_reason == "error":
+        return _sse(ClientError(output.error or "the request failed", status=500).body())
+    reason = _finish_reason(output) if output.finished else None
+    text = output.text or ""
+    if not text and reason is None:
+        return ""
+    delta = {"content": text} if parsed.kind == "chat" else text
+    logprobs = None
+    if parsed.samplings[0].logprobs is not None:
+        pairs = zip(output.new_token_ids, output.logprobs or (), strict=False)
+        logprobs = _logprobs_object(parsed.kind, list(pairs))
+    return _sse(_chunk(parsed, index, delta, reason, logprobs, output.stop_reason))
 
 
 def _as_client_error(error: BaseException) -> BaseException:

@@ -52,6 +52,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = models.load_tokenizer(args.model)
     encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)
     engine, _ = engine_flags.load_engine(args, tokenizer, mesh, kv_events)
+    # Every step shape compiled before the port opens: a compile in the first requests'
+    # steps would stall every stream then (seconds of TTFT under load).
+    engine.warm_up()
     name = args.served_model_name or str(Path(args.model))
     served = ServedModel(name, engine.config.max_model_len, tokenizer, encoder)
     server = Server(

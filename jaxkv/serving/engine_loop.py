@@ -10,8 +10,9 @@ Invariants:
   the server answers 503).
 - `submit` returns only once the engine accepted the request (else its `ValueError`,
   nothing changed) so a client's mistake is reported before any output.
-- After `close()` no request is accepted (`EngineLoopClosed`); requests still running
-  finish within the grace period or are aborted, then the engine shuts down.
+- After `begin_close()`/`close()` no request is accepted (`EngineLoopClosed`); requests
+  still running finish within the grace period or are aborted (a final output with
+  `finish_reason="abort"`), then the engine shuts down.
 - A step that raises (a bug, not a request's fault: the engine contains those) ends
   the loop: every pending request gets a final output with `finish_reason="error"`,
   `failure` says why, and the loop accepts nothing more.
@@ -26,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jaxkv.engine.outputs import RequestOutput
@@ -46,21 +47,42 @@ class EngineLoopClosed(RuntimeError):
 
 @dataclass
 class RequestStream:
-    """One request's outputs as they come, for an asyncio consumer (`get`), stamped with
-    the times a server reports: arrival, each output's arrival."""
+    """Where one request's outputs go, for an asyncio consumer: `(arrival time, output)`
+    items on `queue`, in order, stamped with time.monotonic(). Several requests may share
+    a queue (`EngineLoop.submit(output_queue=...)`): their items interleave, told apart by
+    `output.request_id`."""
 
     request_id: str
     arrival: float
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    def put(self, output: RequestOutput) -> None:
-        """From the stepping thread: hand `output` to the consumer's event loop."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (time.monotonic(), output))
+    queue: asyncio.Queue
+    _loop: asyncio.AbstractEventLoop
 
     async def get(self) -> tuple[float, RequestOutput]:
-        """The next output and when it arrived (time.monotonic)."""
-        return await self._queue.get()
+        """The next item of this stream's queue."""
+        return await self.queue.get()
+
+    async def get_ready(self) -> list[tuple[float, RequestOutput]]:
+        """The next item and every other one already queued (a consumer that fell behind
+        catches up in one go)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple[float, RequestOutput]]]) -> None:
+    for destination, item in items:
+        destination.put_nowait(item)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """From the stepping thread: queue `items` on `loop` with one wake-up (dropped once
+    that loop is closed: nobody is left to read them)."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 @dataclass
@@ -104,10 +126,13 @@ class EngineLoop:
     def num_pending(self) -> int:
         return self._pending
 
-    async def submit(self, prompt: Any, **kwargs: Any) -> RequestStream:
-        """Queue `engine.add_request(prompt, **kwargs)`; the request's stream once the
-        engine accepted it. `QueueFull`, `EngineLoopClosed`, or the engine's
-        ValueError/TypeError/KeyError for bad input (nothing pending then)."""
+    async def submit(
+        self, prompt: Any, output_queue: asyncio.Queue | None = None, **kwargs: Any
+    ) -> RequestStream:
+        """Queue `engine.add_request(prompt, **kwargs)`; the request's stream (its outputs
+        on `output_queue`, a new one by default) once the engine accepted it. `QueueFull`,
+        `EngineLoopClosed`, or the engine's ValueError/TypeError/KeyError for bad input
+        (nothing pending then)."""
         with self._lock:
             if self._closing.is_set():
                 raise EngineLoopClosed("the server is shutting down")
@@ -116,7 +141,10 @@ class EngineLoop:
             self._pending += 1
             self._next_id += 1
             request_id = kwargs.pop("request_id", None) or f"req-{self._next_id}"
-        stream = RequestStream(request_id, time.monotonic(), _loop=asyncio.get_running_loop())
+        stream = RequestStream(
+            request_id, time.monotonic(), asyncio.Queue() if output_queue is None else output_queue,
+            asyncio.get_running_loop(),
+        )  # fmt: skip
         accepted: Future = Future()
         self._commands.put(_Add(prompt, {**kwargs, "request_id": request_id}, stream, accepted))
         try:
@@ -140,13 +168,18 @@ class EngineLoop:
         freed at the next step. Thread-safe; a finished request is left alone."""
         self._commands.put(("abort", request_id))
 
-    def close(self, grace_s: float = 30.0, timeout_s: float | None = None) -> None:
-        """Refuse new requests; let pending ones finish for `grace_s`, abort the rest,
-        shut the engine down and join the thread (at most `timeout_s` more)."""
+    def begin_close(self, grace_s: float = 30.0) -> None:
+        """Refuse new requests from now on; pending ones get `grace_s` to finish (or the
+        earlier deadline of a previous call), then they are aborted (their streams end
+        with `finish_reason="abort"`) and the engine is shut down. Returns at once."""
         with self._lock:
-            self._grace_deadline = time.monotonic() + grace_s
+            self._grace_deadline = min(self._grace_deadline, time.monotonic() + grace_s)
             self._closing.set()
         self._commands.put(("wake",))
+
+    def close(self, grace_s: float = 30.0, timeout_s: float | None = None) -> None:
+        """`begin_close(grace_s)`, then join the thread (at most `timeout_s` more)."""
+        self.begin_close(grace_s)
         self._thread.join(timeout_s)
 
     # -- the stepping thread ----------------------------------------------------------
@@ -166,7 +199,7 @@ class EngineLoop:
             for request_id, stream in list(self._streams.items()):
                 failed = RequestOutput.rejected([], f"the engine failed: {self.failure}")
                 failed.request_id, failed.finish_reason = request_id, "error"
-                stream.put(failed)
+                _hand_over(stream._loop, [(stream.queue, (time.monotonic(), failed))])
                 self._release()
             self._streams.clear()
             self._refuse_queued(EngineLoopClosed(f"the engine failed: {self.failure}"))
@@ -240,14 +273,23 @@ class EngineLoop:
                 pass
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand the step's outputs to their consumers: one wake-up per event loop per
+        step (not per output: each costs a syscall and a GIL hand-off)."""
         streams = self._streams
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        finished = []
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.put(output)
+            by_loop.setdefault(stream._loop, []).append((stream.queue, (now, output)))
             if output.finished:
-                del streams[output.request_id]
-                self._release()
+                finished.append(output.request_id)
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
+        for request_id in finished:
+            del streams[request_id]
+            self._release()
         if self._on_step is not None:
             self._on_step(outputs)

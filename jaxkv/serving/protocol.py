@@ -222,6 +222,35 @@ def parse_completion(body: Any, served_model: str, encoder, max_model_len: int):
     )
 
 
+def _role(message: Any, i: int) -> str:
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+        raise ClientError(f"messages[{i}] must be an object with a role", "messages")
+    return message["role"]
+
+
+def _message_text(message: dict, i: int) -> str:
+    """A message's text: its `content` string, or its text parts (OpenAI's content-part
+    list, what vLLM's benchmark sends) joined by newlines as vLLM joins them."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ClientError(
+                    f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                    "messages",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ClientError(
+        f"messages[{i}].content must be text or a non-empty list of text parts", "messages"
+    )
+
+
 def parse_chat(body: Any, served_model: str, encoder, max_model_len: int):
     """A `/v1/chat/completions` body as a `GenerationRequest`: the messages through the
     checkpoint's chat template (ClientError naming the field)."""
@@ -229,21 +258,11 @@ def parse_chat(body: Any, served_model: str, encoder, max_model_len: int):
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError("messages must be a non-empty list of messages", "messages")
-    for i, message in enumerate(messages):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise ClientError(
-                f"messages[{i}] must be an object with a role and text content", "messages"
-            )
+    turns = [{"role": _role(m, i), "content": _message_text(m, i)} for i, m in enumerate(messages)]
     if encoder is None or encoder.chat_template is None:
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
     try:
-        prompt = encoder.encode_chat(
-            [{"role": m["role"], "content": m["content"]} for m in messages]
-        )
+        prompt = encoder.encode_chat(turns)
     except ValueError as error:
         raise ClientError(str(error), "messages") from None
     default = max(max_model_len - len(prompt), 1)
