@@ -47,8 +47,8 @@ __all__ = [
     "apply_penalties",
     "gather_logprobs",
     "logprob_scores",
+    "sample_and_score",
     "sample_tokens",
-    "sample_with_processed_logits",
     "update_penalty_state",
 ]
 
@@ -65,16 +65,22 @@ def sample_tokens(
     greedy skip the sort; steps banning nothing skip the ban.
     """
     args = (temperature, top_k, top_p, seeds, counters, min_p, stop_ids, penalties)
-    return _sample(logits, *args, keep_processed=False)[0]
+    return sample_and_score(logits, *args)[0]
 
 
-def sample_with_processed_logits(
-    logits, temperature, top_k, top_p, seeds, counters, min_p=None, stop_ids=None, penalties=None
-):
-    """`sample_tokens`' tokens `[R]` and the float32 logits `[R, V]` each row was sampled
-    from (the "processed" logits of the module docstring)."""
+def sample_and_score(
+    logits, temperature, top_k, top_p, seeds, counters, min_p=None, stop_ids=None,
+    penalties=None, logprobs_mode: str | None = None,
+):  # fmt: skip
+    """`sample_tokens`' tokens `[R]` and what the rows' logprobs hold under
+    `logprobs_mode` (`[R, V]` f32: `logprob_scores` of the raw logits, or of the
+    processed ones the module docstring defines), None when `logprobs_mode` is None."""
+    processed = logprobs_mode in PROCESSED_LOGPROBS_MODES
     args = (temperature, top_k, top_p, seeds, counters, min_p, stop_ids, penalties)
-    return _sample(logits, *args, keep_processed=True)
+    tokens, kept = _sample(logits, *args, keep_processed=processed)
+    if logprobs_mode is None:
+        return tokens, None
+    return tokens, logprob_scores(kept if processed else logits, logprobs_mode)
 
 
 def _sample(

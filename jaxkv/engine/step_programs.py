@@ -27,11 +27,9 @@ from jaxkv.device.encoder_store import merge_rows
 from jaxkv.engine.sampling import (
     MAX_LOGPROBS,
     MAX_MIN_TOKENS_STOPS,
-    PROCESSED_LOGPROBS_MODES,
     gather_logprobs,
     logprob_scores,
-    sample_tokens,
-    sample_with_processed_logits,
+    sample_and_score,
     update_penalty_state,
 )
 from jaxkv.models.base import PagedContext, paged_attend
@@ -54,7 +52,7 @@ def metadata_field(group: int) -> str:
     return f"metadata{group}"
 
 
-# The sampling rows of a step, in `sample_tokens`' argument order, then the rows of
+# The sampling rows of a step, in `sample_and_score`'s argument order, then the rows of
 # `min_p` and the penalties; the float32 ones are `_FLOAT_ROWS`.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "counters")
 _PENALTY_ROWS = ("presence", "frequency", "repetition")
@@ -201,13 +199,11 @@ def _sample_outputs(logits, fields: dict, ctx, token_ids, penalty_state, max_num
         extras["penalty_state"] = state
         at = jnp.maximum(rows["penalty_rows"], 0)  # -1: neutral penalties, any row
         penalties = (state[0][at], state[1][at], *(rows[name] for name in _PENALTY_ROWS))
-    processed = features.logprobs and mode in PROCESSED_LOGPROBS_MODES
-    sampled = (sample_with_processed_logits if processed else sample_tokens)(
+    sampled, scores = sample_and_score(
         logits, *(rows[name] for name in SAMPLING_FIELDS), min_p=rows["min_p"],
         stop_ids=rows["stop_ids"].reshape(dp * r, -1), penalties=penalties,
+        logprobs_mode=mode if features.logprobs else None,
     )  # fmt: skip
-    if processed:
-        sampled, logits = sampled
 
     def padded(values):
         out = jnp.zeros((dp, max_num_seqs, *values.shape[1:]), values.dtype)
@@ -218,7 +214,6 @@ def _sample_outputs(logits, fields: dict, ctx, token_ids, penalty_state, max_num
         )
 
     if features.logprobs:
-        scores = logprob_scores(logits, mode)
         extras["logprobs"] = tuple(padded(a) for a in gather_logprobs(scores, sampled, k))
     return padded(sampled), extras
 
