@@ -265,7 +265,7 @@ def test_update_empties_the_encoder_cache(tmp_path) -> None:
 
     before = serve(engine)
     assert engine.runner.num_encoded == 1 and engine.stats.total("encoder_misses") == 1
-    engine.update_weights(tensors_b)
+    engine.update_weights(tmp_path / "b")
     after = serve(engine)
     assert engine.runner.num_encoded == 2, "the image is encoded again by the new tower"
     assert engine.stats.total("encoder_misses") == 2 and engine.stats.total("encoder_hits") == 0

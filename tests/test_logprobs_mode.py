@@ -1,6 +1,6 @@
 """`EngineConfig.logprobs_mode`: vLLM's four kinds of logprobs.
 
-On fixed logits rows (quick), each mode against values computed here in numpy: the raw
+On fixed logits rows, each mode against values computed here in numpy: the raw
 modes report the model's logits or their log-softmax whatever the sampling; the
 processed ones what each row was sampled from: a greedy row's logits after the
 stop-token ban and the penalties, a sampled row's after temperature, min-p, top-k and
@@ -61,7 +61,15 @@ def _processed_logits() -> np.ndarray:
     return np.array([greedy, top_k, top_p], np.float32)
 
 
-@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+# Each mode compiles its own sampler (a few seconds): the quick part keeps the one that
+# goes through every filter.
+MODES = [
+    mode if mode == "processed_logprobs" else pytest.param(mode, marks=pytest.mark.slow)
+    for mode in LOGPROBS_MODES
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_each_mode_on_fixed_logits_rows(mode: str) -> None:
     tokens, scores = sample_and_score(jnp.asarray(LOGITS), **ROWS, logprobs_mode=mode)
     plain, none = sample_and_score(jnp.asarray(LOGITS), **ROWS)
