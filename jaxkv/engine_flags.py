@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from jaxkv._checks import check_host_memory, parse_memory
+from jaxkv.sampling_params import LOGPROBS_MODES
 
 __all__ = [
     "add_engine_arguments", "check_engine_flags", "check_positive", "load_engine", "mesh_for",
@@ -143,7 +144,7 @@ def load_engine(args: argparse.Namespace, tokenizer, mesh, kv_events: dict):
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, logprobs_mode=args.logprobs_mode,
         compilation_cache_dir=args.compilation_cache, **_memory_settings(args, mesh),
         **kv_events, **_offloading_settings(args),
     )  # fmt: skip
@@ -199,6 +200,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    p.add_argument(
+        "--logprobs-mode", default=LOGPROBS_MODES[0], choices=LOGPROBS_MODES,
+        help="what logprobs hold (vLLM's): log-probabilities or logits of the raw model "
+        "output, or of what the token was sampled from after penalties and filters",
+    )  # fmt: skip
     p.add_argument(
         "--scan-layers", choices=("auto", "on", "off"), default="auto",
         help="one scanned layer body (on CPU, decode copies each layer's weights) or one "

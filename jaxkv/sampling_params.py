@@ -18,10 +18,23 @@ import numpy as np
 
 from jaxkv._checks import as_int
 
-__all__ = ["MAX_LOGPROBS", "MAX_MIN_TOKENS_STOPS", "MAX_N", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "LOGPROBS_MODES",
+    "MAX_LOGPROBS",
+    "MAX_MIN_TOKENS_STOPS",
+    "MAX_N",
+    "PROCESSED_LOGPROBS_MODES",
+    "RequestOutputKind",
+    "SamplingParams",
+]
 
 MAX_N = 16384  # vLLM's default `VLLM_MAX_N_SEQUENCES`
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`: the most logprobs the engine returns
+# What logprobs hold (vLLM's `ModelConfig.logprobs_mode`, the engine's
+# `EngineConfig.logprobs_mode`; the first is the default): log-probabilities or logits, of
+# the model's raw output or of the distribution sampled from (`jaxkv.engine.sampling`).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+PROCESSED_LOGPROBS_MODES = ("processed_logprobs", "processed_logits")
 # The most stop tokens (its own and the model's EOS ids) a request with `min_tokens` bans.
 MAX_MIN_TOKENS_STOPS = 8
 _MIN_TEMPERATURE = 0.01  # vLLM's `_MAX_TEMP`: the least positive temperature it samples at
@@ -64,7 +77,8 @@ class SamplingParams:
     unless `include_stop_str_in_output`); none of these stops it before `min_tokens`
     outputs (the stop tokens cannot be sampled until then). `logprobs=k` returns, per
     output token, the top-k log probabilities and the sampled token's (`prompt_logprobs`
-    the same per prompt token), of the model's raw distribution; -1 asks for the whole
+    the same per prompt token), of the model's raw distribution unless the engine's
+    `logprobs_mode` says otherwise; -1 asks for the whole
     vocabulary (which the engine refuses past its limit). `output_kind` says what
     `LLMEngine.step` streams for it (`RequestOutputKind`; vLLM's default, `CUMULATIVE`).
 

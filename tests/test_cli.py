@@ -53,6 +53,16 @@ def test_generate_bad_input_is_a_clear_error(checkpoint, capsys, argv, message) 
     assert message in capsys.readouterr().err
 
 
+def test_logprobs_mode_flag_takes_vllms_values_only(checkpoint, capsys) -> None:
+    argv = ["generate", "--model", str(checkpoint), "--prompt-token-ids", "1"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--logprobs-mode", "raw"])
+    assert exited.value.code == 2
+    assert "--logprobs-mode: invalid choice: 'raw' (choose from 'raw_logprobs'" in (
+        capsys.readouterr().err
+    )
+
+
 def test_generate_unknown_directory(tmp_path, capsys) -> None:
     assert cli.main(["generate", "--model", str(tmp_path), "--prompt-token-ids", "1"]) == 2
     assert "config.json" in capsys.readouterr().err

@@ -4,7 +4,8 @@ On the tiny Llama checkpoint (random weights A, B): each input form (the model's
 state, a mapping of Hugging Face tensor names, a checkpoint directory) makes the engine
 serve exactly what a fresh engine built on B serves, in the same device buffers (their
 pointers and the live bytes unchanged; the compiled write aliases every written byte);
-prefix hits after an update never reach a block computed before it; each
+prefix hits after an update never reach a block computed before it, nor an image
+embedding encoded before it (tiny LLaVA, the vision tower updated); each
 `weight_update_policy` handles a request running across the update; every refused
 update (shape, dtype, missing or unknown tensor, another model's config or state, a
 used version) changes nothing; ten updates of a warm engine compile nothing.
@@ -231,3 +232,45 @@ def test_ten_updates_of_a_warm_engine_compile_nothing(ckpts) -> None:
             assert out.output_token_ids == want_b[0]
     assert compilation_count() == count
     assert sum(s.compilations for s in engine.stats.steps_since(first_step)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_update_empties_the_encoder_cache(tmp_path) -> None:
+    """An image served before an update of the vision tower is encoded again after it
+    (its cached embedding came from the old tower), and the engine then serves what a
+    fresh engine on the new weights serves."""
+    from safetensors.numpy import save_file
+
+    from jaxkv.models.checkpoint import SINGLE_FILE
+
+    config = models.tiny_configs()["llava-tiny"]
+    tensors_a = models.save_random_checkpoint(tmp_path / "a", config, seed=0)
+    other = models.save_random_checkpoint(tmp_path / "other", config, seed=1)
+    vision = {name for name in tensors_a if "vision_tower" in name}
+    assert vision and len(vision) < len(tensors_a)
+    tensors_b = {name: other[name] if name in vision else a for name, a in tensors_a.items()}
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    save_file(tensors_b, tmp_path / "b" / SINGLE_FILE, metadata={"format": "pt"})
+    llava = models.load_model(tmp_path / "a")
+    size = llava.llava_config.vision.image_size
+    picture = np.random.default_rng(4).standard_normal((3, size, size)).astype(np.float32)
+    prompt = [3, 4, llava.llava_config.image_token_id, 7, 8, 9]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    config = dataclasses.replace(CONFIG, max_num_batched_tokens=16)
+    engine = LLMEngine(llava, config)
+
+    def serve(served: LLMEngine):
+        return served.generate([prompt], sampling, images=[[picture]])[0]
+
+    before = serve(engine)
+    assert engine.runner.num_encoded == 1 and engine.stats.total("encoder_misses") == 1
+    engine.update_weights(tmp_path / "b")
+    after = serve(engine)
+    assert engine.runner.num_encoded == 2, "the image is encoded again by the new tower"
+    assert engine.stats.total("encoder_misses") == 2 and engine.stats.total("encoder_hits") == 0
+    fresh = serve(LLMEngine(models.load_model(tmp_path / "b"), config))
+    assert after.output_token_ids == fresh.output_token_ids != before.output_token_ids
+    pairs = zip(after.output_token_ids, after.logprobs, fresh.logprobs, strict=True)
+    for token, got, want in pairs:
+        assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-5)

@@ -98,7 +98,7 @@ def make_runner(
         model, plan, max_num_seqs=c.max_num_seqs,
         max_num_batched_tokens=c.max_num_batched_tokens,
         zero_freed_blocks=c.zero_freed_blocks,
-        encoder_cache_size=budget.cache_size if budget else 0,
+        encoder_cache_size=budget.cache_size if budget else 0, logprobs_mode=c.logprobs_mode,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from jaxkv.block_pool import check_tenant_block_quotas
 from jaxkv.engine.stats import DEFAULT_WINDOW_STEPS
 from jaxkv.kv_events_publisher import KVEventsConfig, check_endpoint
+from jaxkv.sampling_params import LOGPROBS_MODES
 
 __all__ = ["WEIGHT_UPDATE_POLICIES", "EngineConfig", "check_config"]
 
@@ -70,7 +71,13 @@ class EngineConfig:
     holding KV: "recompute" (the default) preempts them, to recompute their KV under
     the new weights; "keep" lets them go on with their KV (partial-rollout RL), keyed
     under their admission version (see `Scheduler.update_weights`); "abort" aborts them.
-    Waiting requests are always keyed under the new version."""
+    Waiting requests are always keyed under the new version.
+    `logprobs_mode` (vLLM's `ModelConfig.logprobs_mode`, one of `LOGPROBS_MODES`): what
+    a request's `logprobs` hold, the log-softmax ("*_logprobs") or the logits
+    ("*_logits") of the model's raw output ("raw_*", the default "raw_logprobs") or of
+    what the token was sampled from after the stop-token ban, penalties, temperature and
+    filters ("processed_*"; `jaxkv.engine.sampling`); `prompt_logprobs` are of the raw
+    output in either case, as in vLLM."""
 
     block_size: int | None = None  # None: 128 on a TPU, else 16 (`default_block_size`)
     num_blocks: int | None = None  # None: from the memory budget, else 128
@@ -107,6 +114,7 @@ class EngineConfig:
     enable_kv_cache_events: bool = False
     stats_window_steps: int = DEFAULT_WINDOW_STEPS
     weight_update_policy: str = "recompute"  # or "keep", "abort"
+    logprobs_mode: str = "raw_logprobs"  # vLLM's name and values (LOGPROBS_MODES)
 
 
 # What `update_weights` does with requests holding KV (`EngineConfig.weight_update_policy`).
@@ -149,6 +157,10 @@ def check_config(c: EngineConfig) -> Mapping[str, int] | None:
         raise ValueError(
             f"EngineConfig.weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got "
             f"{c.weight_update_policy!r}"
+        )
+    if c.logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(
+            f"EngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {c.logprobs_mode!r}"
         )
     if c.kv_cache_dtype not in ("auto", "int8", "fp8"):
         raise ValueError(

@@ -3,8 +3,9 @@ step's logprob arrays (`jaxkv.engine.sampling.gather_logprobs`, fetched once per
 
 A position's dictionary is vLLM's: the token's own entry (its logprob and rank) first,
 then the top `num` tokens with ranks 1..num (a top token that is the token itself keeps
-the top entry, as in vLLM). Values are the model's raw log-probabilities (vLLM's
-`logprobs_mode="raw_logprobs"`): before temperature, penalties or any filter.
+the top entry, as in vLLM). Values are what `EngineConfig.logprobs_mode` says: by
+default the model's raw log-probabilities (vLLM's "raw_logprobs"), before temperature,
+penalties or any filter.
 """
 
 from __future__ import annotations

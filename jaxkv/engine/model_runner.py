@@ -188,8 +188,10 @@ class ModelRunner:
         encoder_cache_size: int = 0,
         encoder_page_size: int = 16,
         allocate: bool = True,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
+        self.logprobs_mode = logprobs_mode  # what logprobs hold (`StepFeatures`)
         self.max_num_seqs = max_num_seqs
         self.zero_freed_blocks = zero_freed_blocks
         self.kv_cache_config, self.layer_to_group = plan.kv_cache_config, plan.layer_to_group
@@ -529,7 +531,8 @@ class ModelRunner:
         if self.encoder_store is not None:
             fields["merge_src"][:], fields["merge_dst"][:] = self._merge_rows(steps, t)
         prompt_logprobs = any(step.prompt_targets for step in steps)
-        return buffer, shapes, StepFeatures(penalties, logprobs, prompt_logprobs)
+        mode = self.logprobs_mode if logprobs or prompt_logprobs else _PLAIN.logprobs_mode
+        return buffer, shapes, StepFeatures(penalties, logprobs, prompt_logprobs, mode)
 
     def _merge_rows(self, steps: Sequence[_RankStep], t: int) -> tuple[np.ndarray, np.ndarray]:
         """Store rows to merge into each rank's token rows; unused entries point past all

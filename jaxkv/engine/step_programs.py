@@ -28,7 +28,8 @@ from jaxkv.engine.sampling import (
     MAX_LOGPROBS,
     MAX_MIN_TOKENS_STOPS,
     gather_logprobs,
-    sample_tokens,
+    logprob_scores,
+    sample_and_score,
     update_penalty_state,
 )
 from jaxkv.models.base import PagedContext, paged_attend
@@ -51,7 +52,7 @@ def metadata_field(group: int) -> str:
     return f"metadata{group}"
 
 
-# The sampling rows of a step, in `sample_tokens`' argument order, then the rows of
+# The sampling rows of a step, in `sample_and_score`'s argument order, then the rows of
 # `min_p` and the penalties; the float32 ones are `_FLOAT_ROWS`.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "counters")
 _PENALTY_ROWS = ("presence", "frequency", "repetition")
@@ -63,11 +64,15 @@ class StepFeatures:
     """What a step computes beyond forward and sampling (static: each combination is
     its own program, so a step using none compiles nothing more): the penalties (the
     program takes and returns the penalty state, `update_penalty_state`), the sampled
-    tokens' logprobs, the prompt tokens' logprobs (logits of every token row)."""
+    tokens' logprobs, the prompt tokens' logprobs (logits of every token row), and what
+    those logprobs hold (`logprobs_mode`, one of `LOGPROBS_MODES`; the engine sets it
+    only on a step computing logprobs, so a step without them has one program whatever
+    the engine's mode)."""
 
     penalties: bool = False
     logprobs: bool = False
     prompt_logprobs: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
 
 @functools.cache
@@ -174,13 +179,16 @@ def _sample_outputs(logits, fields: dict, ctx, token_ids, penalty_state, max_num
     prompt logprobs, else of each request's row) by the step's sampling rows, padded to
     `max_num_seqs` per rank (`[dp * max_num_seqs]`, rank-major), and what else `features`
     asks for, by name: the updated `penalty_state`, the sampled tokens' `logprobs` (rows
-    as the tokens) and the token rows' `prompt_logprobs` (`gather_logprobs`' four arrays)."""
+    as the tokens) and the token rows' `prompt_logprobs` (`gather_logprobs`' four arrays).
+    Prompt tokens are never sampled, so their values are of the raw logits in every
+    `logprobs_mode` (as vLLM's)."""
     dp, r = fields["temperature"].shape
     k = min(MAX_LOGPROBS, logits.shape[-1])
+    mode = features.logprobs_mode
     extras = {}
     if features.prompt_logprobs:
         targets = fields["prompt_targets"].reshape(-1)
-        extras["prompt_logprobs"] = gather_logprobs(logits, targets, k)
+        extras["prompt_logprobs"] = gather_logprobs(logprob_scores(logits, mode), targets, k)
         logits = logits[fields["logits_indices"].reshape(-1)]
     rows = {name: fields[name].reshape(-1) for name in fields}
     penalties = None
@@ -191,9 +199,10 @@ def _sample_outputs(logits, fields: dict, ctx, token_ids, penalty_state, max_num
         extras["penalty_state"] = state
         at = jnp.maximum(rows["penalty_rows"], 0)  # -1: neutral penalties, any row
         penalties = (state[0][at], state[1][at], *(rows[name] for name in _PENALTY_ROWS))
-    sampled = sample_tokens(
+    sampled, scores = sample_and_score(
         logits, *(rows[name] for name in SAMPLING_FIELDS), min_p=rows["min_p"],
         stop_ids=rows["stop_ids"].reshape(dp * r, -1), penalties=penalties,
+        logprobs_mode=mode if features.logprobs else None,
     )  # fmt: skip
 
     def padded(values):
@@ -205,7 +214,7 @@ def _sample_outputs(logits, fields: dict, ctx, token_ids, penalty_state, max_num
         )
 
     if features.logprobs:
-        extras["logprobs"] = tuple(padded(a) for a in gather_logprobs(logits, sampled, k))
+        extras["logprobs"] = tuple(padded(a) for a in gather_logprobs(scores, sampled, k))
     return padded(sampled), extras
 
 
