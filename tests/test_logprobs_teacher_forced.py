@@ -176,11 +176,6 @@ def test_decode_logprobs_equal_teacher_forced(checkpoints, family, dtype) -> Non
     _check(report, dtype, min_hits=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on a mesh, a loaded model's per-layer RoPE tables (`DecoderLayer.inv_freq`) stay "
-    "on device 0 and the step refuses them ('Received incompatible devices')",
-)
 @pytest.mark.timeout(1800)
 def test_decode_logprobs_equal_teacher_forced_on_8_devices(checkpoints) -> None:
     for family, dtype in (("gemma3", "float32"), ("llava", "bfloat16")):

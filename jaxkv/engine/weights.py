@@ -130,13 +130,16 @@ class WeightUpdater:
         self.programs: dict[str, jax.stages.Compiled] = {}
         self._sources: dict[tuple, list[TensorSource | None]] = {}
         # A written leaf comes back committed to its device, and a jitted step's cache
-        # tells committed inputs from uncommitted ones: commit them now (no copy), so the
-        # steps compile the same programs before and after an update.
+        # tells committed inputs from uncommitted ones: commit them now, so the steps
+        # compile the same programs before and after an update. An uncommitted leaf (a
+        # table the model computed, e.g. RoPE frequencies) sits on the default device:
+        # on a mesh it is committed replicated over the mesh, not to that one device.
         leaves = runner.weight_leaves
         if any(isinstance(leaf, jax.Array) and not leaf.committed for leaf in leaves):
+            replicated = NamedSharding(runner.mesh, P())
             runner.set_weight_leaves(
                 [
-                    jax.device_put(leaf, leaf.sharding)
+                    jax.device_put(leaf, replicated)
                     if isinstance(leaf, jax.Array) and not leaf.committed
                     else leaf
                     for leaf in leaves
