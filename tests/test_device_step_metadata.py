@@ -426,7 +426,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
     rng = np.random.default_rng()
     cache = PagedKVCache(FullAttentionSpec(4, 2, 8, "float32"), 64)
     kv = cache.allocate_stacked(1)
-    packer = _packer(min_num_tokens=8)
+    packer = _packer(max_num_tokens=64, min_num_tokens=1)
     hq = 4
 
     def run(kv, buf, shape):
@@ -442,7 +442,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
         kv, *_ = run(kv, packer.empty(shape), shape)
     warm = compilation_count()
     assert warm - start >= len(packer.all_shapes()), "the counter must see warm-up compiles"
-    assert len(packer.all_shapes()) == 5  # 5 token buckets, one request bucket each
+    assert len(packer.all_shapes()) == 4  # token buckets 1, 16, 32, 64; one request bucket each
 
     model = np.asarray(kv).reshape(-1, 4, 8).copy()
     seen: set[StepShape] = set()
@@ -456,7 +456,7 @@ def test_no_compilation_after_warmup_over_200_random_steps() -> None:
             slots = fields["slot_mapping"][:n]
             model[slots, 0::2], model[slots, 1::2] = k[:n], v[:n]
             assert np.isfinite(np.asarray(out)).all()
-    assert len(seen) >= 4, f"the random stream should hit most buckets, hit {seen}"
+    assert len(seen) >= 2, f"the random stream (up to 16 tokens) hits 1 and 16, hit {seen}"
     np.testing.assert_array_equal(np.asarray(kv).reshape(-1, 4, 8), model)
 
     x = jnp.asarray(np.arange(5))

@@ -295,7 +295,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; KeyError naming it when no unfinished request has that id.
-        Its final output (`finish_reason="abort"`) comes with the next `step()`."""
+        Its final output (`finish_reason="abort"`) comes with the next `step()`. A request
+        whose final output is already due (it finished in the step an `update_weights`
+        completed, or was aborted) is left as it is: that output still comes."""
         self._check_open("abort")
         self._replay.check("abort")
         if self._fanout.is_parent(request_id):
@@ -312,6 +314,9 @@ class LLMEngine:
             self._admit(new)
         rank = self._requests.rank_of.get(request_id)
         if rank is None:
+            due = (*self._drained_outputs, *self._requests.final_outputs)
+            if any(output.request_id == request_id for output in due):
+                return
             raise KeyError(f"no unfinished request with id {request_id!r}")
         self._replay.record("abort", request_id)
         request = self.schedulers[rank].abort_request(request_id)
