@@ -1,5 +1,5 @@
 """Shared fixtures (the module-level NONE_HASH is put back after every test) and the split
-of the suite: `python -m pytest` runs the quick suite (under 5 minutes on 2 cores);
+of the suite: `python -m pytest` runs the quick suite (5 minutes on 2 cores is its budget);
 `python -m pytest -m slow` runs the rest, which CI runs too: the suites on 8 simulated
 devices (a fresh JAX process each), the differential tests against vLLM and transformers
 (skipped without `.venv-vllm`), the deep random profiles, and the TPU kernel compiled
