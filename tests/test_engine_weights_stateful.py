@@ -39,6 +39,18 @@ PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 
 STATES = [nnx.state(TinyCausalLM(TINY, seed=seed)) for seed in (1, 2)]
 
 
+def record_block_versions(engine, stored_under: dict[bytes, int | str]) -> None:
+    """Take `engine`'s KV events into `stored_under` (block hash -> the weight version
+    serving when it was cached; removed blocks forgotten)."""
+    version = engine.weight_version
+    for event in engine.take_kv_events():
+        if isinstance(event, BlockStored):
+            stored_under.update(dict.fromkeys(event.block_hashes, version))
+        elif isinstance(event, BlockRemoved):
+            for block_hash in event.block_hashes:
+                stored_under.pop(block_hash, None)
+
+
 class WeightsMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["keep", "recompute", "abort"]), overlap=st.booleans())
     def setup(self, policy: str, overlap: bool) -> None:
@@ -52,13 +64,7 @@ class WeightsMachine(RuleBasedStateMachine):
         self.ids = itertools.count()
 
     def _take_events(self) -> None:
-        version = self.engine.weight_version
-        for event in self.engine.take_kv_events():
-            if isinstance(event, BlockStored):
-                self.stored_under.update(dict.fromkeys(event.block_hashes, version))
-            elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    self.stored_under.pop(block_hash, None)
+        record_block_versions(self.engine, self.stored_under)
 
     def _check_admissions(self) -> None:
         """Requests admitted since the last check hit only this version's blocks."""

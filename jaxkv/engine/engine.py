@@ -506,6 +506,8 @@ class LLMEngine:
             for request_id in scheduler.update_weights(policy, version):
                 self._requests.finish_now(scheduler.abort_request(request_id), FinishReason.ABORT)
             scheduler.kv_cache_manager.block_pool.evict_cached_free_blocks_first()
+        for new in self._fanout.held():  # waiting too, though no scheduler has them yet
+            new.request.set_weight_version(version)
         encoder_cache = self.scheduler.encoder_cache_manager
         if encoder_cache is not None:
             encoder_cache.reset()  # no request holds an entry now

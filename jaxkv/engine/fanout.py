@@ -78,6 +78,10 @@ class FanOut:
     def is_parent(self, request_id: str) -> bool:
         return request_id in self._by_parent
 
+    def held(self) -> list:
+        """Every held child (not known to a scheduler yet), in no particular order."""
+        return [new for parent in self._by_parent.values() for new in parent.held]
+
     def release(self, request_ids: Iterable[str]) -> list:
         """The held children due: those of each parent whose leader (child 0) is among
         `request_ids`, the requests given a token or finished this step (a `FINAL_ONLY`
