@@ -164,6 +164,21 @@ class RequestOutput:
             completions=completions,
         )  # fmt: skip
 
+    def __getstate__(self) -> dict:
+        """What pickles: this output's span alone, not the request's tokens and logprobs
+        before it (an engine in another process sends each step's outputs)."""
+        state = {name: getattr(self, name) for name in RequestOutput.__slots__}
+        start, end = self._start, self._end
+        state.update(
+            _tokens=self._tokens[start:end], _start=0, _new_start=self._new_start - start,
+            _end=end - start, _logprobs=self.logprobs,
+        )  # fmt: skip
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
     def _values(self) -> tuple:
         return tuple(getattr(self, name) for name in _FIELDS)
 

@@ -104,7 +104,7 @@ def build_app(loop: EngineLoop, model: ServedModel, metrics: ServerMetrics) -> F
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         try:
-            reset = await loop.call(lambda engine: engine.reset_prefix_cache())
+            reset = await loop.call("reset_prefix_cache")
         except EngineLoopClosed as error:
             raise ClientError(str(error), status=503) from None
         return Response(status_code=200 if reset else 409)

@@ -1,6 +1,6 @@
 """`jaxkv serve --model DIR [engine flags] --host 127.0.0.1 --port 8000`: the OpenAI API
-over one engine in this process (several processes: run one server each and route in
-front, `examples/kv_aware_routing.py`)."""
+over one engine, which runs in a process of its own (several engines: run one server
+each and route in front, `examples/kv_aware_routing.py`)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxkv.engine.distributed_config import check_port_free
     from jaxkv.models.prompting import PromptEncoder
     from jaxkv.serving.app import ServedModel
+    from jaxkv.serving.engine_process import EngineProcess
     from jaxkv.serving.server import Server
 
-    kv_events = engine_flags.check_engine_flags(args)
+    engine_flags.check_engine_flags(args)
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     if not 0 <= args.shutdown_grace <= 86400:
@@ -48,18 +49,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     host = f"[{args.host}]" if ":" in args.host else args.host
     check_port_free(f"{host}:{args.port}", "--host/--port")
-    mesh = engine_flags.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
     tokenizer = models.load_tokenizer(args.model)
     encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)
-    engine, _ = engine_flags.load_engine(args, tokenizer, mesh, kv_events)
-    # Every step shape compiled before the port opens: a compile in the first requests'
-    # steps would stall every stream then (seconds of TTFT under load).
-    engine.warm_up()
+    engine = EngineProcess(build_engine, args)
     name = args.served_model_name or str(Path(args.model))
-    served = ServedModel(name, engine.config.max_model_len, tokenizer, encoder)
+    served = ServedModel(name, engine.info["max_model_len"], tokenizer, encoder)
     server = Server(
         engine, served, host=args.host, port=args.port,
         max_pending=args.max_pending_requests, grace_s=args.shutdown_grace,
     )  # fmt: skip
     print(f"jaxkv serve: {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     return server.run()
+
+
+def build_engine(args: argparse.Namespace) -> tuple[object, dict]:
+    """In the engine's process: the engine the flags ask for, every step shape compiled
+    (a compile in the first requests' steps would stall every stream then: seconds of
+    TTFT under load), and what the server needs to know of it."""
+    from jaxkv import engine_flags, models
+
+    kv_events = engine_flags.check_engine_flags(args)
+    mesh = engine_flags.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
+    engine, _ = engine_flags.load_engine(args, models.load_tokenizer(args.model), mesh, kv_events)
+    engine.warm_up()
+    return engine, {"max_model_len": engine.config.max_model_len}

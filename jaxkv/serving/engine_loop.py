@@ -1,27 +1,29 @@
-"""One engine driven by one stepping thread, fed by any number of client threads or
-event loops (the HTTP server's handlers).
+"""The server's handle on one engine: any number of client event loops (the HTTP
+server's handlers) submit requests and read each request's outputs as a stream, while
+the engine is stepped elsewhere: by `engine_core` on a thread of this process (given an
+engine) or in a process of its own (given an `EngineProcess`).
 
 Invariants:
-- Only the stepping thread touches the engine: clients hand it commands (add, abort)
-  through a thread-safe queue and get a request's outputs on that request's own
-  `RequestStream`, in order, the last one `finished`.
-- A request is *pending* from `submit` until its final output: at most
-  `max_pending` are, so memory stays bounded under any load (`QueueFull` past that:
-  the server answers 503).
+- Only the core touches the engine: clients hand it commands (add, abort, call) and get
+  a request's outputs on that request's own `RequestStream`, in order, the last one
+  `finished`.
+- A request is *pending* from `submit` until its final output: at most `max_pending`
+  are, so memory stays bounded under any load (`QueueFull` past that: the server
+  answers 503).
 - `submit` returns only once the engine accepted the request (else its `ValueError`,
   nothing changed) so a client's mistake is reported before any output.
 - After `begin_close()`/`close()` no request is accepted (`EngineLoopClosed`); requests
   still running finish within the grace period or are aborted (a final output with
   `finish_reason="abort"`), then the engine shuts down.
-- A step that raises (a bug, not a request's fault: the engine contains those) ends
-  the loop: every pending request gets a final output with `finish_reason="error"`,
-  `failure` says why, and the loop accepts nothing more.
+- If the core stops without being closed (a step raised, or its process died), every
+  pending request gets a final output with `finish_reason="error"`, `failure` says why,
+  and the loop accepts nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import itertools
 import queue
 import threading
 import time
@@ -31,18 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxkv.engine.outputs import RequestOutput
+from jaxkv.serving.engine_core import EngineLoopClosed, run_engine_core
+from jaxkv.serving.engine_process import EngineProcess
 
 __all__ = ["EngineLoop", "EngineLoopClosed", "QueueFull", "RequestStream"]
-
-logger = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
     """More requests pending than the loop's `max_pending`."""
-
-
-class EngineLoopClosed(RuntimeError):
-    """The loop is closing or closed: it accepts no request."""
 
 
 @dataclass
@@ -85,42 +83,80 @@ def _hand_over(loop: asyncio.AbstractEventLoop, items: list) -> None:
             raise
 
 
-@dataclass
-class _Add:
-    prompt: Any
-    kwargs: dict
-    stream: RequestStream
-    accepted: Future
+class _InThread:
+    """The core on a daemon thread of this process, commands on a queue."""
+
+    def __init__(self, engine, on_event: Callable[[tuple], None]) -> None:
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.send = self._commands.put
+        self._thread = threading.Thread(
+            target=run_engine_core, args=(engine, self._receive, on_event), daemon=True,
+            name="jaxkv-engine-loop",
+        )  # fmt: skip
+        self._thread.start()
+
+    def _receive(self, timeout: float | None) -> tuple | None:
+        try:
+            return self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def join(self, timeout: float | None) -> None:
+        self._thread.join(timeout)
+
+
+class _InProcess:
+    """The core in its own process; a reader thread here takes its events."""
+
+    def __init__(self, process: EngineProcess, on_event: Callable[[tuple], None]) -> None:
+        self.process, self.send, self._on_event = process, process.send, on_event
+        self._reader = threading.Thread(target=self._read, daemon=True, name="jaxkv-engine-io")
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                event = self.process.receive()
+            except (EOFError, OSError):
+                self.process.join(5.0)
+                code = self.process.exitcode
+                self._on_event(("stopped", f"the engine process exited (code {code})"))
+                return
+            self._on_event(event)
+            if event[0] == "stopped":
+                return
+
+    def join(self, timeout: float | None) -> None:
+        self._reader.join(timeout)
+        self.process.join(timeout)
 
 
 class EngineLoop:
-    """Drives `engine` in a daemon thread (module docstring). `on_step(outputs)` runs
-    on the stepping thread after each step (the server's metrics)."""
-
-    IDLE_WAIT_S = 0.05
+    """Serves `core` (an engine, stepped on a thread here, or an `EngineProcess`) to
+    asyncio clients (module docstring). `on_step(step_stats)` runs after each step, on
+    the thread that takes the core's events (the server's metrics)."""
 
     def __init__(
         self,
-        engine,
+        core,
         *,
         max_pending: int = 1024,
-        on_step: Callable[[list[RequestOutput]], None] | None = None,
+        on_step: Callable[[Any], None] | None = None,
     ) -> None:
         if type(max_pending) is not int or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
-        self.engine = engine
         self.max_pending = max_pending
         self._on_step = on_step
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # pending requests, stepping thread's
+        self._streams: dict[str, RequestStream] = {}  # accepted, without a final output
+        self._accepting: dict[str, tuple[RequestStream, Future]] = {}
+        self._calls: dict[int, Future] = {}
         self._pending = 0  # guarded by _lock: counted at submit, released at the end
         self._lock = threading.Lock()
-        self._next_id = 0
-        self._closing = threading.Event()
-        self._grace_deadline = float("inf")
-        self.failure: str | None = None  # why the loop stopped early (a step raised)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="jaxkv-engine-loop")
-        self._thread.start()
+        self._ids = itertools.count(1)
+        self._closing = False
+        self.failure: str | None = None  # why the core stopped early
+        transport = _InProcess if isinstance(core, EngineProcess) else _InThread
+        self._core = transport(core, self._on_event)
 
     @property
     def num_pending(self) -> int:
@@ -133,20 +169,22 @@ class EngineLoop:
         on `output_queue`, a new one by default) once the engine accepted it. `QueueFull`,
         `EngineLoopClosed`, or the engine's ValueError/TypeError/KeyError for bad input
         (nothing pending then)."""
-        with self._lock:
-            if self._closing.is_set():
-                raise EngineLoopClosed("the server is shutting down")
+        request_id = kwargs.pop("request_id", None)
+        accepted: Future = Future()
+        with self._lock:  # a close is sent after every add sent before it
+            if self._closing:
+                raise EngineLoopClosed(self.failure or "the server is shutting down")
             if self._pending >= self.max_pending:
                 raise QueueFull(f"{self._pending} requests pending (the limit)")
             self._pending += 1
-            self._next_id += 1
-            request_id = kwargs.pop("request_id", None) or f"req-{self._next_id}"
-        stream = RequestStream(
-            request_id, time.monotonic(), asyncio.Queue() if output_queue is None else output_queue,
-            asyncio.get_running_loop(),
-        )  # fmt: skip
-        accepted: Future = Future()
-        self._commands.put(_Add(prompt, {**kwargs, "request_id": request_id}, stream, accepted))
+            request_id = request_id or f"req-{next(self._ids)}"
+            stream = RequestStream(
+                request_id, time.monotonic(),
+                asyncio.Queue() if output_queue is None else output_queue,
+                asyncio.get_running_loop(),
+            )  # fmt: skip
+            self._accepting[request_id] = (stream, accepted)
+            self._core.send(("add", request_id, prompt, kwargs))
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
@@ -154,123 +192,86 @@ class EngineLoop:
             raise
         return stream
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """`fn(engine)` run on the stepping thread between steps; its result (or error).
+    async def call(self, method: str, *args: Any) -> Any:
+        """`engine.<method>(*args)` run between steps; its result (or error).
         `EngineLoopClosed` once the loop is closing."""
-        if self._closing.is_set():
-            raise EngineLoopClosed("the server is shutting down")
         done: Future = Future()
-        self._commands.put(("call", fn, done))
+        with self._lock:
+            if self._closing:
+                raise EngineLoopClosed(self.failure or "the server is shutting down")
+            call_id = next(self._ids)
+            self._calls[call_id] = done
+            self._core.send(("call", call_id, method, args))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """Abort `request_id` if it is still pending (a client went away); its blocks are
         freed at the next step. Thread-safe; a finished request is left alone."""
-        self._commands.put(("abort", request_id))
+        self._core.send(("abort", request_id))
 
     def begin_close(self, grace_s: float = 30.0) -> None:
         """Refuse new requests from now on; pending ones get `grace_s` to finish (or the
         earlier deadline of a previous call), then they are aborted (their streams end
         with `finish_reason="abort"`) and the engine is shut down. Returns at once."""
         with self._lock:
-            self._grace_deadline = min(self._grace_deadline, time.monotonic() + grace_s)
-            self._closing.set()
-        self._commands.put(("wake",))
+            self._closing = True
+            self._core.send(("close", grace_s))
 
     def close(self, grace_s: float = 30.0, timeout_s: float | None = None) -> None:
-        """`begin_close(grace_s)`, then join the thread (at most `timeout_s` more)."""
+        """`begin_close(grace_s)`, then wait for the engine to stop (at most `timeout_s`)."""
         self.begin_close(grace_s)
-        self._thread.join(timeout_s)
+        self._core.join(timeout_s)
 
-    # -- the stepping thread ----------------------------------------------------------
+    # -- the core's events (on the thread that takes them) -----------------------------
 
     def _release(self) -> None:
         with self._lock:
             self._pending -= 1
 
-    def _run(self) -> None:
-        try:
-            self._step_until_closed()
-        except Exception as error:
-            logger.exception("the engine loop stopped: a step raised")
-            self.failure = f"{type(error).__name__}: {error}"
-            with self._lock:
-                self._closing.set()
-            for request_id, stream in list(self._streams.items()):
-                failed = RequestOutput.rejected([], f"the engine failed: {self.failure}")
-                failed.request_id, failed.finish_reason = request_id, "error"
-                _hand_over(stream._loop, [(stream.queue, (time.monotonic(), failed))])
-                self._release()
-            self._streams.clear()
-            self._refuse_queued(EngineLoopClosed(f"the engine failed: {self.failure}"))
-        finally:
-            self.engine.shutdown()
-
-    def _refuse_queued(self, error: Exception) -> None:
-        """Fail the adds still queued (the loop will not take them)."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add):
-                command.accepted.set_exception(error)
-            elif command[0] == "call":
-                command[2].set_exception(error)
-
-    def _step_until_closed(self) -> None:
-        engine = self.engine
-        while True:
-            self._take_commands(block=not engine.has_unfinished_requests())
-            if self._closing.is_set():
-                # Every submitted request is counted in _pending before its add is queued:
-                # none can be left in the queue once it is 0.
-                if self._pending == 0 and not engine.has_unfinished_requests():
-                    self._refuse_queued(EngineLoopClosed("the server is shutting down"))
-                    return
-                if time.monotonic() > self._grace_deadline:
-                    for request_id in list(self._streams):
-                        self._abort(request_id)
-            if engine.has_unfinished_requests():
-                self._deliver(engine.step())
-
-    def _take_commands(self, block: bool) -> None:
-        commands = self._commands
-        try:
-            command = commands.get(timeout=self.IDLE_WAIT_S) if block else commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(command)
-            try:
-                command = commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _apply(self, command) -> None:
-        if isinstance(command, _Add):
-            try:
-                self.engine.add_request(command.prompt, **command.kwargs)
-            except Exception as error:  # the client's mistake: reported to its handler
-                command.accepted.set_exception(error)
-                return
-            self._streams[command.stream.request_id] = command.stream
-            command.accepted.set_result(True)
-        elif command[0] == "abort":
-            self._abort(command[1])
-        elif command[0] == "call":
-            _, fn, done = command
-            try:
-                done.set_result(fn(self.engine))
-            except Exception as error:
+    def _on_event(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "outputs":
+            self._deliver(event[1])
+            if self._on_step is not None:
+                self._on_step(event[2])
+        elif kind == "accepted":
+            _, request_id, error = event
+            stream, accepted = self._accepting.pop(request_id)
+            if error is None:
+                self._streams[request_id] = stream
+                accepted.set_result(True)
+            else:
+                accepted.set_exception(error)
+        elif kind == "result":
+            _, call_id, value, error = event
+            done = self._calls.pop(call_id)
+            if error is None:
+                done.set_result(value)
+            else:
                 done.set_exception(error)
+        elif kind == "stopped":
+            self._stop(event[1])
 
-    def _abort(self, request_id: str) -> None:
-        if request_id in self._streams:
-            try:
-                self.engine.abort(request_id)
-            except KeyError:  # finished in the step that just ran; its output is on its way
-                pass
+    def _stop(self, failure: str | None) -> None:
+        """The core stopped: end what is still pending (nothing, after a close)."""
+        with self._lock:
+            self._closing = True
+            if failure is None and self._streams:
+                failure = "the engine stopped with requests still running"
+            self.failure = failure
+        refused = EngineLoopClosed(f"the engine failed: {failure}" if failure else "closed")
+        for _, accepted in self._accepting.values():
+            accepted.set_exception(refused)
+        for done in self._calls.values():
+            done.set_exception(refused)
+        self._accepting.clear()
+        self._calls.clear()
+        for request_id, stream in list(self._streams.items()):
+            failed = RequestOutput.rejected([], f"the engine failed: {failure}")
+            failed.request_id, failed.finish_reason = request_id, "error"
+            _hand_over(stream._loop, [(stream.queue, (time.monotonic(), failed))])
+            self._release()
+        self._streams.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the step's outputs to their consumers: one wake-up per event loop per
@@ -291,5 +292,3 @@ class EngineLoop:
         for request_id in finished:
             del streams[request_id]
             self._release()
-        if self._on_step is not None:
-            self._on_step(outputs)

@@ -2,8 +2,8 @@
 the same (a dashboard built for `vllm serve` reads them unchanged), jaxkv's own under
 `jaxkv:`.
 
-Per-step figures (`observe_step`) come from the engine's last `StepStats`, on the
-stepping thread; per-request latencies (`RequestTimer`) from the handler that streams
+Per-step figures (`observe_step`) come from each step's `StepStats`, as the engine
+reports them; per-request latencies (`RequestTimer`) from the handler that streams
 the request. Each server has its own registry, so several can live in one process.
 """
 

@@ -1,6 +1,7 @@
 """Runs the HTTP API (`jaxkv.serving.app`) with uvicorn over one engine.
 
-Lifecycle: the engine loop starts with the server. SIGTERM or SIGINT (or `stop()`)
+Lifecycle: the engine loop starts with the server (`jaxkv serve` gives it an engine in
+a process of its own). SIGTERM or SIGINT (or `stop()`)
 stops accepting connections and requests at once; in-flight requests get `grace_s` to
 finish, then the engine loop aborts them, so every open stream still ends properly
 (its last chunk says `finish_reason="abort"`, then `[DONE]`). Then the engine shuts
@@ -42,11 +43,12 @@ class _Uvicorn(uvicorn.Server):
 
 
 class Server:
-    """One engine behind the OpenAI API on `host:port`."""
+    """One engine behind the OpenAI API on `host:port`: `core` is the engine itself
+    (stepped on a thread of this process) or an `EngineProcess` (stepped in its own)."""
 
     def __init__(
         self,
-        engine,
+        core,
         model: ServedModel,
         *,
         host: str = "127.0.0.1",
@@ -55,12 +57,7 @@ class Server:
         grace_s: float = 30.0,
     ) -> None:
         self.metrics = ServerMetrics(model.name)
-        stats = engine.stats
-        self.loop = EngineLoop(
-            engine,
-            max_pending=max_pending,
-            on_step=lambda outputs: self.metrics.observe_step(stats.steps[-1]),
-        )
+        self.loop = EngineLoop(core, max_pending=max_pending, on_step=self.metrics.observe_step)
         self.grace_s = grace_s
         self.app = build_app(self.loop, model, self.metrics)
         config = uvicorn.Config(
