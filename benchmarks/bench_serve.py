@@ -3,14 +3,16 @@ its next request when the last one ends; random prompt and output lengths, fixed
 greedy, `ignore_eos`) driven two ways over the same engine flags:
 
 - in-process: an asyncio driver calling `EngineLoop.submit` and reading each request's
-  `RequestStream` (the engine loop the server uses, without HTTP);
-- served: a `jaxkv serve` subprocess, the driver streaming `/v1/completions` with httpx.
+  `RequestStream`, the engine stepped on a thread of the driver's process;
+- engine-process: the same driver, the engine in a process of its own as `jaxkv serve`
+  runs it (`EngineProcess`): the process split's cost without HTTP;
+- served: a `jaxkv serve` subprocess, the driver streaming `/v1/completions` over HTTP.
 
 Per mode: TTFT (send to first token) and ITL (gap between token-bearing outputs or
 chunks), median and p90 over every request of a run, and output tokens per second. The
-modes alternate (ABBA) over `--repeats` runs after a warm-up run of each; the table
-gives each figure's median over the runs and its range, and the served / in-process
-ratio of the medians. Run:
+modes alternate (forwards, then backwards) over `--repeats` runs after a warm-up run of
+each; the table gives each figure's median over the runs and its range, and each mode's
+ratio of the medians to in-process. Run:
 
     python -m benchmarks.bench_serve [--concurrency 32] [--requests 128] [--repeats 6]
         [--checkpoint DIR] [--record]
@@ -134,33 +136,30 @@ def summarize(results, wall_s: float, requests) -> dict:
     }  # fmt: skip
 
 
-def in_process_engine(checkpoint: str):
-    """The engine `jaxkv serve --model checkpoint ENGINE_FLAGS` builds, in this process."""
-    from jaxkv import engine_flags, models
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model")
-    engine_flags.add_engine_arguments(parser)
-    args = parser.parse_args(["--model", checkpoint, *ENGINE_FLAGS])
-    kv_events = engine_flags.check_engine_flags(args)
-    engine, _ = engine_flags.load_engine(args, models.load_tokenizer(checkpoint), None, kv_events)
-    engine.warm_up()  # as `jaxkv serve` does
-    return engine
-
-
 def measure(checkpoint: str, concurrency: int, num_requests: int, repeats: int) -> dict:
+    from jaxkv.cli import build_parser
+    from jaxkv.serving.command import build_engine
     from jaxkv.serving.engine_loop import EngineLoop
+    from jaxkv.serving.engine_process import EngineProcess
     from jaxkv.serving.process import ServeProcess
 
     vocab = json.loads((__import__("pathlib").Path(checkpoint) / "config.json").read_text())
     requests = workload(num_requests, vocab["vocab_size"])
-    loop = EngineLoop(in_process_engine(checkpoint), max_pending=4 * concurrency)
-    runs: dict[str, list[dict]] = {"in-process": [], "served": []}
+    serve_args = build_parser().parse_args(["serve", "--model", checkpoint, *ENGINE_FLAGS])
+    # The engine `jaxkv serve` builds, stepped here and in a process of its own.
+    loops = {
+        "in-process": EngineLoop(build_engine(serve_args)[0], max_pending=4 * concurrency),
+        "engine-process": EngineLoop(
+            EngineProcess(build_engine, serve_args), max_pending=4 * concurrency
+        ),
+    }
+    runs: dict[str, list[dict]] = {"in-process": [], "engine-process": [], "served": []}
     with ServeProcess(checkpoint, *ENGINE_FLAGS, "--served-model-name", "bench") as server:
         modes = {
-            "in-process": lambda: in_process_run(loop, requests, concurrency),
-            "served": lambda: served_run(server.url, requests, concurrency),
+            mode: (lambda loop=loop: in_process_run(loop, requests, concurrency))
+            for mode, loop in loops.items()
         }
+        modes["served"] = lambda: served_run(server.url, requests, concurrency)
         for run in modes.values():  # warm-up: every step shape compiled
             run()
         for r in range(repeats):
@@ -169,12 +168,15 @@ def measure(checkpoint: str, concurrency: int, num_requests: int, repeats: int) 
                 results, wall = modes[mode]()
                 runs[mode].append(summarize(results, wall, requests))
                 print(f"run {r} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
-    loop.close(grace_s=0.0, timeout_s=60)
+    for loop in loops.values():
+        loop.close(grace_s=0.0, timeout_s=60)
     return runs
 
 
 def table(runs: dict[str, list[dict]]) -> tuple[list[list], dict]:
-    rows, ratios = [], {}
+    """Per metric: each mode's median [range], then each other mode's ratio of medians to
+    in-process (`ratios[mode][metric]`)."""
+    rows, ratios = [], {mode: {} for mode in runs if mode != "in-process"}
     for metric in runs["in-process"][0]:
         cells = [metric]
         medians = {}
@@ -182,8 +184,9 @@ def table(runs: dict[str, list[dict]]) -> tuple[list[list], dict]:
             values = [run[metric] for run in mode_runs]
             medians[mode] = float(np.median(values))
             cells.append(f"{medians[mode]:.4g} [{min(values):.4g}, {max(values):.4g}]")
-        ratios[metric] = medians["served"] / medians["in-process"]
-        cells.append(f"{ratios[metric]:.3f}")
+        for mode in ratios:
+            ratios[mode][metric] = medians[mode] / medians["in-process"]
+            cells.append(f"{ratios[mode][metric]:.3f}")
         rows.append(cells)
     return rows, ratios
 
@@ -206,8 +209,9 @@ def main() -> None:
             checkpoint = str(save_chat_checkpoint(f"{tmp}/tiny"))
         runs = measure(checkpoint, args.concurrency, args.requests, args.repeats)
     rows, ratios = table(runs)
-    header = ["metric", "in-process median [range]", "served median [range]", "served/in-proc"]
-    title = (f"jaxkv serve vs the engine loop in-process: {args.concurrency} streams, "
+    header = ["metric", *(f"{mode} median [range]" for mode in runs),
+              *(f"{mode}/in-process" for mode in ratios)]  # fmt: skip
+    title = (f"jaxkv serve vs its engine driven in-process: {args.concurrency} streams, "
              f"{args.requests} requests, medians of {args.repeats} interleaved runs")  # fmt: skip
     print_table(title, header, rows)
     payload = {"args": vars(args), "engine_flags": ENGINE_FLAGS, "runs": runs, "ratios": ratios}
