@@ -54,9 +54,13 @@ def load_image(
                 image.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         # PIL: UnidentifiedImageError / "image file is truncated" (OSError), "broken PNG
-        # file" (SyntaxError); the OS: FileNotFoundError, IsADirectoryError.
+        # file" (SyntaxError); the OS: FileNotFoundError, IsADirectoryError. PIL's message
+        # may hold a stream's repr, which says nothing (`name` says which image it is).
+        detail = str(error)
+        if not isinstance(source, str | Path):
+            detail = detail.replace(f" {source!r}", "")
         raise ValueError(
-            f"{name}: not an image file PIL can read in full, e.g. a PNG or JPEG ({error})"
+            f"{name}: not an image file PIL can read in full, e.g. a PNG or JPEG ({detail})"
         ) from None
     if max_pixels is not None and pixels > max_pixels:
         raise ValueError(
