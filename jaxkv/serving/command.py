@@ -37,6 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxkv.engine.distributed_config import check_port_free
     from jaxkv.models.prompting import PromptEncoder
     from jaxkv.serving.app import ServedModel
+    from jaxkv.serving.images import ServedImages
     from jaxkv.serving.server import Server
 
     kv_events = engine_flags.check_engine_flags(args)
@@ -51,12 +52,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     mesh = engine_flags.mesh_for(args.data_parallel_size, args.tensor_parallel_size)
     tokenizer = models.load_tokenizer(args.model)
     encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)
+    images = ServedImages.from_dir(args.model, tokenizer)
     engine, _ = engine_flags.load_engine(args, tokenizer, mesh, kv_events)
     # Every step shape compiled before the port opens: a compile in the first requests'
     # steps would stall every stream then (seconds of TTFT under load).
     engine.warm_up()
     name = args.served_model_name or str(Path(args.model))
-    served = ServedModel(name, engine.config.max_model_len, tokenizer, encoder)
+    served = ServedModel(name, engine.config.max_model_len, tokenizer, encoder, images)
     server = Server(
         engine, served, host=args.host, port=args.port,
         max_pending=args.max_pending_requests, grace_s=args.shutdown_grace,
