@@ -37,23 +37,16 @@ from jaxkv.models import (
     save_random_checkpoint,
     tiny_configs,
 )
-from jaxkv.models.testing import save_word_tokenizer
+from jaxkv.models.testing import TINY_PREPROCESSOR, save_word_tokenizer
 from jaxkv.testing.reference import DenseReference, image_offsets
 
-PREPROCESSOR = {
-    "do_resize": True, "size": {"shortest_edge": 16}, "resample": 3,
-    "do_center_crop": True, "crop_size": {"height": 16, "width": 16},
-    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-}  # fmt: skip
 PROMPT = "<bos> w30 <image> w31 w32 w33"
 
 
 def tiny_checkpoint(path: Path) -> Path:
     config = tiny_configs()["llava-tiny"]
     save_random_checkpoint(path, config, seed=0)
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR))
     specials = {0: "<pad>", 1: "<bos>", 2: "<eos>", config["image_token_index"]: "<image>"}
     save_word_tokenizer(path, config["text_config"]["vocab_size"], specials)
     return path

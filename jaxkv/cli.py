@@ -224,16 +224,13 @@ def _serve(engine, args: argparse.Namespace, prompts, max_tokens, images) -> int
 
 def _load_image(model_dir: str, image_path: str):
     """The image as pixel values `[C, H, W]`, preprocessed as the checkpoint says."""
-    from jaxkv.models.checkpoint import read_json
-    from jaxkv.models.image import load_image, preprocess_image
+    from jaxkv.models.image import PREPROCESSOR_CONFIG, image_pixels, load_preprocessor_config
 
-    config_path = Path(model_dir) / "preprocessor_config.json"
-    if not config_path.is_file():
-        raise ValueError(f"--image needs {config_path} (how to preprocess images)")
-    config = read_json(config_path)
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path}: not a JSON object")
-    return preprocess_image(load_image(image_path).convert("RGB"), config)
+    config = load_preprocessor_config(model_dir)
+    if config is None:
+        path = Path(model_dir) / PREPROCESSOR_CONFIG
+        raise ValueError(f"--image needs {path} (how to preprocess images)")
+    return image_pixels(image_path, config)
 
 
 def read_kv_cache_specs(model_dir: str, block_size: int, dtype: str) -> dict:

@@ -18,6 +18,7 @@ from jaxkv.models.prompting import PromptEncoder
 from jaxkv.models.testing import save_chat_checkpoint
 from jaxkv.serving.app import ServedModel
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
+from jaxkv.serving.images import ServedImages
 from jaxkv.serving.process import free_port
 from jaxkv.serving.server import Server
 
@@ -36,7 +37,8 @@ def make_engine(checkpoint, config: EngineConfig = CONFIG) -> tuple[LLMEngine, S
     tokenizer = models.load_tokenizer(checkpoint)
     engine = LLMEngine(models.load_model(checkpoint), config, tokenizer=tokenizer)
     encoder = PromptEncoder.from_dir(checkpoint, tokenizer)
-    return engine, ServedModel("tiny", config.max_model_len, tokenizer, encoder)
+    images = ServedImages.from_dir(checkpoint, tokenizer)
+    return engine, ServedModel("tiny", config.max_model_len, tokenizer, encoder, images)
 
 
 class Running:
@@ -290,10 +292,11 @@ def test_chat_content_may_be_a_list_of_text_parts(running) -> None:
     assert as_parts.choices[0].message.content == plain.choices[0].message.content
     assert as_parts.usage.prompt_tokens == plain.usage.prompt_tokens
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
-    with pytest.raises(openai.BadRequestError, match="only text parts.*image_url"):
+    with pytest.raises(openai.BadRequestError, match="takes text only") as raised:
         running.client.chat.completions.create(
             messages=[{"role": "user", "content": [image]}], **kw
         )
+    assert raised.value.body["param"] == "messages[0].content[0].image_url.url"
 
 
 def test_begin_close_aborts_what_outlives_the_grace_period(checkpoint) -> None:

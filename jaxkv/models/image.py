@@ -1,6 +1,7 @@
 """`preprocess_image`: a PIL image -> `[C, H, W]` float32 pixels, as a checkpoint's
 `preprocessor_config.json` says (the steps of Hugging Face's CLIP/SigLIP image processors);
-`load_image`: an image file, decoded in full (ValueError naming the file otherwise).
+`load_image`: an image file or stream, decoded in full (ValueError naming it otherwise);
+`image_pixels`: both, what `jaxkv generate --image` and `jaxkv serve` give the engine.
 
 Steps, each switched by its `do_*` field: convert to RGB; resize (`size.shortest_edge`:
 the short side to that length, the long side scaled and truncated; `size.height/width`:
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image
+
+from jaxkv.models.checkpoint import read_json
+
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
 
 def _size(value: Any, name: str) -> dict[str, int]:
@@ -31,22 +36,63 @@ def _size(value: Any, name: str) -> dict[str, int]:
     )
 
 
-def load_image(path: str | Path) -> Image.Image:
-    """The image in file `path`, decoded in full (so a truncated file fails here).
+def load_image(
+    source: str | Path | BinaryIO, *, name: str | None = None, max_pixels: int | None = None
+) -> Image.Image:
+    """The image in file (or binary stream) `source`, decoded in full (so a truncated
+    file fails here).
 
-    ValueError naming the file when it is missing, a directory, or not an image PIL reads
-    in full (PNG, JPEG, ...).
+    ValueError naming it (`name`, else `source`) when it is missing, a directory, not an
+    image PIL reads in full (PNG, JPEG, ...), or, given `max_pixels`, larger than that:
+    the size is checked from the header, before the pixels are decoded.
     """
+    name = str(source) if name is None else name
     try:
-        with Image.open(path) as image:
-            image.load()
-            return image
+        with Image.open(source) as image:
+            pixels = image.width * image.height
+            if max_pixels is None or pixels <= max_pixels:
+                image.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         # PIL: UnidentifiedImageError / "image file is truncated" (OSError), "broken PNG
-        # file" (SyntaxError); the OS: FileNotFoundError, IsADirectoryError.
+        # file" (SyntaxError); the OS: FileNotFoundError, IsADirectoryError. PIL's message
+        # may hold a stream's repr, which says nothing (`name` says which image it is).
+        detail = str(error)
+        if not isinstance(source, str | Path):
+            detail = detail.replace(f" {source!r}", "")
         raise ValueError(
-            f"{path}: not an image file PIL can read in full, e.g. a PNG or JPEG ({error})"
+            f"{name}: not an image file PIL can read in full, e.g. a PNG or JPEG ({detail})"
         ) from None
+    if max_pixels is not None and pixels > max_pixels:
+        raise ValueError(
+            f"{name}: the image is {image.width}x{image.height} = {pixels} pixels; the limit "
+            f"is {max_pixels} pixels"
+        )
+    return image
+
+
+def load_preprocessor_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """The checkpoint's `preprocessor_config.json` (how to preprocess its images), None
+    when it has none; ValueError naming the file when it is not a JSON object."""
+    path = Path(model_dir) / PREPROCESSOR_CONFIG
+    if not path.is_file():
+        return None
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return config
+
+
+def image_pixels(
+    source: str | Path | BinaryIO,
+    preprocessor_config: Mapping[str, Any],
+    *,
+    name: str | None = None,
+    max_pixels: int | None = None,
+) -> np.ndarray:
+    """The image in `source` (`load_image`) as the engine takes it: RGB, preprocessed
+    (`preprocess_image`) into `[C, H, W]` float32 pixels."""
+    image = load_image(source, name=name, max_pixels=max_pixels)
+    return preprocess_image(image.convert("RGB"), preprocessor_config)
 
 
 def resized_size(height: int, width: int, size: Mapping[str, int]) -> tuple[int, int]:

@@ -147,18 +147,43 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
     "{% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
 )
+# The same for a LLaVA checkpoint, over content parts as LLaVA's own template: a message's
+# images (`<image>` each) before its text.
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} "
+    "{% for part in m['content'] | selectattr('type', 'equalto', 'image') %}<image> {% endfor %}"
+    "{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] }} "
+    "{% endfor %}<end> {% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
+)
 CHAT_SPECIALS = {0: "<unk>", 1: "<bos>", 2: "<eos>", 3: "<turn>", 4: "<end>"}
+# CLIP's preprocessing (shortest edge, center crop, CLIP's mean and std) at the tiny
+# LLaVA tower's 16 pixels.
+TINY_PREPROCESSOR = {
+    "do_resize": True, "size": {"shortest_edge": 16}, "resample": 3,
+    "do_center_crop": True, "crop_size": {"height": 16, "width": 16},
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}  # fmt: skip
 
 
 def save_chat_checkpoint(path: str | Path, name: str = "llama-tiny", seed: int = 0) -> Path:
     """A servable random checkpoint: `tiny_configs()[name]` weights, a word tokenizer
     (`save_word_tokenizer`, `CHAT_SPECIALS`) with a `tokenizer_config.json` transformers
     loads (bos/eos, `CHAT_TEMPLATE`), so HTTP clients that tokenize (vLLM's benchmark)
-    accept it too. Returns `path`."""
+    accept it too. A LLaVA checkpoint also has `<image>` (its image token),
+    `LLAVA_CHAT_TEMPLATE` and `TINY_PREPROCESSOR` as its `preprocessor_config.json`.
+    Returns `path`."""
     path = Path(path)
     config = tiny_configs()[name]
+    text = config.get("text_config", config)
     save_random_checkpoint(path, config, seed=seed)
-    save_word_tokenizer(path, config["vocab_size"], CHAT_SPECIALS)
+    specials, template = dict(CHAT_SPECIALS), CHAT_TEMPLATE
+    if "image_token_index" in config:
+        specials[config["image_token_index"]] = "<image>"
+        template = LLAVA_CHAT_TEMPLATE
+        (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR))
+    save_word_tokenizer(path, text["vocab_size"], specials)
     # The BOS comes from the tokenizer's own post-processor, which every loader applies
     # (transformers 5 rebuilds a Llama tokenizer's pre-tokenizer, breaking the words).
     from tokenizers import Tokenizer, processors
@@ -170,8 +195,8 @@ def save_chat_checkpoint(path: str | Path, name: str = "llama-tiny", seed: int =
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": config.get("max_position_embeddings", 2048),
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
+        "model_max_length": text.get("max_position_embeddings", 2048),
     }  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return path

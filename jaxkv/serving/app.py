@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull, RequestStream
+from jaxkv.serving.images import ServedImages
 from jaxkv.serving.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from jaxkv.serving.protocol import ClientError, GenerationRequest, parse_chat, parse_completion
 
@@ -30,12 +31,14 @@ RETRY_AFTER_S = 1
 @dataclass
 class ServedModel:
     """What the server needs of the model besides the engine: its name, its longest
-    sequence, its tokenizer (None: token ids only) and prompt encoder (chat templates)."""
+    sequence, its tokenizer (None: token ids only), prompt encoder (chat templates) and
+    how it takes images (None: text only)."""
 
     name: str
     max_model_len: int
     tokenizer: object | None = None
     encoder: object | None = None
+    images: ServedImages | None = None
 
 
 def _error(error: ClientError) -> JSONResponse:
@@ -118,7 +121,9 @@ def build_app(loop: EngineLoop, model: ServedModel, metrics: ServerMetrics) -> F
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
-        parsed = parse_chat(body, model.name, model.encoder, model.max_model_len)
+        parsed = parse_chat(body, model.name, model.encoder, model.max_model_len, model.images)
+        if parsed.image_urls:  # decoding and resizing take a while: off the event loop
+            parsed.images = await asyncio.to_thread(model.images.pixels, parsed.image_urls)
         return await generation.respond(parsed, request)
 
     return app
@@ -131,8 +136,9 @@ def _tokenize(body: object, model: ServedModel) -> list[int]:
         raise ClientError("tokenizing needs the model's tokenizer.json")
     if "messages" in body:
         parsed = parse_chat(
-            {"messages": body["messages"]}, model.name, model.encoder, model.max_model_len
-        )
+            {"messages": body["messages"]}, model.name, model.encoder, model.max_model_len,
+            model.images,
+        )  # fmt: skip
         return parsed.prompts[0]
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
@@ -174,13 +180,16 @@ class _Generation:
             for prompt in parsed.prompts:
                 for sampling in parsed.samplings:
                     stream = await self.loop.submit(
-                        prompt, queue, sampling=sampling, cache_salt=parsed.cache_salt
-                    )
+                        prompt, queue, sampling=sampling, cache_salt=parsed.cache_salt,
+                        images=parsed.images,
+                    )  # fmt: skip
                     streams.append(stream)
         except BaseException as error:
             for stream in streams:
                 self.loop.abort(stream.request_id)
-            raise _as_client_error(error) from None
+            raise _as_client_error(
+                error, "messages" if parsed.kind == "chat" else "prompt"
+            ) from None
         return streams
 
     async def _outputs(self, parsed: GenerationRequest, streams: list[RequestStream]):
@@ -188,7 +197,7 @@ class _Generation:
         since the last list, in order."""
         index_of = {stream.request_id: i for i, stream in enumerate(streams)}
         timers = [
-            RequestTimer(self.metrics, stream.arrival, len(parsed.prompts[i // parsed.n]))
+            RequestTimer(self.metrics, stream.arrival, parsed.num_prompt_tokens(i // parsed.n))
             for i, stream in enumerate(streams)
         ]
         unfinished = set(range(len(streams)))
@@ -267,16 +276,15 @@ def _event(parsed: GenerationRequest, index: int, output) -> str:
     return _sse(_chunk(parsed, index, delta, reason, logprobs, output.stop_reason))
 
 
-def _as_client_error(error: BaseException) -> BaseException:
-    """The engine's refusal of a request (bad input) as a 400; a full or closing loop
-    as a 503; anything else unchanged."""
+def _as_client_error(error: BaseException, param: str) -> BaseException:
+    """The engine's refusal of a request (bad input) as a 400 naming `param` (or the
+    sampling field it names); a full or closing loop as a 503; anything else unchanged."""
     if isinstance(error, ClientError):
         return error
     if isinstance(error, QueueFull | EngineLoopClosed):
         return ClientError(f"the server is busy: {error}", status=503)
     if isinstance(error, ValueError | TypeError | KeyError):
         message = str(error).strip("'\"")
-        param = "prompt"
         if message.startswith("SamplingParams."):  # "SamplingParams.<field>=... / must ..."
             param = re.split(r"[=\s]", message.removeprefix("SamplingParams."), maxsplit=1)[0]
         return ClientError(message, param)
@@ -354,7 +362,7 @@ def _chunk(
 
 
 def _usage(parsed: GenerationRequest, tokens: list[int]) -> dict:
-    prompt = sum(len(p) for p in parsed.prompts)
+    prompt = sum(parsed.num_prompt_tokens(i) for i in range(len(parsed.prompts)))
     completion = sum(tokens)
     return {
         "prompt_tokens": prompt,

@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxkv.models.prompting import PromptEncoder
     from jaxkv.serving.app import ServedModel
     from jaxkv.serving.engine_process import EngineProcess
+    from jaxkv.serving.images import ServedImages
     from jaxkv.serving.server import Server
 
     engine_flags.check_engine_flags(args)
@@ -51,9 +52,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_port_free(f"{host}:{args.port}", "--host/--port")
     tokenizer = models.load_tokenizer(args.model)
     encoder = None if tokenizer is None else PromptEncoder.from_dir(args.model, tokenizer)
+    images = ServedImages.from_dir(args.model, tokenizer)
     engine = EngineProcess(build_engine, args)
     name = args.served_model_name or str(Path(args.model))
-    served = ServedModel(name, engine.info["max_model_len"], tokenizer, encoder)
+    served = ServedModel(name, engine.info["max_model_len"], tokenizer, encoder, images)
     server = Server(
         engine, served, host=args.host, port=args.port,
         max_pending=args.max_pending_requests, grace_s=args.shutdown_grace,

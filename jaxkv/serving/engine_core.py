@@ -9,8 +9,9 @@ Commands (tuples, first item the kind):
   exception the engine raised: nothing changed then).
 - `("abort", request_id)`: abort it if the core still serves it (a finished request is
   left alone: its final output is on its way).
-- `("call", call_id, method, args)`: `getattr(engine, method)(*args)` between steps;
-  answered by `("result", call_id, value, error)`.
+- `("call", call_id, method, args)`: `getattr(engine, method)(*args)` between steps
+  (`method(engine, *args)` when it is a function: one that pickles, for an engine in
+  another process); answered by `("result", call_id, value, error)`.
 - `("close", grace_s)`: accept nothing more; requests still running get `grace_s`
   seconds (or an earlier deadline already set), then they are aborted (their final
   outputs say `finish_reason="abort"`).
@@ -57,7 +58,11 @@ class _Core:
         elif kind == "call":
             _, call_id, method, args = command
             try:
-                value, error = getattr(self.engine, method)(*args), None
+                if isinstance(method, str):
+                    value = getattr(self.engine, method)(*args)
+                else:
+                    value = method(self.engine, *args)
+                error = None
             except Exception as raised:
                 value, error = None, raised
             self.emit(("result", call_id, value, error))

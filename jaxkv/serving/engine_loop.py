@@ -192,9 +192,9 @@ class EngineLoop:
             raise
         return stream
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """`engine.<method>(*args)` run between steps; its result (or error).
-        `EngineLoopClosed` once the loop is closing."""
+    async def call(self, method: str | Callable[..., Any], *args: Any) -> Any:
+        """`engine.<method>(*args)` (or `method(engine, *args)`) run between steps; its
+        result (or error). `EngineLoopClosed` once the loop is closing."""
         done: Future = Future()
         with self._lock:
             if self._closing:

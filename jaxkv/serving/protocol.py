@@ -15,33 +15,24 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from jaxkv.models.chat_content import chat_content_format
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.serving.chat_messages import template_messages
+from jaxkv.serving.errors import ClientError
+from jaxkv.serving.images import ImageURL, ServedImages
 
 __all__ = ["ClientError", "GenerationRequest", "parse_chat", "parse_completion"]
 
 MAX_N = 128  # samples of one prompt (vLLM leaves it open; each is a request here)
 
 
-class ClientError(ValueError):
-    """A request the client must fix: HTTP `status` with OpenAI's error object."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
-        }
-
-
 @dataclass
 class GenerationRequest:
     """What one completions or chat call asks: prompts (token ids), `n` samples of each,
-    each sample's `SamplingParams` (seeded per sample) and the response's shape."""
+    each sample's `SamplingParams` (seeded per sample), the response's shape, and a
+    chat's images (only a chat has images, and it has one prompt)."""
 
     kind: str  # "completion" or "chat"
     model: str
@@ -52,10 +43,17 @@ class GenerationRequest:
     cache_salt: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
+    image_urls: list[ImageURL] = field(default_factory=list)  # a chat's, in prompt order
+    image_prompt_tokens: int = 0  # what the engine adds expanding the image tokens
+    images: list[np.ndarray] | None = None  # the decoded `image_urls`, once decoded
 
     @property
     def n(self) -> int:
         return len(self.samplings)
+
+    def num_prompt_tokens(self, index: int) -> int:
+        """Prompt `index`'s tokens as the engine serves it (each image token expanded)."""
+        return len(self.prompts[index]) + self.image_prompt_tokens
 
 
 def _get(body: dict, name: str, kinds: tuple, default: Any = None, allowed: str = "") -> Any:
@@ -222,50 +220,24 @@ def parse_completion(body: Any, served_model: str, encoder, max_model_len: int):
     )
 
 
-def _role(message: Any, i: int) -> str:
-    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-        raise ClientError(f"messages[{i}] must be an object with a role", "messages")
-    return message["role"]
-
-
-def _message_text(message: dict, i: int) -> str:
-    """A message's text: its `content` string, or its text parts (OpenAI's content-part
-    list, what vLLM's benchmark sends) joined by newlines as vLLM joins them."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):  # fmt: skip
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ClientError(
-                    f"messages[{i}].content: only text parts are supported, got {kind!r}",
-                    "messages",
-                )
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ClientError(
-        f"messages[{i}].content must be text or a non-empty list of text parts", "messages"
-    )
-
-
-def parse_chat(body: Any, served_model: str, encoder, max_model_len: int):
+def parse_chat(
+    body: Any, served_model: str, encoder, max_model_len: int, images: ServedImages | None = None
+) -> GenerationRequest:
     """A `/v1/chat/completions` body as a `GenerationRequest`: the messages through the
-    checkpoint's chat template (ClientError naming the field)."""
+    checkpoint's chat template in the content format it takes, their images' URLs
+    (`images`: how the model takes them, None for a text-only model) left to decode
+    (ClientError naming the field)."""
     model, stream, include_usage, salt = _common(body, "chat", served_model)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ClientError("messages must be a non-empty list of messages", "messages")
-    turns = [{"role": _role(m, i), "content": _message_text(m, i)} for i, m in enumerate(messages)]
-    if encoder is None or encoder.chat_template is None:
+    template = None if encoder is None else encoder.chat_template
+    turns, urls = template_messages(body.get("messages"), chat_content_format(template), images)
+    if template is None:
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
     try:
         prompt = encoder.encode_chat(turns)
     except ValueError as error:
         raise ClientError(str(error), "messages") from None
-    default = max(max_model_len - len(prompt), 1)
+    expanded = len(urls) * (images.num_image_tokens - 1) if urls else 0
+    default = max(max_model_len - len(prompt) - expanded, 1)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default)
     return GenerationRequest(
         "chat",
@@ -276,4 +248,6 @@ def parse_chat(body: Any, served_model: str, encoder, max_model_len: int):
         include_usage,
         salt,
         id=f"chatcmpl-{uuid.uuid4().hex}",
+        image_urls=urls,
+        image_prompt_tokens=expanded,
     )
