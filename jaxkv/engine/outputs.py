@@ -4,17 +4,14 @@ built by the request's `OutputStream`, with vLLM's `CompletionOutput`s."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from jaxkv.engine.detokenizer import IncrementalText, Tokenizer
 from jaxkv.engine.logprobs import Logprob
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
-
-
-class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int]) -> str: ...
 
 
 PositionLogprobs = dict[int, Logprob]
@@ -233,7 +230,7 @@ class OutputStream:
     stop_reason: int | str | None = None
     text_end: int | None = None  # where a stop string cut the text
     num_checked_chars: int = 0
-    decoded: tuple[int, str] = field(default=(0, ""))  # (tokens, their text), the last decode
+    decoded: IncrementalText = field(default_factory=IncrementalText)
 
     @classmethod
     def for_kind(cls, kind: RequestOutputKind, cache_salt: str | None = None) -> OutputStream:
@@ -262,16 +259,11 @@ class OutputStream:
         self.logprobs.append(entry)
         self.cumulative_logprob += entry[token].logprob
 
-    def _text(self, tokens: list[int], tokenizer: Tokenizer) -> str:
-        if self.decoded[0] != len(tokens):
-            self.decoded = (len(tokens), tokenizer.decode(tokens))
-        return self.decoded[1]
-
     def match_stop(self, tokens: list[int], tokenizer: Tokenizer) -> str | None:
         """The stop string the request's last token completed (its text cut, its
         `stop_reason` set), else None; None too when the tokenizer cannot decode."""
         try:
-            text = self._text(tokens, tokenizer)
+            text = self.decoded.text(tokens, tokenizer)
         except Exception:  # the output reports the failure
             return None
         checked, self.num_checked_chars = self.num_checked_chars, len(text)
@@ -289,7 +281,7 @@ class OutputStream:
         return best[1]
 
     def _visible_text(self, tokens: list[int], finished: bool, tokenizer: Tokenizer) -> str:
-        text = self._text(tokens, tokenizer)
+        text = self.decoded.text(tokens, tokenizer, finished)
         if self.text_end is not None:
             return text[: self.text_end]
         hold = 0 if finished or self.include_stop or not self.stop else max(map(len, self.stop)) - 1
