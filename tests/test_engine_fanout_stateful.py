@@ -65,24 +65,29 @@ class FanOutMachine(RuleBasedStateMachine):
         self.parents: dict[str, Parent] = {}
         self.unfinished: set[str] = set()  # parents without their finished output
         self.aborted: set[str] = set()  # parents aborted whole (their outputs still due)
-        self.seen: dict[str, object] = {}  # child id -> its Request, once a scheduler has it
+        self.seen: dict[str, object] = {}  # child id -> its Request, from its first scheduler
         self.checked: set[str] = set()  # children whose first admission was checked
         self.served = [0]
         self.ids = itertools.count()
 
     # -- bookkeeping ------------------------------------------------------------------
 
+    def _see_children(self) -> None:
+        """Keep the Request of each child a scheduler has now. Called after every call
+        that can hand one a child (add, step, abort), so each is kept before its first
+        admission, and checked even if it finishes within that step."""
+        for parent_id in self.unfinished:
+            for child in self.parents[parent_id].children(parent_id):
+                if child not in self.seen:
+                    request = self.engine.scheduler.get_request(child)
+                    if request is not None:
+                        self.seen[child] = request
+
     def _check_admissions(self) -> None:
         """Children scheduled for the first time since the last check hit only blocks
         cached under the version serving now."""
-        for parent_id in self.unfinished:
-            for child in self.parents[parent_id].children(parent_id):
-                request = self.seen.get(child) or self.engine.scheduler.get_request(child)
-                if request is None or child in self.checked:
-                    continue
-                self.seen[child] = request
-                if request.num_cached_tokens < 0:
-                    continue  # not scheduled yet
+        for child, request in self.seen.items():
+            if child not in self.checked and request.num_cached_tokens >= 0:
                 self.checked.add(child)
                 self.blocks.check_hits(request, BLOCK_SIZE)
 
@@ -135,12 +140,14 @@ class FanOutMachine(RuleBasedStateMachine):
         self.engine.add_request(PREFIXES[prefix] + tail, sampling=sampling, request_id=parent_id)
         self.parents[parent_id] = Parent(n, kind, max_tokens)
         self.unfinished.add(parent_id)
+        self._see_children()
 
     @rule()
     def step(self) -> None:
         self._take_outputs(self.engine.step())
         self.blocks.take_events()
         self._check_admissions()
+        self._see_children()  # those the step's end released
 
     @rule(data=st.data(), whole=st.booleans())
     def abort(self, data, whole: bool) -> None:
@@ -164,6 +171,7 @@ class FanOutMachine(RuleBasedStateMachine):
             self.engine.abort(f"{index}_{parent_id}")
         except KeyError:  # finished, its output not streamed yet (FINAL_ONLY)
             assert parent.kind is RequestOutputKind.FINAL_ONLY
+        self._see_children()  # its held siblings, admitted first
 
     @rule()
     def update_weights(self) -> None:
