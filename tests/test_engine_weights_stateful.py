@@ -39,16 +39,85 @@ PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [30, 31, 
 STATES = [nnx.state(TinyCausalLM(TINY, seed=seed)) for seed in (1, 2)]
 
 
-def record_block_versions(engine, stored_under: dict[bytes, int | str]) -> None:
-    """Take `engine`'s KV events into `stored_under` (block hash -> the weight version
-    serving when it was cached; removed blocks forgotten)."""
-    version = engine.weight_version
-    for event in engine.take_kv_events():
-        if isinstance(event, BlockStored):
-            stored_under.update(dict.fromkeys(event.block_hashes, version))
-        elif isinstance(event, BlockRemoved):
-            for block_hash in event.block_hashes:
-                stored_under.pop(block_hash, None)
+class BlockVersions:
+    """The weight version serving when each cached block was cached, read off an engine's
+    KV events (to be taken after every step and before and after every weight update).
+
+    The events describe block copies, not hashes: the pool does not de-duplicate (as in
+    vLLM), so several blocks may be cached under one hash (a prompt a whole number of
+    blocks long, hit in full, recomputes its last block into a new one: the hit stops a
+    token short), each with its own `BlockStored`; evicting one copy is a `BlockRemoved`
+    of that hash while the others stay cached. Invariant: a hash is listed iff a copy of
+    it is cached, with one version per cached copy, in the order they were cached.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._copies: dict[bytes, list[int | str]] = {}  # block hash -> versions, oldest first
+
+    def take_events(self) -> None:
+        """Record the engine's KV events since the last call under the version serving."""
+        version = self.engine.weight_version
+        for event in self.engine.take_kv_events():
+            if isinstance(event, BlockStored):
+                for block_hash in event.block_hashes:
+                    self._copies.setdefault(block_hash, []).append(version)
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    assert block_hash in self._copies, f"{event}: never stored"
+                    copies = self._copies[block_hash]
+                    # Which copy went the event does not say: dropping the newest keeps any
+                    # older version in sight of `check_hits`.
+                    copies.pop()
+                    if not copies:
+                        del self._copies[block_hash]
+
+    def cached_under(self, block_hash: bytes) -> set[int | str]:
+        """The versions the cached copies of `block_hash` were cached under (empty: none)."""
+        return set(self._copies.get(block_hash, ()))
+
+    def check_hits(self, request, block_size: int) -> None:
+        """`request`, at its first admission (now), hit only blocks cached under the
+        version serving now (so none computed under an older one)."""
+        version = self.engine.weight_version
+        for block_hash in request.block_hashes[: request.num_cached_tokens // block_size]:
+            assert self.cached_under(block_hash) == {version}, (
+                f"{request.request_id}, admitted under {version!r}, hit a block cached "
+                f"under {self.cached_under(block_hash) or None!r}"
+            )
+
+
+class _EventsOnly:
+    """The two members of an engine `BlockVersions` reads, the events given by hand."""
+
+    def __init__(self) -> None:
+        self.weight_version: int | str = 0
+        self.events: list = []
+
+    def take_kv_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+
+def test_block_versions_keep_a_hash_while_a_copy_of_it_is_cached() -> None:
+    engine, h = _EventsOnly(), b"h" * 32
+    blocks = BlockVersions(engine)
+    engine.events = [BlockStored([h], None, [1, 2, 3, 4], 4, None)]
+    blocks.take_events()
+    engine.weight_version = 1
+    engine.events = [BlockStored([h], None, [1, 2, 3, 4], 4, None), BlockRemoved([h])]
+    blocks.take_events()
+    # Which copy went the event does not say: the older version stays in sight.
+    assert blocks.cached_under(h) == {0}
+    engine.events = [BlockStored([h], None, [1, 2, 3, 4], 4, None)]
+    blocks.take_events()
+    assert blocks.cached_under(h) == {0, 1}
+    engine.events = [BlockRemoved([h]), BlockRemoved([h])]
+    blocks.take_events()
+    assert blocks.cached_under(h) == set()
+    engine.events = [BlockRemoved([h])]
+    with pytest.raises(AssertionError, match="never stored"):
+        blocks.take_events()
 
 
 class WeightsMachine(RuleBasedStateMachine):
@@ -56,29 +125,21 @@ class WeightsMachine(RuleBasedStateMachine):
     def setup(self, policy: str, overlap: bool) -> None:
         config = dataclasses.replace(CONFIG, weight_update_policy=policy, async_scheduling=overlap)
         self.engine = LLMEngine(TinyCausalLM(TINY, seed=0), config)
-        self.stored_under: dict[bytes, int | str] = {}  # block hash -> version caching it
+        self.blocks = BlockVersions(self.engine)
         self.requests = {}  # request id -> its Request (kept after it finishes)
         self.unchecked: set[str] = set()  # not admitted yet
         self.unfinished: set[str] = set()
         self.served = [0]  # versions in the order they served
         self.ids = itertools.count()
 
-    def _take_events(self) -> None:
-        record_block_versions(self.engine, self.stored_under)
-
     def _check_admissions(self) -> None:
         """Requests admitted since the last check hit only this version's blocks."""
-        version = self.engine.weight_version
         for request_id in sorted(self.unchecked):
             request = self.requests[request_id]
             if request.num_cached_tokens < 0:
                 continue
             self.unchecked.discard(request_id)
-            for block_hash in request.block_hashes[: request.num_cached_tokens // BLOCK_SIZE]:
-                assert self.stored_under.get(block_hash) == version, (
-                    f"{request_id}, admitted under {version!r}, hit a block cached under "
-                    f"{self.stored_under.get(block_hash)!r}"
-                )
+            self.blocks.check_hits(request, BLOCK_SIZE)
 
     def _take_outputs(self, outputs) -> None:
         for output in outputs:
@@ -103,7 +164,7 @@ class WeightsMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         self._take_outputs(self.engine.step())
-        self._take_events()
+        self.blocks.take_events()
         self._check_admissions()
 
     @rule(data=st.data())
@@ -116,10 +177,10 @@ class WeightsMachine(RuleBasedStateMachine):
 
     @rule()
     def update_weights(self) -> None:
-        self._take_events()
+        self.blocks.take_events()
         version = self.engine.update_weights(STATES[len(self.served) % 2])
         self.served.append(version)
-        self._take_events()
+        self.blocks.take_events()
 
     @invariant()
     def blocks_held_only_by_unfinished_requests(self) -> None:
