@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from jaxkv.hashing import BlockHash
 from jaxkv.kv_events import MEDIUM_GPU, BlockStored, DeferredKVCacheEvent, to_event_extra_keys
-from jaxkv.request_hashing import generate_block_hash_extra_keys, needs_extra_keys
+from jaxkv.request_hashing import block_extra_keys, needs_extra_keys, request_weight_version
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -29,7 +29,7 @@ class DeferredBlockStored(DeferredKVCacheEvent):
     and the group's entry in `group_specs`, (spec kind, sliding window) per group."""
 
     __slots__ = ("block_hashes", "block_size", "end", "group", "group_specs", "indices",
-                 "request", "start")  # fmt: skip
+                 "request", "start", "weight_version")  # fmt: skip
 
     def __init__(
         self,
@@ -50,16 +50,20 @@ class DeferredBlockStored(DeferredKVCacheEvent):
         self.block_size = block_size
         self.group = group
         self.group_specs = group_specs
+        # What the blocks are keyed under now: `update_weights` may re-key the request
+        # before the event is built.
+        self.weight_version = request_weight_version(request)
 
     def build(self) -> BlockStored:
         request, block_hashes, indices = self.request, self.block_hashes, self.indices
         start, end, block_size, group = self.start, self.end, self.block_size, self.group
         extra_keys = None
-        if needs_extra_keys(request):  # else no block has any (a decode step's usual case)
+        version = self.weight_version
+        if needs_extra_keys(request, version):  # else no block has any (a decode's usual case)
             keys_per_block, mm_idx = [], 0
             for i in indices:
-                keys, mm_idx = generate_block_hash_extra_keys(
-                    request, i * block_size, (i + 1) * block_size, mm_idx
+                keys, mm_idx = block_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx, version
                 )
                 keys_per_block.append(keys)
             extra_keys = to_event_extra_keys(keys_per_block)

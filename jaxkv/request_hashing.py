@@ -60,6 +60,26 @@ def generate_block_hash_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
 ) -> tuple[ExtraKeys, int]:
     """Extra keys of the block `[start, end)` (SPEC §2 order) and the next mm index to scan."""
+    return block_extra_keys(
+        request, start_token_idx, end_token_idx, start_mm_idx, request_weight_version(request)
+    )
+
+
+def request_weight_version(request: Request) -> int | str | None:
+    """The weight version the request's blocks are keyed under (None: unkeyed)."""
+    return getattr(request, "weight_version", None)
+
+
+def block_extra_keys(
+    request: Request,
+    start_token_idx: int,
+    end_token_idx: int,
+    start_mm_idx: int,
+    weight_version: int | str | None,
+) -> tuple[ExtraKeys, int]:
+    """`generate_block_hash_extra_keys` with the blocks keyed under `weight_version`
+    (the request's own when its blocks were hashed: an event built later must not take
+    a version the request was re-keyed to since)."""
     keys: list[tuple[Any, ...]] = []
     lora = request.lora_request
     if lora is not None:
@@ -71,7 +91,6 @@ def generate_block_hash_extra_keys(
     if request.cache_salt is not None and start_token_idx == 0:  # `Request` made "" None
         keys.append(("cache_salt", request.cache_salt))
     # The first block's key reaches every block through the hash chain, as the salt's.
-    weight_version = getattr(request, "weight_version", None)
     if weight_version is not None and start_token_idx == 0:
         keys.append(("weight_version", weight_version))
     if request.prompt_embeds is not None and start_token_idx < request.num_prompt_tokens:
@@ -80,15 +99,16 @@ def generate_block_hash_extra_keys(
     return (tuple(keys) if keys else None), next_mm_idx
 
 
-def needs_extra_keys(request: Request) -> bool:
+def needs_extra_keys(request: Request, weight_version: int | str | None) -> bool:
     """Whether any of the request's blocks can have hash extra keys (LoRA, multimodal
-    inputs, a cache salt, prompt embeddings, a weight version)."""
+    inputs, a cache salt, prompt embeddings, a weight version: `weight_version`, the
+    version the blocks in question are keyed under)."""
     return bool(
         request.lora_request is not None
         or request.mm_features
         or request.cache_salt is not None
         or request.prompt_embeds is not None
-        or getattr(request, "weight_version", None) is not None
+        or weight_version is not None
     )
 
 
@@ -269,7 +289,7 @@ class RequestBlockHasher:
             return []
         start = num_hashed * block_size
         end = num_full * block_size
-        if needs_extra_keys(request):
+        if needs_extra_keys(request, request_weight_version(request)):
             extra, mm_idx = [], 0
             for s in range(start, end, block_size):
                 keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)

@@ -274,3 +274,25 @@ def test_update_empties_the_encoder_cache(tmp_path) -> None:
     pairs = zip(after.output_token_ids, after.logprobs, fresh.logprobs, strict=True)
     for token, got, want in pairs:
         assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-5)
+
+
+def test_events_queued_before_an_update_keep_the_keys_their_blocks_were_hashed_with(
+    ckpts,
+) -> None:
+    """A block stored before `update_weights` re-keys its request is announced with the
+    hash and extra keys it was cached under (no version), however late the event is
+    built: a router recomputing hashes from `extra_keys` gets the announced hash."""
+    root = ckpts[0]
+    config = dataclasses.replace(
+        CONFIG, enable_kv_cache_events=True, weight_update_policy="recompute"
+    )
+    engine = LLMEngine(models.load_model(root / "a"), config)
+    engine.add_request(PROMPT[:6], sampling=GREEDY, request_id="r")
+    first_hash = engine.scheduler.get_request("r").block_hashes[0]
+    engine.step()  # the first block is cached; its BlockStored is queued
+    engine.update_weights(root / "b")
+    assert engine.scheduler.get_request("r").block_hashes[0] != first_hash  # re-keyed
+    stored = [e for e in engine.take_kv_events() if type(e).__name__ == "BlockStored"]
+    assert [e.block_hashes for e in stored] == [[first_hash]]
+    assert stored[0].extra_keys is None, stored[0].extra_keys
+    engine.shutdown()
