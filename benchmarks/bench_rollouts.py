@@ -284,7 +284,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             "compilations": sum(r.compilations for r in results),
         })  # fmt: skip
     return {
-        "checkpoint": str(path), "kv_groups": groups,
+        "checkpoint": str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),
+        "kv_groups": groups,
         "engine": engine_sizes(engine.config), "warm_up": warm_up, "cases": cases,
         "update_weights_s": spread(rounds.updates),
         "update_compilations": rounds.update_compilations,
