@@ -115,8 +115,8 @@ def blocks_bound(groups: int, n: int, prompt_len: int, max_tokens: int) -> int:
 
 
 def engine_config(args: argparse.Namespace, groups: int) -> EngineConfig:
-    """Room for every parent of the grid at once, twice over: a parent past the bound
-    must show up as blocks held, not as preemptions that would hide it."""
+    """The engine for the whole grid, its pool twice the largest parent's bound: a parent
+    past the bound must show up as blocks held, not as preemptions that would hide it."""
     max_model_len = max(args.prompt_lens) + args.max_tokens
     bound = blocks_bound(groups, max(args.n), max(args.prompt_lens), args.max_tokens)
     return EngineConfig(
@@ -168,7 +168,7 @@ def time_update(engine: LLMEngine, state: nnx.State) -> float:
 
 def time_rebuild(path: Path, config: EngineConfig) -> dict:
     """Seconds to load the checkpoint and build and warm up a new engine on it, and the
-    programs that built (in this process: JAX reuses the old engine's, so none)."""
+    programs that built (none: in this process JAX reuses the old engine's)."""
     programs = compilation_count()
     start = time.perf_counter()
     engine = LLMEngine(models.load_model(path), config)
@@ -223,8 +223,7 @@ def run_grid(engine: LLMEngine, args: argparse.Namespace, name: str, vocab: int,
         result = rollout(engine, prompt, params)
         rounds.runs[(n, prompt_len)].append(result)
         print(f"[{name}] round {round_index + 1}/{rounds_of(name, args)} n={n} "
-              f"prompt={prompt_len}: "
-              f"{result.tokens_per_s:.0f} tok/s, prompt computed "
+              f"prompt={prompt_len}: {result.tokens_per_s:.0f} tok/s, prompt computed "
               f"{result.prompt_computed / n:.0f}/sample, {result.blocks_held} blocks held",
               flush=True)  # fmt: skip
 
