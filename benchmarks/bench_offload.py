@@ -69,6 +69,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -92,9 +93,9 @@ SWEEP = (1 / 8, 1 / 4, 1 / 2, 1, 2)  # host budgets, times the working set's byt
 SYNC = "tier on, sync copies"
 
 
-def load_model(name: str):
-    if name == "tiny":
-        return TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
+def gemma3_270m_checkpoint() -> Path:
+    """The random-weight Gemma-3-270M-shaped checkpoint of `VOCAB_270M` tokens (written
+    once under benchmarks/out/, then reused by every benchmark that runs it)."""
     from benchmarks.bench_decode import GEMMA3_270M
     from jaxkv import models
 
@@ -102,7 +103,15 @@ def load_model(name: str):
     if not (path / "config.json").exists():
         print(f"writing a random-weight Gemma-3-270M-shaped checkpoint to {path} ...")
         models.save_random_checkpoint(path, dict(GEMMA3_270M, vocab_size=VOCAB_270M), seed=0)
-    return models.load_model(path)
+    return path
+
+
+def load_model(name: str):
+    if name == "tiny":
+        return TinyCausalLM(tiny_configs()["gemma-style-tiny"], seed=0)
+    from jaxkv import models
+
+    return models.load_model(gemma3_270m_checkpoint())
 
 
 def spread(values: list[float]) -> dict:
