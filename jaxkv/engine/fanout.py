@@ -11,8 +11,9 @@ admitted alone and the others are *held* until it is given its first token (or f
 without one), when its prompt's full blocks are cached, whatever its output kind; they
 are then admitted together and hit those blocks (shared, by reference count), computing
 only the prompt's partial last block each. A parent's prompt is so computed about once
-instead of `n` times (vLLM computes it up to `n` times). `release` hands back the held
-children due.
+instead of `n` times (as in vLLM 0.33, whose scheduler caches a block when it allocates
+it, so children scheduled with or after the leader hit its blocks;
+`benchmarks/bench_rollouts.py` counts both). `release` hands back the held children due.
 """
 
 from __future__ import annotations
