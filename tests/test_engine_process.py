@@ -112,9 +112,11 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.timeout(300)
 def test_a_killed_server_takes_its_engine_process_with_it(checkpoint) -> None:  # noqa: F811
     server = ServeProcess(checkpoint, *FLAGS)
-    (engine_pid,) = [p for p in _children(server.proc.pid) if _is_engine(p)]
-    server.proc.send_signal(signal.SIGKILL)
-    server.proc.wait(30)
+    try:
+        (engine_pid,) = [p for p in _children(server.proc.pid) if _is_engine(p)]
+    finally:
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(30)
     deadline = time.monotonic() + 60
     while _alive(engine_pid):
         assert time.monotonic() < deadline, "the engine process outlived its server"
