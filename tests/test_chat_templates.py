@@ -347,6 +347,9 @@ PEER_CASES = {
     "llava processor_config.json": (
         "llava", {"processor_config.json": {"chat_template": LLAVA_HF},
                   "chat_template.json": {"chat_template": "JSON"}}, "C", LLAVA_CHAT, True),
+    "llava template files": (
+        "llava", {"chat_template.jinja": LLAVA_HF, "additional_chat_templates/default.jinja": "AD"},
+        "C", LLAVA_CHAT, True),
     "llava without preprocessor_config.json": (
         "llava", {"preprocessor_config.json": None, "chat_template.json": {"chat_template": "J"}},
         DIALECT, TEXT_CHAT, False),
