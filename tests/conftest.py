@@ -140,6 +140,8 @@ SLOW_TESTS = {
     "test_chat_content.py::test_content_format_matches_vllm",
     # checkpoints' chat templates against transformers and vLLM in the peer (~45 s)
     "test_chat_templates.py::test_checkpoints_render_as_transformers_and_vllm_render_them",
+    # a LLaVA engine compiled for `generate --chat --image` (~15 s)
+    "test_chat_templates.py::test_generate_chat_puts_the_image_where_a_llava_template_does",
 }
 
 

@@ -172,6 +172,13 @@ def test_a_llava_template_from_chat_template_json_takes_content_parts(tmp_path) 
         "USER: w5 w6 ASSISTANT: w7 USER: <image>\nw8 ASSISTANT:"
     )
     assert encoder.encode_chat(LLAVA_CHAT)[-3:] == [255, 8, 0]  # <image> w8 ASSISTANT:(unk)
+    # one user message (`generate --chat`) as parts too: the text is kept, the image placed
+    assert encoder.render_chat("w5 w6") == "USER: w5 w6 ASSISTANT:"
+    assert encoder.encode("w5 w6", chat=True, images=1) == [0, 255, 5, 6, 0]
+    # a template over a string takes the text as it is
+    string = PromptEncoder(None, {}, "{{ messages[0]['content'] }}!")
+    assert string.user_turn("w5", images=1) == {"role": "user", "content": "w5"}
+    assert string.render_chat("w5") == "w5!"
 
 
 # ---- malformed files ----------------------------------------------------------------
@@ -405,3 +412,25 @@ def test_checkpoints_render_as_transformers_and_vllm_render_them(tmp_path) -> No
     assert errors.keys() == {"named templates without default", "raise_exception",
                              "text model's chat_template.json"}  # fmt: skip
     assert "roles are user and assistant, not tool" in errors["raise_exception"]
+
+
+def test_generate_chat_puts_the_image_where_a_llava_template_does(tmp_path, capsys) -> None:
+    """`jaxkv generate --chat --image` on a llava-hf-style checkpoint: the user's text
+    and image reach the template as content parts, so the template places the image."""
+    from PIL import Image
+
+    from jaxkv import cli
+    from jaxkv.models.testing import save_chat_checkpoint
+
+    path = save_chat_checkpoint(tmp_path / "llava", "llava-tiny")
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_HF}))
+    Image.new("RGB", (20, 16), (200, 10, 10)).save(tmp_path / "red.png")
+    argv = ["generate", "--model", str(path), "--prompt", "w5 w6", "--chat", "--json",
+            "--image", str(tmp_path / "red.png"), "--max-tokens", "1"]  # fmt: skip
+    assert cli.main(argv) == 0
+    (result,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    # "USER: <image>\nw5 w6 ASSISTANT:" (USER: and ASSISTANT: unknown words), the image
+    # token repeated for the image's features
+    ids = result["prompt_token_ids"]
+    assert ids[:2] == [0, LLAVA["image_token_index"]] and ids[-3:] == [5, 6, 0]
+    assert set(ids[1:-3]) == {LLAVA["image_token_index"]}

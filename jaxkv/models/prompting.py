@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxkv.models.chat_content import OPENAI, chat_content_format
 from jaxkv.models.chat_sandbox import render_chat_template
 from jaxkv.models.chat_template_files import find_chat_template, read_json_object
 
@@ -95,9 +96,11 @@ class PromptEncoder:
             )
         return token_id
 
-    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+    def encode(self, text: str, *, chat: bool = False, images: int = 0) -> list[int]:
+        """`text` as transformers tokenizes it, or with `chat` as one user message (with
+        `images` images before its text) through the chat template (`user_turn`)."""
         if chat:
-            return self.encode_chat([{"role": "user", "content": text}])
+            return self.encode_chat([self.user_turn(text, images)])
         if self.add_bos is None and self.add_eos is None:
             return list(self.tokenizer.encode(text).ids)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -107,11 +110,21 @@ class PromptEncoder:
             ids.append(self._special_id(self.eos_token, "add_eos_token"))
         return ids
 
+    def user_turn(self, text: str, images: int = 0) -> dict[str, Any]:
+        """One user message in the content format the template takes, as vLLM 0.33 gives
+        it (`chat_content`): for "openai", parts (`images` image parts, then the text),
+        so a template over parts sees the text (and writes the image token itself); for
+        "string", the text (`images` left to the caller)."""
+        if chat_content_format(self.chat_template) == OPENAI:
+            parts = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+            return {"role": "user", "content": parts}
+        return {"role": "user", "content": text}
+
     def render_chat(self, text: str) -> str:
         """The chat template applied to one user message, with the generation prompt."""
-        return self.render_messages([{"role": "user", "content": text}])
+        return self.render_messages([self.user_turn(text)])
 
-    def render_messages(self, messages: list[dict[str, str]]) -> str:
+    def render_messages(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to `messages` (`role`, `content`), with the
         generation prompt, as transformers' `apply_chat_template` renders it."""
         if self.chat_template is None:
@@ -124,7 +137,7 @@ class PromptEncoder:
             self.chat_template, **variables, messages=messages, add_generation_prompt=True
         )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """`messages` through the chat template, tokenized without added special tokens
         (the template writes them)."""
         text = self.render_messages(messages)
