@@ -89,7 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--chat needs --prompt or --prompts (text to put in the template)")
     if texts is not None:
         encoder = PromptEncoder.from_dir(args.model, tokenizer)
-        prompts = [encoder.encode(text, chat=args.chat) for text, _ in texts]
+        # With --chat the template places the image when it takes content parts.
+        parts = 1 if args.image else 0
+        prompts = [encoder.encode(text, chat=args.chat, images=parts) for text, _ in texts]
         max_tokens = [n or args.max_tokens for _, n in texts]
     else:
         prompts, max_tokens = [_token_ids(args.prompt_token_ids)], [args.max_tokens]

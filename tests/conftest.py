@@ -138,6 +138,10 @@ SLOW_TESTS = {
     "test_pallas_gpu_decode.py::test_rows_kernel_serves_mixed_steps[4-None-6-None-True]",
     # vLLM's content-format detection in the peer environment (importing vLLM: ~25 s)
     "test_chat_content.py::test_content_format_matches_vllm",
+    # checkpoints' chat templates against transformers and vLLM in the peer (~45 s)
+    "test_chat_templates.py::test_checkpoints_render_as_transformers_and_vllm_render_them",
+    # a LLaVA engine compiled for `generate --chat --image` (~15 s)
+    "test_chat_templates.py::test_generate_chat_puts_the_image_where_a_llava_template_does",
 }
 
 

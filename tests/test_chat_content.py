@@ -72,6 +72,17 @@ TEMPLATES = {
         STRING,
     ),
     "not jinja": ("{% for m in messages %}{{ m.content }", STRING),
+    # parses, but a `break` outside a loop does not compile: vLLM reads it as "string"
+    "break outside a loop": (
+        "{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}"
+        "{% break %}",
+        STRING,
+    ),
+    "content loop in a generation tag": (
+        "{% for m in messages %}{% generation %}{% for c in m['content'] %}{{ c.text }}"
+        "{% continue %}{% endfor %}{% endgeneration %}{% endfor %}",
+        OPENAI,
+    ),
 }
 
 

@@ -83,8 +83,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_a_template_renders_as_jinja_renders_it() -> None:
-    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
-                "{% endfor %}{% for i in range(3) %}{{ i }}{% endfor %}{{ 'ab' * 2 }}{{ 2 ** 5 }}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% endfor %}{% for i in range(3) %}{{ i }}{% endfor %}{{ 'ab' * 2 }}{{ 2 ** 5 }}"
+    )
     expected = jinja2.Environment().from_string(template).render(messages=MESSAGES, bos_token="B")
     assert render_chat_template(template, messages=MESSAGES, bos_token="B") == expected
 
@@ -105,6 +107,19 @@ def test_a_template_renders_as_jinja_renders_it() -> None:
         ("{{ raise_exception('no system role') }}", "no system role"),
         ("{% if %}", "TemplateSyntaxError"),
         ("{{ messages.append(1) }}", "SecurityError"),
+        ("{% break %}", "SyntaxError: 'break' outside loop"),
+        # transformers' tojson: measured before its text is built
+        ("{{ [1] | tojson(indent=10**9) }}", "a tojson indent of 1000000000 items"),
+        ("{{ [[[[1]]]] | tojson(indent=400000) }}", "tojson writes more than 1048576"),
+        ("{{ ([[0] * 1000000] * 1000000) | tojson }}", "tojson writes more than 1048576"),
+        # text built inside macros and blocks counts before anything writes it
+        ("{% set x %}{% for i in range(100000) %}{{ 'y' * 1000000 }}{% endfor %}{% endset %}",
+         "writes more than 8388608 characters in all"),
+        ("{% macro m() %}{{ 'y' * 1000000 }}{% endmacro %}"
+         "{% for i in range(100000) %}{% set x = m() %}{% endfor %}", "in all"),
+        ("{% for i in range(100000) %}{% set x %}{% generation %}{{ 'y' * 1000000 }}"
+         "{% endgeneration %}{% endset %}{% endfor %}", "in all"),
+        ("{{ ['x' * 1000000] * 1000000 }}", "in all"),
     ],
 )  # fmt: skip
 def test_template_work_is_bounded_and_its_errors_are_value_errors(template, message) -> None:

@@ -4,15 +4,17 @@ detects it (`--chat-template-content-format auto`).
 - "openai": the template loops over a message's `content`, so it gets content as a list
   of parts: `{"type": "text", "text": ...}` and `{"type": "image"}` (a LLaVA template
   writes its image token for each image part);
-- "string": anything else (also a template Jinja cannot parse): content is one string,
+- "string": anything else (also a template that does not compile): content is one string,
   its text parts joined by newlines, an image as its placeholder text in front of them.
 
 A content loop is a `for` over `m.content` / `m['content']` (filters, tests and slices
 around it allowed) where `m` is the target of a `for` over `messages` or over a variable
 set from it (`{% set loop_messages = messages[1:] %}`, namespace fields included), over
 a macro parameter given such a `content`, or over a variable named `content` outside
-macros. Templates parse with transformers' extensions (`loopcontrols`, `generation`);
-parsing runs nothing of the template.
+macros. Templates are read as `chat_sandbox.parse_chat_template` parses them (transformers'
+environment and extensions: `generation`, `loopcontrols`); one that does not compile
+there is "string", as vLLM reads one transformers cannot compile. Nothing of the
+template runs.
 """
 
 from __future__ import annotations
@@ -21,26 +23,14 @@ import functools
 from collections import deque
 from collections.abc import Iterator
 
-import jinja2
-import jinja2.ext
 from jinja2 import nodes
+
+from jaxkv.models.chat_sandbox import parse_chat_template
 
 __all__ = ["OPENAI", "STRING", "chat_content_format"]
 
 OPENAI = "openai"
 STRING = "string"
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's
-    text; LLaVA's templates use it), parsed as its body: a template using it parses as
-    transformers parses it."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _is_var(node: nodes.Node, name: str) -> bool:
@@ -155,13 +145,11 @@ def _content_loops(root: nodes.Template) -> Iterator[nodes.For]:
 @functools.lru_cache(maxsize=32)
 def chat_content_format(template: str | None) -> str:
     """`OPENAI` or `STRING` for `template` (module docstring); `STRING` for None or a
-    template Jinja cannot parse, as vLLM."""
+    template that does not compile, as vLLM."""
     if template is None:
         return STRING
     try:
-        root = jinja2.Environment(extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]).parse(
-            template
-        )
-    except jinja2.TemplateError:
+        root = parse_chat_template(template)
+    except ValueError:
         return STRING
     return OPENAI if next(_content_loops(root), None) is not None else STRING
