@@ -231,7 +231,8 @@ def parse_chat(
     template = None if encoder is None else encoder.chat_template
     turns, urls = template_messages(body.get("messages"), chat_content_format(template), images)
     if template is None:
-        raise ClientError("this model has no chat template; use /v1/completions", "messages")
+        why = "" if encoder is None else f" ({encoder.template_source})"
+        raise ClientError(f"this model has no chat template{why}; use /v1/completions", "messages")
     try:
         prompt = encoder.encode_chat(turns)
     except ValueError as error:
