@@ -95,6 +95,24 @@ def test_a_dead_engine_process_ends_every_pending_stream(engine_process) -> None
     assert loop.num_pending == 0 and "code -9" in loop.failure
 
 
+def test_a_failure_taking_an_event_ends_every_stream_and_the_engine(checkpoint) -> None:  # noqa: F811
+    def broken_metrics(step_stats) -> None:
+        raise RuntimeError("a bug in the server's metrics")
+
+    process = EngineProcess(build_engine, serve_args(checkpoint))
+    loop = EngineLoop(process, on_step=broken_metrics)
+
+    async def run() -> None:
+        stream = await loop.submit([5, 6, 7], sampling=SAMPLING)
+        _, output = await stream.get()
+        assert output.finished and output.finish_reason == "error", output
+        assert "metrics" in output.error
+
+    asyncio.run(run())
+    process.join(60)
+    assert process.exitcode is not None and loop.num_pending == 0
+
+
 def test_a_build_error_is_the_callers_and_leaves_nothing_running(checkpoint, tmp_path) -> None:  # noqa: F811
     args = serve_args(checkpoint)
     args.model = str(tmp_path / "missing")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,8 @@ from jaxkv.serving.engine_core import EngineLoopClosed, run_engine_core
 from jaxkv.serving.engine_process import EngineProcess
 
 __all__ = ["EngineLoop", "EngineLoopClosed", "QueueFull", "RequestStream"]
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -122,7 +125,13 @@ class _InProcess:
                 code = self.process.exitcode
                 self._on_event(("stopped", f"the engine process exited (code {code})"))
                 return
-            self._on_event(event)
+            try:
+                self._on_event(event)
+            except Exception as error:  # a bug on this side: end every stream, never hang one
+                logger.exception("taking an engine event failed: stopping the engine")
+                self.process.process.kill()
+                self._on_event(("stopped", f"the server failed on an engine event: {error!r}"))
+                return
             if event[0] == "stopped":
                 return
 
