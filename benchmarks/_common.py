@@ -113,6 +113,8 @@ def results_name(
             continue
         if isinstance(value, list | tuple):
             value = "-".join(map(str, value))
+        if isinstance(value, str):  # a path names the file by its last part
+            value = Path(value).name
         parts.append(option if value is True else f"{value}_{option}")
     return "_".join(parts)
 
