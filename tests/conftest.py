@@ -90,9 +90,8 @@ SLOW_TESTS = {
     "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[gemma2]",
     "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[gemma3]",
     "test_models_decoder.py::test_prefix_hit_gives_the_same_tokens_as_a_miss[llama]",
-    # the quick part keeps test_paged_with_images_matches_dense[64] and the clip processor
+    # the quick part keeps test_paged_with_images_matches_dense[64]
     "test_models_llava.py::test_paged_with_images_matches_dense[3]",
-    "test_models_image.py::test_matches_transformers_image_processor[siglip-config1]",
     # scanned vs per-layer: the quick part keeps test_engine_models' engine-level check
     "test_cli_generate.py::test_scan_layers_on_and_off_give_the_same_tokens",
     "test_cli_generate.py::test_huge_seed_from_the_command_line",  # test_engine_faults: quick
