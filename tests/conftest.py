@@ -143,6 +143,34 @@ SLOW_TESTS = {
 }
 
 
+# Test files that build the same engines (model and EngineConfig, so the same compiled
+# step programs, which JAX keeps per process) run on the same worker under the quick
+# suite's `--dist loadfile`: the programs compile once, not once per worker. A file here
+# goes with the file it names: these build test_engine_correctness's model and BASE
+# config (test_offload_waiting alone compiles for 20 s of CPU what it finds compiled
+# after test_engine_offload).
+SAME_WORKER = {
+    "test_engine_offload.py": "test_engine_correctness.py",
+    "test_offload_waiting.py": "test_engine_correctness.py",
+    "test_engine_bad_input.py": "test_engine_correctness.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedProgramsScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            folder, _, name = path.rpartition("/")
+            return f"{folder}/{SAME_WORKER[name]}" if name in SAME_WORKER else path
+
+    return SharedProgramsScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     collected = {item.nodeid.rsplit("/", 1)[-1] for item in items}
     for item in items:
