@@ -10,13 +10,13 @@ equal this (single-process, single-device) run.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from eight_devices import simulated_devices_env
 
 REPO = Path(__file__).resolve().parent.parent
 MESHES = {  # name: (data, model, kv_heads, group, data ranks after planning)
@@ -70,8 +70,7 @@ def test_two_processes_match_single_process(tmp_path: Path) -> None:
 
     seed = int(np.random.SeedSequence().entropy % (1 << 31))
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = simulated_devices_env(2)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(i), str(port), str(seed), str(tmp_path)],

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from default_codegen import compile_by_default
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -116,7 +117,7 @@ def test_write_donates_the_store_and_needs_no_store_sized_temporaries():
     assert not s.array.is_deleted()
     lowered, donated = s.device.lower_write(2)
     assert donated.shape == s.array.shape and donated.dtype == s.array.dtype
-    stats = lowered.compile().memory_analysis()
+    stats = compile_by_default(lowered).memory_analysis()
     assert stats.alias_size_in_bytes == s.device.nbytes  # output aliases the donated input
     assert stats.temp_size_in_bytes < s.device.nbytes // 16
 
@@ -372,7 +373,7 @@ def test_bf16_stored_as_uint16_round_trips_in_place_with_bounded_programs():
         got = np.asarray(s.get(h))
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
-    stats = s.device.lower_write(4)[0].compile().memory_analysis()
+    stats = compile_by_default(s.device.lower_write(4)[0]).memory_analysis()
     assert stats.temp_size_in_bytes < 0.1 * s.device.nbytes, "the uint16 store is written in place"
 
 

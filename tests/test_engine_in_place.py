@@ -14,6 +14,7 @@ engine model, both real decoder families
 from __future__ import annotations
 
 import pytest
+from default_codegen import compile_by_default
 from eight_devices import call_on_8_devices
 
 from jaxkv.device.in_place import check_in_place
@@ -55,7 +56,7 @@ def engine_programs_report(family: str, dtype: str, kv_cache_dtype: str, devices
     engine = LLMEngine(model, config, mesh=mesh)
     report = {}
     for name, (lowered, caches) in engine.runner.lowered_programs().items():
-        result = check_in_place(lowered.compile(), caches)
+        result = check_in_place(compile_by_default(lowered), caches)
         assert result.cache_bytes and min(result.cache_bytes) > 0
         report[name] = result.problems
     return report
@@ -109,11 +110,12 @@ def test_the_check_sees_a_cache_copy():
     def copies(kv):  # not donated: the output cannot alias the input
         return kv.at[0].set(1.0)
 
-    result = check_in_place(copies.lower(cache).compile(), [cache])
+    result = check_in_place(compile_by_default(copies.lower(cache)), [cache])
     assert not result.in_place and "aliased" in result.problems[0]
 
     def in_place(kv):
         return kv.at[0].set(1.0)
 
-    result = check_in_place(jax.jit(in_place, donate_argnums=0).lower(cache).compile(), [cache])
+    program = jax.jit(in_place, donate_argnums=0).lower(cache)
+    result = check_in_place(compile_by_default(program), [cache])
     assert result.in_place, result.problems

@@ -18,7 +18,6 @@ a timeout; the multi-process runs use `--distributed-timeout`-sized bounds, neve
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from eight_devices import simulated_devices_env
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_LEN = 48
@@ -42,9 +42,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    paths = [str(REPO), str(REPO / "tests"), env.get("PYTHONPATH")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    env = simulated_devices_env(devices)
     env["JAXKV_COMPILATION_CACHE"] = "none"
     return env
 

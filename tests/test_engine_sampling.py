@@ -9,6 +9,7 @@ pass); the sampler's own checks on a logits row are quick.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,9 +105,10 @@ def test_min_p_one_and_a_huge_penalty_on_a_logits_row() -> None:
     logits = jnp.asarray([[1.0, 3.0, 2.0, -1.0]] * 2)
     rows = dict(temperature=jnp.ones(2), top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2),
                 seeds=jnp.arange(2), counters=jnp.zeros(2, jnp.int32))  # fmt: skip
+    sample = jax.jit(sample_tokens)  # inside jit, as the step runs it: one program, 5 seeds
     for seed in range(5):
         rows["seeds"] = jnp.full(2, seed)
-        assert sample_tokens(logits, **rows, min_p=jnp.ones(2)).tolist() == [1, 1]
+        assert sample(logits, **rows, min_p=jnp.ones(2)).tolist() == [1, 1]
     counts = jnp.asarray([[0, 2, 0, 0], [0, 0, 0, 0]])
     seen = jnp.asarray([[False] * 4, [False, True, False, True]])
     out = apply_penalties(logits, counts, seen, jnp.asarray([0.5, 0.0]), jnp.asarray([0.25, 0.0]),

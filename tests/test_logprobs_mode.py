@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,8 +72,9 @@ MODES = [
 
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_on_fixed_logits_rows(mode: str) -> None:
-    tokens, scores = sample_and_score(jnp.asarray(LOGITS), **ROWS, logprobs_mode=mode)
-    plain, none = sample_and_score(jnp.asarray(LOGITS), **ROWS)
+    score = jax.jit(sample_and_score, static_argnames="logprobs_mode")  # as the step runs it
+    tokens, scores = score(jnp.asarray(LOGITS), **ROWS, logprobs_mode=mode)
+    plain, none = score(jnp.asarray(LOGITS), **ROWS)
     assert none is None and tokens.tolist() == plain.tolist(), "the mode never changes tokens"
     assert tokens[0] == 0  # greedy: token 1 banned, token 2 penalized below token 0's tie
     source = _processed_logits() if mode.startswith("processed") else LOGITS

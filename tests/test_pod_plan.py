@@ -4,12 +4,12 @@ compiled ahead of time on abstract inputs (`jaxkv.engine.pod_plan`)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from eight_devices import simulated_devices_env
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import cli
@@ -100,8 +100,7 @@ def _plans_on_16_devices(model_dir: str) -> list[dict]:
 
 
 def test_aot_plan_on_16_devices_is_checked_by_the_compiler(gemma3_dir) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = simulated_devices_env(16)
     code = (
         "import json, sys, test_pod_plan as t; "
         "print('RESULT ' + json.dumps(t._plans_on_16_devices(sys.argv[1])))"
