@@ -278,8 +278,8 @@ class EngineLoop:
         for request_id, stream in list(self._streams.items()):
             failed = RequestOutput.rejected([], f"the engine failed: {failure}")
             failed.request_id, failed.finish_reason = request_id, "error"
+            self._release()  # before its consumer can see the end: pending means unended
             _hand_over(stream._loop, [(stream.queue, (time.monotonic(), failed))])
-            self._release()
         self._streams.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -296,8 +296,8 @@ class EngineLoop:
             by_loop.setdefault(stream._loop, []).append((stream.queue, (now, output)))
             if output.finished:
                 finished.append(output.request_id)
-        for loop, items in by_loop.items():
-            _hand_over(loop, items)
-        for request_id in finished:
+        for request_id in finished:  # released before their consumers see the end
             del streams[request_id]
             self._release()
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
