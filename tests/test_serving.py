@@ -106,6 +106,38 @@ def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(running) -> N
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_return_token_ids_stream_a_chunk_per_token(running, checkpoint, kind) -> None:
+    """vLLM's `return_token_ids`: the prompt's ids once, each chunk's token ids, equal to
+    `generate`'s and to the whole answer's; every output with a token is a chunk of its
+    own, whatever its text (vLLM's chunking, which its benchmark's TTFT counts on)."""
+    engine, served = make_engine(checkpoint)
+    if kind == "chat":
+        messages = [{"role": "user", "content": "w40 w41"}]
+        prompt = served.encoder.encode_chat(messages)
+        create = running.client.chat.completions.create
+        kw = dict(messages=messages, max_completion_tokens=7)
+    else:
+        prompt = served.encoder.encode(PROMPTS[1])
+        create, kw = running.client.completions.create, dict(prompt=PROMPTS[1], max_tokens=7)
+    (expected,) = engine.generate([prompt], SamplingParams(max_tokens=7, ignore_eos=True))
+    engine.shutdown()
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    kw.update(model="tiny", temperature=0, extra_body=extra)
+    whole = create(**kw).model_dump()
+    chunks = [c.model_dump() for c in create(**kw, stream=True)]
+    choices = [c["choices"][0] for c in chunks]
+    if kind == "chat":
+        assert whole["prompt_token_ids"] == chunks[0]["prompt_token_ids"] == prompt
+        assert choices[0]["delta"]["role"] == "assistant" and choices[0].get("token_ids") is None
+        choices = choices[1:]
+    else:
+        assert whole["choices"][0]["prompt_token_ids"] == choices[0]["prompt_token_ids"] == prompt
+        assert all(c.get("prompt_token_ids") is None for c in choices[1:])
+    assert whole["choices"][0]["token_ids"] == expected.output_token_ids
+    assert [c["token_ids"] for c in choices] == [[t] for t in expected.output_token_ids]
+
+
 def test_n_samples_and_seeds(running) -> None:
     response = running.client.completions.create(
         model="tiny", prompt="w5 w6", max_tokens=5, n=3, temperature=1.0, seed=7,

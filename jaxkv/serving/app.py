@@ -218,14 +218,16 @@ class _Generation:
 
     async def _collect(self, parsed: GenerationRequest, streams: list[RequestStream]) -> dict:
         choices = [
-            {"tokens": 0, "text": [], "finish_reason": None, "stop_reason": None,
-             "logprobs": [] if parsed.samplings[0].logprobs is not None else None}
+            {"token_ids": [], "text": [], "finish_reason": None, "stop_reason": None,
+             "logprobs": [] if parsed.samplings[0].logprobs is not None else None,
+             "prompt_token_ids": None}
             for _ in streams
         ]  # fmt: skip
         async for batch in self._outputs(parsed, streams):
             for index, output in batch:
                 choice = choices[index]
-                choice["tokens"] += len(output.new_token_ids)
+                choice["token_ids"] += output.new_token_ids
+                choice["prompt_token_ids"] = output.prompt_token_ids
                 choice["text"].append(output.text or "")
                 if choice["logprobs"] is not None:
                     pairs = zip(output.new_token_ids, output.logprobs or (), strict=False)
@@ -239,18 +241,22 @@ class _Generation:
     async def _events(
         self, parsed: GenerationRequest, streams: list[RequestStream]
     ) -> AsyncIterator[str]:
-        """Server-sent events: chunks as tokens come (the events of outputs that queued
-        up while the client's connection was busy go in one write), the usage chunk when
-        asked, then `data: [DONE]`."""
+        """Server-sent events as vLLM streams them: a chunk per output that brings tokens
+        (its text may be empty: a character still incomplete) or the finish (the events
+        of outputs that queued up while the client's connection was busy go in one
+        write); a chat's role chunks come with the first output, as its first token is
+        ready; the usage chunk when asked, then `data: [DONE]`."""
         tokens = [0] * len(streams)
-        if parsed.kind == "chat":
-            for index in range(len(streams)):
-                yield _sse(_chunk(parsed, index, {"role": "assistant", "content": ""}, None))
+        started = [False] * len(streams)
         async for batch in self._outputs(parsed, streams):
             events = []
             for index, output in batch:
+                first = not started[index] and bool(output.new_token_ids or output.finished)
+                if first:
+                    started[index] = True
+                    events.append(_first_event(parsed, index, output))
                 tokens[index] += len(output.new_token_ids)
-                events.append(_event(parsed, index, output))
+                events.append(_event(parsed, index, output, first))
             if text := "".join(events):
                 yield text
         if parsed.include_usage:
@@ -260,20 +266,39 @@ class _Generation:
         yield "data: [DONE]\n\n"
 
 
-def _event(parsed: GenerationRequest, index: int, output) -> str:
-    """One output's server-sent event ("" for an output with nothing to say)."""
+def _first_event(parsed: GenerationRequest, index: int, output) -> str:
+    """What comes before a choice's first output: a chat's role chunk (with the prompt's
+    token ids when asked, as vLLM's first chunk has them); nothing for a completion,
+    whose first chunk carries them."""
+    if parsed.kind != "chat":
+        return ""
+    chunk = _chunk(parsed, index, {"role": "assistant", "content": ""}, None)
+    if parsed.return_token_ids:
+        chunk["prompt_token_ids"] = output.prompt_token_ids
+    return _sse(chunk)
+
+
+def _event(parsed: GenerationRequest, index: int, output, first: bool = False) -> str:
+    """One output's server-sent event ("" for an output with no tokens that does not
+    finish: a prefill chunk); `first`: the choice's first event."""
     if output.finished and output.finish_reason == "error":
         return _sse(ClientError(output.error or "the request failed", status=500).body())
     reason = _finish_reason(output) if output.finished else None
-    text = output.text or ""
-    if not text and reason is None:
+    if not output.new_token_ids and reason is None:
         return ""
+    text = output.text or ""
     delta = {"content": text} if parsed.kind == "chat" else text
     logprobs = None
     if parsed.samplings[0].logprobs is not None:
         pairs = zip(output.new_token_ids, output.logprobs or (), strict=False)
         logprobs = _logprobs_object(parsed.kind, list(pairs))
-    return _sse(_chunk(parsed, index, delta, reason, logprobs, output.stop_reason))
+    chunk = _chunk(parsed, index, delta, reason, logprobs, output.stop_reason)
+    if parsed.return_token_ids:
+        choice = chunk["choices"][0]
+        choice["token_ids"] = list(output.new_token_ids)
+        if parsed.kind == "completion" and first:
+            choice["prompt_token_ids"] = output.prompt_token_ids
+    return _sse(chunk)
 
 
 def _as_client_error(error: BaseException, param: str) -> BaseException:
@@ -385,5 +410,12 @@ def _response(parsed: GenerationRequest, choices: list[dict]) -> dict:
         else:
             out.append({"index": index, "text": text, "logprobs": logprobs,
                         "finish_reason": reason, "stop_reason": choice["stop_reason"]})  # fmt: skip
-    usage = _usage(parsed, [c["tokens"] for c in choices])
-    return {**_envelope(parsed, chunk=False), "choices": out, "usage": usage}
+        if parsed.return_token_ids:
+            out[-1]["token_ids"] = choice["token_ids"]
+            if parsed.kind == "completion":
+                out[-1]["prompt_token_ids"] = choice["prompt_token_ids"]
+    usage = _usage(parsed, [len(c["token_ids"]) for c in choices])
+    response = {**_envelope(parsed, chunk=False), "choices": out, "usage": usage}
+    if parsed.return_token_ids and parsed.kind == "chat":
+        response["prompt_token_ids"] = choices[0]["prompt_token_ids"]
+    return response

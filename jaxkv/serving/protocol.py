@@ -41,6 +41,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's: token ids beside the text, prompt's too
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
     image_urls: list[ImageURL] = field(default_factory=list)  # a chat's, in prompt order
@@ -200,6 +201,10 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> tuple[int, 
     return default, names[0]
 
 
+def _return_token_ids(body: dict) -> bool:
+    return _get(body, "return_token_ids", (bool,), False, "a bool")
+
+
 def parse_completion(body: Any, served_model: str, encoder, max_model_len: int):
     """A `/v1/completions` body as a `GenerationRequest`; text prompts encoded by the
     checkpoint's `PromptEncoder` (ClientError naming the field)."""
@@ -216,6 +221,7 @@ def parse_completion(body: Any, served_model: str, encoder, max_model_len: int):
         stream,
         include_usage,
         salt,
+        return_token_ids=_return_token_ids(body),
         id=f"cmpl-{uuid.uuid4().hex}",
     )
 
@@ -248,6 +254,7 @@ def parse_chat(
         stream,
         include_usage,
         salt,
+        return_token_ids=_return_token_ids(body),
         id=f"chatcmpl-{uuid.uuid4().hex}",
         image_urls=urls,
         image_prompt_tokens=expanded,
