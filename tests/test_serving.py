@@ -16,7 +16,7 @@ from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.models.prompting import PromptEncoder
 from jaxkv.models.testing import save_chat_checkpoint
-from jaxkv.serving.app import ServedModel
+from jaxkv.serving.app import MAX_BODY_BYTES, ServedModel
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
 from jaxkv.serving.images import ServedImages
 from jaxkv.serving.process import free_port
@@ -208,6 +208,22 @@ def test_non_json_and_non_object_bodies_are_400(running) -> None:
     for content in (b"{", b"[1, 2]", b"\xff"):
         response = HTTP.post(f"{running.url}/v1/completions", content=content)
         assert response.status_code == 400 and "message" in response.json()["error"]
+
+
+def test_a_body_past_the_bound_is_413_declared_or_streamed(running) -> None:
+    """A body over `MAX_BODY_BYTES` is refused whether its length is declared (nothing is
+    read) or it comes chunked (reading stops at the bound): the server's memory is bounded
+    by the limit, not by what a client sends."""
+    big = b'{"prompt": "' + b"w5 " * (MAX_BODY_BYTES // 3 + 1) + b'"}'
+    declared = HTTP.post(f"{running.url}/v1/completions", content=big)
+    chunked = HTTP.post(
+        f"{running.url}/v1/completions",
+        content=(big[i : i + 2**20] for i in range(0, len(big), 2**20)),
+    )
+    for response in (declared, chunked):
+        assert response.status_code == 413, response.text
+        assert f"larger than {MAX_BODY_BYTES} bytes" in response.json()["error"]["message"]
+    assert running.client.completions.create(model="tiny", prompt="w5", max_tokens=1).choices
 
 
 def test_small_endpoints(running) -> None:

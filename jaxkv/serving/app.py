@@ -19,13 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull, RequestStream
-from jaxkv.serving.images import ServedImages
+from jaxkv.serving.images import MAX_IMAGE_BYTES, ServedImages
 from jaxkv.serving.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from jaxkv.serving.protocol import ClientError, GenerationRequest, parse_chat, parse_completion
 
 __all__ = ["ServedModel", "build_app"]
 
 RETRY_AFTER_S = 1
+# A request body's bound: its images' base64 (`MAX_IMAGE_BYTES` decoded) and room for text.
+MAX_BODY_BYTES = 4 * MAX_IMAGE_BYTES // 3 + 8 * 2**20
 
 
 @dataclass
@@ -47,8 +49,22 @@ def _error(error: ClientError) -> JSONResponse:
 
 
 async def _json_body(request: Request) -> object:
+    """The body as JSON; a 413 once it passes `MAX_BODY_BYTES` (read no further)."""
+    too_large = ClientError(
+        f"the request body is larger than {MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES >> 20} MiB)",
+        status=413,
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(part)
     try:
-        return json.loads(await request.body())
+        return json.loads(b"".join(parts))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise ClientError(f"the request body is not valid JSON ({error})") from None
 
