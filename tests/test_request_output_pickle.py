@@ -32,3 +32,20 @@ def test_an_output_arrives_equal_with_only_its_span() -> None:
 def test_the_pickled_size_does_not_grow_with_the_request() -> None:
     short, long = pickle.dumps(output_at(10)), pickle.dumps(output_at(10_000))
     assert abs(len(long) - len(short)) < 64, (len(short), len(long))
+
+
+def test_every_field_survives_a_finished_parents_output() -> None:
+    """A finished `n > 1` parent's output with every field set to something other than
+    its default arrives with each of them (a field the pickled form forgot would come
+    back as the default)."""
+    child = output_at(6)
+    samples = [child.completion(0), child.completion(1)]
+    sent = RequestOutput(
+        "parent", [7, 8], list(range(6)), 2, 4, 6, True, "stop", "xyz", 3, "why", 2, 1,
+        logprobs=child._logprobs, cumulative_logprob=-2.5, stop_reason="</s>",
+        prompt_logprobs=[None, {8: Logprob(-0.1, 1, "b")}], completions=samples,
+    )  # fmt: skip
+    sent.weight_versions = ("v1",)
+    got = pickle.loads(pickle.dumps(sent))
+    assert got == sent and got.outputs == samples and got.weight_versions == ("v1",)
+    assert (got.num_preemptions, got.error, got.num_host_cached_tokens) == (3, "why", 1)

@@ -18,7 +18,7 @@ from jaxkv.models.prompting import PromptEncoder
 from jaxkv.models.testing import save_chat_checkpoint
 from jaxkv.serving.app import MAX_BODY_BYTES, ServedModel
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull
-from jaxkv.serving.images import ServedImages
+from jaxkv.serving.images import MAX_IMAGE_BYTES, ServedImages
 from jaxkv.serving.process import free_port
 from jaxkv.serving.server import Server
 
@@ -213,7 +213,9 @@ def test_non_json_and_non_object_bodies_are_400(running) -> None:
 def test_a_body_past_the_bound_is_413_declared_or_streamed(running) -> None:
     """A body over `MAX_BODY_BYTES` is refused whether its length is declared (nothing is
     read) or it comes chunked (reading stops at the bound): the server's memory is bounded
-    by the limit, not by what a client sends."""
+    by the limit, not by what a client sends; the largest images a request may carry
+    fit as base64."""
+    assert MAX_BODY_BYTES > 4 * MAX_IMAGE_BYTES // 3 + 2**20
     big = b'{"prompt": "' + b"w5 " * (MAX_BODY_BYTES // 3 + 1) + b'"}'
     declared = HTTP.post(f"{running.url}/v1/completions", content=big)
     chunked = HTTP.post(

@@ -161,20 +161,21 @@ class RequestOutput:
             completions=completions,
         )  # fmt: skip
 
-    def __getstate__(self) -> dict:
+    def __reduce__(self) -> tuple:
         """What pickles: this output's span alone, not the request's tokens and logprobs
-        before it (an engine in another process sends each step's outputs)."""
-        state = {name: getattr(self, name) for name in RequestOutput.__slots__}
+        before it (an engine in another process sends each step's outputs), as the
+        constructor's arguments: a flat tuple, which pickles several times faster than a
+        state dictionary."""
         start, end = self._start, self._end
-        state.update(
-            _tokens=self._tokens[start:end], _start=0, _new_start=self._new_start - start,
-            _end=end - start, _logprobs=self.logprobs,
+        return (
+            _unpickle_output,
+            (self.request_id, self.prompt_token_ids, self._tokens[start:end],
+             self._new_start - start, self.finished, self.finish_reason, self.text,
+             self.num_preemptions, self.error, self.num_cached_tokens,
+             self.num_host_cached_tokens, self.weight_versions, self.logprobs,
+             self.cumulative_logprob, self.stop_reason, self.prompt_logprobs,
+             self._completions),
         )  # fmt: skip
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
 
     def _values(self) -> tuple:
         return tuple(getattr(self, name) for name in _FIELDS)
@@ -189,6 +190,22 @@ class RequestOutput:
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={v!r}" for n, v in zip(_FIELDS, self._values(), strict=True))
         return f"RequestOutput({fields})"
+
+
+def _unpickle_output(
+    request_id, prompt_token_ids, tokens, new_start, finished, finish_reason, text,
+    num_preemptions, error, num_cached_tokens, num_host_cached_tokens, weight_versions,
+    logprobs, cumulative_logprob, stop_reason, prompt_logprobs, completions,
+) -> RequestOutput:  # fmt: skip
+    """`RequestOutput.__reduce__`'s other half: the output spanning all of `tokens`."""
+    output = RequestOutput(
+        request_id, prompt_token_ids, tokens, 0, new_start, len(tokens), finished,
+        finish_reason, text, num_preemptions, error, num_cached_tokens,
+        num_host_cached_tokens, logprobs=logprobs, cumulative_logprob=cumulative_logprob,
+        stop_reason=stop_reason, prompt_logprobs=prompt_logprobs, completions=completions,
+    )  # fmt: skip
+    output.weight_versions = weight_versions
+    return output
 
 
 # What an output says, in the order its repr and equality read it.

@@ -19,15 +19,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.serving.engine_loop import EngineLoop, EngineLoopClosed, QueueFull, RequestStream
-from jaxkv.serving.images import MAX_IMAGE_BYTES, ServedImages
+from jaxkv.serving.images import ServedImages
 from jaxkv.serving.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from jaxkv.serving.protocol import ClientError, GenerationRequest, parse_chat, parse_completion
 
 __all__ = ["ServedModel", "build_app"]
 
 RETRY_AFTER_S = 1
-# A request body's bound: its images' base64 (`MAX_IMAGE_BYTES` decoded) and room for text.
-MAX_BODY_BYTES = 4 * MAX_IMAGE_BYTES // 3 + 8 * 2**20
+# A request body's bound: room for its images' base64 (`MAX_IMAGE_BYTES` decoded, 4/3 of
+# that encoded) and for text.
+MAX_BODY_BYTES = 36 * 2**20
 
 
 @dataclass
