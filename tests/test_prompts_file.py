@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
 import pytest
 
-from jaxkv.models.chat_sandbox import MAX_RANGE_NUMBERS, render_chat_template
+from jaxkv.models.chat_sandbox import (
+    MAX_RANGE_NUMBERS,
+    MAX_WRITTEN_CHARS,
+    _compiled,
+    render_chat_template,
+)
 from jaxkv.prompts_file import read_prompts
 
 
@@ -130,3 +136,17 @@ def test_template_work_is_bounded_and_its_errors_are_value_errors(template, mess
 def test_the_range_budget_is_per_render() -> None:
     template = f"{{% for i in range({MAX_RANGE_NUMBERS}) %}}{{% endfor %}}ok"
     assert [render_chat_template(template) for _ in range(2)] == ["ok", "ok"]
+
+
+def test_a_template_compiles_once_and_every_render_has_the_whole_budgets() -> None:
+    """One compiled template, rendered in turn and on four threads at once: each render
+    spans 60% of the range budget and writes 60% of the written-text budget, so each
+    passes only if its budgets are its own."""
+    writes = "{% set x %}{{ 'y' * 1000000 }}{% endset %}" * (MAX_WRITTEN_CHARS * 3 // 5 // 10**6)
+    template = f"{{% for i in range({MAX_RANGE_NUMBERS * 3 // 5}) %}}{{% endfor %}}{writes}ok"
+    before = _compiled.cache_info()
+    assert [render_chat_template(template) for _ in range(2)] == ["ok", "ok"]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: render_chat_template(template), range(4))) == ["ok"] * 4
+    after = _compiled.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 5)

@@ -24,12 +24,19 @@ repetition and output size unbounded. Here one render may:
 - write at most `MAX_OUTPUT_CHARS` characters (checked as the output streams).
 Anything past a bound, and any template error, is a `ValueError` starting
 "chat template:"; nothing the template does escapes as another exception type.
+
+A template is compiled once (`_compiled`, the last `COMPILED_TEMPLATES` kept; compiling
+costs a hundred times a render) and rendered many times: the bounds are one render's,
+kept in a context variable each render sets (`_RenderBudget`), so renders on several
+threads at once each have their own.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, NoReturn
 
@@ -48,6 +55,7 @@ MAX_OUTPUT_CHARS = 1 << 20
 # A template's macros and blocks build text that is written again (a macro's result
 # printed by its caller): room for a few such layers over the output's own size.
 MAX_WRITTEN_CHARS = 8 * MAX_OUTPUT_CHARS
+COMPILED_TEMPLATES = 16  # a server renders its model's one or few templates
 # What a template's own code can raise (its errors, not jaxkv's); SyntaxError is
 # Python's, for a `{% break %}` outside a loop (Jinja compiles it as written).
 _TEMPLATE_FAULTS = (
@@ -99,20 +107,26 @@ def _check_size(what: str, size: int, limit: int = MAX_OUTPUT_CHARS) -> None:
         raise ValueError(f"chat template: a {what} of {size} items; the limit is {limit}")
 
 
-class _RangeBudget:
-    """`range` for one render: all its ranges together span at most `MAX_RANGE_NUMBERS`."""
+class _RenderBudget:
+    """What one render may still do: numbers its `range`s may span, characters its
+    `{{ ... }}` may write."""
 
     def __init__(self) -> None:
-        self.left = MAX_RANGE_NUMBERS
+        self.range_numbers = MAX_RANGE_NUMBERS
+        self.written_chars = MAX_WRITTEN_CHARS
 
-    def __call__(self, *args: int) -> range:
-        numbers = range(*args)
-        if len(numbers) > self.left:
-            raise ValueError(
-                f"chat template: its ranges span more than {MAX_RANGE_NUMBERS} numbers"
-            )
-        self.left -= len(numbers)
-        return numbers
+
+_BUDGET: ContextVar[_RenderBudget] = ContextVar("chat_template_budget")
+
+
+def _bounded_range(*args: int) -> range:
+    """`range` for templates: all of one render's ranges span at most
+    `MAX_RANGE_NUMBERS` numbers."""
+    numbers, budget = range(*args), _BUDGET.get()
+    if len(numbers) > budget.range_numbers:
+        raise ValueError(f"chat template: its ranges span more than {MAX_RANGE_NUMBERS} numbers")
+    budget.range_numbers -= len(numbers)
+    return numbers
 
 
 class _JsonSize:
@@ -186,32 +200,28 @@ def _tojson(
     )  # fmt: skip
 
 
-class _WrittenBudget:
-    """`finalize` for one render: the text of every `{{ ... }}`, at most
+def _bounded_finalize(value: Any) -> str:
+    """`finalize` for templates: the text of every `{{ ... }}` of one render, at most
     `MAX_WRITTEN_CHARS` characters in all. A list, tuple or dict is measured (as JSON,
     about its text's size) before its text is built."""
+    budget = _BUDGET.get()
+    if isinstance(value, dict | list | tuple):
+        try:
+            _JsonSize(budget.written_chars, "writes").measure(value)
+        except ValueError:
+            _overrun()
+    text = str(value)  # what Jinja writes for `value`
+    budget.written_chars -= len(text)
+    if budget.written_chars < 0:
+        _overrun()
+    return text
 
-    def __init__(self) -> None:
-        self.left = MAX_WRITTEN_CHARS
 
-    def __call__(self, value: Any) -> str:
-        if isinstance(value, dict | list | tuple):
-            try:
-                _JsonSize(self.left, "writes").measure(value)
-            except ValueError:
-                self._overrun()
-        text = str(value)  # what Jinja writes for `value`
-        self.left -= len(text)
-        if self.left < 0:
-            self._overrun()
-        return text
-
-    @staticmethod
-    def _overrun() -> NoReturn:
-        raise ValueError(
-            f"chat template: writes more than {MAX_WRITTEN_CHARS} characters in all "
-            "(macros and blocks included)"
-        )
+def _overrun() -> NoReturn:
+    raise ValueError(
+        f"chat template: writes more than {MAX_WRITTEN_CHARS} characters in all "
+        "(macros and blocks included)"
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -222,17 +232,23 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+@functools.cache
 def _environment() -> _BoundedSandbox:
-    """A fresh environment: its range and written-text budgets are one render's."""
+    """The one environment templates compile in (it holds no render's state)."""
     env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=list(CHAT_EXTENSIONS),
-        finalize=_WrittenBudget(),
+        finalize=_bounded_finalize,
     )  # fmt: skip
     env.filters["tojson"] = _tojson
     env.globals.update(
-        range=_RangeBudget(), raise_exception=_raise_exception, strftime_now=_strftime_now
+        range=_bounded_range, raise_exception=_raise_exception, strftime_now=_strftime_now
     )
     return env
+
+
+@functools.lru_cache(maxsize=COMPILED_TEMPLATES)
+def _compiled(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
 
 
 def _fault(error: BaseException) -> ValueError:
@@ -259,12 +275,15 @@ def render_chat_template(template: str, **variables: Any) -> str:
     """`template` rendered with `variables` within the module's bounds (ValueError past
     one, or for any template error: syntax, an undefined call, `raise_exception`)."""
     pieces, size = [], 0
+    budget = _BUDGET.set(_RenderBudget())
     try:
-        for piece in _environment().from_string(template).generate(**variables):
+        for piece in _compiled(template).generate(**variables):
             size += len(piece)
             if size > MAX_OUTPUT_CHARS:
                 raise ValueError(f"chat template: writes more than {MAX_OUTPUT_CHARS} characters")
             pieces.append(piece)
     except _TEMPLATE_FAULTS as error:
         raise _fault(error) from None
+    finally:
+        _BUDGET.reset(budget)
     return "".join(pieces)
