@@ -195,7 +195,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         elif rid in self.abort_due:  # its final output comes with the next step: a no-op
             before = engine_state(self.engine)
             self.engine.abort(rid)
-            assert engine_state(self.engine) == before
+            # All but the publisher's count of sends, which its thread advances meanwhile.
+            assert engine_state(self.engine)[:-1] == before[:-1]
         else:
             self.engine.abort(rid)
             self.abort_due.add(rid)
