@@ -182,6 +182,33 @@ def test_stop_strings_and_logprobs_match_the_engine(running, checkpoint) -> None
 
 
 @pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [("completion", "echo", True), ("completion", "logit_bias", {"7": 5}),
+     ("completion", "prompt_logprobs", 1), ("completion", "guided_regex", "w5"),
+     ("chat", "response_format", {"type": "json_object"}), ("chat", "tool_choice", "auto"),
+     ("chat", "chat_template", "{{ 'x' * 100 }}" * 20), ("chat", "add_generation_prompt", False),
+     ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+     ("chat", "skip_special_tokens", False)],
+)  # fmt: skip
+def test_fields_the_server_does_not_serve_are_refused_not_ignored(running, kind, field, value):
+    """An answer that ignored one of these would look right and be wrong: a 400 naming the
+    field (its value shown shortened); the field's neutral value is served."""
+    if kind == "chat":
+        create = running.client.chat.completions.create
+        args = {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 2}
+    else:
+        create, args = running.client.completions.create, {"prompt": "w5", "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as raised:
+        create(model="tiny", **args, extra_body={field: value})
+    body = raised.value.body
+    assert body["param"] == field and "not supported" in body["message"]
+    assert len(body["message"]) < 120, body["message"]
+    neutral = {"echo": False, "logit_bias": {}, "add_generation_prompt": True}
+    if field in neutral:
+        assert create(model="tiny", **args, extra_body={field: neutral[field]}).choices
+
+
+@pytest.mark.parametrize(
     ("kwargs", "error", "param"),
     [
         ({"temperature": 5}, openai.BadRequestError, "temperature"),

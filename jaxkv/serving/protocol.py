@@ -159,12 +159,33 @@ def _samplings(
     return out
 
 
-# Fields whose meaning the engine does not serve yet, and the values that ask nothing of
-# it: anything else is refused, never silently ignored.
+# Fields of vLLM's requests whose meaning this server does not serve, and the values that
+# ask nothing of it: anything else is refused, never silently ignored (an answer that
+# ignored `echo`, `logit_bias` or a grammar would look right and be wrong). `chat_template`
+# is refused as vLLM refuses it without `--trust-request-chat-template`.
 _NOT_SERVED = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "echo": (None, False),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "skip_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
 }
 
 
@@ -172,7 +193,9 @@ def _refuse_unserved(body: dict) -> None:
     for name, neutral in _NOT_SERVED.items():
         value = body.get(name)
         if not any(value == v and type(value) is type(v) for v in neutral) and value is not None:
-            raise ClientError(f"{name}={value!r} is not supported by this server yet", name)
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+            raise ClientError(f"{name}={shown} is not supported by this server yet", name)
 
 
 def _common(body: Any, kind: str, served_model: str) -> tuple[str, bool, bool, str | None]:
