@@ -49,20 +49,23 @@ def _error(error: ClientError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def _json_body(request: Request) -> object:
-    """The body as JSON; a 413 once it passes `MAX_BODY_BYTES` (read no further)."""
-    too_large = ClientError(
+def _body_too_large() -> ClientError:
+    return ClientError(
         f"the request body is larger than {MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES >> 20} MiB)",
         status=413,
     )
+
+
+async def _json_body(request: Request) -> object:
+    """The body as JSON; a 413 once it passes `MAX_BODY_BYTES` (read no further)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
+        raise _body_too_large()
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > MAX_BODY_BYTES:
-            raise too_large
+            raise _body_too_large()
         parts.append(part)
     try:
         return json.loads(b"".join(parts))
