@@ -9,10 +9,16 @@ greedy, `ignore_eos`) driven two ways over the same engine flags:
 - served: a `jaxkv serve` subprocess, the driver streaming `/v1/completions` over HTTP.
 
 Per mode: TTFT (send to first token) and ITL (gap between token-bearing outputs or
-chunks), median and p90 over every request of a run, and output tokens per second. The
-modes alternate (forwards, then backwards) over `--repeats` runs after a warm-up run of
-each; the table gives each figure's median over the runs and its range, and each mode's
-ratio of the medians to in-process. Run:
+chunks), median and p90 over a run's requests in steady state, after the opening burst
+(each client's first request; all are sent at once, and their TTFT hangs on how many
+reach the engine before its first step: microseconds apart in-process, milliseconds
+apart over 32 new connections), and again over all of them (`all_*`); output tokens per
+second. The modes alternate (forwards, then backwards) over `--repeats` runs after a
+warm-up run of each; the first table gives each figure's median over the runs and its
+range, and each mode's ratio of the medians to in-process. The pooled tables take the
+requests of every run together: the latency ratios to in-process with 95% bootstrap
+intervals (requests resampled within their run), so a run-to-run swing of the closed
+loop's queueing is not read as the server's cost. Run:
 
     python -m benchmarks.bench_serve [--concurrency 32] [--requests 128] [--repeats 6]
         [--checkpoint DIR] [--record]
@@ -45,13 +51,15 @@ def workload(num_requests: int, vocab: int, seed: int = 0) -> list[tuple[list[in
 
 async def _closed_loop(requests, concurrency: int, one) -> tuple[list, float]:
     """Run `one(prompt, max_tokens)` over `requests` with `concurrency` clients; each
-    result (send time, token-output times, tokens) and the wall time."""
-    pending = iter(requests)
-    results = []
+    request's result (send time, acceptance time, token-output times, tokens), in
+    `requests`' order (the
+    first `concurrency` are the clients' first: the opening burst), and the wall time."""
+    pending = iter(enumerate(requests))
+    results: list = [None] * len(requests)
 
     async def client() -> None:
-        for prompt, max_tokens in pending:
-            results.append(await one(prompt, max_tokens))
+        for index, (prompt, max_tokens) in pending:
+            results[index] = await one(prompt, max_tokens)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -65,6 +73,7 @@ def in_process_run(loop, requests, concurrency: int):
         sent = time.perf_counter()
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
         stream = await loop.submit(prompt, sampling=sampling)
+        accepted = time.perf_counter()
         times, tokens = [], 0
         while True:
             _, output = await stream.get()
@@ -72,13 +81,14 @@ def in_process_run(loop, requests, concurrency: int):
                 times.append(time.perf_counter())
                 tokens += len(output.new_token_ids)
             if output.finished:
-                return sent, times, tokens
+                return sent, accepted, times, tokens
 
     return asyncio.run(_closed_loop(requests, concurrency, one))
 
 
 async def _post_stream(host: str, port: int, path: str, body: dict):
-    """POST `body` as JSON; yield the chunks of the chunked response body as they come.
+    """POST `body` as JSON; yield None once the response began, then the chunks of the
+    chunked response body as they come.
     A minimal HTTP/1.1 client, one connection per request: the client process shares
     the machine's cores with the server, so the lighter it is, the less it distorts
     what is measured (httpx costs ~3x more CPU per chunk)."""
@@ -93,6 +103,7 @@ async def _post_stream(host: str, port: int, path: str, body: dict):
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"{path}: {head.decode(errors='replace').splitlines()[0]}")
+        yield None  # the response began: the engine accepted the request
         while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
             yield (await reader.readexactly(size + 2))[:-2]
     finally:
@@ -109,6 +120,9 @@ def served_run(url: str, requests, concurrency: int):
         sent = time.perf_counter()
         times, tokens = [], 0
         async for data in _post_stream(host, int(port), "/v1/completions", body):
+            if data is None:
+                accepted = time.perf_counter()
+                continue
             for event in data.split(b"\n\n"):
                 if not event.startswith(b"data: {"):
                     continue
@@ -116,26 +130,82 @@ def served_run(url: str, requests, concurrency: int):
                 if chunk["choices"] and (token_ids := chunk["choices"][0]["token_ids"]):
                     times.append(time.perf_counter())  # token-bearing, as in-process
                     tokens += len(token_ids)
-        return sent, times, tokens
+        return sent, accepted, times, tokens
 
     return asyncio.run(_closed_loop(requests, concurrency, one))
 
 
-def summarize(results, wall_s: float, requests) -> dict:
+def per_request(results, requests) -> list[tuple[float, np.ndarray, float]]:
+    """Each request's (TTFT ms, its inter-token gaps in ms, ms until the engine accepted
+    it); every output token counted."""
     expected = sum(m for _, m in requests)
-    tokens = sum(r[2] for r in results)
+    tokens = sum(r[3] for r in results)
     if tokens != expected:
         raise RuntimeError(f"{tokens} output tokens, expected {expected}")
-    ttft = np.array([r[1][0] - r[0] for r in results]) * 1e3
-    itl = np.concatenate([np.diff(r[1]) for r in results]) * 1e3
+    return [
+        ((times[0] - sent) * 1e3, np.diff(times) * 1e3, (accepted - sent) * 1e3)
+        for sent, accepted, times, _ in results
+    ]
+
+
+def latency_stats(samples: list[tuple[float, np.ndarray, float]]) -> dict:
+    """TTFT and ITL median and p90 over `samples` (per-request, as `per_request`), and
+    the median and p90 wait for the engine to accept a request (it takes requests
+    between steps: a request that missed a step's start waits for the next one)."""
+    ttft = np.array([t for t, _, _ in samples])
+    itl = np.concatenate([gaps for _, gaps, _ in samples])
+    admit = np.array([a for _, _, a in samples])
     return {
         "ttft_ms_median": float(np.median(ttft)), "ttft_ms_p90": float(np.percentile(ttft, 90)),
         "itl_ms_median": float(np.median(itl)), "itl_ms_p90": float(np.percentile(itl, 90)),
-        "throughput_tok_s": tokens / wall_s,
+        "admit_ms_median": float(np.median(admit)),
+        "admit_ms_p90": float(np.percentile(admit, 90)),
     }  # fmt: skip
 
 
-def measure(checkpoint: str, concurrency: int, num_requests: int, repeats: int) -> dict:
+def run_summary(samples: list, skip: int, tokens: int, wall_s: float) -> dict:
+    """One run's latencies over its requests after the first `skip` (steady state), the
+    same over all of them (`all_*`), and its output tokens per second."""
+    every = {f"all_{metric}": value for metric, value in latency_stats(samples).items()}
+    return {**latency_stats(samples[skip:]), **every, "throughput_tok_s": tokens / wall_s}
+
+
+def pooled_ratios(samples: dict[str, list[list]], draws: int = 1000, seed: int = 0) -> dict:
+    """Per mode other than in-process, per latency metric: the ratio of its value over
+    the requests of every run to in-process's, and a 95% bootstrap interval (requests
+    resampled within their run, each with all of its gaps; `samples[mode][run]`)."""
+    rng = np.random.default_rng(seed)
+
+    def stats(mode_runs, resample: bool) -> dict:
+        pooled = []
+        for run in mode_runs:
+            picks = rng.integers(0, len(run), len(run)) if resample else range(len(run))
+            pooled += [run[i] for i in picks]
+        return latency_stats(pooled)
+
+    point = {mode: stats(runs, False) for mode, runs in samples.items()}
+    drawn = [{mode: stats(runs, True) for mode, runs in samples.items()} for _ in range(draws)]
+    out = {}
+    for mode in samples:
+        if mode == "in-process":
+            continue
+        out[mode] = {}
+        for metric, base in point["in-process"].items():
+            if metric.startswith("admit"):  # in-process takes some at once: no ratio
+                continue
+            ratios = [d[mode][metric] / d["in-process"][metric] for d in drawn]
+            low, high = np.percentile(ratios, [2.5, 97.5])
+            out[mode][metric] = {
+                "value": point[mode][metric], "in_process": base,
+                "ratio": point[mode][metric] / base, "ci95": [float(low), float(high)],
+            }  # fmt: skip
+    return out
+
+
+def measure(
+    checkpoint: str, concurrency: int, num_requests: int, repeats: int
+) -> tuple[dict, dict]:
+    """Each mode's per-run summaries and per-run, per-request samples."""
     from jaxkv.cli import build_parser
     from jaxkv.serving.command import build_engine
     from jaxkv.serving.engine_loop import EngineLoop
@@ -153,6 +223,7 @@ def measure(checkpoint: str, concurrency: int, num_requests: int, repeats: int) 
         ),
     }
     runs: dict[str, list[dict]] = {"in-process": [], "engine-process": [], "served": []}
+    samples: dict[str, list[list]] = {mode: [] for mode in runs}
     with ServeProcess(checkpoint, *ENGINE_FLAGS, "--served-model-name", "bench") as server:
         modes = {
             mode: (lambda loop=loop: in_process_run(loop, requests, concurrency))
@@ -165,11 +236,13 @@ def measure(checkpoint: str, concurrency: int, num_requests: int, repeats: int) 
             order = list(modes) if r % 2 == 0 else list(modes)[::-1]
             for mode in order:
                 results, wall = modes[mode]()
-                runs[mode].append(summarize(results, wall, requests))
+                samples[mode].append(per_request(results, requests))
+                tokens = sum(m for _, m in requests)
+                runs[mode].append(run_summary(samples[mode][-1], concurrency, tokens, wall))
                 print(f"run {r} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
     for loop in loops.values():
         loop.close(grace_s=0.0, timeout_s=60)
-    return runs
+    return runs, samples
 
 
 def table(runs: dict[str, list[dict]]) -> tuple[list[list], dict]:
@@ -190,6 +263,18 @@ def table(runs: dict[str, list[dict]]) -> tuple[list[list], dict]:
     return rows, ratios
 
 
+def print_pooled(title: str, pooled: dict) -> None:
+    """A `pooled_ratios` result as a table: ratio [95% interval] per mode and metric."""
+    rows = [
+        [metric, f"{cells['in_process']:.4g}",
+         *(f"{pooled[m][metric]['ratio']:.3f} [{pooled[m][metric]['ci95'][0]:.3f}, "
+           f"{pooled[m][metric]['ci95'][1]:.3f}]" for m in pooled)]
+        for metric, cells in pooled["served"].items()
+    ]  # fmt: skip
+    header = ["metric", "in-process", *(f"{mode} / in-process [95%]" for mode in pooled)]
+    print_table(title, header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
@@ -200,20 +285,30 @@ def main() -> None:
     )
     add_record_option(parser)
     args = parser.parse_args()
+    if args.requests <= args.concurrency:
+        parser.error(f"--requests ({args.requests}) must exceed --concurrency "
+                     f"({args.concurrency}): the opening burst is not steady state")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint
         if checkpoint is None:
             from jaxkv.models.testing import save_chat_checkpoint
 
             checkpoint = str(save_chat_checkpoint(f"{tmp}/tiny"))
-        runs = measure(checkpoint, args.concurrency, args.requests, args.repeats)
+        runs, samples = measure(checkpoint, args.concurrency, args.requests, args.repeats)
     rows, ratios = table(runs)
     header = ["metric", *(f"{mode} median [range]" for mode in runs),
               *(f"{mode}/in-process" for mode in ratios)]  # fmt: skip
     title = (f"jaxkv serve vs its engine driven in-process: {args.concurrency} streams, "
              f"{args.requests} requests, medians of {args.repeats} interleaved runs")  # fmt: skip
     print_table(title, header, rows)
-    payload = {"args": vars(args), "engine_flags": ENGINE_FLAGS, "runs": runs, "ratios": ratios}
+    steady = {mode: [run[args.concurrency :] for run in runs_] for mode, runs_ in samples.items()}
+    pooled = {"steady": pooled_ratios(steady), "all": pooled_ratios(samples)}
+    for part, what in (("steady", "after the opening burst"), ("all", "every request")):
+        print_pooled(f"Pooled over the runs, {what}: each mode / in-process", pooled[part])
+    payload = {"args": vars(args), "engine_flags": ENGINE_FLAGS, "runs": runs,
+               "ratios": ratios, "pooled": pooled,
+               "ttft_ms": {mode: [[round(t, 1) for t, _, _ in run] for run in mode_runs]
+                           for mode, mode_runs in samples.items()}}  # fmt: skip
     write_json(results_name("bench_serve", parser, args), payload, args.record)
 
 
