@@ -52,8 +52,8 @@ def workload(num_requests: int, vocab: int, seed: int = 0) -> list[tuple[list[in
 async def _closed_loop(requests, concurrency: int, one) -> tuple[list, float]:
     """Run `one(prompt, max_tokens)` over `requests` with `concurrency` clients; each
     request's result (send time, acceptance time, token-output times, tokens), in
-    `requests`' order (the
-    first `concurrency` are the clients' first: the opening burst), and the wall time."""
+    `requests`' order (the first `concurrency` are the clients' first: the opening
+    burst), and the wall time."""
     pending = iter(enumerate(requests))
     results: list = [None] * len(requests)
 
@@ -224,6 +224,7 @@ def measure(
     }
     runs: dict[str, list[dict]] = {"in-process": [], "engine-process": [], "served": []}
     samples: dict[str, list[list]] = {mode: [] for mode in runs}
+    tokens = sum(max_tokens for _, max_tokens in requests)
     with ServeProcess(checkpoint, *ENGINE_FLAGS, "--served-model-name", "bench") as server:
         modes = {
             mode: (lambda loop=loop: in_process_run(loop, requests, concurrency))
@@ -237,7 +238,6 @@ def measure(
             for mode in order:
                 results, wall = modes[mode]()
                 samples[mode].append(per_request(results, requests))
-                tokens = sum(m for _, m in requests)
                 runs[mode].append(run_summary(samples[mode][-1], concurrency, tokens, wall))
                 print(f"run {r} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
     for loop in loops.values():
