@@ -85,6 +85,19 @@ def test_async_and_sync_stepping_give_identical_tokens(text_model) -> None:
     assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_step_running_is_the_step_in_flight(text_model, async_scheduling) -> None:
+    """Only a step dispatched with async scheduling outlives `step()`, until its tokens
+    are ready; an idle engine runs nothing."""
+    engine = LLMEngine(text_model, dataclasses.replace(BASE, async_scheduling=async_scheduling))
+    assert not engine.step_running()
+    engine.add_request([5, 6, 7], sampling=GREEDY)
+    engine.step()
+    assert engine.step_running() == (async_scheduling and not engine.runner.sampled.is_ready())
+    engine.runner.sampled.block_until_ready()
+    assert not engine.step_running()
+
+
 def test_tiny_chunks_match_dense(text_model, text_reference) -> None:
     config = dataclasses.replace(BASE, max_num_batched_tokens=8, long_prefill_token_threshold=3)
     engine, outputs = run(text_model, config, shared_prefix_prompts(4, seed=1))

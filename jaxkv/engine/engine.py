@@ -322,6 +322,12 @@ class LLMEngine:
         request = self.schedulers[rank].abort_request(request_id)
         self._requests.finish_now(request, FinishReason.ABORT)
 
+    def step_running(self) -> bool:
+        """Whether the step dispatched last still runs on the device (with async
+        scheduling one outlives its `step()` call): host work done meanwhile costs the
+        device nothing."""
+        return self._in_flight is not None and not self._in_flight.sampled.is_ready()
+
     def has_unfinished_requests(self) -> bool:
         requests = self._requests
         return (

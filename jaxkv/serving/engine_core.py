@@ -22,6 +22,15 @@ why a step raised (a bug, not a request's fault: the engine contains those).
 
 Invariant: every accepted request gets outputs until a final one, unless the core
 stops with a failure (then the other side ends it).
+
+Refill: the core takes commands only between two `step()` calls, and the next call
+schedules at once. A closed-loop client (a chat turn, a benchmark, a router) sends its
+next request milliseconds after its last output: over HTTP from another process, after
+the core has already scheduled the next step, so that request would wait a whole step.
+So after a step that finished requests, while the step dispatched last still runs on
+the device (async scheduling) and for at most `REFILL_WAIT_S`, the core takes commands
+until as many adds came as requests finished. The device does not idle for it: the core
+stops waiting within `REFILL_POLL_S` of the step's end.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ __all__ = ["EngineLoopClosed", "run_engine_core"]
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+REFILL_WAIT_S = 0.05
+REFILL_POLL_S = 0.002
 
 
 class EngineLoopClosed(RuntimeError):
@@ -89,12 +100,30 @@ class _Core:
             except KeyError:  # finished in the step that just ran; its output is on its way
                 pass
 
-    def step(self) -> None:
+    def step(self) -> int:
+        """Step the engine and emit its outputs; how many requests finished."""
         outputs = self.engine.step()
+        finished = 0
         for output in outputs:
             if output.finished:
                 self.live.discard(output.request_id)
+                finished += 1
         self.emit(("outputs", outputs, self.engine.stats.steps[-1]))
+        return finished
+
+    def refill(self, receive: Callable[[float | None], tuple | None], finished: int) -> None:
+        """Apply commands until `finished` adds came, the step in flight ended or
+        `REFILL_WAIT_S` passed (module docstring)."""
+        deadline = time.monotonic() + REFILL_WAIT_S
+        while finished > 0 and not self.closing and self.engine.step_running():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            command = receive(min(left, REFILL_POLL_S))
+            if command is not None:
+                self.apply(command)
+                if command[0] == "add":
+                    finished -= 1
 
     def done(self) -> bool:
         """Closing and nothing left to serve; past the grace deadline, what is left is
@@ -127,7 +156,7 @@ def run_engine_core(
                 core.apply(command)
                 command = receive(0)
             if engine.has_unfinished_requests():
-                core.step()
+                core.refill(receive, core.step())
     except EOFError:
         logger.warning("the server's side of the engine is gone: stopping")
         gone = True
