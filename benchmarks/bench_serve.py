@@ -6,7 +6,9 @@ greedy, `ignore_eos`) driven two ways over the same engine flags:
   `RequestStream`, the engine stepped on a thread of the driver's process;
 - engine-process: the same driver, the engine in a process of its own as `jaxkv serve`
   runs it (`EngineProcess`): the process split's cost without HTTP;
-- served: a `jaxkv serve` subprocess, the driver streaming `/v1/completions` over HTTP.
+- served: a `jaxkv serve` subprocess, the driver streaming `/v1/completions` over HTTP
+  from a process of its own (no JAX runtime, no idle engines of the other modes beside
+  it: a client as users run one).
 
 Per mode: TTFT (send to first token) and ITL (gap between token-bearing outputs or
 chunks), median and p90 over a run's requests in steady state, after the opening burst
@@ -29,8 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -225,12 +229,15 @@ def measure(
     runs: dict[str, list[dict]] = {"in-process": [], "engine-process": [], "served": []}
     samples: dict[str, list[list]] = {mode: [] for mode in runs}
     tokens = sum(max_tokens for _, max_tokens in requests)
-    with ServeProcess(checkpoint, *ENGINE_FLAGS, "--served-model-name", "bench") as server:
+    client = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    with client, ServeProcess(checkpoint, *ENGINE_FLAGS, "--served-model-name", "bench") as server:
         modes = {
             mode: (lambda loop=loop: in_process_run(loop, requests, concurrency))
             for mode, loop in loops.items()
         }
-        modes["served"] = lambda: served_run(server.url, requests, concurrency)
+        modes["served"] = lambda: client.submit(
+            served_run, server.url, requests, concurrency
+        ).result()
         for run in modes.values():  # warm-up: every step shape compiled
             run()
         for r in range(repeats):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import pytest
+
 from jaxkv.serving import engine_core
 from jaxkv.serving.engine_core import run_engine_core
 
@@ -22,13 +24,16 @@ class _Stats:
 
 
 class _Engine:
-    """An engine whose steps finish `finishing[k]` requests at step k and whose step
-    in flight runs until `running` says otherwise; it records what happened in order."""
+    """An engine whose step k takes `step_s` and finishes `finishing[k]` requests, and
+    whose step in flight runs until `running` says otherwise; it records what happened
+    in order."""
 
-    def __init__(self, finishing: list[int], running: bool = True) -> None:
-        self.finishing, self.running = finishing, running
+    def __init__(self, finishing: list[int], running: bool = True, step_s: float = 0.1) -> None:
+        self.finishing, self.running, self.step_s = finishing, running, step_s
         self.stats, self.log, self.waiting = _Stats(), [], []
         self.stepped = 0
+        self.starts: list[float] = []  # each step's start and return, time.monotonic()
+        self.returns: list[float] = []
 
     def add_request(self, prompt, request_id: str, **kwargs) -> None:
         self.log.append(("add", request_id))
@@ -41,9 +46,12 @@ class _Engine:
         return self.running
 
     def step(self) -> list[_Output]:
+        self.starts.append(time.monotonic())
+        time.sleep(self.step_s)
         count = self.finishing[self.stepped]
         self.stepped += 1
         self.log.append(("step", self.stepped))
+        self.returns.append(time.monotonic())
         return [_Output(f"done-{self.stepped}-{i}") for i in range(count)]
 
     def shutdown(self) -> None:
@@ -81,7 +89,7 @@ def _run(engine: _Engine, commands: _Commands) -> None:
 
 
 def test_adds_arriving_while_the_step_in_flight_runs_join_the_next_step() -> None:
-    engine = _Engine(finishing=[0, 2, 0, 0])
+    engine = _Engine(finishing=[0, 2, 0, 0])  # the first step gives no interval to go by
     adds = [("add", f"new-{i}", [1, 2], {}) for i in range(2)]
     commands = _Commands(engine, after_step=2, late=adds)
     _run(engine, commands)
@@ -91,26 +99,28 @@ def test_adds_arriving_while_the_step_in_flight_runs_join_the_next_step() -> Non
 
 
 def test_the_core_waits_for_no_more_adds_than_requests_finished() -> None:
-    engine = _Engine(finishing=[1, 0, 0])
+    engine = _Engine(finishing=[0, 1, 0, 0])
     adds = [("add", f"new-{i}", [1, 2], {}) for i in range(3)]
-    _run(engine, _Commands(engine, after_step=1, late=adds))
-    # One request finished: one add joins before step 2; the others only after it.
-    assert engine.log.index(("add", "new-0")) < engine.log.index(("step", 2))
-    assert engine.log.index(("add", "new-1")) > engine.log.index(("step", 2))
+    _run(engine, _Commands(engine, after_step=2, late=adds))
+    # One request finished: one add joins before step 3; the others only after it.
+    assert engine.log.index(("add", "new-0")) < engine.log.index(("step", 3))
+    assert engine.log.index(("add", "new-1")) > engine.log.index(("step", 3))
 
 
 def test_no_wait_once_the_device_is_idle_or_nothing_finished() -> None:
-    for engine in (_Engine(finishing=[2, 0], running=False), _Engine(finishing=[0, 0])):
-        commands = _Commands(engine, after_step=1, late=[("add", "new", [1], {})])
+    for engine in (_Engine(finishing=[0, 2, 0], running=False), _Engine(finishing=[0, 0, 0])):
+        commands = _Commands(engine, after_step=2, late=[("add", "new", [1], {})])
         _run(engine, commands)
         assert commands.refill_polls() == []
-        assert engine.log.index(("add", "new")) > engine.log.index(("step", 2))
+        assert engine.log.index(("add", "new")) > engine.log.index(("step", 3))
 
 
-def test_the_wait_is_bounded_when_no_client_comes_back(monkeypatch) -> None:
-    monkeypatch.setattr(engine_core, "REFILL_WAIT_S", 0.02)
-    engine = _Engine(finishing=[3, 0])
-    commands = _Commands(engine, after_step=99, late=[])
-    _run(engine, commands)
-    waited = sum(commands.refill_polls())
-    assert 0.018 <= waited <= 0.022  # polled until the bound, not for 3 adds forever
+@pytest.mark.parametrize("step_s", [0.2, 0.04])
+def test_the_wait_is_bounded_when_no_client_comes_back(monkeypatch, step_s) -> None:
+    """At most `REFILL_WAIT_S` (0.06 here), and at most half the last step's interval."""
+    monkeypatch.setattr(engine_core, "REFILL_WAIT_S", 0.06)
+    engine = _Engine(finishing=[0, 3, 0], step_s=step_s)
+    _run(engine, _Commands(engine, after_step=99, late=[]))
+    window = min(0.06, engine_core.REFILL_SHARE * (engine.starts[1] - engine.starts[0]))
+    waited = engine.starts[2] - engine.returns[1]
+    assert 0.95 * window <= waited <= window + 0.02  # not for 3 adds forever

@@ -28,9 +28,10 @@ schedules at once. A closed-loop client (a chat turn, a benchmark, a router) sen
 next request milliseconds after its last output: over HTTP from another process, after
 the core has already scheduled the next step, so that request would wait a whole step.
 So after a step that finished requests, while the step dispatched last still runs on
-the device (async scheduling) and for at most `REFILL_WAIT_S`, the core takes commands
-until as many adds came as requests finished. The device does not idle for it: the core
-stops waiting within `REFILL_POLL_S` of the step's end.
+the device (async scheduling), the core takes commands until as many adds came as
+requests finished, for at most `REFILL_WAIT_S` and `REFILL_SHARE` of the last interval
+between steps. The device does not idle for it: the wait ends within `REFILL_POLL_S` of
+the step in flight, and leaves the rest of a step's time to schedule the next one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 REFILL_WAIT_S = 0.05
+REFILL_SHARE = 0.5
 REFILL_POLL_S = 0.002
 
 
@@ -58,6 +60,8 @@ class _Core:
         self.live: set[str] = set()  # accepted requests without their final output
         self.closing = False
         self.deadline = float("inf")
+        self.last_step_start: float | None = None
+        self.step_interval = 0.0  # between the last two steps' starts
 
     def apply(self, command: tuple) -> None:
         kind = command[0]
@@ -102,6 +106,10 @@ class _Core:
 
     def step(self) -> int:
         """Step the engine and emit its outputs; how many requests finished."""
+        start = time.monotonic()
+        if self.last_step_start is not None:
+            self.step_interval = start - self.last_step_start
+        self.last_step_start = start
         outputs = self.engine.step()
         finished = 0
         for output in outputs:
@@ -112,9 +120,9 @@ class _Core:
         return finished
 
     def refill(self, receive: Callable[[float | None], tuple | None], finished: int) -> None:
-        """Apply commands until `finished` adds came, the step in flight ended or
-        `REFILL_WAIT_S` passed (module docstring)."""
-        deadline = time.monotonic() + REFILL_WAIT_S
+        """Apply commands until `finished` adds came, the step in flight ended or the
+        refill window closed (module docstring)."""
+        deadline = time.monotonic() + min(REFILL_WAIT_S, REFILL_SHARE * self.step_interval)
         while finished > 0 and not self.closing and self.engine.step_running():
             left = deadline - time.monotonic()
             if left <= 0:
