@@ -30,14 +30,13 @@ class _Engine:
 
     def __init__(self, finishing: list[int], running: bool = True, step_s: float = 0.1) -> None:
         self.finishing, self.running, self.step_s = finishing, running, step_s
-        self.stats, self.log, self.waiting = _Stats(), [], []
+        self.stats, self.log = _Stats(), []
         self.stepped = 0
-        self.starts: list[float] = []  # each step's start and return, time.monotonic()
-        self.returns: list[float] = []
+        self.starts: list[float] = []  # when each step began, time.monotonic()
+        self.returns: list[float] = []  # when each step returned
 
     def add_request(self, prompt, request_id: str, **kwargs) -> None:
         self.log.append(("add", request_id))
-        self.waiting.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.stepped < len(self.finishing)
