@@ -17,6 +17,13 @@ HF_SCRIPT = Path(__file__).resolve().parent / "hf_reference.py"
 HF_SAVE_SCRIPT = Path(__file__).resolve().parent / "hf_save.py"
 
 
+def deep_gemma3_config(num_layers: int) -> dict:
+    """The tiny Gemma 3 config with `num_layers` layers (its layer types repeated)."""
+    tiny = tiny_configs()["gemma3-tiny"]
+    types = tiny["layer_types"] * -(-num_layers // len(tiny["layer_types"]))
+    return {**tiny, "num_hidden_layers": num_layers, "layer_types": types[:num_layers]}
+
+
 def family_configs() -> dict[str, dict]:
     """Tiny HF configs of each decoder family (Gemma 1/2/3, Llama)."""
     tiny = tiny_configs()

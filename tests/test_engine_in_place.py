@@ -7,7 +7,8 @@ output and hold no copy or temporary of a cache buffer's size
 largest step shape), block zeroing, copy-on-write block copies and host-tier loads
 (the block scatter) per KV-cache group, and the encoder store's write. For the tiny
 engine model, both real decoder families
-(Gemma 3 with sliding and full layers in two groups, Llama), LLaVA; float32, bfloat16
+(Gemma 3 with sliding and full layers in two groups, Llama), LLaVA, a Gemma 3 deep
+enough to run several layers per layer program; float32, bfloat16
 (kept as uint16 bits on CPU), int8 and fp8 caches; one device and 8 simulated devices.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 from default_codegen import compile_by_default
 from eight_devices import call_on_8_devices
+from models_util import deep_gemma3_config
 
 from jaxkv.device.in_place import check_in_place
 from jaxkv.engine import EngineConfig, LLMEngine
@@ -26,7 +28,8 @@ NUM_BLOCKS = 4096
 
 
 def _model(family: str, dtype: str, mesh=None):
-    """`family`, or `family+scan` for one scanned layer body (the default off CPU)."""
+    """`family`, or `family+scan` for one scanned layer body (the default off CPU);
+    `gemma3-deep`: 23 layers, run in groups of 3 and 2 layers per program."""
     family, _, scan = family.partition("+")
     if family == "tiny":
         return TinyCausalLM(engine_tiny_configs()["gemma-style-tiny"])
@@ -35,8 +38,9 @@ def _model(family: str, dtype: str, mesh=None):
     from jaxkv import models
 
     names = {"gemma3": "gemma3-tiny", "llama": "llama-tiny", "llava": "llava-tiny"}
+    config = deep_gemma3_config(23) if family == "gemma3-deep" else None
     path = tempfile.mkdtemp(prefix=f"jaxkv-{family}-")
-    models.save_random_checkpoint(path, models.tiny_configs()[names[family]], seed=0)
+    models.save_random_checkpoint(path, config or models.tiny_configs()[names[family]], seed=0)
     return models.load_model(path, dtype=dtype, mesh=mesh, scan_layers=True if scan else None)
 
 
@@ -68,6 +72,7 @@ CASES = [
     pytest.param("tiny", "float32", "int8", marks=pytest.mark.slow),
     pytest.param("tiny", "float32", "fp8", marks=pytest.mark.slow),
     pytest.param("gemma3", "float32", "auto", marks=pytest.mark.slow),
+    pytest.param("gemma3-deep", "float32", "auto", marks=pytest.mark.slow),
     ("gemma3", "bfloat16", "auto"),
     ("gemma3+scan", "bfloat16", "auto"),
     pytest.param("llama+scan", "float32", "int8", marks=pytest.mark.slow),

@@ -8,9 +8,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from models_util import deep_gemma3_config
 
 from jaxkv import models
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+from jaxkv.engine.step_programs import MAX_LAYER_PROGRAMS, layer_group_sizes
 from jaxkv.testing.reference import DenseReference, image_offsets
 
 MAX_LEN = 92  # 23 blocks of 4: the usable blocks of the pool hold one request
@@ -87,9 +89,10 @@ def step_program_chars(engine: LLMEngine) -> int:
 
 def test_scanned_and_per_layer_stacks_serve_the_same_tokens(tmp_path_factory) -> None:
     """One scanned layer body (the default off CPU) computes what one stack per layer (the
-    CPU default, run layer by layer) computes, and neither's step programs grow with depth."""
+    CPU default, run a group of layers per program) computes; the scanned step program
+    does not grow with depth, a layer program grows with its group's layers only."""
     tiny = models.tiny_configs()["gemma3-tiny"]
-    deep = {**tiny, "num_hidden_layers": 8, "layer_types": tiny["layer_types"] * 2}
+    deep = deep_gemma3_config(23)  # deeper than MAX_LAYER_PROGRAMS: groups of 3 and 2
     loaded = {}
     for name, config in (("tiny", tiny), ("deep", deep)):
         path = tmp_path_factory.mktemp(f"gemma3-{name}")
@@ -107,9 +110,27 @@ def test_scanned_and_per_layer_stacks_serve_the_same_tokens(tmp_path_factory) ->
     prompts = [rng.integers(3, 256, n).tolist() for n in (5, 17, 30)]
     config = dataclasses.replace(CONFIG, num_blocks=96)
     engines = {key: LLMEngine(model, config) for key, model in loaded.items()}
-    outputs = [engines["tiny", scan].generate(prompts, GREEDY) for scan in (True, False)]
-    assert [o.output_token_ids for o in outputs[0]] == [o.output_token_ids for o in outputs[1]]
-    for scan in (True, False):
-        assert engines["tiny", scan].runner.programs_per_step == (2 if scan else 4)
-        shallow, deeper = (step_program_chars(engines[name, scan]) for name in ("tiny", "deep"))
-        assert deeper < 1.05 * shallow, f"scan_layers={scan}: {shallow} -> {deeper} chars"
+    for name in ("tiny", "deep"):
+        outputs = [engines[name, scan].generate(prompts, GREEDY) for scan in (True, False)]
+        tokens = [[o.output_token_ids for o in outs] for outs in outputs]
+        assert tokens[0] == tokens[1], name
+    assert engines["tiny", True].runner.programs_per_step == 2
+    assert engines["tiny", False].runner.programs_per_step == 4  # placer, inputs, layer, head
+    assert engines["deep", False].runner.programs_per_step == 5  # and a second group size
+    shallow, deeper = (step_program_chars(engines[name, True]) for name in ("tiny", "deep"))
+    assert deeper < 1.05 * shallow, f"scanned: {shallow} -> {deeper} chars"
+    one, three = (step_program_chars(engines[name, False]) for name in ("tiny", "deep"))
+    assert 2 * one < three < 3.15 * one, f"layer programs of 1 and 3 layers: {one}, {three}"
+
+
+def test_layer_groups_cover_every_run_in_few_programs() -> None:
+    """At most `MAX_LAYER_PROGRAMS` groups, the runs' count in all, of the fewest runs
+    per group that allows and at most two sizes; with the inputs and the head, two
+    steps' programs fit in the 32 XLA's CPU client keeps in flight."""
+    assert 2 * (MAX_LAYER_PROGRAMS + 2) <= 32
+    for num_runs in range(1, 130):
+        sizes = layer_group_sizes(num_runs)
+        assert sum(sizes) == num_runs and min(sizes) >= 1, sizes
+        assert len(sizes) <= MAX_LAYER_PROGRAMS, sizes
+        assert max(sizes) == -(-num_runs // MAX_LAYER_PROGRAMS), sizes
+        assert max(sizes) - min(sizes) <= 1 and list(sizes) == sorted(sizes, reverse=True)

@@ -29,10 +29,11 @@ Each step it
 5. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
    device array without waiting for them. A model whose layers are not scanned as one
    body (one stack per layer: the CPU default, `jaxkv.models.default_scan_layers`) runs
-   as 2 + L programs instead, all dispatched at once: the inputs (embeddings), one
-   program for every layer (the layer number is data; it alone updates the donated
-   cache), and the head with sampling. So compile time does not grow with depth and no
-   step copies a layer's weights out of a stack.
+   as a few programs instead, all dispatched at once: the inputs (embeddings), one
+   program for every group of a few consecutive layers (`layer_group_sizes`; the first
+   layer is data; it alone updates the donated cache), and the head with sampling. So
+   compile time does not grow with depth and no step slices a layer's weights out of a
+   stack.
 
 On a mesh (`jaxkv.device.make_mesh(data, model)`), KV heads are split over the model axis
 and each data rank serves its own requests from its own block pool (block ids local to
@@ -85,6 +86,7 @@ from jaxkv.engine.step_programs import (
     StepFeatures,
     encode_image,
     layer_by_layer_program,
+    layer_group_sizes,
     metadata_field,
     step_layout,
     step_program,
@@ -292,7 +294,9 @@ class ModelRunner:
         self._runs = model.decoder.layers if isinstance(model, CausalLM) else ()
         if len(self._runs) > 1:
             self._run_graphdef = nnx.graphdef(self._runs[0])
-            first_layers = np.cumsum([0] + [run.num_layers for run in self._runs[:-1]])
+            self._group_sizes = layer_group_sizes(len(self._runs))
+            starts = np.cumsum([0, *self._group_sizes[:-1]])
+            first_layers = [sum(run.num_layers for run in self._runs[:i]) for i in starts]
             self._first_layers = tuple(self._replicated(np.int32(i)) for i in first_layers)
         self._set_state(state)
 
@@ -303,8 +307,11 @@ class ModelRunner:
         if self._run_graphdef is not None:
             flat_runs = [jax.tree.flatten(nnx.state(run)) for run in self._runs]
             self._run_def = flat_runs[0][1]  # every run has the first's structure (and graphdef)
-            run_params = tuple(params for params, _ in flat_runs)
-            self._params = LayerParams(self._params, run_params, self._first_layers)
+            run_params = iter(params for params, _ in flat_runs)
+            groups = tuple(
+                tuple(next(run_params) for _ in range(size)) for size in self._group_sizes
+            )
+            self._params = LayerParams(self._params, groups, self._first_layers)
 
     @property
     def weight_leaves(self) -> list:
@@ -331,9 +338,11 @@ class ModelRunner:
     @property
     def programs_per_step(self) -> int:
         """Programs one step shape compiles: the step buffer's placement (`placer`) and
-        the fused step, or for a model run layer by layer its three (inputs, the layer
-        program, head and sampling)."""
-        return 1 + (1 if self._run_graphdef is None else 3)
+        the fused step, or for a model run layer by layer the inputs, a layer program
+        for each size of layer group, and head with sampling."""
+        if self._run_graphdef is None:
+            return 2
+        return 3 + len(set(self._group_sizes))
 
     def max_compilations(self, host_tier: bool) -> int:
         """At most how many programs serving compiles: `programs_per_step` for each step

@@ -4,8 +4,9 @@
 packs with it and every program below unpacks with the same object, so the two sides
 cannot disagree on an offset. `step_program` is the fused step (forward and sampling,
 one program) of a model whose layers are scanned as one body; `layer_by_layer_program`
-is the same step as 2 + L programs for a model with one stack per layer (inputs, one
-program for every run of layers, head and sampling). Both are cached per engine layout
+is the same step as a few programs for a model with one stack per layer (inputs, one
+program for every group of consecutive layers, `layer_group_sizes`, then head and
+sampling). Both are cached per engine layout
 and step shape with every static argument bound, so engines built alike share compiled
 programs and a call hashes no static argument (JAX's C++ dispatch path). Only the
 program that writes the KV cache takes it donated.
@@ -41,6 +42,7 @@ __all__ = [
     "StepFeatures",
     "encode_image",
     "layer_by_layer_program",
+    "layer_group_sizes",
     "metadata_field",
     "step_layout",
     "step_program",
@@ -238,11 +240,12 @@ def _paged_step(
 class LayerParams:
     """A layer-by-layer model's parameters as its step programs take them (each a flat
     list of arrays, as `ModelRunner` flattens them): the whole model's (`model`:
-    embeddings, final norm, head) and each run of layers' own (`runs[i]`, first layer
-    `first_layers[i]`, a device int32 scalar)."""
+    embeddings, final norm, head) and its runs of layers in groups, one layer program
+    call per group (`groups[i]`: consecutive runs' parameter lists, the group's first
+    layer `first_layers[i]`, a device int32 scalar)."""
 
     model: list[jax.Array]
-    runs: tuple[list[jax.Array], ...]
+    groups: tuple[tuple[list[jax.Array], ...], ...]
     first_layers: tuple[jax.Array, ...]
 
 
@@ -253,14 +256,18 @@ def _inputs_step(params, store, buffer, prev_sampled, *, graphdef, state_def, la
 
 
 def _layers_step(
-    run_params, x, kv_cache, buffer, first_layer, *, run_graphdef, run_def, config, paged,
+    group_params, x, kv_cache, buffer, first_layer, *, run_graphdef, run_def, config, paged,
     layer_to_group, shapes, layout,
 ):  # fmt: skip
+    """A group of consecutive runs of layers (unrolled: each run's weights are the
+    program's own arguments, none sliced out of a stack), from layer `first_layer`."""
     ctx = _context(layout.unpack(buffer), paged=paged, shapes=shapes, layer_to_group=layer_to_group)
-    run = nnx.merge(run_graphdef, jax.tree.unflatten(run_def, run_params))
-    return apply_layers(
-        run, x, ctx.token_positions(), first_layer, paged_attend(config, ctx), kv_cache
-    )
+    positions, attend, layer = ctx.token_positions(), paged_attend(config, ctx), first_layer
+    for run_params in group_params:
+        run = nnx.merge(run_graphdef, jax.tree.unflatten(run_def, run_params))
+        x, kv_cache = apply_layers(run, x, positions, layer, attend, kv_cache)
+        layer = layer + run.num_layers
+    return x, kv_cache
 
 
 def _sample_step(
@@ -277,10 +284,10 @@ def _sample_step(
 
 @dataclass(frozen=True)
 class _LayerByLayerStep:
-    """One step as programs dispatched from the host, in order: the inputs, each run of
-    layers (one program for every run: the layer number is data), the sampling. Called
-    and lowered as the fused `step_program` is, with `LayerParams` for the parameters;
-    only the layer program updates the (donated) KV cache."""
+    """One step as programs dispatched from the host, in order: the inputs, each group of
+    runs of layers (one program for every group of a size: the layer number is data),
+    the sampling. Called and lowered as the fused `step_program` is, with `LayerParams`
+    for the parameters; only the layer program updates the (donated) KV cache."""
 
     inputs: object
     layers: object
@@ -288,14 +295,30 @@ class _LayerByLayerStep:
 
     def __call__(self, params: LayerParams, kv_cache, store, buffer, prev_sampled, penalty_state):
         x = self.inputs(params.model, store, buffer, prev_sampled)
-        for run, first_layer in zip(params.runs, params.first_layers, strict=True):
-            x, kv_cache = self.layers(run, x, kv_cache, buffer, first_layer)
+        for group, first_layer in zip(params.groups, params.first_layers, strict=True):
+            x, kv_cache = self.layers(group, x, kv_cache, buffer, first_layer)
         return kv_cache, *self.sample(params.model, x, buffer, prev_sampled, penalty_state)
 
     def lower(self, params: LayerParams, kv_cache, store, buffer, prev_sampled, penalty_state):
         """The layer program (the one that writes the cache), lowered."""
         x = jax.eval_shape(self.inputs, params.model, store, buffer, prev_sampled)
-        return self.layers.lower(params.runs[0], x, kv_cache, buffer, params.first_layers[0])
+        return self.layers.lower(params.groups[0], x, kv_cache, buffer, params.first_layers[0])
+
+
+# A step run layer by layer is then at most 12 programs, so two steps fit in the 32
+# computations XLA's CPU client keeps in flight per device: the host packs and
+# dispatches step N+1 while step N runs instead of blocking in the dispatch. Fewer,
+# larger programs also cost less to launch; each compiles its layers unrolled.
+MAX_LAYER_PROGRAMS = 10
+
+
+def layer_group_sizes(num_runs: int) -> tuple[int, ...]:
+    """How many consecutive runs of layers each layer program call of a step takes:
+    at most `MAX_LAYER_PROGRAMS` groups of the fewest runs that allows, sizes differing
+    by at most one (so a step shape compiles at most two layer programs)."""
+    per_group = -(-num_runs // MAX_LAYER_PROGRAMS)
+    groups = -(-num_runs // per_group)
+    return tuple(len(part) for part in np.array_split(np.arange(num_runs), groups))
 
 
 @functools.lru_cache(maxsize=512)

@@ -28,8 +28,9 @@ weights out of a stack: on XLA's CPU backend that slice is a copy of the layer's
 weights per step (about 1.8x decode time on the real-shaped benchmarks); TPU and GPU
 compilers read the slice in place. `load_model` picks by platform (`default_scan_layers`).
 Inside one program the per-layer runs unroll (compile time grows with depth), so the
-engine runs such a model layer by layer: one program for every layer (`apply_layers`
-on one run, the layer number as data), dispatched once per layer from the host.
+engine runs such a model a few layers at a time: one program for every group of
+consecutive layers (`apply_layers` on each run, the first layer number as data),
+dispatched once per group from the host.
 """
 
 from __future__ import annotations
