@@ -13,7 +13,7 @@ transformers' `generate` (float32, eager, CPU).
    Gemma-3-270M-shaped Gemma 3: real layer counts, widths and vocabularies). Each
    round runs jaxkv with one scanned layer body (`scan_layers=True`, the default on
    TPU/GPU), jaxkv with one stack per layer (`scan_layers=False`, the default on CPU,
-   which the engine runs layer by layer: one layer program for every layer) and
+   which the engine runs a few consecutive layers per program) and
    transformers in their own processes, one after the other: load (safetensors), time
    to the first token of the first request (jaxkv: compiling the programs it needs;
    the first round with an empty XLA compilation cache, later rounds with the cache the

@@ -1,7 +1,7 @@
 """A model run layer by layer on CPU: one program per layer against a few layers per
 program, with the scanned layer body beside them.
 
-    python -m benchmarks.bench_layer_programs [--rounds 3] [--record]
+    python -m benchmarks.bench_layer_programs [--rounds 4] [--record]
 
 On CPU a model with one stack per layer (`scan_layers=False`, the CPU default) runs its
 step as an inputs program, layer programs and a head program
@@ -126,7 +126,7 @@ def summarise(result: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--models", nargs="+", default=list(REAL_WEIGHTS))
     add_record_option(parser)
     args = parser.parse_args()

@@ -208,8 +208,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scan-layers", choices=("auto", "on", "off"), default="auto",
         help="one scanned layer body (on CPU, decode copies each layer's weights) or one "
-        "stack per layer, run layer by layer ('auto': scan off CPU); both compile one "
-        "layer program per step shape",
+        "stack per layer, run a few layers per program ('auto': scan off CPU)",
     )  # fmt: skip
     p.add_argument(
         "--compilation-cache", default="auto", metavar="DIR",

@@ -32,8 +32,8 @@ Each step it
    as a few programs instead, all dispatched at once: the inputs (embeddings), one
    program for every group of a few consecutive layers (`layer_group_sizes`; the first
    layer is data; it alone updates the donated cache), and the head with sampling. So
-   compile time does not grow with depth and no step slices a layer's weights out of a
-   stack.
+   a program compiles a few layers however deep the model (`MAX_LAYER_PROGRAMS` bounds
+   the programs a step dispatches) and no step slices a layer's weights out of a stack.
 
 On a mesh (`jaxkv.device.make_mesh(data, model)`), KV heads are split over the model axis
 and each data rank serves its own requests from its own block pool (block ids local to
@@ -295,8 +295,8 @@ class ModelRunner:
         if len(self._runs) > 1:
             self._run_graphdef = nnx.graphdef(self._runs[0])
             self._group_sizes = layer_group_sizes(len(self._runs))
-            starts = np.cumsum([0, *self._group_sizes[:-1]])
-            first_layers = [sum(run.num_layers for run in self._runs[:i]) for i in starts]
+            run_starts = np.cumsum([0, *(run.num_layers for run in self._runs)])
+            first_layers = run_starts[np.cumsum([0, *self._group_sizes[:-1]])]
             self._first_layers = tuple(self._replicated(np.int32(i)) for i in first_layers)
         self._set_state(state)
 

@@ -6,10 +6,10 @@ cannot disagree on an offset. `step_program` is the fused step (forward and samp
 one program) of a model whose layers are scanned as one body; `layer_by_layer_program`
 is the same step as a few programs for a model with one stack per layer (inputs, one
 program for every group of consecutive layers, `layer_group_sizes`, then head and
-sampling). Both are cached per engine layout
-and step shape with every static argument bound, so engines built alike share compiled
-programs and a call hashes no static argument (JAX's C++ dispatch path). Only the
-program that writes the KV cache takes it donated.
+sampling). Both are cached per engine layout and step shape with every static argument
+bound, so engines built alike share compiled programs and a call hashes no static
+argument (JAX's C++ dispatch path). Only the program that writes the KV cache takes it
+donated.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ attention its sliding window and KV-cache group.
 
 `scan_layers=False` keeps one stack per layer instead, so no step slices a layer's
 weights out of a stack: on XLA's CPU backend that slice is a copy of the layer's
-weights per step (about 1.8x decode time on the real-shaped benchmarks); TPU and GPU
-compilers read the slice in place. `load_model` picks by platform (`default_scan_layers`).
+weights per step (which a batched decode step pays for); TPU and GPU compilers read
+the slice in place. `load_model` picks by platform (`default_scan_layers`).
 Inside one program the per-layer runs unroll (compile time grows with depth), so the
 engine runs such a model a few layers at a time: one program for every group of
 consecutive layers (`apply_layers` on each run, the first layer number as data),

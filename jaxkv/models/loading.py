@@ -164,7 +164,7 @@ def default_scan_layers(mesh: Mesh | None) -> bool:
     weights out of the stack at every step of the scan (a dynamic-slice fusion before
     each dot), which a batched decode step pays for, TPU and GPU compilers read them in
     place. The engine runs a model with one stack per layer a few layers per program,
-    so its compile time does not grow with depth either."""
+    so its programs stay small however deep the model."""
     devices = mesh.devices.flat if mesh is not None else jax.local_devices()
     return next(iter(devices)).platform != "cpu"
 
