@@ -49,6 +49,7 @@ ctx, inputs_embeds)`, `embed_tokens`, and for images `encode_images`.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -294,9 +295,10 @@ class ModelRunner:
         self._runs = model.decoder.layers if isinstance(model, CausalLM) else ()
         if len(self._runs) > 1:
             self._run_graphdef = nnx.graphdef(self._runs[0])
-            self._group_sizes = layer_group_sizes(len(self._runs))
+            # Group g takes runs _group_bounds[g]:_group_bounds[g + 1].
+            self._group_bounds = np.cumsum([0, *layer_group_sizes(len(self._runs))])
             run_starts = np.cumsum([0, *(run.num_layers for run in self._runs)])
-            first_layers = run_starts[np.cumsum([0, *self._group_sizes[:-1]])]
+            first_layers = run_starts[self._group_bounds[:-1]]
             self._first_layers = tuple(self._replicated(np.int32(i)) for i in first_layers)
         self._set_state(state)
 
@@ -307,9 +309,9 @@ class ModelRunner:
         if self._run_graphdef is not None:
             flat_runs = [jax.tree.flatten(nnx.state(run)) for run in self._runs]
             self._run_def = flat_runs[0][1]  # every run has the first's structure (and graphdef)
-            run_params = iter(params for params, _ in flat_runs)
+            run_params = [params for params, _ in flat_runs]
             groups = tuple(
-                tuple(next(run_params) for _ in range(size)) for size in self._group_sizes
+                tuple(run_params[a:b]) for a, b in itertools.pairwise(self._group_bounds)
             )
             self._params = LayerParams(self._params, groups, self._first_layers)
 
@@ -342,7 +344,7 @@ class ModelRunner:
         for each size of layer group, and head with sampling."""
         if self._run_graphdef is None:
             return 2
-        return 3 + len(set(self._group_sizes))
+        return 3 + len(set(np.diff(self._group_bounds)))
 
     def max_compilations(self, host_tier: bool) -> int:
         """At most how many programs serving compiles: `programs_per_step` for each step

@@ -318,7 +318,8 @@ def layer_group_sizes(num_runs: int) -> tuple[int, ...]:
     by at most one (so a step shape compiles at most two layer programs)."""
     per_group = -(-num_runs // MAX_LAYER_PROGRAMS)
     groups = -(-num_runs // per_group)
-    return tuple(len(part) for part in np.array_split(np.arange(num_runs), groups))
+    smaller, larger_groups = divmod(num_runs, groups)
+    return (smaller + 1,) * larger_groups + (smaller,) * (groups - larger_groups)
 
 
 @functools.lru_cache(maxsize=512)
