@@ -154,6 +154,13 @@ class PagedBatch:
 
     def __init__(self, reqs, width, kv_heads, group, dtype="float32", seed=2, kv_quant=None):
         rng = np.random.default_rng(seed)
+        # Drawn on the device (64 x 8192 tokens is 2 GiB of bf16 K/V), in float32 then
+        # cast: every dtype holds the same values, rounded.
+        keys = iter(jax.random.split(jax.random.key(seed), 2 * len(reqs) + 1))
+
+        def normal(shape):
+            return jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
+
         self.reqs, self.width, self.group = reqs, width, group
         self.kv_heads, self.hq = kv_heads, kv_heads * group
         pages = [-(-ctx // BLOCK_SIZE) for ctx, _ in reqs]
@@ -169,18 +176,25 @@ class PagedBatch:
             pos = np.arange(ctx)
             slots.append(self.tables[r, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
             for store in (self.keys, self.values):
-                store.append(jnp.asarray(rng.standard_normal((ctx, kv_heads, HEAD_SIZE)), dtype))
+                store.append(normal((ctx, kv_heads, HEAD_SIZE)))
         kv = self.cache.allocate_stacked(1)
         self.kv = self.cache.write_kv(
             kv, jnp.concatenate(self.keys), jnp.concatenate(self.values), np.concatenate(slots)
         )[0]
         q_lens = np.array([q for _, q in reqs], np.int32)
-        self.q = jnp.asarray(rng.standard_normal((int(q_lens.sum()), self.hq, HEAD_SIZE)), dtype)
+        self.q = normal((int(q_lens.sum()), self.hq, HEAD_SIZE))
         self.seq_lens = jnp.asarray([ctx for ctx, _ in reqs], jnp.int32)
         self.qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
         self.scale = HEAD_SIZE**-0.5
 
-    def paged_fn(self, tables=None, **kw):
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the batch's attention must read (every request's context)."""
+        itemsize = jnp.dtype(self.kv.dtype).itemsize
+        return 2 * sum(ctx for ctx, _ in self.reqs) * self.kv_heads * HEAD_SIZE * itemsize
+
+    def paged_call(self, tables=None, **kw):
+        """The paged attention (`AttentionOptions(**kw)`) as a zero-argument call that
+        returns without waiting for the device."""
         bt = jnp.asarray(self.tables if tables is None else tables)
         n = jnp.int32(len(self.reqs))
         fn = jax.jit(
@@ -189,7 +203,12 @@ class PagedBatch:
                 kv_dtype=self.cache.dtype, kv_quant=self.cache.kv_quant,
             )
         )  # fmt: skip
-        return lambda: _ready(fn(self.q, self.kv, bt))
+        return lambda: fn(self.q, self.kv, bt)
+
+    def paged_fn(self, tables=None, **kw):
+        """`paged_call`, waited on."""
+        call = self.paged_call(tables, **kw)
+        return lambda: _ready(call())
 
     def lower_paged(self, **kw):
         n = jnp.int32(len(self.reqs))
@@ -200,7 +219,13 @@ class PagedBatch:
         ).lower(self.q, self.kv, jnp.asarray(self.tables))
 
     def dense_fn(self):
-        """Dense attention on contiguous K/V: causal per prefill, one batch for decodes."""
+        """`dense_call`, waited on."""
+        call = self.dense_call()
+        return lambda: _ready(call())
+
+    def dense_call(self):
+        """Dense attention on contiguous K/V (causal per prefill, one batch for decodes)
+        as a zero-argument call that returns without waiting for the device."""
         g, h = self.group, self.kv_heads
         decodes = [r for r, (_, ql) in enumerate(self.reqs) if ql == 1]
         prefills = [r for r, (_, ql) in enumerate(self.reqs) if ql > 1]
@@ -241,7 +266,7 @@ class PagedBatch:
 
         keys = [self.keys[r] for r in range(len(self.reqs))]
         values = [self.values[r] for r in range(len(self.reqs))]
-        return lambda: _ready(dense(self.q, keys, values, dec_k, dec_v))
+        return lambda: dense(self.q, keys, values, dec_k, dec_v)
 
 
 def bench_scaling(rounds: int, quick: bool, bar: tqdm, impl: str = "auto") -> dict:

@@ -10,6 +10,10 @@ short still reports what it finished; `phase_s` records each one's seconds):
 - `hbm_floor`: the device's copy bandwidth, measured (a jitted `x + 1` over 2 GiB,
   bytes read + written over the median time); a decode step's floor is the bytes it
   must read (weights, plus the KV at its context) over it.
+- `attention_targets`: the issue's attention targets on the dispatched path, bf16
+  (`gpu_attention_targets`): decode 32 x 1,024 and 64 x 8,192 tokens as shares of the
+  bandwidth and against dense attention, a 4,096-token prefill against cuDNN, a mixed
+  batch against its parts.
 - `side_by_side`: the engine (`dtype="bfloat16"`, greedy, async scheduling; once more
   with it off at batch 1) and transformers (`generate`, bf16, in a child process:
   `_transformers_decode.py generate`, only where torch and transformers import, else
@@ -72,6 +76,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks._common import print_table  # noqa: E402
 from benchmarks.bench_device import bench_scaling, bench_updates  # noqa: E402
+from benchmarks.gpu_attention_targets import attention_targets  # noqa: E402
 from jaxkv.device import AttentionOptions, ragged_paged_attention  # noqa: E402
 
 # (name, seq_lens, q_lens, group, window, chunk, soft_cap, spans, dtype)
@@ -797,6 +802,12 @@ def _scaling(impl: str) -> Callable[[Context], object]:
     return run
 
 
+def _attention_targets(ctx: Context) -> dict:
+    gbs, source = ctx.bandwidth()
+    report = attention_targets(gbs, ctx.args.hbm_gbs, ctx.args.rounds, ctx.small)
+    return {"bandwidth_from": source} | report
+
+
 def _updates(ctx: Context) -> list:
     with tqdm(desc="updates", file=sys.stderr) as bar:
         return bench_updates(256, 10, bar)
@@ -808,6 +819,7 @@ PHASES = (
     Phase("kernels", 60, 20, lambda ctx: check_kernels()),
     Phase("step", 10, 3, lambda ctx: check_step()),
     Phase("hbm_floor", 5, 2, hbm_floor),
+    Phase("attention_targets", 45, 15, _attention_targets),
     Phase("side_by_side", 200, 30, side_by_side),
     Phase("step_time", 15, 5, step_time),
     Phase("gemma_bf16", 70, 30, gemma_bf16),

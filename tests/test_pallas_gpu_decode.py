@@ -299,6 +299,28 @@ def test_decode_matches_jax_paged_attention_in_interpret_mode() -> None:
     assert report["prefill_max_abs_diff"] < 5e-2, report
 
 
+@pytest.mark.slow
+def test_attention_targets_dry_run_reports_every_target() -> None:
+    """The GPU script's attention targets, dry-run on CPU (small shapes, the blockwise
+    path): each case agrees with dense attention in bf16, and each target's verdict is
+    its figure against its bound."""
+    from benchmarks.gpu_attention_targets import attention_targets
+
+    report = attention_targets(10.0, 4800.0, rounds=1, small=True)
+    for name in ("decode 4 x 64", "decode 2 x 256"):
+        assert report[name]["max_abs_diff"] < 5e-2, report[name]
+        assert report[name]["paged"]["share_nominal"] < report[name]["paged"]["share_measured"]
+    assert report["prefill 128"]["max_abs_diff_vs_xla"] < 5e-2
+    targets = report["targets"]
+    assert len(targets) == 5
+    share = targets["decode 4 x 64: share of measured bandwidth >= 0.5"]
+    assert share["value"] == report["decode 4 x 64"]["paged"]["share_measured"]
+    assert share["met"] == (share["value"] >= 0.5)
+    mixed = report["mixed 64 + 3 x 64"]
+    parts = mixed["prefill_alone"]["ms"] + mixed["decodes_alone"]["ms"]
+    assert mixed["mixed_vs_sum_of_parts"] == pytest.approx(mixed["mixed"]["ms"] / parts)
+
+
 def _mixed_rows(rng: np.random.Generator, stale: bool):
     """A mixed step (prefill, chunk, decode, padding) as token rows for the rows kernel:
     `(case, q, each token's table row, lo, hi)`; with `stale`, table entries past each
