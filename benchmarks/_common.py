@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +80,11 @@ def best_of(
         result = fn()
         best = min(best, clock() - start)
     return best, result
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median and range of repeated figures (the form every benchmark reports)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -24,7 +24,7 @@ import statistics
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks._common import add_record_option, print_table, results_name, write_json
+from benchmarks._common import add_record_option, print_table, results_name, spread, write_json
 from benchmarks.bench_decode import REAL_WEIGHTS, checkpoint_dir
 
 DECODE_STEPS = 16
@@ -73,8 +73,9 @@ def bench_checkpoint(name: str, batch: int, contexts: list[int], rounds: int) ->
     return {"batch": batch, "runs": runs, "attention_ms_per_1k_keys": per_1k}
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
+def spread_cell(values: list[float]) -> str:
+    figures = spread(values)
+    return f"{figures['median']:.4g} [{figures['min']:.4g}, {figures['max']:.4g}]"
 
 
 def main() -> None:
@@ -90,8 +91,8 @@ def main() -> None:
     payload = {}
     for name in args.models:
         result = payload[name] = bench_checkpoint(name, args.batch, args.contexts, args.rounds)
-        rows = [[f"{name}/ctx_{c}", spread(result["runs"][c])] for c in args.contexts]
-        per_1k = spread(result["attention_ms_per_1k_keys"])
+        rows = [[f"{name}/ctx_{c}", spread_cell(result["runs"][c])] for c in args.contexts]
+        per_1k = spread_cell(result["attention_ms_per_1k_keys"])
         rows.append([f"{name}/attention_ms_per_1k_keys", per_1k])
         title = f"\n{name}: decode ms per step at batch {args.batch} (median [range])"
         print_table(title, ["", "ms"], rows)

@@ -48,6 +48,7 @@ from benchmarks._common import (
     add_record_option,
     print_table,
     results_name,
+    spread,
     write_json,
 )
 
@@ -80,10 +81,6 @@ GEMMA3_270M = {
 REAL_SHAPES = {"smollm2-135m-shaped": SMOLLM2_135M, "gemma3-270m-shaped": GEMMA3_270M}
 # Real weights (benchmarks/real_checkpoints.py, written in the peer environment).
 REAL_WEIGHTS = ("real-smollm2-135m", "real-gemma3-270m")
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def peak_rss_mib() -> float:

@@ -22,15 +22,16 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks._common import add_record_option, print_table, results_name, write_json
+from benchmarks._common import (
+    add_record_option,
+    print_table,
+    results_name,
+    spread,
+    write_json,
+)
 from jaxkv.device import compilation_count
 from jaxkv.engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from jaxkv.testing.tiny_model import TinyCausalLM, tiny_configs
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
 
 # -- 1. prefix caching ------------------------------------------------------------------
 

@@ -31,7 +31,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks._common import add_record_option, print_table, results_name, write_json
+from benchmarks._common import (
+    add_record_option,
+    print_table,
+    results_name,
+    spread,
+    write_json,
+)
 from benchmarks.bench_decode import REAL_WEIGHTS, checkpoint_dir
 
 VARIANTS = ("one per layer", "groups", "scanned")
@@ -105,10 +111,6 @@ def bench_checkpoint(name: str, rounds: int) -> dict:
     del engines
     gc.collect()
     return {"runs": runs, "programs_per_step_shape": programs}
-
-
-def spread(values) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summarise(result: dict) -> dict:

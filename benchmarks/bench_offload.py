@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
 from pathlib import Path
 
@@ -80,6 +79,7 @@ from benchmarks._common import (
     add_record_option,
     print_table,
     results_name,
+    spread,
     write_json,
 )
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
@@ -112,10 +112,6 @@ def load_model(name: str):
     from jaxkv import models
 
     return models.load_model(gemma3_270m_checkpoint())
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def conversations(

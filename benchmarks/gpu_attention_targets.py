@@ -21,22 +21,28 @@ small shapes, XLA's attention for cuDNN's, and the blockwise path.
 from __future__ import annotations
 
 import operator
-import statistics
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks._common import spread
 from benchmarks.bench_device import BLOCK_SIZE, HEAD_SIZE, PagedBatch
 
 KV_HEADS, GROUP, DTYPE = 8, 4, "bfloat16"
 CALLS = 20
 
 
+def table_width(*contexts: int) -> int:
+    """Pages per table row: enough for the longest context."""
+    return -(-max(contexts) // BLOCK_SIZE)
+
+
 def back_to_back(calls: dict[str, Callable[[], jax.Array]], rounds: int) -> dict[str, dict]:
-    """Milliseconds per call of each zero-argument call (`CALLS` dispatched back to back,
-    then one wait), after one warm-up call each; rounds interleaved across the calls."""
+    """Milliseconds per call of each zero-argument call (`spread`: median, min, max over
+    rounds): `CALLS` dispatched back to back, then one wait; one warm-up call each first,
+    rounds interleaved across the calls."""
     for call in calls.values():
         jax.block_until_ready(call())
     samples: dict[str, list[float]] = {name: [] for name in calls}
@@ -47,13 +53,10 @@ def back_to_back(calls: dict[str, Callable[[], jax.Array]], rounds: int) -> dict
                 out = call()
             jax.block_until_ready(out)
             samples[name].append((time.perf_counter() - start) / CALLS * 1e3)
-    return {
-        name: {"ms": statistics.median(ms), "range_ms": [min(ms), max(ms)]}
-        for name, ms in samples.items()
-    }
+    return {name: spread(ms) for name, ms in samples.items()}
 
 
-def cudnn_prefill_call(batch: PagedBatch, implementation: str) -> Callable[[], jax.Array]:
+def dense_prefill_call(batch: PagedBatch, implementation: str) -> Callable[[], jax.Array]:
     """Causal dense attention of a one-request prefill batch over its contiguous K/V."""
     q, k, v = (x[None] for x in (batch.q, batch.keys[0], batch.values[0]))
     attend = jax.jit(
@@ -76,34 +79,33 @@ def shares(kv_bytes: int, ms: float, measured_gbs: float, nominal_gbs: float) ->
 
 def decode_case(reqs: int, context: int, rounds: int, gbs: tuple[float, float]) -> dict:
     """`reqs` decodes of `context` tokens: paged (dispatched) vs dense, bandwidth shares."""
-    batch = PagedBatch([(context, 1)] * reqs, -(-context // BLOCK_SIZE), KV_HEADS, GROUP, DTYPE)
+    batch = PagedBatch([(context, 1)] * reqs, table_width(context), KV_HEADS, GROUP, DTYPE)
     calls = {"paged": batch.paged_call(), "dense": batch.dense_call()}
     times = back_to_back(calls, rounds)
-    row = {
-        "kv_bytes": batch.kv_bytes(),
-        "paged": times["paged"] | shares(batch.kv_bytes(), times["paged"]["ms"], *gbs),
-        "dense": times["dense"] | shares(batch.kv_bytes(), times["dense"]["ms"], *gbs),
+    kv_bytes = batch.kv_bytes()
+    return {
+        "kv_bytes": kv_bytes,
+        **{name: t | shares(kv_bytes, t["median"], *gbs) for name, t in times.items()},
+        "paged_vs_dense": times["paged"]["median"] / times["dense"]["median"],
         "max_abs_diff": max_abs_diff(calls["paged"](), calls["dense"]()),
     }
-    row["paged_vs_dense"] = times["paged"]["ms"] / times["dense"]["ms"]
-    return row
 
 
-def prefill_case(tokens: int, rounds: int, small: bool) -> dict:
-    """One prefill of `tokens`: paged (dispatched) vs cuDNN (XLA in the dry run) and XLA."""
-    batch = PagedBatch([(tokens, tokens)], -(-tokens // BLOCK_SIZE), KV_HEADS, GROUP, DTYPE)
-    implementation = "xla" if small else "cudnn"
+def prefill_case(tokens: int, rounds: int, implementation: str) -> dict:
+    """One prefill of `tokens`: paged (dispatched) against "dense",
+    `jax.nn.dot_product_attention` with `implementation` (cuDNN on a GPU), and beside
+    them `PagedBatch`'s XLA attention."""
+    batch = PagedBatch([(tokens, tokens)], table_width(tokens), KV_HEADS, GROUP, DTYPE)
     calls = {
         "paged": batch.paged_call(),
-        implementation: cudnn_prefill_call(batch, implementation),
+        "dense": dense_prefill_call(batch, implementation),
         "dense_xla": batch.dense_call(),
     }
     times = back_to_back(calls, rounds)
     return times | {
-        "paged_vs_" + implementation: times["paged"]["ms"] / times[implementation]["ms"],
-        "max_abs_diff_vs_" + implementation: max_abs_diff(
-            calls["paged"](), calls[implementation]()[0]
-        ),
+        "dense_implementation": implementation,
+        "paged_vs_dense": times["paged"]["median"] / times["dense"]["median"],
+        "max_abs_diff": max_abs_diff(calls["paged"](), calls["dense"]()[0]),
     }
 
 
@@ -115,14 +117,14 @@ def mixed_case(prefill: int, decodes: int, context: int, rounds: int) -> dict:
         "prefill_alone": [(prefill, prefill)],
         "decodes_alone": [(context, 1)] * decodes,
     }
-    width = -(-max(prefill, context) // BLOCK_SIZE)
+    width = table_width(prefill, context)
     calls = {
         name: PagedBatch(reqs, width, KV_HEADS, GROUP, DTYPE).paged_call()
         for name, reqs in parts.items()
     }
     times = back_to_back(calls, rounds)
-    parts_ms = times["prefill_alone"]["ms"] + times["decodes_alone"]["ms"]
-    return times | {"mixed_vs_sum_of_parts": times["mixed"]["ms"] / parts_ms}
+    parts_ms = times["prefill_alone"]["median"] + times["decodes_alone"]["median"]
+    return times | {"mixed_vs_sum_of_parts": times["mixed"]["median"] / parts_ms}
 
 
 def attention_targets(measured_gbs: float, nominal_gbs: float, rounds: int, small: bool) -> dict:
@@ -133,14 +135,14 @@ def attention_targets(measured_gbs: float, nominal_gbs: float, rounds: int, smal
     mixed = (64, 3, 64) if small else (1024, 31, 1024)
     dense = "xla" if small else "cudnn"
     short, long_ = decode_case(n1, c1, rounds, gbs), decode_case(n2, c2, rounds, gbs)
-    pre, mix = prefill_case(prefill, rounds, small), mixed_case(*mixed, rounds)
+    pre, mix = prefill_case(prefill, rounds, dense), mixed_case(*mixed, rounds)
     checks = {
         f"decode {n1} x {c1}: share of measured bandwidth >= 0.5":
             (short["paged"]["share_measured"], operator.ge, 0.5),
         f"decode {n1} x {c1}: paged / dense < 1": (short["paged_vs_dense"], operator.lt, 1.0),
         f"decode {n2} x {c2}: share of measured bandwidth >= 0.7":
             (long_["paged"]["share_measured"], operator.ge, 0.7),
-        f"prefill {prefill}: paged / {dense} <= 2": (pre["paged_vs_" + dense], operator.le, 2.0),
+        f"prefill {prefill}: paged / {dense} <= 2": (pre["paged_vs_dense"], operator.le, 2.0),
         "mixed / (prefill + decodes alone) <= 1": (mix["mixed_vs_sum_of_parts"], operator.le, 1.0),
     }  # fmt: skip
     return {
