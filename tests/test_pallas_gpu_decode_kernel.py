@@ -26,6 +26,7 @@ from jaxkv.device.pallas_gpu_decode import (
     TILE_ELEMENTS,
     decode_compute_block_pages,
     decode_kernel_error,
+    decode_smem_bytes,
     default_num_splits,
     merge_splits,
     paged_decode_rows_gpu,
@@ -207,13 +208,16 @@ def test_token_major_rows_of_a_mixed_step() -> None:
 
 
 def test_tile_plan() -> None:
-    """Vector route: `keys * D <= TILE_ELEMENTS` (8 pages at most); dot route: the rows
-    kernel's plan; splits follow the table width, at most `MAX_SPLITS`."""
+    """Vector route: `keys * D <= TILE_ELEMENTS` (8 pages at most); dot route: the most
+    pages whose shared memory fits; splits follow the table width, at most `MAX_SPLITS`."""
     for head_size, pages in ((64, 8), (128, 4), (256, 2)):
         for dtype in ("float32", "bfloat16"):
             assert decode_compute_block_pages(head_size, 16, 4, dtype, H200) == pages
     assert 128 * 128 * decode_compute_block_pages(128, 128, 1, "bfloat16", H200) > TILE_ELEMENTS
-    assert decode_compute_block_pages(256, 16, 16, "float32", H200) == 4  # rows kernel: not 2
+    # f32 head 256, dot route: 64 keys asked the compiler for 278,544 bytes (> 232,448)
+    assert decode_smem_bytes(256, 64, 16, 4) >= 278544 > H200.bytes
+    assert decode_compute_block_pages(256, 16, 16, "float32", H200) == 2
+    assert decode_compute_block_pages(128, 16, 16, "bfloat16", H200) == 8  # 204,832 bytes
     assert decode_compute_block_pages(64, 4, 2, "float32", None) == 8  # interpret mode
     assert default_num_splits(64, 4) == 4  # 16 compute blocks, 4 per split
     assert default_num_splits(3, 4) == 1
@@ -226,7 +230,7 @@ def test_tile_plan() -> None:
         ((64, 6, 2, "float32", H200), "block_size=6 must be a power of two"),
         ((96, 16, 2, "float32", H200), "head_size=96 must be a power of two"),
         ((8, 16, 16, "float32", H200), "head_size=8 must be >= 16"),  # dot route
-        ((256, 128, 2, "float32", smem_limit_for("7.5")), "no decode tile fits shared memory"),
+        ((256, 128, 16, "float32", smem_limit_for("7.5")), "no decode tile fits shared memory"),
     ],
 )
 def test_decode_kernel_error(args, match) -> None:

@@ -27,13 +27,14 @@ from test_device_attention import (
 )
 
 from jaxkv.device.attention import token_intervals
-from jaxkv.device.pallas_gpu import SmemLimit, paged_attention_rows_pallas, smem_bytes
+from jaxkv.device.pallas_gpu import SmemLimit, paged_attention_rows_pallas
 from jaxkv.device.pallas_gpu_prefill import (
     ROW_ELEMENTS,
     build_tiles,
     num_tiles,
     paged_prefill_gpu,
     prefill_plan,
+    prefill_smem_bytes,
 )
 
 H100 = SmemLimit(232448, "H100/H200: 227 KiB per block")
@@ -249,7 +250,7 @@ def test_tile_bound_is_tight_for_many_short_prefills() -> None:
 def test_plan_keeps_programs_within_an_h100s_shared_memory(head_size, dtype, group) -> None:
     plan = prefill_plan(head_size, 16, group, dtype, 64, H100)
     rows = 64 * plan.heads_per_program
-    need = smem_bytes(head_size, plan.pages_per_chunk * 16, rows, np.dtype(dtype).itemsize)
+    need = prefill_smem_bytes(head_size, plan.pages_per_chunk * 16, rows, np.dtype(dtype).itemsize)
     assert need <= H100.bytes - H100.bytes // 16
     assert rows * head_size <= ROW_ELEMENTS or plan.heads_per_program == 1
     assert plan.pages_per_chunk * 16 >= 16

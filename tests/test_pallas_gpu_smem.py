@@ -1,8 +1,10 @@
-"""The Triton kernel's shared-memory plan (`jaxkv.device.pallas_gpu`), on CPU.
+"""The Triton kernels' shared-memory plans (`jaxkv.device.pallas_gpu` and the dispatched
+decode and prefill kernels), on CPU.
 
-No GPU here: the model's arithmetic, its calibration figures, the compute block the
+No GPU here: the models' arithmetic, their calibration figures, the compute block the
 dispatch passes (a spy stands in for the kernel), and the Triton call cross-lowered for
-CUDA. Whether a compiled kernel fits is only known on a GPU (`benchmarks/gpu_check.py`).
+CUDA. That the compiled kernels fit is checked by the real compiler, deviceless, for an
+H100, H200 and A100 (`tests/test_gpu_aot.py`, slow part).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jaxkv.device import (
     paged_decode_attention,
     pallas_gpu,
 )
+from jaxkv.device.gpu_attention import QUERY_TILE
 from jaxkv.device.pallas_gpu import (
     PAGES_PER_COMPUTE_BLOCK,
     SMEM_MARGIN_DIVISOR,
@@ -37,6 +40,8 @@ from jaxkv.device.pallas_gpu import (
     smem_bytes,
     smem_limit_for,
 )
+from jaxkv.device.pallas_gpu_decode import decode_compute_block_pages, decode_smem_bytes
+from jaxkv.device.pallas_gpu_prefill import prefill_plan, prefill_smem_bytes
 from jaxkv.models.config import parse_model_config
 
 H200 = SmemLimit(232448, "H100/H200: 227 KiB per block")
@@ -88,16 +93,21 @@ def test_plan_keeps_the_configurations_the_h200_ran(dtype) -> None:
 
 @pytest.mark.parametrize("limit", [H200, A100], ids=["h100_h200", "a100"])
 def test_every_model_config_in_the_repo_fits(limit) -> None:
+    """The kernels the dispatch runs (decode; prefill at its query tile) plan tiles whose
+    shared memory (the compiler-measured bounds) fits the part, for every model config."""
     shapes = repo_attention_shapes()
     assert {256, 128, 64} <= {head for head, _ in shapes.values()}, shapes  # the issue's sizes
+    budget = limit.bytes - limit.bytes // SMEM_MARGIN_DIVISOR
     for name, (head_size, group) in shapes.items():
         for dtype in DTYPES:
             for block_size in BLOCK_SIZES:
-                pages = compute_block_pages(head_size, block_size, group, dtype, limit)
-                need = smem_bytes(head_size, pages * block_size, query_rows(group), dtype.itemsize)
                 where = f"{name}: head {head_size}, group {group}, {dtype}, block {block_size}"
-                assert need <= limit.bytes - limit.bytes // SMEM_MARGIN_DIVISOR, where
-                assert block_shape_error(head_size, block_size, pages) is None, where
+                pages = decode_compute_block_pages(head_size, block_size, group, dtype, limit)
+                keys = pages * block_size
+                assert decode_smem_bytes(head_size, keys, group, dtype.itemsize) <= budget, where
+                plan = prefill_plan(head_size, block_size, group, dtype, QUERY_TILE, limit)
+                rows, keys = QUERY_TILE * plan.heads_per_program, plan.pages_per_chunk * block_size
+                assert prefill_smem_bytes(head_size, keys, rows, dtype.itemsize) <= budget, where
 
 
 @pytest.mark.parametrize(
@@ -151,6 +161,21 @@ def test_limit_table_and_unknown_parts() -> None:
         )
 
 
+def test_target_capability_comes_from_the_environment(monkeypatch) -> None:
+    """With no GPU visible, `$JAXKV_GPU_TARGET_CAPABILITY` names the part planned for
+    (compiling ahead of time for an A100 on a CPU host)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("a GPU is visible: its own limit applies")
+    monkeypatch.setenv(pallas_gpu.TARGET_CAPABILITY_ENV, "8.0")
+    pallas_gpu.gpu_smem_limit.cache_clear()
+    try:
+        assert pallas_gpu.gpu_smem_limit() == SmemLimit(
+            166912, "compute capability 8.0, from $JAXKV_GPU_TARGET_CAPABILITY: no GPU visible"
+        )
+    finally:
+        pallas_gpu.gpu_smem_limit.cache_clear()
+
+
 def _decode_args(head_size: int, dtype, width: int = 3):
     q = jnp.zeros((2, 4, head_size), dtype)
     kv = jnp.zeros((8, 16, 2, head_size), dtype)  # one KV head: group 4, block size 16
@@ -158,7 +183,7 @@ def _decode_args(head_size: int, dtype, width: int = 3):
 
 
 def test_dispatch_falls_back_when_no_decode_tile_fits(monkeypatch, caplog) -> None:
-    """Head 256 f32 on a GPU: the decode kernel fits an H200 and an A100; with 16 KiB of
+    """Head 256 f32 on a GPU: the decode kernel fits an H200 and an A100; with 4 KiB of
     shared memory nothing fits, and `auto` takes the blockwise path with one line while
     `pallas` raises."""
     calls = []
@@ -174,7 +199,7 @@ def test_dispatch_falls_back_when_no_decode_tile_fits(monkeypatch, caplog) -> No
         monkeypatch.setattr(gpu_attention, "gpu_smem_limit", lambda limit=limit: limit)
         paged_decode_attention(*args, 2, unit, platform="gpu")
         assert len(calls) == 1 and calls.pop()["interpret"] is False
-    tiny = SmemLimit(16384, "a 16 KiB part")
+    tiny = SmemLimit(4096, "a 4 KiB part")
     monkeypatch.setattr(gpu_attention, "gpu_smem_limit", lambda: tiny)
     attention._say_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="jaxkv"):

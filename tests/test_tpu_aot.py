@@ -10,25 +10,19 @@ pip's last line) when the environment cannot be installed, e.g. without network.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from aot_venv import JAX_VERSION, PIP_TIMEOUT_S, REPO, last_line, side_python, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 MATRIX = REPO / "tests" / "tpu_aot_matrix.py"
 VENV = Path(os.environ.get("JAXKV_TPU_VENV", REPO / ".venv-tpu-ci")).absolute()
-JAX_VERSION = importlib.metadata.version("jax")
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")
 # the values the matrix must compile bf16 with, on every topology
 BF16_VALUES = {
@@ -39,68 +33,18 @@ BF16_VALUES = {
 }
 # how a refusal reason names the dimension it refuses: "name=value" of the configuration's
 REASON_NAMES = {"num_kv_heads": "kv_heads", "head_size": "head_size", "block_size": "block_size"}
-PIP_TIMEOUT_S, MATRIX_TIMEOUT_S = 1200, 1800
+MATRIX_TIMEOUT_S = 1800
 
 
 def _env() -> dict[str, str]:
-    """The subprocesses' environment: this repository's jaxkv first, no CPU-only JAX settings."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     # Both tests may compile at once (xdist workers): libtpu's process lock would refuse.
-    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    env["TPU_SKIP_MDS_QUERY"] = "1"
-    return env
-
-
-def _not_ready(python: Path) -> str | None:
-    """Why `python` cannot run the matrix (None if it imports jax at our version and libtpu)."""
-    if not python.exists():
-        return f"{python} does not exist"
-    check = "import jax, libtpu, jaxkv; print(jax.__version__)"
-    proc = subprocess.run(
-        [python, "-c", check], capture_output=True, text=True, env=_env(), timeout=300
-    )
-    if proc.returncode:
-        return f"{python} cannot import jax, libtpu and jaxkv: {_last_line(proc)}"
-    if proc.stdout.strip() != JAX_VERSION:
-        return f"{python} has jax {proc.stdout.strip()}, need {JAX_VERSION}"
-    return None
-
-
-def _last_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else f"exit status {proc.returncode}"
-
-
-def _install(*command: str | Path) -> None:
-    """Run one build step; skip the test (with the step's last line) if it fails."""
-    proc = subprocess.run(
-        command, capture_output=True, text=True, env=_env(), timeout=PIP_TIMEOUT_S
-    )
-    if proc.returncode:
-        step = " ".join(map(str, command[2:]))
-        pytest.skip(f"cannot build the TPU environment ({step}): {_last_line(proc)}")
+    return subprocess_env(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
 
 
 @pytest.fixture(scope="module")
 def tpu_python() -> Path:
-    """The TPU environment's python, built under a file lock (one xdist worker builds it)."""
-    python = VENV / "bin" / "python"
-    if _not_ready(python) is None:
-        return python
-    key = hashlib.sha256(str(VENV).encode()).hexdigest()[:16]
-    lock_path = Path(tempfile.gettempdir()) / f"jaxkv-tpu-venv-{key}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker that waited finds it built
-        if _not_ready(python) is not None:
-            if not python.exists():
-                _install(sys.executable, "-m", "venv", VENV)
-            _install(python, "-m", "pip", "install", "-q", f"jax[tpu]=={JAX_VERSION}")
-            _install(python, "-m", "pip", "install", "-q", "-e", REPO)
-        reason = _not_ready(python)
-    assert reason is None, f"the TPU environment at {VENV} was installed but is unusable: {reason}"
-    return python
+    """The TPU environment's python (`aot_venv.side_python`)."""
+    return side_python(VENV, [f"jax[tpu]=={JAX_VERSION}"], ("libtpu",), _env(), "TPU")
 
 
 def run_matrix(python: Path) -> tuple[list[dict], dict, subprocess.CompletedProcess]:
@@ -220,7 +164,7 @@ def test_engine_steps_compile_in_place_for_a_tpu_slice(tpu_python, tmp_path):
              "--max-num-seqs", "16", "--max-num-batched-tokens", "256"],
             capture_output=True, text=True, env=_env(), cwd=REPO, timeout=MATRIX_TIMEOUT_S,
         )  # fmt: skip
-        assert proc.returncode == 0, f"{name}: {_last_line(proc)}"
+        assert proc.returncode == 0, f"{name}: {last_line(proc)}"
         plan = json.loads(proc.stdout.strip().splitlines()[-1])
         programs = {p["name"]: p for p in plan["programs"]}
         assert {"decode", "prefill", "zero_blocks", "copy_blocks"} <= set(programs), programs

@@ -30,12 +30,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: deviceless compile
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from aot_outcome import compile_outcome  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 import jaxkv  # noqa: E402
@@ -159,36 +159,22 @@ def _program(config: dict, impl: str, sharding):
     return attend, args
 
 
-def first_line(error: BaseException) -> str:
-    """The line of an error that says what went wrong (Mosaic's own if it has one)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    mosaic = [line for line in lines if "Mosaic failed" in line]
-    line = (mosaic or lines or [type(error).__name__])[0]
-    return f"{type(error).__name__}: {line}"[:400]
-
-
 def compile_one(config: dict, sharding) -> dict:
     """Compile one configuration; returns its outcome, reason, error and compile seconds."""
     storage, kv_quant = DTYPES[config["dtype"]]
     compute = jnp.bfloat16 if kv_quant else storage
     reason = tpu_kernel_error(config["kv_heads"], storage, compute, kv_quant)
-    result = {"outcome": "failed", "reason": reason, "error": None}
-    start = time.perf_counter()
-    try:
-        attend, args = _program(config, "auto" if reason else "pallas", sharding)
-        lowered = jax.jit(attend).lower(*args)
-        has_kernel = "tpu_custom_call" in lowered.as_text()
-        lowered.compile()
+    attend, args = _program(config, "auto" if reason else "pallas", sharding)
+
+    def mismatch(text: str) -> str | None:
+        has_kernel = "tpu_custom_call" in text
         if reason is None and not has_kernel:
-            result["error"] = "impl='pallas' lowered without a Mosaic kernel (tpu_custom_call)"
-        elif reason is not None and has_kernel:
-            result["error"] = f"impl='auto' kept the Mosaic kernel although refused: {reason}"
-        else:
-            result["outcome"] = "refused" if reason else "compiled"
-    except Exception as error:  # noqa: BLE001 - every failure is reported, not raised
-        result["error"] = first_line(error)
-    result["compile_s"] = round(time.perf_counter() - start, 3)
-    return result
+            return "impl='pallas' lowered without a Mosaic kernel (tpu_custom_call)"
+        if reason is not None and has_kernel:
+            return f"impl='auto' kept the Mosaic kernel although refused: {reason}"
+        return None
+
+    return compile_outcome(lambda: jax.jit(attend).lower(*args), mismatch, reason, "Mosaic failed")
 
 
 def run(topology_names: list[str]) -> dict:

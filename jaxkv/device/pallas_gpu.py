@@ -73,8 +73,9 @@ The limit comes from the device's compute capability (`gpu_smem_limit`; JAX expo
 no shared-memory attribute): `SMEM_PER_BLOCK` holds the CUDA C++ Programming Guide's
 "maximum shared memory per thread block" (opt-in) per capability, which for 9.0 is the
 232,448 bytes the H200 reported. A capability outside the table (or none: ROCm) gets
-`UNKNOWN_GPU_SMEM`; with no GPU visible (cross-lowering on a CPU host) the plan
-assumes capability 9.0, the target JAX's Triton lowering then assumes too. Interpret
+`UNKNOWN_GPU_SMEM`. With no GPU visible (compiling ahead of time on a CPU host, e.g. for
+a `jax.experimental.topologies` GPU target) the plan takes the capability in
+`$JAXKV_GPU_TARGET_CAPABILITY` ("8.0" for an A100), else assumes 9.0. Interpret
 mode has no shared memory: it takes `PAGES_PER_COMPUTE_BLOCK` pages. An explicit
 `pages_per_compute_block` is used as given (block shapes checked, not memory).
 
@@ -94,6 +95,7 @@ reference (README, "Attention dispatch"); CI has no GPU.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -127,7 +129,8 @@ SMEM_PER_BLOCK: dict[tuple[int, int], int] = {
 }
 # Unknown parts: the smallest limit above (Turing; also AMD CDNA's 64 KiB of LDS).
 UNKNOWN_GPU_SMEM = 64 * 1024
-# JAX's Triton lowering targets this capability when no GPU is visible (CPU hosts).
+# The capability planned for when no GPU is visible: the environment's, else 9.0.
+TARGET_CAPABILITY_ENV = "JAXKV_GPU_TARGET_CAPABILITY"
 _LOWERING_DEFAULT_CAPABILITY = "9.0"
 
 
@@ -200,15 +203,18 @@ def smem_limit_for(compute_capability: object) -> SmemLimit:
 
 @functools.cache
 def gpu_smem_limit() -> SmemLimit:
-    """The shared memory per block of this process's first GPU (module docstring).
+    """The shared memory per block of this process's first GPU, or with none visible of
+    the target `$JAXKV_GPU_TARGET_CAPABILITY` names (module docstring).
 
-    Cached: the device set does not change within a process.
+    Cached: the device set and the environment are read once per process.
     """
     try:
         device = jax.local_devices(backend="gpu")[0]
-    except RuntimeError:  # no GPU backend: lowering for CUDA from a CPU host
-        limit = smem_limit_for(_LOWERING_DEFAULT_CAPABILITY)
-        return limit._replace(source=f"{limit.source}, assumed: no GPU visible")
+    except RuntimeError:  # no GPU backend: compiling for CUDA from a CPU host
+        target = os.environ.get(TARGET_CAPABILITY_ENV)
+        limit = smem_limit_for(target or _LOWERING_DEFAULT_CAPABILITY)
+        how = f"from ${TARGET_CAPABILITY_ENV}" if target else "assumed"
+        return limit._replace(source=f"{limit.source}, {how}: no GPU visible")
     return smem_limit_for(getattr(device, "compute_capability", None))
 
 

@@ -37,16 +37,25 @@ head `2h`, V at `2h + 1`). Grid `(row, kv_head, split)`:
   was available to measure); `num_splits=` overrides it.
 
 Tiles and shared memory. `pages_per_compute_block` (`decode_compute_block_pages`): on
-the `G >= 16` route exactly `pallas_gpu.compute_block_pages` (the same dot tensors the
-shared-memory model was calibrated on). On the `G < 16` route the largest power of two
-`<= pallas_gpu.PAGES_PER_COMPUTE_BLOCK` pages with `keys * D <= TILE_ELEMENTS` (one
-page if a page alone is larger), halved further while `pallas_gpu.smem_bytes(D, keys,
-G_pad, itemsize)` exceeds the device's limit less its margin. That model was
-calibrated on the rows kernel; for this kernel, which holds the same K and V tiles and
-a float32 conversion buffer but no dot operands, it is a stated bound, not a
-measurement. `TILE_ELEMENTS` keeps the float32 K and V tiles in registers (8192
-elements: 64 per thread each at 4 warps), e.g. 64 keys at D = 128 (vLLM's Triton decode
-kernel uses 64-key tiles too). Interpret mode uses the same tiles without the limit.
+the `G < 16` route the largest power of two `<= pallas_gpu.PAGES_PER_COMPUTE_BLOCK`
+pages with `keys * D <= TILE_ELEMENTS` (one page if a page alone is larger), which keeps
+the float32 K and V tiles in registers (8192 elements: 64 per thread each at 4 warps),
+e.g. 64 keys at D = 128 (vLLM's Triton decode kernel uses 64-key tiles too); on the
+`G >= 16` route `PAGES_PER_COMPUTE_BLOCK` pages. Either is then halved while
+`decode_smem_bytes` exceeds the device's limit less `1/SMEM_MARGIN_DIVISOR` of it:
+
+    G < 16:   16 * D                                    (reduction scratch)
+    G >= 16:  2 * keys * D * (itemsize + 4)             K and V tiles, stored dtype and
+                                                        their float32 conversion
+              + 4 * G_pad * D + keys                    the float32 q operand, scratch
+
+Measured, not assumed: XLA's Triton pipeline (jaxlib 0.10.2, num_warps 4, num_stages 3)
+compiled the kernel deviceless for sm_90 and sm_80 (`tests/gpu_aot_matrix.py`) and
+reported each program's request at D 64/128/256, 16-128 keys, bf16 and f32, G 1-32: the
+vector route asked for 0 or 2,048 bytes, the dot route for the formula above less
+`keys * 3 / 4` bytes. The same compiler reproduces the two figures an H200 reported for
+the rows kernel exactly (`pallas_gpu`). Interpret mode uses the same tiles without the
+limit.
 
 Stacked caches: `kv_cache [L, NB, block_size, 2H, D]` with a (traced) `layer` is
 viewed as `[L * NB, ...]` (a free reshape of a contiguous array) and `layer * NB` is
@@ -71,8 +80,9 @@ several splits, NaN-poisoned pages and stale table tails, padded rows exactly 0,
 stacked caches, 1 vs 2/5/16 splits), checks with a spy the page ids the kernel gets
 (interpret mode's gathers clamp, Triton's loads do not), and cross-lowers it for CUDA
 on CPU (one Triton custom call; the Pallas Triton lowering accepts every construct).
-It has not been compiled by Triton's backend nor run on a GPU: its speed, register
-use and real shared memory are unmeasured.
+Compiled by the real compiler, deviceless, for an H100, H200 and A100 in the slow
+suite (`tests/test_gpu_aot.py`: the dispatch's tiles fit each part). Not run on a GPU:
+its speed and register use are unmeasured.
 """
 
 from __future__ import annotations
@@ -92,17 +102,16 @@ from jaxkv.device.pallas_gpu import (
     SmemLimit,
     block_shape_error,
     check_rows_call,
-    compute_block_pages,
     gpu_smem_limit,
     is_pow2,
     layer_pages,
     next_pow2,
-    smem_bytes,
 )
 from jaxkv.device.storage import DTypeLike, from_storage
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0, never NaN
 TILE_ELEMENTS = 8192  # keys * D per K (and V) tile on the G < 16 route (docstring)
+VECTOR_SMEM_PER_LANE = 16  # bytes per head-size lane on the G < 16 route (docstring)
 BLOCKS_PER_SPLIT = 4  # compute blocks per split for a full-width row; untuned
 MAX_SPLITS = 16  # untuned
 
@@ -110,6 +119,15 @@ MAX_SPLITS = 16  # untuned
 def uses_dot(group: int) -> bool:
     """Whether a group of `group` query heads takes the `plgpu.dot` route (>= 16 rows)."""
     return group >= MIN_DOT
+
+
+def decode_smem_bytes(head_size: int, keys: int, group: int, itemsize: int) -> int:
+    """Shared memory (bytes) of one program with `keys` keys per compute block: a bound
+    on what Triton allocates, measured by the real compiler (module docstring)."""
+    if not uses_dot(group):
+        return VECTOR_SMEM_PER_LANE * head_size
+    rows = next_pow2(group)
+    return 2 * keys * head_size * (itemsize + 4) + 4 * rows * head_size + keys
 
 
 def decode_compute_block_pages(
@@ -124,22 +142,23 @@ def decode_compute_block_pages(
             raise ValueError(f"{name}={value} must be a power of two (Triton block shapes)")
     if group < 1:
         raise ValueError(f"group={group} must be >= 1")
-    if uses_dot(group):
-        return compute_block_pages(head_size, block_size, group, dtype, smem)
+    dot = uses_dot(group)
     pages = PAGES_PER_COMPUTE_BLOCK
-    while pages > 1 and pages * block_size * head_size > TILE_ELEMENTS:
+    while not dot and pages > 1 and pages * block_size * head_size > TILE_ELEMENTS:
         pages //= 2
+    if dot and (error := block_shape_error(head_size, block_size, pages)):
+        raise ValueError(error)
     if smem is None:
         return pages
     itemsize = np.dtype(dtype).itemsize
     budget = smem.bytes - smem.bytes // SMEM_MARGIN_DIVISOR
-    rows = next_pow2(group)
-    while (need := smem_bytes(head_size, pages * block_size, rows, itemsize)) > budget:
-        if pages == 1:
+    while (need := decode_smem_bytes(head_size, pages * block_size, group, itemsize)) > budget:
+        if pages == 1 or (dot and block_shape_error(head_size, block_size, pages // 2)):
             raise ValueError(
                 f"no decode tile fits shared memory: head_size={head_size}, "
-                f"{np.dtype(dtype).name}, block_size={block_size}: one page needs {need} "
-                f"bytes (modelled), over the budget of {budget} ({smem.source})"
+                f"{np.dtype(dtype).name}, block_size={block_size}, group {group}: "
+                f"{pages * block_size} keys need {need} bytes, over the budget of {budget}: "
+                f"{smem.bytes} bytes per block ({smem.source}) less 1/{SMEM_MARGIN_DIVISOR}"
             )
         pages //= 2
     return pages

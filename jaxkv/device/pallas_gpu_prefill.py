@@ -53,29 +53,30 @@ Block shapes (Triton tensors are powers of two, `plgpu.dot` wants every dimensio
 `pages_per_chunk` powers of two, `head_size >= 16`, `pages_per_chunk * block_size >=
 16`; violations raise `ValueError`.
 
-Shared memory and registers (`prefill_plan`). The program's tensors are those of
-`pallas_gpu`'s kernel with `rows` query rows, so its calibrated model applies:
-`pallas_gpu.smem_bytes(D, keys, rows, itemsize)` = K and V tiles `[keys, D]` in the
-stored dtype plus a float32 `[keys, D]` conversion buffer, plus float32 dot operands q
-`[rows, D]` and p `[rows, keys]`, plus 96 bytes. For 16-bit caches the operands here are
-16-bit and no float32 conversion of K/V is made, so the model over-counts them. The plan
-asks for `KEYS_PER_CHUNK` keys per chunk and at most `ROW_ELEMENTS // D` rows (the
-float32 accumulator `[rows, D]` lives in registers: 64 KiB, 128 registers per thread at
-4 warps), then halves heads per program, then pages per chunk, until the modelled need
-is within the limit less 1/16 (`pallas_gpu.SMEM_MARGIN_DIVISOR`). On an H100/H200
-(232,448 bytes, budget 217,920) with `query_tile=64` and 16-token pages that gives, for
-example (GQA group >= 4): D=64 f32, 4 heads (256 rows), 64 keys: 180,320 bytes; D=128
-bf16 / f32, 2 heads (128 rows), 64 keys: 163,936 / 196,704 bytes; D=256 bf16, 1 head (64
-rows), 64 keys: 213,088 bytes; D=256 f32, 1 head, 32 keys: 172,128 bytes. The bound: no
-planned program's modelled need exceeds the limit less 1/16 (217,920 bytes on an H100),
-so each fits if the model holds (it is calibrated on the row kernel, not this one). A
-chunk is at least one page, so 128-token pages with D=256 (or f32 D=128) at 64 rows fit
-nowhere: `prefill_plan` raises (a smaller `query_tile` fits).
+Shared memory and registers (`prefill_plan`). The plan asks for `KEYS_PER_CHUNK` keys
+per chunk and at most `ROW_ELEMENTS // D` rows (the float32 accumulator `[rows, D]`
+lives in registers: 64 KiB, 128 registers per thread at 4 warps), then halves heads per
+program, then pages per chunk, until `prefill_smem_bytes` is within the device's limit
+less 1/16 (`pallas_gpu.SMEM_MARGIN_DIVISOR`):
+
+    (4 * keys * D + rows * D + rows * keys) * itemsize + keys
+
+(K and V chunks double-buffered, the query rows, the probabilities `p`, in the operand
+dtype). Measured, not assumed: XLA's Triton pipeline (jaxlib 0.10.2) compiled the
+kernel deviceless for sm_90 and sm_80 (`tests/gpu_aot_matrix.py`) at D 64/128/256,
+16-64 keys, 64-256 rows, bf16 and f32, and each request was 58-97% of the formula
+(bf16) or 81-97% (f32), the largest shares at 16 keys. On an H100/H200 (232,448 bytes,
+budget 217,920) with `query_tile=64` and 16-token pages that gives, for GQA groups >= 4:
+D=64, 4 heads (256 rows), 64 keys; D=128 bf16, 2 heads, 64 keys; D=128 f32, 2 heads, 32
+keys; D=256 bf16, 1 head, 64 keys; D=256 f32, 1 head, 32 keys. A chunk is at least one
+page, so 128-token pages with D=256 at 64 rows fit nowhere: `prefill_plan` raises (a
+smaller `query_tile` fits).
 
 Verified: Pallas interpret mode on CPU against the float64 reference, and cross-lowered
-for CUDA on CPU to one Triton custom call (`tests/test_pallas_gpu_prefill_kernel.py`).
-Not compiled or run on a GPU: speed and the shared-memory model's fit for this kernel
-are unmeasured; `KEYS_PER_CHUNK`, `ROW_ELEMENTS` and Triton's warps/stages are untuned.
+for CUDA on CPU to one Triton custom call (`tests/test_pallas_gpu_prefill_kernel.py`);
+compiled by the real compiler, deviceless, for an H100, H200 and A100 in the slow suite
+(`tests/test_gpu_aot.py`). Not run on a GPU: its speed is unmeasured;
+`KEYS_PER_CHUNK`, `ROW_ELEMENTS` and Triton's warps/stages are untuned.
 """
 
 from __future__ import annotations
@@ -99,7 +100,6 @@ from jaxkv.device.pallas_gpu import (
     is_pow2,
     layer_pages,
     next_pow2,
-    smem_bytes,
 )
 from jaxkv.device.storage import DTypeLike, from_storage, resolve_dtype
 
@@ -125,6 +125,12 @@ def prefill_shape_error(
     error = block_shape_error(head_size, block_size, pages_per_chunk)
     # The row kernel's constraints on its compute block are this kernel's on its chunk.
     return None if error is None else error.replace("pages_per_compute_block", "pages_per_chunk")
+
+
+def prefill_smem_bytes(head_size: int, keys: int, rows: int, itemsize: int) -> int:
+    """Shared memory (bytes) of one program of `rows` query rows and `keys` keys per chunk:
+    a bound on what Triton allocates, measured by the real compiler (module docstring)."""
+    return (4 * keys * head_size + rows * head_size + rows * keys) * itemsize + keys
 
 
 def prefill_plan(
@@ -155,7 +161,7 @@ def prefill_plan(
     while heads >= 1:
         pages = max_pages
         while pages >= min_pages:
-            need = smem_bytes(head_size, pages * block_size, query_tile * heads, itemsize)
+            need = prefill_smem_bytes(head_size, pages * block_size, query_tile * heads, itemsize)
             if need <= budget:
                 return PrefillPlan(pages, heads)
             pages //= 2
@@ -164,8 +170,8 @@ def prefill_plan(
     raise ValueError(
         f"no prefill tile fits shared memory: head_size={head_size}, "
         f"{np.dtype(resolve_dtype(dtype)).name}, block_size={block_size}; the smallest, "
-        f"{rows} rows x {keys} keys, needs {smem_bytes(head_size, keys, rows, itemsize)} "
-        f"bytes (modelled), over the budget of {budget}: {smem.bytes} bytes per block "
+        f"{rows} rows x {keys} keys, needs {prefill_smem_bytes(head_size, keys, rows, itemsize)} "
+        f"bytes, over the budget of {budget}: {smem.bytes} bytes per block "
         f"({smem.source}) less 1/{SMEM_MARGIN_DIVISOR}; use a smaller query_tile"
     )
 
