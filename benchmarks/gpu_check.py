@@ -26,6 +26,10 @@ short still reports what it finished; `phase_s` records each one's seconds):
   host's share, from its step stats) vs the jitted step program alone, replayed on a
   captured decode step's buffer; a `jax.profiler` trace of a few decode steps under
   `<out>/trace/` (`--no-trace`: none).
+- `layers_ab`: on that checkpoint, decode ms per step with the layers scanned as one
+  body against one stack per layer (the GPU default: the compiled scan copies each
+  layer's weights every step, `tests/test_gpu_aot.py`), at each batch, two interleaved
+  rounds.
 - `gemma_bf16`: a Gemma-3-270M-shaped bf16 checkpoint (head size 256) through the
   engine's default dispatch at batch 1, 8 and 64: runs (decode figures, HBM floor) or
   fails with its error recorded.
@@ -491,6 +495,7 @@ def side_by_side(ctx: Context) -> dict:
     weight_bytes = write_bf16_checkpoint(path, config)
     prompts = prompt_ids(config["vocab_size"], sizes["prompt_len"], max(batches))
     (path / "prompts.json").write_text(json.dumps(prompts))
+    ctx.state["llama_path"] = path  # for layers_ab
     report: dict = {
         "model": "llama-3.2-1b-shaped" if not ctx.small else "llama-tiny",
         "weight_bytes": weight_bytes,
@@ -658,6 +663,39 @@ def print_side_by_side(report: dict) -> None:
     )
 
 
+def layers_ab(ctx: Context) -> dict:
+    """Decode ms per step on side_by_side's checkpoint, layers scanned against one stack
+    per layer (module docstring): each batch, two rounds, the order alternating; the
+    medians and scanned / per-layer."""
+    from jaxkv import models
+    from jaxkv.engine import LLMEngine
+
+    path = ctx.state.get("llama_path")
+    if path is None:
+        return {"skipped": "needs side_by_side's checkpoint (skipped or failed)"}
+    sizes = side_by_side_sizes(ctx.small)
+    prompts = json.loads((path / "prompts.json").read_text())
+    shape = (max(sizes["batches"]), sizes["prompt_len"], sizes["new_tokens"])
+    engines = {
+        layout: LLMEngine(
+            models.load_model(path, dtype="bfloat16", scan_layers=layout == "scanned"),
+            engine_config(*shape),
+        )
+        for layout in ("per_layer", "scanned")
+    }
+    runs: dict[str, list[float]] = {}
+    for round_ in range(2):
+        for layout in sorted(engines, reverse=bool(round_)):
+            for batch in sizes["batches"]:
+                row = time_engine(engines[layout], prompts[:batch], sizes["new_tokens"], 1)[0]
+                runs.setdefault(f"{layout} {batch}", []).append(row["ms_per_step"])
+    report: dict = {key: {"median_ms": statistics.median(v), "runs": v} for key, v in runs.items()}
+    for batch in sizes["batches"]:
+        scanned, per_layer = report[f"scanned {batch}"], report[f"per_layer {batch}"]
+        report[f"scanned_over_per_layer {batch}"] = scanned["median_ms"] / per_layer["median_ms"]
+    return report
+
+
 def gemma_bf16(ctx: Context) -> dict:
     """A Gemma-3-270M-shaped checkpoint (random weights; head size 256, sliding-window
     and global layers) in bfloat16 through the engine's default dispatch at batch 1, 8
@@ -822,6 +860,7 @@ PHASES = (
     Phase("attention_targets", 45, 40, _attention_targets),
     Phase("side_by_side", 200, 30, side_by_side),
     Phase("step_time", 15, 5, step_time),
+    Phase("layers_ab", 60, 20, layers_ab),
     Phase("gemma_bf16", 70, 30, gemma_bf16),
     Phase("jax_kernels", 30, 8, lambda ctx: compare_with_jax_kernels(ctx.args.hbm_gbs, ctx.small)),
     Phase("engine", 45, 15, lambda ctx: engine_decode(ctx.args.hbm_gbs, ctx.small)),

@@ -330,28 +330,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _topology_plan(args: argparse.Namespace, memory: int | None) -> int:
-    """`jaxkv plan --topology v6e:4x4 --aot ...`: the engine's programs compiled by the TPU
-    compiler for each slice, per chip (`jaxkv.engine.tpu_plan`)."""
+    """`jaxkv plan --topology v6e:4x4 --aot ...` (or `h100`, `a100:8`): the engine's programs
+    compiled by the TPU or CUDA compiler for each slice or set of GPUs, per chip
+    (`jaxkv.engine.topology_plan`)."""
     from jaxkv.engine.pod_plan import parse_mesh
 
     if not args.aot:
-        raise ValueError("--topology compiles for the TPU: add --aot")
+        raise ValueError("--topology compiles for the TPU or GPUs it names: add --aot")
     if len(args.mesh or []) > 1:
         raise ValueError("--topology takes at most one --mesh DATAxMODEL (its model axis)")
     model_axis = parse_mesh(args.mesh[0])[1] if args.mesh else None
     from jaxkv.device.attention import default_block_size
+    from jaxkv.device.gpu_targets import parse_gpu_topology
     from jaxkv.engine.config import EngineConfig
-    from jaxkv.engine.tpu_plan import format_topology_plan, plan_topology
+    from jaxkv.engine.topology_plan import format_topology_plan, plan_topology
     from jaxkv.models.checkpoint import read_config
     from jaxkv.models.config import parse_model_config
 
     config = parse_model_config(read_config(args.model), f"{Path(args.model) / 'config.json'}")
-    engine = EngineConfig(
-        block_size=args.block_size or default_block_size("tpu"), max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-    )  # fmt: skip
     for topology in args.topology:
+        platform = "gpu" if parse_gpu_topology(topology) else "tpu"
+        engine = EngineConfig(
+            block_size=args.block_size or default_block_size(platform),
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )  # fmt: skip
         plan = plan_topology(config, topology, engine, memory=memory, model_axis=model_axis)
         print(json.dumps(plan.as_dict()) if args.json else format_topology_plan(plan), flush=True)
     return 0
@@ -462,8 +466,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--topology", action="append", metavar="NAME",
-        help="with --aot: compile for this TPU slice without a TPU, e.g. v5e:2x2, v6e:4x4 "
-        "(repeatable; needs jax[tpu]); --mesh then sets only the model axis",
+        help="with --aot: compile for this TPU slice or these GPUs without them, e.g. "
+        "v5e:2x2, v6e:4x4 (needs jax[tpu]), h100, h200:8, a100 (needs jax-cuda13-plugin); "
+        "repeatable; --mesh then sets only the model axis",
     )  # fmt: skip
     p.add_argument(
         "--aot", action="store_true",

@@ -5,13 +5,12 @@ by the CPU test process (`tests/test_gpu_aot.py` runs it in a subprocess):
 
     .venv-gpu/bin/python tests/gpu_aot_matrix.py h100   # or h200, a100
 
-No GPU is needed: `jax.experimental.topologies` describes the part from a
-`GpuTargetConfigProto` (`target_config`, written from `TARGETS`) and XLA compiles for it
-ahead of time, running Triton's real pipeline for each Pallas kernel. XLA refuses a
-kernel whose shared memory passes the part's per-block limit (`RESOURCE_EXHAUSTED:
+No GPU is needed: `jaxkv.device.gpu_targets` describes the part to XLA, which compiles
+for it ahead of time, running Triton's real pipeline for each Pallas kernel. XLA refuses
+a kernel whose shared memory passes the part's per-block limit (`RESOURCE_EXHAUSTED:
 Shared memory size limit exceeded: requested N, available: M`) at compile time, so a
-configuration that compiles fits the part. The dispatch plans for the target's compute
-capability through `$JAXKV_GPU_TARGET_CAPABILITY` (set here before jaxkv plans).
+configuration that compiles fits the part. The dispatch plans for the part's compute
+capability (`pallas_gpu.gpu_target`).
 
 Two parts, one JSON line per item, then a summary line (`"summary": true`); exit status 1
 if anything failed:
@@ -36,7 +35,6 @@ import json
 import os
 import re
 import sys
-from typing import NamedTuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the topology is the target
 
@@ -44,7 +42,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from aot_outcome import compile_outcome, first_line  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv.device import pallas_gpu  # noqa: E402
@@ -54,6 +51,7 @@ from jaxkv.device.gpu_attention import (  # noqa: E402
     QUERY_TILE,
     gpu_kernel_error,
 )
+from jaxkv.device.gpu_targets import GPU_TARGETS, gpu_topology_devices  # noqa: E402
 from jaxkv.device.pallas_gpu import paged_attention_rows_pallas  # noqa: E402
 from jaxkv.device.pallas_gpu_decode import (  # noqa: E402
     decode_compute_block_pages,
@@ -67,29 +65,6 @@ from jaxkv.device.pallas_gpu_prefill import (  # noqa: E402
 )
 from jaxkv.device.storage import SCALE_BYTES  # noqa: E402
 
-
-class GpuTarget(NamedTuple):
-    """The facts of a part XLA's GPU compiler reads (NVIDIA's data sheets, CUDA's tables)."""
-
-    name: str
-    capability: tuple[int, int]
-    cores: int  # streaming multiprocessors
-    smem_per_block_optin: int  # bytes: CUDA's "maximum shared memory per thread block"
-    smem_per_core: int  # bytes per multiprocessor
-    memory_bytes: int
-    bandwidth: int  # bytes/s
-    l2_bytes: int
-    clock_ghz: float
-
-
-TARGETS = {
-    "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 233472, 80 << 30,
-                      3_350_000_000_000, 50 << 20, 1.98),
-    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 232448, 233472, 141 * 10**9,
-                      4_800_000_000_000, 50 << 20, 1.98),
-    "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912, 167936, 80 << 30,
-                      2_039_000_000_000, 40 << 20, 1.41),
-}  # fmt: skip
 FULL_MATRIX = ("h100", "a100")  # the H200 shares the H100's capability: a small matrix
 DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 HEAD_SIZES = (64, 128, 256)
@@ -105,26 +80,9 @@ MASKS = {
 TOKENS, REQUESTS, TABLE_WIDTH, NUM_BLOCKS, KV_HEADS = 64, 4, 64, 256, 2
 TRITON = "__gpu$xla.gpu.triton"
 ROWS_PROBE_PAGES = 8  # the rows kernel's compute block in the H200's figures
-
-
-def target_config(target: GpuTarget, smem_limit: int | None = None) -> str:
-    """The part as a `GpuTargetConfigProto` text; `smem_limit` overrides its per-block limit."""
-    major, minor = target.capability
-    limit = target.smem_per_block_optin if smem_limit is None else smem_limit
-    return f"""gpu_device_info {{
-  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
-  shared_memory_per_core: {target.smem_per_core}  threads_per_core_limit: 2048
-  core_count: {target.cores}  fpus_per_core: 128  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535  block_dim_limit_z: 65535  memory_bandwidth: {target.bandwidth}
-  l2_cache_size: {target.l2_bytes}  clock_rate_ghz: {target.clock_ghz}
-  device_memory_size: {target.memory_bytes}  shared_memory_per_block_optin: {limit}
-  cuda_compute_capability {{ major: {major} minor: {minor} }}
-  registers_per_core_limit: 65536  registers_per_block_limit: 65536
-}}
-platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 10 }}
-device_description_str: "{target.name}"
-"""
+# XLA's GPU fusion that writes a dynamic slice of an array (a layer of a stacked weight)
+# to a buffer of its own, in the compiled program's text
+WEIGHT_SLICE_COPY = '"name":"dynamic_slice_fusion"'
 
 
 def matrix(full: bool) -> list[dict]:
@@ -157,15 +115,6 @@ def requested_smem(error: BaseException) -> int | None:
     """The shared memory XLA's refusal says a kernel requested, or None."""
     found = re.search(r"Shared memory size limit exceeded: requested (\d+)", str(error))
     return int(found.group(1)) if found else None
-
-
-def device_for(target: GpuTarget, smem_limit: int | None = None):
-    """A deviceless device of the part (`target_config`)."""
-    config = target_config(target, smem_limit)
-    topology = topologies.get_topology_desc(
-        target.name, platform="cuda", target_config=config, topology="1x1x1"
-    )
-    return topology.devices[0]
 
 
 def _spec(shape, dtype, device) -> jax.ShapeDtypeStruct:
@@ -245,55 +194,82 @@ def probes() -> list[dict]:
     return dispatched + [{**rows, "dtype": dtype} for dtype in DTYPES]
 
 
-def _probe_program(probe: dict, device):
-    """`(function, argument specs, the plan's tiles, their modelled shared memory)`."""
+def probe_grid() -> list[dict]:
+    """Tiles of every size around the plans' (`--probe-grid`): decode at 1-8 pages of 16
+    on both routes and at GQA 1-32, prefill at 1-4 pages x 1-4 heads per program."""
+    grid = [
+        {"kernel": "decode", "dtype": dtype, "head_size": d, "block_size": 16, "group": g,
+         "tiles": {"pages_per_compute_block": pages}}
+        for dtype in DTYPES for d in HEAD_SIZES for pages in (1, 2, 4, 8) for g in (4, 16)
+    ]  # fmt: skip
+    grid += [
+        {"kernel": "decode", "dtype": dtype, "head_size": 128, "block_size": 16, "group": g,
+         "tiles": {"pages_per_compute_block": 4}}
+        for dtype in DTYPES for g in (1, 2, 8, 32)
+    ]  # fmt: skip
+    return grid + [
+        {"kernel": "prefill", "dtype": dtype, "head_size": d, "block_size": 16, "group": 4,
+         "tiles": {"pages_per_chunk": pages, "heads_per_program": heads}}
+        for dtype in DTYPES for d in HEAD_SIZES for pages in (1, 2, 4) for heads in (1, 2, 4)
+    ]  # fmt: skip
+
+
+def probe_tiles(probe: dict) -> tuple[dict, int]:
+    """The tiles a probe compiles with (its own `"tiles"`, else what the plan picks for
+    this part) and the bound on their shared memory the plan relies on."""
     compute = np.dtype(DTYPES[probe["dtype"]])
-    d, bs, g = probe["head_size"], probe["block_size"], probe["group"]
-    smem = pallas_gpu.gpu_smem_limit()
-    q = _spec((TOKENS, KV_HEADS * g, d), compute, device)
-    cache = _spec((NUM_BLOCKS, bs, 2 * KV_HEADS, d), compute, device)
-    ints = [_spec((n,), jnp.int32, device) for n in (TOKENS, TOKENS, REQUESTS + 1)]
+    d, bs, g, size = probe["head_size"], probe["block_size"], probe["group"], compute.itemsize
+    smem, tiles = pallas_gpu.gpu_smem_limit(), probe.get("tiles")
     if probe["kernel"] == "rows":
-        tiles = {"pages_per_compute_block": ROWS_PROBE_PAGES}
-        table = _spec((TOKENS, TABLE_WIDTH), jnp.int32, device)
-
-        def call(q, cache, table, lo, hi):
-            return paged_attention_rows_pallas(q, cache, table, lo, hi, sm_scale=0.1, **tiles)
-
-        keys = ROWS_PROBE_PAGES * bs
-        modelled = pallas_gpu.smem_bytes(d, keys, pallas_gpu.query_rows(g), compute.itemsize)
-        return call, (q, cache, table, *ints[:2]), tiles, modelled
+        tiles = tiles or {"pages_per_compute_block": ROWS_PROBE_PAGES}
+        keys = tiles["pages_per_compute_block"] * bs
+        return tiles, pallas_gpu.smem_bytes(d, keys, pallas_gpu.query_rows(g), size)
     if probe["kernel"] == "decode":
         pages = decode_compute_block_pages(d, bs, g, compute, smem)
-        tiles = {"pages_per_compute_block": pages}
-        table = _spec((TOKENS, TABLE_WIDTH), jnp.int32, device)
+        tiles = tiles or {"pages_per_compute_block": pages}
+        return tiles, decode_smem_bytes(d, tiles["pages_per_compute_block"] * bs, g, size)
+    if not tiles:
+        plan = prefill_plan(d, bs, g, compute, QUERY_TILE, smem)
+        tiles = {
+            "pages_per_chunk": plan.pages_per_chunk,
+            "heads_per_program": plan.heads_per_program,
+        }
+    keys, rows = tiles["pages_per_chunk"] * bs, QUERY_TILE * tiles["heads_per_program"]
+    return tiles, prefill_smem_bytes(d, keys, rows, size)
+
+
+def _probe_program(probe: dict, tiles: dict, device):
+    """`(function, argument specs)`: the probe's kernel alone with `tiles`."""
+    compute = np.dtype(DTYPES[probe["dtype"]])
+    d, bs, g = probe["head_size"], probe["block_size"], probe["group"]
+    q = _spec((TOKENS, KV_HEADS * g, d), compute, device)
+    cache = _spec((NUM_BLOCKS, bs, 2 * KV_HEADS, d), compute, device)
+    lo_hi = [_spec((TOKENS,), jnp.int32, device)] * 2
+    if probe["kernel"] in ("rows", "decode"):
+        kernel = paged_attention_rows_pallas if probe["kernel"] == "rows" else paged_decode_rows_gpu
 
         def call(q, cache, table, lo, hi):
-            return paged_decode_rows_gpu(q, cache, table, lo, hi, sm_scale=0.1, **tiles)
+            return kernel(q, cache, table, lo, hi, sm_scale=0.1, **tiles)
 
-        modelled = decode_smem_bytes(d, pages * bs, g, compute.itemsize)
-        return call, (q, cache, table, *ints[:2]), tiles, modelled
-    plan = prefill_plan(d, bs, g, compute, QUERY_TILE, smem)
-    tiles = {"pages_per_chunk": plan.pages_per_chunk, "heads_per_program": plan.heads_per_program}
-    table = _spec((REQUESTS, TABLE_WIDTH), jnp.int32, device)
+        return call, (q, cache, _spec((TOKENS, TABLE_WIDTH), jnp.int32, device), *lo_hi)
 
-    def call(q, cache, table, lo, hi, query_start_loc):
+    def prefill(q, cache, table, lo, hi, query_start_loc):
         return paged_prefill_gpu(
             q, cache, table, query_start_loc, jnp.int32(REQUESTS), lo, hi, sm_scale=0.1,
             min_query_len=PREFILL_MIN_QUERY_LEN, query_tile=QUERY_TILE, **tiles,
         )  # fmt: skip
 
-    keys, rows = plan.pages_per_chunk * bs, QUERY_TILE * plan.heads_per_program
-    modelled = prefill_smem_bytes(d, keys, rows, compute.itemsize)
-    return call, (q, cache, table, *ints), tiles, modelled
+    table = _spec((REQUESTS, TABLE_WIDTH), jnp.int32, device)
+    return prefill, (q, cache, table, *lo_hi, _spec((REQUESTS + 1,), jnp.int32, device))
 
 
 def probe_one(probe: dict, device) -> dict:
-    """One kernel's real shared memory (`smem`) under the plan's tiles, or why not;
-    `device` has no shared memory, so a kernel that compiles needs none."""
+    """One kernel's real shared memory (`smem`) under its tiles (`probe_tiles`), or why
+    not; `device` has no shared memory, so a kernel that compiles needs none."""
     result = {"smem": None, "error": None}
     try:
-        call, args, result["tiles"], result["modelled"] = _probe_program(probe, device)
+        result["tiles"], result["modelled"] = probe_tiles(probe)
+        call, args = _probe_program(probe, result["tiles"], device)
         jax.jit(call).lower(*args).compile()
         result["smem"] = 0
     except Exception as error:  # noqa: BLE001 - every failure is reported, not raised
@@ -303,29 +279,67 @@ def probe_one(probe: dict, device) -> dict:
     return result
 
 
-def run(name: str) -> dict:
-    """Compile the matrix and the probes for one part, a line each; returns the summary."""
-    target = TARGETS[name]
+def weight_slice_copies(name: str) -> list[dict]:
+    """Per step program of a two-layer Llama-3.2-1B-shaped model on the part, the fusions
+    that copy a slice of a stacked weight into a buffer of its own: with the layers
+    scanned as one body, and as `load_model` lays them out for a GPU by default."""
+    from models_util import real_shaped_two_layer_configs
+
+    from jaxkv.device import make_mesh
+    from jaxkv.engine import EngineConfig
+    from jaxkv.engine.model_runner import ModelRunner
+    from jaxkv.engine.sizing import plan_kv_cache
+    from jaxkv.models.config import parse_model_config
+    from jaxkv.models.loading import abstract_model, default_scan_layers
+
+    config = parse_model_config(real_shaped_two_layer_configs()["llama-3.2-1b-2l"], "llama")
+    mesh = make_mesh(1, 1, gpu_topology_devices(name))
+    engine = EngineConfig(
+        block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048,
+        dtype="bfloat16", kv_cache_memory=2**30,
+    )  # fmt: skip
+    rows = []
+    for scan in (True, default_scan_layers(mesh)):
+        model = abstract_model(config, engine.dtype, mesh, scan_layers=scan)
+        plan = plan_kv_cache(model.kv_cache_specs(16, engine.dtype), engine, mesh, 2048)
+        runner = ModelRunner(model, plan, max_num_seqs=16, max_num_batched_tokens=256,
+                             allocate=False)  # fmt: skip
+        copies = {
+            program: lowered.compile().as_text().count(WEIGHT_SLICE_COPY)
+            for program, (lowered, _) in runner.lowered_programs().items()
+            if program.startswith("step")
+        }
+        rows.append({"layers": True, "scan_layers": scan, "copies": copies})
+    return rows
+
+
+def run(name: str, grid: bool = False) -> dict:
+    """Compile the matrix and the probes for one part, a line each (`grid`: only the
+    probes of `probe_grid`); returns the summary."""
+    target = GPU_TARGETS[name]
     limit = pallas_gpu.gpu_smem_limit()
-    device = device_for(target)
+    [device] = gpu_topology_devices(name)
     summary = {
         "summary": True, "target": name, "jax": jax.__version__, "jaxkv": jaxkv.__file__,
         "device_kind": device.device_kind, "plan_limit": limit.bytes,
-        "plan_limit_source": limit.source, "limit": target.smem_per_block_optin,
+        "plan_limit_source": limit.source, "limit": target.smem_per_block,
     }  # fmt: skip
     counts = {"configs": 0, "compiled": 0, "refused": 0, "failed": 0, "compile_s": 0.0}
-    for config in matrix(full=name in FULL_MATRIX):
+    for config in [] if grid else matrix(full=name in FULL_MATRIX):
         result = compile_one(config, device)
         print(json.dumps({"target": name, **config, **result}), flush=True)
         counts["configs"] += 1
         counts[result["outcome"]] += 1
         counts["compile_s"] = round(counts["compile_s"] + result["compile_s"], 3)
-    probe_device = device_for(target, smem_limit=0)
+    [probe_device] = gpu_topology_devices(name, smem_limit=0)
     probes_failed = 0
-    for probe in probes():
+    for probe in probe_grid() if grid else probes():
         result = probe_one(probe, probe_device)
         print(json.dumps({"target": name, "probe": True, **probe, **result}), flush=True)
         probes_failed += result["smem"] is None
+    if not grid:
+        for row in weight_slice_copies(name):
+            print(json.dumps({"target": name, **row}), flush=True)
     summary.update(counts, probes_failed=probes_failed)
     summary["failed"] = counts["failed"] + probes_failed
     return summary
@@ -333,11 +347,13 @@ def run(name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", choices=sorted(TARGETS), help="the part to compile for")
-    name = parser.parse_args(argv).target
-    major, minor = TARGETS[name].capability
-    os.environ[pallas_gpu.TARGET_CAPABILITY_ENV] = f"{major}.{minor}"  # before jaxkv plans
-    summary = run(name)
+    parser.add_argument("target", choices=sorted(GPU_TARGETS), help="the part to compile for")
+    parser.add_argument(
+        "--probe-grid", action="store_true", help="only probe tiles of every size (probe_grid)"
+    )
+    args = parser.parse_args(argv)
+    with pallas_gpu.gpu_target(GPU_TARGETS[args.target].capability_name):
+        summary = run(args.target, grid=args.probe_grid)
     print(json.dumps(summary), flush=True)
     return 1 if summary["failed"] else 0
 

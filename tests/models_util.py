@@ -1,4 +1,4 @@
-"""Helpers shared by the tests/test_models_*.py files."""
+"""Helpers shared by the tests/test_models_*.py files and the deviceless compile tests."""
 
 from __future__ import annotations
 
@@ -81,3 +81,30 @@ def save_with_transformers(config: dict, path: Path, seed: int) -> None:
     config_file = path.parent / f"{path.name}-config.json"
     config_file.write_text(json.dumps(config))
     _run_peer(HF_SAVE_SCRIPT, config_file, path, seed)
+
+
+def real_shaped_two_layer_configs() -> dict[str, dict]:
+    """Two-layer models with real widths, heads and head sizes (compile time stays small):
+    Llama-3.2-1B (head 64), Gemma-3-270M (head 256, a sliding and a global layer) and a
+    LLaVA-style model (a Llama text model of head 128 behind the tiny vision tower)."""
+    llama = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "bos_token_id": 1,
+        "eos_token_id": 2,
+    }  # fmt: skip
+    gemma = dict(tiny_configs()["gemma3-tiny"])
+    gemma.update(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=8192,
+    )  # fmt: skip
+    llava = json.loads(json.dumps(tiny_configs()["llava-tiny"]))
+    llava["text_config"].update(
+        hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=128,
+    )  # fmt: skip
+    return {"llama-3.2-1b-2l": llama, "gemma-3-270m-2l": gemma, "llava-style-2l": llava}

@@ -5,9 +5,10 @@ process's jax version: the compiler, without the CUDA libraries a GPU run would 
 this repository's jaxkv) is built once at `REPO/.venv-gpu-ci` (or `$JAXKV_GPU_VENV`) and
 reused (`aot_venv`); `tests/gpu_aot_matrix.py` runs in it once per part and compiles
 `ragged_paged_attention(platform="gpu")` for the dispatch's plan on that part, then
-probes each kernel's real shared memory. XLA refuses at compile time a Triton kernel whose
-shared memory passes the part's limit, so what compiles here fits the part. Skipped
-(with pip's last line) when the environment cannot be installed, e.g. without network.
+probes each kernel's real shared memory; `jaxkv plan --topology h100 --aot` compiles the
+engine's programs for the part. XLA refuses at compile time a Triton kernel whose shared
+memory passes the part's limit, so what compiles here fits the part. Skipped (with pip's
+last line) when the environment cannot be installed, e.g. without network.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from aot_venv import JAX_VERSION, PIP_TIMEOUT_S, REPO, side_python, subprocess_env
+from aot_venv import JAX_VERSION, PIP_TIMEOUT_S, REPO, last_line, side_python, subprocess_env
+from models_util import real_shaped_two_layer_configs
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +53,9 @@ def gpu_python() -> Path:
     return side_python(VENV, REQUIREMENTS, ("jax_plugins.xla_cuda13",), subprocess_env(), "CUDA")
 
 
-def run_matrix(python: Path, part: str) -> tuple[list[dict], list[dict], dict, int]:
-    """`(matrix records, probe records, the summary, exit status)` of one part's run."""
+def run_matrix(python: Path, part: str) -> tuple[list[dict], list[dict], list[dict], dict, int]:
+    """`(matrix records, probe records, layer-layout records, the summary, exit status)`
+    of one part's run."""
     proc = subprocess.run(
         [python, MATRIX, part], capture_output=True, text=True, env=subprocess_env(),
         cwd=REPO, timeout=MATRIX_TIMEOUT_S,
@@ -63,8 +66,9 @@ def run_matrix(python: Path, part: str) -> tuple[list[dict], list[dict], dict, i
         f"stderr ends: {proc.stderr[-3000:]}"
     )
     probes = [r for r in records[:-1] if r.get("probe")]
-    configs = [r for r in records[:-1] if not r.get("probe")]
-    return configs, probes, records[-1], proc.returncode
+    layers = [r for r in records[:-1] if r.get("layers")]
+    configs = [r for r in records[:-1] if not r.get("probe") and not r.get("layers")]
+    return configs, probes, layers, records[-1], proc.returncode
 
 
 def check_summary(part: str, configs: list[dict], summary: dict) -> None:
@@ -117,12 +121,58 @@ def check_probes(part: str, probes: list[dict]) -> None:
         assert rows == H200_ROWS_KERNEL_SMEM, rows
 
 
+def check_layer_layout(layers: list[dict]) -> None:
+    """On a GPU `load_model` keeps one stack per layer by default, and the engine's step
+    programs then copy no slice of a weight; the scanned layout's count is the reason."""
+    scanned, default = layers
+    assert scanned["scan_layers"] and not default["scan_layers"], layers
+    assert default["copies"] and not any(default["copies"].values()), layers
+    assert all(scanned["copies"].values()), f"the scan no longer copies weights: {scanned}"
+
+
 @pytest.mark.timeout(PIP_TIMEOUT_S * 2 + MATRIX_TIMEOUT_S)
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_gpu_kernels_compile_for(gpu_python, part):
     """The matrix compiled (or fell back) for the part; see the check_* functions."""
-    configs, probes, summary, returncode = run_matrix(gpu_python, part)
+    configs, probes, layers, summary, returncode = run_matrix(gpu_python, part)
     check_summary(part, configs, summary)
     check_coverage(configs)
     check_probes(part, probes)
+    check_layer_layout(layers)
     assert returncode == 0, f"exit status {returncode}"
+
+
+@pytest.mark.timeout(PIP_TIMEOUT_S * 2 + MATRIX_TIMEOUT_S)
+def test_engine_steps_compile_in_place_for_gpus(gpu_python, tmp_path):
+    """`jaxkv plan --topology h100 --aot --json` compiles the engine's decode and prefill
+    steps (the Triton kernels planned for the part), block zeroing and copies for
+    real-shaped models, Gemma-3-270M-shaped at 64 sequences a step; every donated cache is
+    aliased (no cache-sized copy). Without `--memory` the pool fills JAX's share of the
+    part's memory; an A100 plans for its own capability."""
+    runs = [(name, "h100", ["--memory", "1GiB"]) for name in real_shaped_two_layer_configs()]
+    runs += [("llama-3.2-1b-2l", "h100", []), ("gemma-3-270m-2l", "a100", ["--memory", "1GiB"])]
+    for name, config in real_shaped_two_layer_configs().items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    for name, part, memory in runs:
+        seqs = "64" if name.startswith("gemma") else "16"
+        proc = subprocess.run(
+            [gpu_python, "-m", "jaxkv", "plan", "--model", tmp_path / name, "--topology", part,
+             "--aot", "--json", "--max-model-len", "2048", "--max-num-seqs", seqs,
+             "--max-num-batched-tokens", "256", *memory],
+            capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
+            timeout=MATRIX_TIMEOUT_S,
+        )  # fmt: skip
+        where = f"{name} on {part}"
+        assert proc.returncode == 0, f"{where}: {last_line(proc)}"
+        plan = json.loads(proc.stdout.strip().splitlines()[-1])
+        programs = {p["name"]: p for p in plan["programs"]}
+        assert {"decode", "prefill", "zero_blocks", "copy_blocks"} <= set(programs), where
+        assert plan["kv_in_place"], (where, [p["cache_copies"] for p in plan["programs"]])
+        assert (plan["device_kind"], plan["chips"], plan["block_size"]) == (
+            PARTS[part][0], 1, DEFAULT_BLOCK_SIZE,
+        ), where  # fmt: skip
+        assert plan["decode_seconds"] > 0 and plan["longest_model_len"] >= 2048, where
+        if not memory:  # JAX's 75% of the H100's 80 GiB, the KV cache most of what is left
+            assert plan["hbm_bytes"] == 60 * 2**30, plan["hbm_bytes"]
+            assert 0.8 * plan["hbm_bytes"] < plan["kv_bytes"] < plan["hbm_bytes"], plan

@@ -161,19 +161,22 @@ def test_limit_table_and_unknown_parts() -> None:
         )
 
 
-def test_target_capability_comes_from_the_environment(monkeypatch) -> None:
-    """With no GPU visible, `$JAXKV_GPU_TARGET_CAPABILITY` names the part planned for
-    (compiling ahead of time for an A100 on a CPU host)."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("a GPU is visible: its own limit applies")
-    monkeypatch.setenv(pallas_gpu.TARGET_CAPABILITY_ENV, "8.0")
-    pallas_gpu.gpu_smem_limit.cache_clear()
-    try:
+def test_a_target_names_the_part_planned_for() -> None:
+    """Inside `gpu_target`, the plan takes that part's limit (compiling for an A100
+    ahead of time on any host); outside, this process's (or the assumed 9.0)."""
+    outside = pallas_gpu.gpu_smem_limit()
+    with pallas_gpu.gpu_target("8.0"):
         assert pallas_gpu.gpu_smem_limit() == SmemLimit(
-            166912, "compute capability 8.0, from $JAXKV_GPU_TARGET_CAPABILITY: no GPU visible"
+            166912, "compute capability 8.0, the target compiled for"
         )
-    finally:
-        pallas_gpu.gpu_smem_limit.cache_clear()
+        with pallas_gpu.gpu_target("9.0"):
+            assert pallas_gpu.gpu_smem_limit().bytes == 232448
+        assert pallas_gpu.gpu_smem_limit().bytes == 166912
+    assert pallas_gpu.gpu_smem_limit() == outside
+    for unknown in ("11.7", "gfx942", "9"):
+        with pytest.raises(ValueError, match=rf"gpu_target\('{unknown}'\): a compute capability"):
+            with pallas_gpu.gpu_target(unknown):
+                pass
 
 
 def _decode_args(head_size: int, dtype, width: int = 3):

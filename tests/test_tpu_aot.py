@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from aot_venv import JAX_VERSION, PIP_TIMEOUT_S, REPO, last_line, side_python, subprocess_env
+from models_util import real_shaped_two_layer_configs
 
 pytestmark = pytest.mark.slow
 
@@ -120,41 +121,12 @@ def test_tpu_kernel_compiles_on_v5e_v6e_v5p(tpu_python):
     assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-3000:]}"
 
 
-def _real_shaped_configs() -> dict[str, dict]:
-    """Two-layer models with real widths, heads and head sizes (compile time stays small):
-    Llama-3.2-1B (head 64), Gemma-3-270M (head 256, a sliding and a global layer) and a
-    LLaVA-style model (a Llama text model of head 128 behind the tiny vision tower)."""
-    from jaxkv.models import tiny_configs
-
-    llama = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "tie_word_embeddings": True, "bos_token_id": 1,
-        "eos_token_id": 2,
-    }  # fmt: skip
-    gemma = dict(tiny_configs()["gemma3-tiny"])
-    gemma.update(
-        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
-        sliding_window=512, layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=8192,
-    )  # fmt: skip
-    llava = json.loads(json.dumps(tiny_configs()["llava-tiny"]))
-    llava["text_config"].update(
-        hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=128,
-    )  # fmt: skip
-    return {"llama-3.2-1b-2l": llama, "gemma-3-270m-2l": gemma, "llava-style-2l": llava}
-
-
 @pytest.mark.timeout(PIP_TIMEOUT_S * 2 + MATRIX_TIMEOUT_S)
 def test_engine_steps_compile_in_place_for_a_tpu_slice(tpu_python, tmp_path):
     """`jaxkv plan --topology v5e:2x2 --aot --json` compiles the engine's decode and prefill
     steps, block zeroing, copies and host-tier loads for real-shaped models; every donated
     cache is aliased (no cache-sized copy), and the per-chip figures are filled in."""
-    for name, config in _real_shaped_configs().items():
+    for name, config in real_shaped_two_layer_configs().items():
         model_dir = tmp_path / name
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(config))

@@ -73,9 +73,11 @@ The limit comes from the device's compute capability (`gpu_smem_limit`; JAX expo
 no shared-memory attribute): `SMEM_PER_BLOCK` holds the CUDA C++ Programming Guide's
 "maximum shared memory per thread block" (opt-in) per capability, which for 9.0 is the
 232,448 bytes the H200 reported. A capability outside the table (or none: ROCm) gets
-`UNKNOWN_GPU_SMEM`. With no GPU visible (compiling ahead of time on a CPU host, e.g. for
-a `jax.experimental.topologies` GPU target) the plan takes the capability in
-`$JAXKV_GPU_TARGET_CAPABILITY` ("8.0" for an A100), else assumes 9.0. Interpret
+`UNKNOWN_GPU_SMEM`. Compiling ahead of time for a part this process does not have (a
+deviceless `jaxkv.device.gpu_targets` topology), trace inside `with gpu_target("8.0"):`
+(an A100) so the plan takes that part's limit; jax's caches do not key on it, so trace
+new jitted functions per target. With neither a target nor a GPU the plan assumes 9.0,
+the capability JAX's Triton lowering assumes then too. Interpret
 mode has no shared memory: it takes `PAGES_PER_COMPUTE_BLOCK` pages. An explicit
 `pages_per_compute_block` is used as given (block shapes checked, not memory).
 
@@ -94,8 +96,10 @@ reference (README, "Attention dispatch"); CI has no GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import jax
@@ -129,9 +133,10 @@ SMEM_PER_BLOCK: dict[tuple[int, int], int] = {
 }
 # Unknown parts: the smallest limit above (Turing; also AMD CDNA's 64 KiB of LDS).
 UNKNOWN_GPU_SMEM = 64 * 1024
-# The capability planned for when no GPU is visible: the environment's, else 9.0.
-TARGET_CAPABILITY_ENV = "JAXKV_GPU_TARGET_CAPABILITY"
+# The capability planned for with no target named and no GPU visible.
 _LOWERING_DEFAULT_CAPABILITY = "9.0"
+# The part being compiled for ahead of time (`gpu_target`), if any.
+_TARGET_CAPABILITY: ContextVar[str | None] = ContextVar("jaxkv_gpu_target", default=None)
 
 
 class SmemLimit(NamedTuple):
@@ -186,35 +191,62 @@ def smem_bytes(head_size: int, keys_per_block: int, rows: int, itemsize: int) ->
     return tiles + operands + _SMEM_RESIDUAL
 
 
-def smem_limit_for(compute_capability: object) -> SmemLimit:
-    """`SMEM_PER_BLOCK`'s limit for a capability like "9.0"; `UNKNOWN_GPU_SMEM` otherwise."""
+def _capability(compute_capability: object) -> tuple[int, int] | None:
+    """`(major, minor)` of a capability like "9.0"; None for None, ROCm's gfx names, etc."""
     try:
         major, minor = (int(part) for part in str(compute_capability).split("."))
     except ValueError:
-        major = minor = -1  # None, ROCm's gfx names, anything unparsable
-    limit = SMEM_PER_BLOCK.get((major, minor))
+        return None
+    return major, minor
+
+
+def smem_limit_for(compute_capability: object) -> SmemLimit:
+    """`SMEM_PER_BLOCK`'s limit for a capability like "9.0"; `UNKNOWN_GPU_SMEM` otherwise."""
+    key = _capability(compute_capability)
+    limit = SMEM_PER_BLOCK.get(key) if key else None
     if limit is None:
         return SmemLimit(
             UNKNOWN_GPU_SMEM,
             f"compute capability {compute_capability}, not in SMEM_PER_BLOCK: the default",
         )
-    return SmemLimit(limit, f"compute capability {major}.{minor}")
+    return SmemLimit(limit, f"compute capability {key[0]}.{key[1]}")
+
+
+@contextlib.contextmanager
+def gpu_target(capability: str) -> Iterator[None]:
+    """Plan the GPU kernels traced inside for compute capability `capability` (e.g. "9.0",
+    "8.0"): compiling ahead of time for that part (module docstring).
+
+    Raises `ValueError` when `SMEM_PER_BLOCK` does not know the capability.
+    """
+    if _capability(capability) not in SMEM_PER_BLOCK:
+        known = ", ".join(f"{a}.{b}" for a, b in SMEM_PER_BLOCK)
+        raise ValueError(f"gpu_target({capability!r}): a compute capability among {known}")
+    token = _TARGET_CAPABILITY.set(capability)
+    try:
+        yield
+    finally:
+        _TARGET_CAPABILITY.reset(token)
+
+
+def gpu_smem_limit() -> SmemLimit:
+    """The shared memory per block of the part compiled for: the `gpu_target` in force,
+    else this process's first GPU, else capability 9.0 assumed (module docstring)."""
+    target = _TARGET_CAPABILITY.get()
+    if target is not None:
+        limit = smem_limit_for(target)
+        return limit._replace(source=f"{limit.source}, the target compiled for")
+    return _local_gpu_smem_limit()
 
 
 @functools.cache
-def gpu_smem_limit() -> SmemLimit:
-    """The shared memory per block of this process's first GPU, or with none visible of
-    the target `$JAXKV_GPU_TARGET_CAPABILITY` names (module docstring).
-
-    Cached: the device set and the environment are read once per process.
-    """
+def _local_gpu_smem_limit() -> SmemLimit:
+    """This process's first GPU's limit; cached: the device set does not change."""
     try:
         device = jax.local_devices(backend="gpu")[0]
-    except RuntimeError:  # no GPU backend: compiling for CUDA from a CPU host
-        target = os.environ.get(TARGET_CAPABILITY_ENV)
-        limit = smem_limit_for(target or _LOWERING_DEFAULT_CAPABILITY)
-        how = f"from ${TARGET_CAPABILITY_ENV}" if target else "assumed"
-        return limit._replace(source=f"{limit.source}, {how}: no GPU visible")
+    except RuntimeError:  # no GPU backend: lowering for CUDA from a CPU host
+        limit = smem_limit_for(_LOWERING_DEFAULT_CAPABILITY)
+        return limit._replace(source=f"{limit.source}, assumed: no GPU visible")
     return smem_limit_for(getattr(device, "compute_capability", None))
 
 

@@ -28,7 +28,7 @@ Each step it
    parameters and encoder-merge rows) and sends it in one transfer,
 5. dispatches the jitted step (forward, sampling) and returns the sampled tokens as a
    device array without waiting for them. A model whose layers are not scanned as one
-   body (one stack per layer: the CPU default, `jaxkv.models.default_scan_layers`) runs
+   body (one stack per layer: the CPU and GPU default, `jaxkv.models.default_scan_layers`) runs
    as a few programs instead, all dispatched at once: the inputs (embeddings), one
    program for every group of a few consecutive layers (`layer_group_sizes`; the first
    layer is data; it alone updates the donated cache), and the head with sampling. So

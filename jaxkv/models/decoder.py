@@ -24,8 +24,8 @@ the body indexes by the layer number: each layer's RoPE frequencies, and in the
 attention its sliding window and KV-cache group.
 
 `scan_layers=False` keeps one stack per layer instead, so no step slices a layer's
-weights out of a stack: on XLA's CPU backend that slice is a copy of the layer's
-weights per step (which a batched decode step pays for); TPU and GPU compilers read
+weights out of a stack: on XLA's CPU and GPU backends that slice is a copy of the
+layer's weights per step (which every decode step pays for); the TPU compiler reads
 the slice in place. `load_model` picks by platform (`default_scan_layers`).
 Inside one program the per-layer runs unroll (compile time grows with depth), so the
 engine runs such a model a few layers at a time: one program for every group of

@@ -160,13 +160,15 @@ def load_model(
 
 
 def default_scan_layers(mesh: Mesh | None) -> bool:
-    """Scan the layers unless the model runs on CPUs: XLA's CPU backend copies a layer's
-    weights out of the stack at every step of the scan (a dynamic-slice fusion before
-    each dot), which a batched decode step pays for, TPU and GPU compilers read them in
-    place. The engine runs a model with one stack per layer a few layers per program,
-    so its programs stay small however deep the model."""
+    """Scan the layers only on TPUs: XLA's CPU and GPU backends copy a layer's weights out
+    of the stack at every step of the scan (on CPU a dynamic-slice fusion before each
+    dot; on GPU a `dynamic_slice_fusion` writing each weight of the layer to a buffer of
+    its own, which the dots then read: every decode step writes and reads the weights
+    twice more), which every decode step pays for; the TPU compiler reads them in place.
+    The engine runs a model with one stack per layer a few layers per program, so its
+    programs stay small however deep the model."""
     devices = mesh.devices.flat if mesh is not None else jax.local_devices()
-    return next(iter(devices)).platform != "cpu"
+    return next(iter(devices)).platform == "tpu"
 
 
 def abstract_model(

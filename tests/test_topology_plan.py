@@ -1,6 +1,6 @@
-"""`jaxkv plan --topology` on the CPU side: what needs no TPU compiler (the compiling itself
-runs in `tests/test_tpu_aot.py`, in an environment with `jax[tpu]`), and the platform's
-default block size."""
+"""`jaxkv plan --topology` on the CPU side: what needs no TPU or CUDA compiler (the
+compiling itself runs in `tests/test_tpu_aot.py` and `tests/test_gpu_aot.py`, in
+environments with `jax[tpu]` and the CUDA plugin), and the platform's default block size."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 
 from jaxkv import cli
 from jaxkv.device.attention import default_block_size
+from jaxkv.device.gpu_targets import GPU_TARGETS, jax_memory_bytes, parse_gpu_topology
 from jaxkv.engine import EngineConfig, LLMEngine
-from jaxkv.engine.tpu_plan import default_model_axis, topology_devices
+from jaxkv.engine.topology_plan import default_model_axis, topology_devices
 from jaxkv.models import tiny_configs
 from jaxkv.testing.tiny_model import TinyCausalLM
 from jaxkv.testing.tiny_model import tiny_configs as tiny_engine_configs
@@ -37,6 +38,27 @@ def test_a_topology_without_libtpu_is_one_line_naming_the_flag() -> None:
         pytest.skip("libtpu is installed here: the TPU compiler can describe topologies")
     with pytest.raises(ValueError, match=r"--topology 'v5e:2x2'.*jax\[tpu\]"):
         topology_devices("v5e:2x2")
+
+
+def test_gpu_names_and_a_missing_cuda_plugin_are_one_line_each(monkeypatch) -> None:
+    assert parse_gpu_topology("v5e:2x2") is None
+    assert parse_gpu_topology("h100") == (GPU_TARGETS["h100"], 1)
+    assert parse_gpu_topology("a100:8") == (GPU_TARGETS["a100"], 8)
+    for bad in ("h100:0", "h100:x", "h200:-1"):
+        with pytest.raises(ValueError, match="the GPU count after ':' must be a positive"):
+            parse_gpu_topology(bad)
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401
+    except ImportError:  # the CUDA compiler absent: one line naming the flag and the plugin
+        with pytest.raises(ValueError, match=r"--topology 'h100'.*jax-cuda13-plugin"):
+            topology_devices("h100")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert jax_memory_bytes(GPU_TARGETS["a100"]) == int(80 * 2**30 * 0.9)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert jax_memory_bytes(GPU_TARGETS["h100"]) == 60 * 2**30
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.5")
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='1.5': a number"):
+        jax_memory_bytes(GPU_TARGETS["h100"])
 
 
 def test_topology_needs_aot_and_one_mesh(tmp_path, capsys) -> None:

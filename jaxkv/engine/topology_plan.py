@@ -1,31 +1,37 @@
-"""A serving plan for a TPU slice, compiled by the TPU compiler without a TPU.
+"""A serving plan for a TPU slice or GPUs, compiled by their compiler without the device.
 
-`plan_topology(config, "v6e:4x4")` takes the slice's devices from
+`plan_topology(config, "v6e:4x4")` (or `"h100"`, `"a100:8"`) takes the devices from
 `jax.experimental.topologies.get_topology_desc` (deviceless ahead-of-time compilation:
-needs `jax[tpu]`, which brings `libtpu`; no TPU is touched), lays a `(data, model)` mesh
+a TPU slice needs `jax[tpu]`, which brings `libtpu`; GPUs the CUDA plugin, described by
+`jaxkv.device.gpu_targets`; no accelerator is touched), lays a `(data, model)` mesh
 over them and plans as `pod_plan.plan_mesh` does: an abstract model (config.json only),
 the KV cache sized from a per-chip budget, and the engine's own programs (the fused
-decode and prefill steps with the Mosaic attention kernel, block zeroing, copies and
-host-tier transfers) lowered and compiled for that TPU.
+decode and prefill steps with the attention kernels, Mosaic on a TPU and Triton on a
+GPU planned for that part, block zeroing, copies and host-tier transfers) lowered and
+compiled for it.
 
 Per chip it reports weight bytes, KV bytes and blocks, each program's temporaries and
 generated code, the longest `max_model_len` the pool holds and the concurrency at the
-planned one, whether every donated cache is aliased to its output in the TPU executable
+planned one, whether every donated cache is aliased to its output in the executable
 (`kv_in_place`: a cache-sized copy anywhere is `False`), and a decode roofline.
 
-The KV budget defaults to the chip's HBM less the weights, the compiled programs'
-largest temporaries and generated code, and a 5% reserve: a first compile with a small
-pool measures the temporaries (they follow the step's batch, not the pool), the second
-compiles the real pool.
+The KV budget defaults to the chip's HBM (a GPU's: the share JAX takes of it,
+`gpu_targets.jax_memory_bytes`) less the weights, the compiled programs'
+largest temporaries and generated code, and a 5% reserve: a first compile with a pool of
+a quarter of that measures the temporaries (they follow the step's batch, not the pool)
+and any copy of the cache (a pool that holds it more than once shrinks to fit), the
+second compiles the real pool.
 
 Roofline of one decode step (`max_num_seqs` requests per data rank, each attending
 `context` keys), counted from the model because the compiler does not see inside the
-Mosaic call (its cost analysis counts the call's whole cache operand as read): bytes =
+kernels' custom calls (its cost analysis counts a call's whole cache operand as read):
+bytes =
 the chip's weights + the KV rows its heads read (`layers x context x 2 x
 kv_heads_per_chip x head_size x bytes`, per request); FLOPs = the compiled step's
 (matmuls, XLA's count) + attention's `4 x context x q_heads_per_chip x head_size` per
 request and layer; time = bytes / the chip's HBM bandwidth. HBM sizes and bandwidths are
-Google Cloud's published per-chip figures (cloud.google.com/tpu/docs/v5e, /v6e, /v5p).
+Google Cloud's published per-chip figures (cloud.google.com/tpu/docs/v5e, /v6e, /v5p)
+and NVIDIA's data sheets (`gpu_targets.GPU_TARGETS`).
 """
 
 from __future__ import annotations
@@ -40,17 +46,25 @@ import jax
 from flax import nnx
 
 from jaxkv.device import make_mesh
+from jaxkv.device.gpu_targets import (
+    GPU_TARGETS,
+    gpu_topology_devices,
+    jax_memory_bytes,
+    parse_gpu_topology,
+)
 from jaxkv.device.in_place import check_in_place
+from jaxkv.device.pallas_gpu import gpu_target
 from jaxkv.engine.config import EngineConfig
 from jaxkv.engine.model_runner import ModelRunner
 from jaxkv.engine.pod_plan import per_device_bytes
 from jaxkv.engine.sizing import kv_cache_groups, plan_kv_cache
 from jaxkv.models.config import DecoderConfig, LlavaConfig
-from jaxkv.models.loading import abstract_model
+from jaxkv.models.loading import abstract_model, default_scan_layers
 
 __all__ = ["CHIPS", "TopologyPlan", "format_topology_plan", "plan_topology", "topology_devices"]
 
-# device_kind -> (HBM bytes per chip, HBM bandwidth bytes/s): Google Cloud's TPU pages.
+# device_kind -> (HBM bytes per chip, HBM bandwidth bytes/s): Google Cloud's TPU pages,
+# NVIDIA's data sheets.
 CHIPS = {
     "TPU v5 lite": (16 * 2**30, 819e9),  # v5e
     "TPU v6 lite": (32 * 2**30, 1640e9),  # v6e (Trillium)
@@ -58,13 +72,20 @@ CHIPS = {
     "TPU v4": (32 * 2**30, 1200e9),
 }
 _RESERVE = 0.05  # of HBM, kept free for the runtime and fragmentation
+_PROBE_SHARE = 4  # the first pass's pool: this fraction of the HBM the weights leave
 
 
 def topology_devices(name: str) -> list[jax.Device]:
-    """The devices of TPU slice `name` (e.g. `v5e:2x2`), for compiling only.
+    """The devices of TPU slice `name` (e.g. `v5e:2x2`) or of GPUs (`h100`, `a100:8`), for
+    compiling only.
 
-    ValueError naming `--topology` when `libtpu` is missing or the name is unknown.
+    ValueError naming `--topology` when the compiler is missing or the name is unknown.
     """
+    if parse_gpu_topology(name) is not None:
+        try:
+            return gpu_topology_devices(name)
+        except ValueError as e:
+            raise ValueError(f"--topology {e}") from None
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server off a TPU VM
     from jax.experimental import topologies
 
@@ -75,7 +96,7 @@ def topology_devices(name: str) -> list[jax.Device]:
         raise ValueError(
             f"--topology {name!r}: the TPU compiler cannot describe it ({first}); it needs "
             f"jax[tpu] at this jax version (pip install 'jax[tpu]=={jax.__version__}') and "
-            "a name such as v5e:2x2, v6e:4x4 or v5p:2x2x1"
+            f"a name such as v5e:2x2, v6e:4x4 or v5p:2x2x1 (GPUs: {', '.join(GPU_TARGETS)}[:N])"
         ) from None
 
 
@@ -102,7 +123,7 @@ class Program:
 
 @dataclass(frozen=True)
 class TopologyPlan:
-    """What each chip of a TPU slice holds and runs (module docstring)."""
+    """What each chip of a TPU slice (or each GPU) holds and runs (module docstring)."""
 
     topology: str
     device_kind: str
@@ -173,7 +194,7 @@ def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[Mod
     """The engine's runner for `config` on `mesh` with `memory` KV bytes per chip (None:
     the fewest blocks that hold one `max_model_len` request), built on abstract values;
     also its pool's blocks."""
-    model = abstract_model(config, engine.dtype, mesh)
+    model = abstract_model(config, engine.dtype, mesh, scan_layers=default_scan_layers(mesh))
     specs = model.kv_cache_specs(engine.block_size, engine.dtype)
     groups = len(kv_cache_groups(specs)[0])
     smallest = groups * (-(-engine.max_model_len // engine.block_size)) + 1
@@ -186,6 +207,20 @@ def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[Mod
         max_num_batched_tokens=engine.max_num_batched_tokens, allocate=False,
     )  # fmt: skip
     return runner, plan.num_blocks
+
+
+def _probe_runner(config, mesh, engine: EngineConfig, hbm: int, weight_bytes: int):
+    """The first pass's runner: its pool a `_PROBE_SHARE` of what the weights leave, so a
+    cache-sized instruction in its programs is a copy of the cache (a one-request pool is
+    smaller than the step's own arrays, the logits or a weight's transpose). None where
+    that share holds no request of `max_model_len`."""
+    share = (int(hbm * (1 - _RESERVE)) - weight_bytes) // _PROBE_SHARE
+    if share <= 0:
+        return None
+    try:
+        return _runner(config, mesh, engine, share)[0]
+    except ValueError:
+        return None
 
 
 def _decoder(config: DecoderConfig | LlavaConfig) -> DecoderConfig:
@@ -216,7 +251,7 @@ def plan_topology(
     model_axis: int | None = None,
     context: int | None = None,
 ) -> TopologyPlan:
-    """The plan of serving `config` on TPU slice `topology` (module docstring).
+    """The plan of serving `config` on TPU slice or GPUs `topology` (module docstring).
 
     `engine` gives the dtype, KV-cache dtype, block size, batch sizes and `max_model_len`;
     `memory` the KV bytes per chip (None: what the chip's HBM leaves); `model_axis` the
@@ -224,8 +259,23 @@ def plan_topology(
     attends in the roofline (None: `max_model_len`). ValueError when the model does not fit.
     """
     devices = topology_devices(topology)
+    gpus = parse_gpu_topology(topology)
+    if gpus is None:
+        hbm, bandwidth = CHIPS.get(devices[0].device_kind, (0, 0.0))
+        return _plan(config, topology, devices, engine, memory, model_axis, context, hbm, bandwidth)
+    target = gpus[0]
+    with gpu_target(target.capability_name):  # the Triton kernels planned for this part
+        return _plan(
+            config, topology, devices, engine, memory, model_axis, context,
+            jax_memory_bytes(target), target.bandwidth,
+        )  # fmt: skip
+
+
+def _plan(
+    config, topology, devices, engine, memory, model_axis, context, hbm, bandwidth
+) -> TopologyPlan:
+    """`plan_topology` on `devices` with `hbm` bytes of memory per chip (0: unknown)."""
     kind = devices[0].device_kind
-    hbm, bandwidth = CHIPS.get(kind, (0, 0.0))
     if memory is None and not hbm:
         raise ValueError(f"no HBM size known for {kind!r}: give --memory")
     model = model_axis or default_model_axis(len(devices), _decoder(config).num_key_value_heads)
@@ -235,11 +285,12 @@ def plan_topology(
     runner, _ = _runner(config, mesh, engine, memory)
     weight_bytes = per_device_bytes(nnx.state(runner.model, nnx.Param))
     if memory is None:  # the temporaries follow the batch, not the pool: measured small
+        runner = _probe_runner(config, mesh, engine, hbm, weight_bytes) or runner
         try:
             programs, _ = _compile_all(runner)
         except ValueError as e:
             raise ValueError(
-                f"{topology}: {weight_bytes:,} weight bytes per chip and a one-request pool "
+                f"{topology}: {weight_bytes:,} weight bytes per chip and a small pool "
                 f"do not fit its {hbm:,} bytes of HBM ({e}); give it more chips"
             ) from None
         need = max(p.temp_bytes for p in programs) + sum(p.code_bytes for p in programs)
@@ -284,7 +335,7 @@ def format_topology_plan(plan: TopologyPlan) -> str:
     """`plan` as lines a person reads: per chip, then one line per compiled program."""
     head = (
         f"{plan.topology} ({plan.device_kind}, {plan.chips} chips, mesh {plan.data}x{plan.model}"
-        f", {_gib(plan.hbm_bytes)} HBM per chip)"
+        f", {_gib(plan.hbm_bytes)} of HBM per chip to use)"
     )
     lines = [
         head,
