@@ -40,6 +40,7 @@ PARTS = {
     "a100": ("NVIDIA A100-SXM4-80GB", 166912),
 }
 HEAD_SIZES = {64, 128, 256}
+FULL_MATRIX_PARTS = ("h100", "a100")  # `gpu_aot_matrix.FULL_MATRIX`
 # Triton's request for the rows kernel (head 256, 128 keys, 16 rows) on an H200, as the
 # launch failure reported it there (`pallas_gpu`'s calibration)
 H200_ROWS_KERNEL_SMEM = {"bf16": 286816, "f32": 417888}
@@ -138,7 +139,8 @@ def test_gpu_kernels_compile_for(gpu_python, part):
     check_summary(part, configs, summary)
     check_coverage(configs)
     check_probes(part, probes)
-    check_layer_layout(layers)
+    if part in FULL_MATRIX_PARTS:  # the H200's small matrix leaves the layouts out
+        check_layer_layout(layers)
     assert returncode == 0, f"exit status {returncode}"
 
 
@@ -146,11 +148,14 @@ def test_gpu_kernels_compile_for(gpu_python, part):
 def test_engine_steps_compile_in_place_for_gpus(gpu_python, tmp_path):
     """`jaxkv plan --topology h100 --aot --json` compiles the engine's decode and prefill
     steps (the Triton kernels planned for the part), block zeroing and copies for
-    real-shaped models, Gemma-3-270M-shaped at 64 sequences a step; every donated cache is
-    aliased (no cache-sized copy). Without `--memory` the pool fills JAX's share of the
-    part's memory; an A100 plans for its own capability."""
-    runs = [(name, "h100", ["--memory", "1GiB"]) for name in real_shaped_two_layer_configs()]
-    runs += [("llama-3.2-1b-2l", "h100", []), ("gemma-3-270m-2l", "a100", ["--memory", "1GiB"])]
+    real-shaped models (Llama-3.2-1B, Gemma-3-270M at 64 sequences a step, LLaVA), the
+    last for an A100; every donated cache is aliased (no cache-sized copy). Without
+    `--memory` the pool fills JAX's share of the part's memory."""
+    runs = [
+        ("llama-3.2-1b-2l", "h100", []),
+        ("gemma-3-270m-2l", "h100", ["--memory", "1GiB"]),
+        ("llava-style-2l", "a100", ["--memory", "1GiB"]),
+    ]
     for name, config in real_shaped_two_layer_configs().items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from jaxkv import cli
@@ -80,3 +81,21 @@ def test_block_size_defaults_per_platform() -> None:
     assert LLMEngine(model, EngineConfig(num_blocks=40)).config.block_size == 16
     with pytest.raises(ValueError, match="EngineConfig.block_size must be a positive int"):
         LLMEngine(model, EngineConfig(block_size=0))
+
+
+def test_the_first_pass_pool_holds_one_request_of_a_hybrid_model() -> None:
+    """The plan's smallest pool counts a request's blocks as `plan_kv_cache` does: a
+    Gemma 3 with 512-token windows at `max_model_len=256` takes a block more per sliding
+    group than its tokens fill (it was refused: 97 blocks against 101 + 1 needed)."""
+    from jaxkv.device import make_mesh
+    from jaxkv.engine import topology_plan
+    from jaxkv.models.config import parse_model_config
+
+    gemma = dict(tiny_configs()["gemma3-tiny"])
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    gemma.update(num_hidden_layers=18, layer_types=types, sliding_window=512)
+    config = parse_model_config(gemma, "gemma3")
+    engine = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=4096)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    runner, num_blocks = topology_plan._runner(config, mesh, engine, None)
+    assert num_blocks == 1 + 6 * (256 // 16) + 5 and runner.paged[0].num_blocks == num_blocks

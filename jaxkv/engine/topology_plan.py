@@ -196,8 +196,13 @@ def _runner(config, mesh, engine: EngineConfig, memory: int | None) -> tuple[Mod
     also its pool's blocks."""
     model = abstract_model(config, engine.dtype, mesh, scan_layers=default_scan_layers(mesh))
     specs = model.kv_cache_specs(engine.block_size, engine.dtype)
-    groups = len(kv_cache_groups(specs)[0])
-    smallest = groups * (-(-engine.max_model_len // engine.block_size)) + 1
+    # The null block and one request of max_model_len, counted as `plan_kv_cache` counts
+    # it (a sliding-window group may take a block more than its tokens fill).
+    batch = min(engine.max_num_batched_tokens, engine.max_model_len)
+    smallest = 1 + sum(
+        group.kv_cache_spec.max_num_blocks_per_req(engine.max_model_len, batch)
+        for group in kv_cache_groups(specs)[0]
+    )
     engine = dataclasses.replace(
         engine, kv_cache_memory=memory, num_blocks=None if memory else smallest
     )
