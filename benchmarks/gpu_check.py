@@ -22,14 +22,14 @@ short still reports what it finished; `phase_s` records each one's seconds):
   tokens at batch 1 and 32: decode ms per step (time to `new_tokens` less time to the
   first token, over the later tokens), tokens/s, each as a multiple of the HBM floor,
   and how far their greedy tokens agree (reported, not failed: bf16 near-ties diverge).
+- `layers_ab`: on that checkpoint, decode ms per step with the layers scanned as one
+  body against one stack per layer (the GPU default: the compiled scan copies each
+  layer's weights every step, `tests/test_gpu_aot.py`), at each batch, two interleaved
+  rounds; side_by_side's engine is the default layout's.
 - `step_time`: on that engine at batch 1, the engine loop's time per step (and the
   host's share, from its step stats) vs the jitted step program alone, replayed on a
   captured decode step's buffer; a `jax.profiler` trace of a few decode steps under
   `<out>/trace/` (`--no-trace`: none).
-- `layers_ab`: on that checkpoint, decode ms per step with the layers scanned as one
-  body against one stack per layer (the GPU default: the compiled scan copies each
-  layer's weights every step, `tests/test_gpu_aot.py`), at each batch, two interleaved
-  rounds.
 - `gemma_bf16`: a Gemma-3-270M-shaped bf16 checkpoint (head size 256) through the
   engine's default dispatch at batch 1, 8 and 64: runs (decode figures, HBM floor) or
   fails with its error recorded.
@@ -555,7 +555,9 @@ def engine_side(ctx: Context, path: Path, prompts: list, sizes: dict, report: di
         except Exception as exc:
             rows[str(batch)] = error_row(exc)
         print(f"engine batch {batch}:", json.dumps(rows[str(batch)], default=str), flush=True)
-    ctx.state["llama"] = {"engine": engine, "prompt": prompts[0], "rows": rows}
+    ctx.state["llama"] = {
+        "engine": engine, "prompt": prompts[0], "rows": rows, "scan": report["scan_layers"],
+    }  # fmt: skip
     try:  # the same shapes: it reuses the programs compiled above
         sync = LLMEngine(model, engine_config(*shape, async_scheduling=False))
         rows["1 async off"] = time_engine(sync, prompts[:1], sizes["new_tokens"], repeats)[0]
@@ -665,30 +667,29 @@ def print_side_by_side(report: dict) -> None:
 
 def layers_ab(ctx: Context) -> dict:
     """Decode ms per step on side_by_side's checkpoint, layers scanned against one stack
-    per layer (module docstring): each batch, two rounds, the order alternating; the
-    medians and scanned / per-layer."""
+    per layer (module docstring): side_by_side's engine (the default layout) and one of the
+    other layout, each batch, two rounds, the order alternating; medians, scanned / per-layer."""
     from jaxkv import models
     from jaxkv.engine import LLMEngine
 
-    path = ctx.state.get("llama_path")
-    if path is None:
-        return {"skipped": "needs side_by_side's checkpoint (skipped or failed)"}
+    llama, path = ctx.state.get("llama"), ctx.state.get("llama_path")
+    if llama is None or path is None:
+        return {"skipped": "needs side_by_side's engine and checkpoint (skipped or failed)"}
     sizes = side_by_side_sizes(ctx.small)
     prompts = json.loads((path / "prompts.json").read_text())
     shape = (max(sizes["batches"]), sizes["prompt_len"], sizes["new_tokens"])
+    other = models.load_model(path, dtype="bfloat16", scan_layers=not llama["scan"])
     engines = {
-        layout: LLMEngine(
-            models.load_model(path, dtype="bfloat16", scan_layers=layout == "scanned"),
-            engine_config(*shape),
-        )
-        for layout in ("per_layer", "scanned")
+        llama["scan"]: llama["engine"],
+        not llama["scan"]: LLMEngine(other, engine_config(*shape)),
     }
     runs: dict[str, list[float]] = {}
     for round_ in range(2):
-        for layout in sorted(engines, reverse=bool(round_)):
+        for scan in sorted(engines, reverse=bool(round_)):
             for batch in sizes["batches"]:
-                row = time_engine(engines[layout], prompts[:batch], sizes["new_tokens"], 1)[0]
-                runs.setdefault(f"{layout} {batch}", []).append(row["ms_per_step"])
+                row = time_engine(engines[scan], prompts[:batch], sizes["new_tokens"], 1)[0]
+                label = "scanned" if scan else "per_layer"
+                runs.setdefault(f"{label} {batch}", []).append(row["ms_per_step"])
     report: dict = {key: {"median_ms": statistics.median(v), "runs": v} for key, v in runs.items()}
     for batch in sizes["batches"]:
         scanned, per_layer = report[f"scanned {batch}"], report[f"per_layer {batch}"]
@@ -859,8 +860,8 @@ PHASES = (
     Phase("hbm_floor", 5, 2, hbm_floor),
     Phase("attention_targets", 45, 40, _attention_targets),
     Phase("side_by_side", 200, 30, side_by_side),
+    Phase("layers_ab", 45, 20, layers_ab),
     Phase("step_time", 15, 5, step_time),
-    Phase("layers_ab", 60, 20, layers_ab),
     Phase("gemma_bf16", 70, 30, gemma_bf16),
     Phase("jax_kernels", 30, 8, lambda ctx: compare_with_jax_kernels(ctx.args.hbm_gbs, ctx.small)),
     Phase("engine", 45, 15, lambda ctx: engine_decode(ctx.args.hbm_gbs, ctx.small)),

@@ -58,7 +58,8 @@ pages_per_compute_block * block_size`, `rows = G_pad`, `D = head_size`:
 
 Calibration: the two figures Triton reported on an H200 for D = 256, 128 keys (8 pages
 of 16), 16 rows, JAX's default Triton settings on CUDA (num_warps 4, num_stages 3):
-286,816 bytes (bf16) and 417,888 bytes (f32); the model reproduces both exactly. Two
+286,816 bytes (bf16) and 417,888 bytes (f32); the model reproduces both exactly, and so
+does XLA's compiler for an H200 without one (`tests/test_gpu_aot.py`, every slow run). Two
 points at one shape fix only two things: the dtype-dependent part (65,536 bytes per
 byte of itemsize: two [128, 256] tiles, so K and V get one buffer each; two buffers
 of f32 K and V alone would be 524,288 bytes) and the total of the rest (155,744

@@ -235,7 +235,8 @@ def _decoder(config: DecoderConfig | LlavaConfig) -> DecoderConfig:
 def _decode_roofline(
     runner: ModelRunner, compiled, engine: EngineConfig, weight_bytes: int, context: int
 ) -> tuple[int, float]:
-    """Bytes one chip reads and FLOPs it runs in one decode step (module docstring)."""
+    """Bytes one chip reads and FLOPs it runs in one decode step (module docstring). XLA's
+    GPU compiler without a GPU reports no cost analysis: there the FLOPs are attention's."""
     paged, text = runner.paged[0], _decoder(runner.model.config)
     layers = len(runner.layer_to_group)
     row_bytes = paged.bytes_per_block // paged.block_size  # one token of one layer, per chip
