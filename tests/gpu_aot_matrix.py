@@ -69,9 +69,10 @@ FULL_MATRIX = ("h100", "a100")  # the H200 shares the H100's capability: a small
 DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128)
-# 1 and 4 span the decode kernel's vector route (its loop over the group unrolls; nothing
-# else follows the group), 16 its dot route; the probes and the grid cover 2, 8 and 32
-GROUPS = (1, 4, 16)
+# 4 takes the decode kernel's vector route (its loop over the group unrolls; nothing else
+# follows the group), 16 its dot route; 1 (no GQA) runs at 16-token pages; the probes and
+# the grid cover 2, 8 and 32
+GROUPS = (4, 16)
 MASKS = {
     "none": {},
     "sliding_window": {"sliding_window": 40},
@@ -88,8 +89,9 @@ WEIGHT_SLICE_COPY = '"name":"dynamic_slice_fusion"'
 
 
 def matrix(full: bool) -> list[dict]:
-    """bf16: every head size x block size x group (mask cycled); f32: every head size x
-    group (block size cycled); then the caches the GPU kernels refuse. Not `full`: each
+    """bf16: every head size x block size x group (mask cycled), and each head size with
+    no GQA; f32: every head size x group (block size cycled); then the caches the GPU
+    kernels refuse. Not `full`: each
     dtype and head size at 16-token pages and group 4 (a part whose capability, and so
     whose plan, another part's full matrix covers)."""
     refused = {"dtype": "bf16", "head_size": 128, "block_size": 16, "group": 4, "masks": "none"}
@@ -105,8 +107,9 @@ def matrix(full: bool) -> list[dict]:
         for i, d in enumerate(HEAD_SIZES) for j, bs in enumerate(BLOCK_SIZES)
         for k, g in enumerate(GROUPS)
     ]  # fmt: skip
+    configs += [{**refused, "head_size": d, "group": 1} for d in HEAD_SIZES]
     configs += [
-        {"dtype": "f32", "head_size": d, "block_size": BLOCK_SIZES[(i + k) % len(BLOCK_SIZES)],
+        {"dtype": "f32", "head_size": d, "block_size": BLOCK_SIZES[(i + 2 * k) % len(BLOCK_SIZES)],
          "group": g, "masks": tuple(MASKS)[(i + 2 * k) % len(MASKS)]}
         for i, d in enumerate(HEAD_SIZES) for k, g in enumerate(GROUPS)
     ]  # fmt: skip
