@@ -1,9 +1,11 @@
 """Compile the GPU attention kernels for a matrix of configurations, deviceless.
 
-Run under a CUDA environment (`jax[cuda13]`'s plugin at this jax version), never imported
-by the CPU test process (`tests/test_gpu_aot.py` runs it in a subprocess):
+Run under a CUDA environment (`jax-cuda13-plugin` and `jax-cuda13-pjrt` at this jax
+version), never imported by the CPU test process (`tests/test_gpu_aot.py` runs it in a
+subprocess):
 
-    .venv-gpu/bin/python tests/gpu_aot_matrix.py h100   # or h200, a100
+    .venv-gpu-ci/bin/python tests/gpu_aot_matrix.py h100   # or h200, a100
+    .venv-gpu-ci/bin/python tests/gpu_aot_matrix.py h100 --probe-grid   # tiles of every size
 
 No GPU is needed: `jaxkv.device.gpu_targets` describes the part to XLA, which compiles
 for it ahead of time, running Triton's real pipeline for each Pallas kernel. XLA refuses
@@ -12,8 +14,8 @@ Shared memory size limit exceeded: requested N, available: M`) at compile time, 
 configuration that compiles fits the part. The dispatch plans for the part's compute
 capability (`pallas_gpu.gpu_target`).
 
-Two parts, one JSON line per item, then a summary line (`"summary": true`); exit status 1
-if anything failed:
+Three parts, one JSON line per item, then a summary line (`"summary": true`); exit status
+1 if anything failed:
 
 * the matrix: `ragged_paged_attention(impl="auto", platform="gpu")` over a 64-token step
   (long enough for the prefill kernel) per configuration. `"compiled"`: the dispatch
@@ -25,7 +27,10 @@ if anything failed:
   picks for this part, compiled for the same part with no shared memory at all, so XLA's
   refusal reports the kernel's real need (`"smem"`; a kernel that compiles needs none),
   beside the bound the plan relies on (`"modelled"`: `decode_smem_bytes`,
-  `prefill_smem_bytes`).
+  `prefill_smem_bytes`); `--probe-grid` probes tiles of every size instead of all this;
+* on the parts of `FULL_MATRIX`, the layer layouts (`weight_slice_copies`): how many
+  fusions of each step program copy a slice of a stacked weight, layers scanned and as
+  `load_model` lays them out for a GPU.
 """
 
 from __future__ import annotations
