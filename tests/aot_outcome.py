@@ -1,4 +1,5 @@
-"""One compile of a deviceless matrix (`tpu_aot_matrix.py`, `gpu_aot_matrix.py`), classified.
+"""What the deviceless matrices (`tpu_aot_matrix.py`, `gpu_aot_matrix.py`) share: the
+attention step they compile, and one compile classified.
 
 Imported by the matrices inside their side environments, never by the CPU test process.
 """
@@ -9,6 +10,42 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+
+from jaxkv.device.attention import AttentionOptions, ragged_paged_attention
+from jaxkv.device.storage import SCALE_BYTES
+
+
+def attention_step(
+    *, platform: str, options: AttentionOptions, config: dict, kv_heads: int, storage,
+    compute, kv_quant: str | None, tokens: int, requests: int, table_width: int,
+    num_blocks: int, sharding,
+):  # fmt: skip
+    """`(function, argument specs)` of one `ragged_paged_attention` step for `platform`:
+    `config`'s head size, group, block size and head mode (`kv_head_mode`: every query
+    head reads the last KV head of a replicated cache) over `kv_heads` KV heads."""
+    d, g, kv_head = config["head_size"], config["group"], config.get("kv_head_mode", False)
+
+    def attend(q, kv_cache, tables, seq_lens, query_start_loc, num_seqs):
+        return ragged_paged_attention(
+            q, kv_cache, tables, seq_lens, query_start_loc, num_seqs, options,
+            platform=platform, kv_dtype=compute, kv_quant=kv_quant,
+            kv_head=jnp.int32(kv_heads - 1) if kv_head else None,
+        )  # fmt: skip
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    stored = d + (SCALE_BYTES if kv_quant else 0)
+    args = (
+        spec((tokens, g if kv_head else kv_heads * g, d), compute),
+        spec((num_blocks, config["block_size"], 2 * kv_heads, stored), storage),
+        spec((requests, table_width), jnp.int32),
+        spec((requests,), jnp.int32),
+        spec((requests + 1,), jnp.int32),
+        spec((), jnp.int32),
+    )
+    return attend, args
 
 
 def first_line(error: BaseException, marker: str = "") -> str:

@@ -46,11 +46,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the topology is th
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from aot_outcome import compile_outcome, first_line  # noqa: E402
+from aot_outcome import attention_step, compile_outcome, first_line  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv.device import pallas_gpu  # noqa: E402
-from jaxkv.device.attention import AttentionOptions, ragged_paged_attention  # noqa: E402
+from jaxkv.device.attention import AttentionOptions  # noqa: E402
 from jaxkv.device.gpu_attention import (  # noqa: E402
     PREFILL_MIN_QUERY_LEN,
     QUERY_TILE,
@@ -68,7 +68,6 @@ from jaxkv.device.pallas_gpu_prefill import (  # noqa: E402
     prefill_plan,
     prefill_smem_bytes,
 )
-from jaxkv.device.storage import SCALE_BYTES  # noqa: E402
 
 FULL_MATRIX = ("h100", "a100")  # the H200 shares the H100's capability: a small matrix
 DTYPES = {"bf16": "bfloat16", "f32": "float32"}
@@ -135,28 +134,12 @@ def _step_program(config: dict, device):
     """`(function, argument specs)` of one `ragged_paged_attention` step on the GPU."""
     compute = jnp.dtype(DTYPES[config["dtype"]])
     kv_quant = config.get("kv_quant")
-    storage = jnp.int8 if kv_quant else compute
-    d, g = config["head_size"], config["group"]
-    kv_head = config.get("kv_head_mode", False)
-    options = AttentionOptions(**MASKS[config["masks"]])
-
-    def attend(q, kv_cache, tables, seq_lens, query_start_loc, num_seqs):
-        return ragged_paged_attention(
-            q, kv_cache, tables, seq_lens, query_start_loc, num_seqs, options,
-            platform="gpu", kv_dtype=compute, kv_quant=kv_quant,
-            kv_head=jnp.int32(KV_HEADS - 1) if kv_head else None,
-        )  # fmt: skip
-
-    stored = d + (SCALE_BYTES if kv_quant else 0)
-    args = (
-        _spec((TOKENS, g if kv_head else KV_HEADS * g, d), compute, device),
-        _spec((NUM_BLOCKS, config["block_size"], 2 * KV_HEADS, stored), storage, device),
-        _spec((REQUESTS, TABLE_WIDTH), jnp.int32, device),
-        _spec((REQUESTS,), jnp.int32, device),
-        _spec((REQUESTS + 1,), jnp.int32, device),
-        _spec((), jnp.int32, device),
-    )
-    return attend, args
+    return attention_step(
+        platform="gpu", options=AttentionOptions(**MASKS[config["masks"]]), config=config,
+        kv_heads=KV_HEADS, storage=jnp.int8 if kv_quant else compute, compute=compute,
+        kv_quant=kv_quant, tokens=TOKENS, requests=REQUESTS, table_width=TABLE_WIDTH,
+        num_blocks=NUM_BLOCKS, sharding=jax.sharding.SingleDeviceSharding(device),
+    )  # fmt: skip
 
 
 def planned_kernels(config: dict) -> tuple[str | None, int]:

@@ -35,13 +35,12 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: devicele
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from aot_outcome import compile_outcome  # noqa: E402
+from aot_outcome import attention_step, compile_outcome  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 import jaxkv  # noqa: E402
-from jaxkv.device.attention import AttentionOptions, ragged_paged_attention  # noqa: E402
+from jaxkv.device.attention import AttentionOptions  # noqa: E402
 from jaxkv.device.pallas_tpu import tpu_kernel_error  # noqa: E402
-from jaxkv.device.storage import SCALE_BYTES  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")
 # name -> (storage dtype, kv_quant); a quantised cache computes in bfloat16
@@ -132,31 +131,12 @@ def check_coverage(configs: list[dict]) -> None:
 def _program(config: dict, impl: str, sharding):
     """`(function, argument specs)` of one ragged_paged_attention call on the TPU."""
     storage, kv_quant = DTYPES[config["dtype"]]
-    compute = jnp.bfloat16 if kv_quant else storage
-    h, g, d = config["kv_heads"], config["group"], config["head_size"]
-    stored = d + (SCALE_BYTES if kv_quant else 0)
-    options = AttentionOptions(impl=impl, **MASKS[config["masks"]])
-    kv_head = config["kv_head_mode"]
-
-    def attend(q, kv_cache, tables, seq_lens, query_start_loc, num_seqs):
-        return ragged_paged_attention(
-            q, kv_cache, tables, seq_lens, query_start_loc, num_seqs, options,
-            platform="tpu", kv_dtype=compute, kv_quant=kv_quant,
-            kv_head=jnp.int32(h - 1) if kv_head else None,
-        )  # fmt: skip
-
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    args = (
-        spec((TOKENS, g if kv_head else h * g, d), compute),
-        spec((NUM_BLOCKS, config["block_size"], 2 * h, stored), storage),
-        spec((REQUESTS, TABLE_WIDTH), jnp.int32),
-        spec((REQUESTS,), jnp.int32),
-        spec((REQUESTS + 1,), jnp.int32),
-        spec((), jnp.int32),
-    )
-    return attend, args
+    return attention_step(
+        platform="tpu", options=AttentionOptions(impl=impl, **MASKS[config["masks"]]),
+        config=config, kv_heads=config["kv_heads"], storage=storage,
+        compute=jnp.bfloat16 if kv_quant else storage, kv_quant=kv_quant, tokens=TOKENS,
+        requests=REQUESTS, table_width=TABLE_WIDTH, num_blocks=NUM_BLOCKS, sharding=sharding,
+    )  # fmt: skip
 
 
 def compile_one(config: dict, sharding) -> dict:

@@ -25,8 +25,7 @@ second compiles the real pool.
 Roofline of one decode step (`max_num_seqs` requests per data rank, each attending
 `context` keys), counted from the model because the compiler does not see inside the
 kernels' custom calls (its cost analysis counts a call's whole cache operand as read):
-bytes =
-the chip's weights + the KV rows its heads read (`layers x context x 2 x
+bytes = the chip's weights + the KV rows its heads read (`layers x context x 2 x
 kv_heads_per_chip x head_size x bytes`, per request); FLOPs = the compiled step's
 (matmuls, XLA's count) + attention's `4 x context x q_heads_per_chip x head_size` per
 request and layer; time = bytes / the chip's HBM bandwidth. HBM sizes and bandwidths are
@@ -36,6 +35,7 @@ and NVIDIA's data sheets (`gpu_targets.GPU_TARGETS`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -268,13 +268,12 @@ def plan_topology(
     gpus = parse_gpu_topology(topology)
     if gpus is None:
         hbm, bandwidth = CHIPS.get(devices[0].device_kind, (0, 0.0))
+        part = contextlib.nullcontext()
+    else:
+        hbm, bandwidth = jax_memory_bytes(gpus[0]), gpus[0].bandwidth
+        part = gpu_target(gpus[0].capability_name)  # the Triton kernels planned for it
+    with part:
         return _plan(config, topology, devices, engine, memory, model_axis, context, hbm, bandwidth)
-    target = gpus[0]
-    with gpu_target(target.capability_name):  # the Triton kernels planned for this part
-        return _plan(
-            config, topology, devices, engine, memory, model_axis, context,
-            jax_memory_bytes(target), target.bandwidth,
-        )  # fmt: skip
 
 
 def _plan(
